@@ -1,0 +1,255 @@
+"""The HTTP application: routes, error mapping, lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gate import orders, validate
+from gate.db import DbUnavailable
+from gate.errors import Problem, invalid, not_found, overloaded
+from gate.http import json_response, read_json
+from gate.logs import configure
+from gate.metrics import METRICS
+from gate.reservations import MAX_QUANTITY
+from gate.runtime import Gate
+from gate.settings import Settings, load_settings
+
+log = logging.getLogger("gate.app")
+
+MAX_ID = 2**63 - 1
+READY_TIMEOUT_SECONDS = 1.0
+
+
+def _gate(request: Request) -> Gate:
+    gate: Gate = request.app.state.gate
+    return gate
+
+
+def _deal_id(request: Request) -> int:
+    deal_id = int(request.path_params["deal_id"])
+    if not 1 <= deal_id <= MAX_ID:
+        raise not_found("deal")
+    return deal_id
+
+
+# -- operations ----------------------------------------------------------------------
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    gate = _gate(request)
+    checks: dict[str, str] = {}
+
+    async def redis_ok() -> None:
+        await gate.redis.ping()
+
+    async def db_ok() -> None:
+        await gate.db.fetchone("SELECT 1")
+
+    for name, probe in (("redis", redis_ok), ("database", db_ok)):
+        try:
+            await asyncio.wait_for(probe(), READY_TIMEOUT_SECONDS)
+            checks[name] = "ok"
+        except Exception as exc:
+            checks[name] = f"unavailable: {type(exc).__name__}"
+    if all(v == "ok" for v in checks.values()):
+        return json_response({"status": "ready", "checks": checks})
+    return Problem(
+        "OVERLOADED", "A dependency is unavailable.", extra={"checks": checks}
+    ).response()
+
+
+async def metrics(request: Request) -> Response:
+    return Response(METRICS.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# -- buyers --------------------------------------------------------------------------
+
+
+async def deal_view(request: Request) -> Response:
+    gate = _gate(request)
+    try:
+        return json_response(await gate.deals.public_view(_deal_id(request)))
+    except DbUnavailable:
+        raise overloaded("Database unavailable; retry shortly.") from None
+
+
+async def reserve(request: Request) -> Response:
+    gate = _gate(request)
+    started = time.perf_counter()
+    outcome = "error"
+    try:
+        user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+        deal_id = _deal_id(request)
+        key = validate.idempotency_key(request.headers.get("idempotency-key"))
+        body = validate.obj(await read_json(request, gate.settings.body_max_bytes))
+        quantity = validate.integer(body, "quantity", 1, MAX_QUANTITY)
+        result = await gate.reservations.reserve(deal_id, user_id, quantity, key)
+    except Problem as problem:
+        outcome = problem.code
+        raise
+    finally:
+        METRICS.reservations.labels(outcome if outcome != "error" else "ERROR").inc()
+        METRICS.reservation_latency.observe(time.perf_counter() - started)
+    if result.replayed:
+        METRICS.reservations.labels("replayed").inc()
+        return json_response(result.body, 200, {"Idempotent-Replayed": "true"})
+    METRICS.reservations.labels("created").inc()
+    return json_response(result.body, 201)
+
+
+async def order_view(request: Request) -> Response:
+    gate = _gate(request)
+    user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+    order = await orders.get_for_buyer(gate.db, request.path_params["order_id"], user_id)
+    return json_response(order.view())
+
+
+async def order_cancel(request: Request) -> Response:
+    gate = _gate(request)
+    user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+    order = await orders.cancel(gate.db, gate.mirror, request.path_params["order_id"], user_id)
+    return json_response(order.view())
+
+
+# -- admin ---------------------------------------------------------------------------
+
+
+def _admin(request: Request) -> Gate:
+    gate = _gate(request)
+    gate.admin_auth.check(request.headers.get("authorization"))
+    return gate
+
+
+async def admin_create_deal(request: Request) -> Response:
+    gate = _admin(request)
+    body = await read_json(request, gate.settings.body_max_bytes)
+    return json_response(await gate.deals.create(body), 201)
+
+
+async def admin_deal(request: Request) -> Response:
+    gate = _admin(request)
+    return json_response(await gate.deals.admin_view(_deal_id(request)))
+
+
+async def admin_adjust_stock(request: Request) -> Response:
+    gate = _admin(request)
+    deal_id = _deal_id(request)
+    body = await read_json(request, gate.settings.body_max_bytes)
+    return json_response(await gate.deals.adjust_stock(deal_id, body))
+
+
+async def admin_rebucket(request: Request) -> Response:
+    gate = _admin(request)
+    deal_id = _deal_id(request)
+    body = await read_json(request, gate.settings.body_max_bytes)
+    return json_response(await gate.deals.rebucket(deal_id, body))
+
+
+def _query_int(request: Request, name: str, lo: int, hi: int, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not lo <= int(raw) <= hi:
+        raise invalid(f"Query parameter '{name}' must be an integer between {lo} and {hi}.")
+    return int(raw)
+
+
+async def admin_ledger(request: Request) -> Response:
+    gate = _admin(request)
+    deal_id = _deal_id(request)
+    after = _query_int(request, "after", 0, MAX_ID, 0)
+    limit = _query_int(request, "limit", 1, 1000, 100)
+    return json_response(await gate.deals.ledger(deal_id, after, limit))
+
+
+# -- errors --------------------------------------------------------------------------
+
+
+async def _problem(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Problem)
+    return exc.response(request.url.path)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return not_found("route").response(request.url.path)
+    if exc.status_code == 405:
+        return Problem("METHOD_NOT_ALLOWED", "Method not allowed on this route.").response(
+            request.url.path
+        )
+    return Problem("INVALID_REQUEST", str(exc.detail), status=exc.status_code).response()
+
+
+async def _db_unavailable(request: Request, exc: Exception) -> Response:
+    return overloaded("Database unavailable; retry shortly.").response(request.url.path)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return Problem("INTERNAL", "Internal error.").response(request.url.path)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def routes() -> list[Route]:
+    deal = "/v1/deals/{deal_id:int}"
+    order = "/v1/orders/{order_id:str}"
+    admin_deal_path = "/v1/admin/deals/{deal_id:int}"
+    return [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route(deal, deal_view, methods=["GET"]),
+        Route(deal + "/reservations", reserve, methods=["POST"]),
+        Route(order, order_view, methods=["GET"]),
+        Route(order + "/cancel", order_cancel, methods=["POST"]),
+        Route("/v1/admin/deals", admin_create_deal, methods=["POST"]),
+        Route(admin_deal_path, admin_deal, methods=["GET"]),
+        Route(admin_deal_path + "/stock", admin_adjust_stock, methods=["POST"]),
+        Route(admin_deal_path + "/buckets", admin_rebucket, methods=["PUT"]),
+        Route(admin_deal_path + "/ledger", admin_ledger, methods=["GET"]),
+    ]
+
+
+def build_app(settings: Settings, *, background: bool | None = None) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        gate = Gate(settings)
+        await gate.start(background=background)
+        app.state.gate = gate
+        try:
+            yield
+        finally:
+            await gate.stop()
+
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        Problem: _problem,
+        HTTPException: _http_error,
+        DbUnavailable: _db_unavailable,
+        Exception: _unexpected,
+    }
+    return Starlette(routes=routes(), lifespan=lifespan, exception_handlers=handlers)
+
+
+def create_app() -> Starlette:
+    """uvicorn factory: every worker process reads the settings once."""
+    settings = load_settings()
+    configure(settings.log_level)
+    return build_app(settings)

@@ -1,0 +1,230 @@
+"""Invariant checks, per deal and per bucket.
+
+Database (one consistent snapshot):
+  * each bucket row balances: total = available + held + sold;
+  * held and sold per bucket equal what the orders say (their allocations mapped
+    onto the current layout), and so do the deal totals;
+  * the ledger's deltas summed per bucket equal the bucket's counters;
+  * per-user quota units equal the units of the buyers' holding and paid orders.
+Redis, when nothing is in flight and the counters stay still while the database
+is read: each bucket and the total equal the database's available units.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gate.alloc import parse_alloc
+from gate.codes import OrderStatus
+from gate.db import Database
+from gate.keys import deal_keys
+
+
+async def _redis_state(client: aioredis.Redis, deal_id: int) -> tuple[Any, ...] | None:
+    keys = deal_keys(deal_id)
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(keys.meta)
+    pipe.hgetall(keys.buckets)
+    pipe.hlen(keys.inflight)
+    meta, buckets, inflight = await pipe.execute()
+    if not meta:
+        return None
+    return (
+        int(meta.get("nb", 0)),
+        int(meta.get("avail", 0)),
+        {int(b): int(v) for b, v in buckets.items()},
+        int(inflight),
+        meta.get("drift"),
+    )
+
+
+async def check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) -> dict[str, Any]:
+    """The whole report for one deal; `invariant.ok` is the verdict."""
+    before = None
+    if client is not None:
+        try:
+            before = await _redis_state(client, deal_id)
+        except Exception:
+            before = None
+    breaches: list[str] = []
+    async with db.snapshot() as cur:
+        await cur.execute(
+            "SELECT bucket_count, layout_epoch, per_user_limit FROM deals WHERE id = %s",
+            (deal_id,),
+        )
+        deal = await cur.fetchone()
+        if deal is None:
+            return {
+                "deal_id": deal_id,
+                "invariant": {"ok": False, "breaches": ["no such deal"]},
+            }
+        nb, epoch, limit = int(deal[0]), int(deal[1]), deal[2]
+        await cur.execute(
+            "SELECT bucket, epoch, total, available, held, sold FROM deal_buckets"
+            " WHERE deal_id = %s ORDER BY bucket",
+            (deal_id,),
+        )
+        rows = {int(r[0]): tuple(int(x) for x in r[1:]) for r in await cur.fetchall()}
+        await cur.execute(
+            "SELECT bucket, SUM(d_total), SUM(d_available), SUM(d_held), SUM(d_sold)"
+            " FROM inventory_ledger WHERE deal_id = %s GROUP BY bucket",
+            (deal_id,),
+        )
+        ledger = {int(r[0]): tuple(int(x) for x in r[1:]) for r in await cur.fetchall()}
+        await cur.execute(
+            "SELECT status, alloc, quantity FROM orders WHERE deal_id = %s"
+            " AND status IN ('PENDING_PAYMENT', 'AUTHORIZED', 'PAID')",
+            (deal_id,),
+        )
+        order_rows = await cur.fetchall()
+        quota_units = None
+        if limit is not None:
+            await cur.execute(
+                "SELECT COALESCE(SUM(units), 0) FROM user_quota WHERE deal_id = %s", (deal_id,)
+            )
+            q = await cur.fetchone()
+            quota_units = int(q[0]) if q else 0
+
+    held_by_orders: dict[int, int] = defaultdict(int)
+    sold_by_orders: dict[int, int] = defaultdict(int)
+    held_total = sold_total = 0
+    for status, alloc, quantity in order_rows:
+        parts = parse_alloc(str(alloc))
+        if sum(q for _, q in parts) != int(quantity):
+            breaches.append(f"order allocation {alloc!r} does not add up to quantity {quantity}")
+        for b, q in parts:
+            if status == OrderStatus.PAID:
+                sold_by_orders[b % nb] += q
+            else:
+                held_by_orders[b % nb] += q
+        if status == OrderStatus.PAID:
+            sold_total += int(quantity)
+        else:
+            held_total += int(quantity)
+
+    buckets = []
+    totals = {"total": 0, "available": 0, "held": 0, "sold": 0}
+    for b in sorted(set(rows) | set(range(nb)) | set(ledger)):
+        row = rows.get(b)
+        if row is None:
+            if b < nb:
+                breaches.append(f"bucket {b}: row missing")
+            led = ledger.get(b, (0, 0, 0, 0))
+            if b >= nb and any(led):
+                breaches.append(f"bucket {b}: removed bucket's ledger does not sum to zero {led}")
+            continue
+        b_epoch, total, avail, held, sold = row
+        if b >= nb:
+            breaches.append(f"bucket {b}: row outside the layout of {nb} bucket(s)")
+        if b_epoch != epoch:
+            breaches.append(f"bucket {b}: epoch {b_epoch}, deal layout epoch {epoch}")
+        if total != avail + held + sold:
+            breaches.append(
+                f"bucket {b}: total {total} != available {avail} + held {held} + sold {sold}"
+            )
+        if held != held_by_orders.get(b, 0):
+            breaches.append(f"bucket {b}: held {held} but orders hold {held_by_orders.get(b, 0)}")
+        if sold != sold_by_orders.get(b, 0):
+            breaches.append(f"bucket {b}: sold {sold} but orders sold {sold_by_orders.get(b, 0)}")
+        led = ledger.get(b, (0, 0, 0, 0))
+        if led != (total, avail, held, sold):
+            breaches.append(
+                f"bucket {b}: ledger sums (total, available, held, sold) {led}"
+                f" != counters {(total, avail, held, sold)}"
+            )
+        totals["total"] += total
+        totals["available"] += avail
+        totals["held"] += held
+        totals["sold"] += sold
+        buckets.append(
+            {"bucket": b, "total": total, "available": avail, "held": held, "sold": sold}
+        )
+    if totals["held"] != held_total:
+        breaches.append(f"deal: held {totals['held']} but holding orders total {held_total}")
+    if totals["sold"] != sold_total:
+        breaches.append(f"deal: sold {totals['sold']} but paid orders total {sold_total}")
+    if quota_units is not None and quota_units != held_total + sold_total:
+        breaches.append(
+            f"deal: per-user quota units {quota_units} != held + sold {held_total + sold_total}"
+        )
+
+    redis_report: dict[str, Any] = {"loaded": False, "compared": False}
+    if client is not None:
+        try:
+            after = await _redis_state(client, deal_id)
+        except Exception as exc:
+            after = None
+            redis_report["error"] = type(exc).__name__
+        if after is not None:
+            r_nb, r_avail, r_buckets, inflight, drift = after
+            redis_report.update(
+                {"loaded": True, "available": r_avail, "in_flight": inflight, "drift": drift}
+            )
+            for entry in buckets:
+                entry["redis_available"] = r_buckets.get(entry["bucket"])
+            if inflight == 0 and before == after:
+                redis_report["compared"] = True
+                if r_nb != nb:
+                    breaches.append(f"redis: {r_nb} bucket(s), database {nb}")
+                for entry in buckets:
+                    if entry["bucket"] < nb and entry["redis_available"] != entry["available"]:
+                        breaches.append(
+                            f"redis: bucket {entry['bucket']} has {entry['redis_available']},"
+                            f" database {entry['available']}"
+                        )
+                if r_avail != totals["available"]:
+                    breaches.append(f"redis: total {r_avail}, database {totals['available']}")
+            else:
+                redis_report["reason"] = "requests in flight; compared by the resync loop instead"
+
+    return {
+        "deal_id": deal_id,
+        "bucket_count": nb,
+        "totals": totals,
+        "orders": {"held": held_total, "sold": sold_total},
+        "bucket_rows": buckets,
+        "redis": redis_report,
+        "invariant": {"ok": not breaches, "breaches": breaches},
+    }
+
+
+async def check_all(
+    db: Database, client: aioredis.Redis | None, deal_id: int | None = None
+) -> dict[str, Any]:
+    if deal_id is not None:
+        ids = [deal_id]
+    else:
+        ids = [int(r[0]) for r in await db.fetchall("SELECT id FROM deals ORDER BY id")]
+    reports = [await check_deal(db, client, i) for i in ids]
+    return {"ok": all(r["invariant"]["ok"] for r in reports), "deals": reports}
+
+
+def render(report: dict[str, Any]) -> str:
+    """A readable report for operators."""
+    lines = []
+    for deal in report["deals"]:
+        inv = deal["invariant"]
+        verdict = "OK" if inv["ok"] else "BREACH"
+        if "totals" not in deal:
+            lines.append(f"deal {deal['deal_id']}: {verdict}")
+        else:
+            t = deal["totals"]
+            r = deal["redis"]
+            if not r.get("loaded"):
+                redis_text = "not loaded"
+            elif r.get("compared"):
+                redis_text = "equal" if inv["ok"] else "compared"
+            else:
+                redis_text = f"{r.get('in_flight', 0)} in flight, not compared"
+            lines.append(
+                f"deal {deal['deal_id']}: {verdict}  total={t['total']} available={t['available']}"
+                f" held={t['held']} sold={t['sold']}  buckets={deal['bucket_count']}"
+                f"  redis: {redis_text}"
+            )
+        for breach in inv["breaches"]:
+            lines.append(f"  ! {breach}")
+    lines.append("all invariants hold" if report["ok"] else "INVARIANT BREACH")
+    return "\n".join(lines)

@@ -1,0 +1,231 @@
+"""The `gate` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from gate.settings import Settings, SettingsError, load_settings
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except SettingsError as exc:
+        print(f"gate: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gate.logs import configure
+    from gate.migrate import migrate
+    from gate.scripts import ScriptMissing, read_scripts
+
+    if args.no_background:
+        os.environ["GATE_BACKGROUND"] = "0"
+    settings = _settings()
+    configure(settings.log_level)
+    try:
+        read_scripts()
+    except ScriptMissing as exc:
+        print(f"gate: {exc}", file=sys.stderr)
+        return 2
+    if settings.auto_migrate:
+        asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
+    uvicorn.run(
+        "gate.app:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_config=None,
+        lifespan="on",
+        backlog=4096,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from gate.migrate import migrate
+
+    settings = _settings()
+    applied = asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
+    print("applied: " + ", ".join(applied) if applied else "schema is current")
+    return 0
+
+
+async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True) -> int:
+    """Run `fn(gate)` with the database and Redis started but no background loops."""
+    from gate.runtime import Gate
+
+    gate = Gate(_settings())
+    await gate.db.start()
+    if scripts:
+        await gate.runner.load()
+    try:
+        return await fn(gate)
+    finally:
+        await gate.stop()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from gate.check import check_all, render
+
+    async def run(gate: Any) -> int:
+        try:
+            await gate.redis.ping()
+            client = gate.redis
+        except Exception as exc:
+            print(
+                f"gate: Redis unreachable ({type(exc).__name__}); checking the database only",
+                file=sys.stderr,
+            )
+            client = None
+        report = await check_all(gate.db, client, args.deal)
+        if args.json:
+            sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+        else:
+            print(render(report))
+        return 0 if report["ok"] else 1
+
+    return asyncio.run(_with_gate(run, scripts=False))
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from gate.auth import mint
+
+    settings = _settings()
+    try:
+        print(mint(settings.jwt_secret, args.user_id, args.ttl_seconds))
+    except ValueError as exc:
+        print(f"gate: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _loop_command(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        async def go(gate: Any) -> int:
+            worker = getattr(gate, name)
+            if args.once:
+                done = await worker.run_once()
+                print(f"{name}: {done}")
+                return 0
+            stop = asyncio.Event()
+            await worker.run(stop)
+            return 0
+
+        return asyncio.run(_with_gate(go))
+
+    return run
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Create a demo deal and print how to try the gate with it."""
+    from gate.auth import mint
+
+    async def run(gate: Any) -> int:
+        deal = await gate.deals.create(
+            {
+                "title": "Demo: limited edition",
+                "unit_price": 1999,
+                "currency": "USD",
+                "stock": args.stock,
+                "buckets": args.buckets,
+                "hold_seconds": 120,
+                "per_user_limit": 2,
+                "max_per_order": 2,
+            }
+        )
+        token = mint(gate.settings.jwt_secret, 42, 86_400)
+        base = args.base_url
+        print(f"Demo deal {deal['id']} created with {args.stock} units in {args.buckets} buckets.")
+        print("Try it (buyer 42):")
+        print(f"  TOKEN={token}")
+        print(f"  curl -s {base}/v1/deals/{deal['id']}")
+        print(
+            f"  curl -s -X POST {base}/v1/deals/{deal['id']}/reservations"
+            " -H \"Authorization: Bearer $TOKEN\" -H 'Idempotency-Key: demo-key-0001'"
+            " -H 'Content-Type: application/json' -d '{\"quantity\": 1}'"
+        )
+        print("  gate token 43   # mint a token for another buyer")
+        print("  gate check      # verify every invariant")
+        return 0
+
+    return asyncio.run(_with_gate(run))
+
+
+def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"gate {name}: not available in this version yet", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gate", description="Flash-sale admission gate.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the HTTP gate (and its background workers)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--no-background", action="store_true", help="do not run background workers")
+    s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("migrate", help="apply pending database migrations")
+    s.set_defaults(fn=cmd_migrate)
+
+    s = sub.add_parser("check", help="verify every invariant (exit 1 on any breach)")
+    s.add_argument("--deal", type=int)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_check)
+
+    s = sub.add_parser("token", help="mint a buyer token")
+    s.add_argument("user_id", type=int)
+    s.add_argument("--ttl-seconds", type=int, default=86_400)
+    s.set_defaults(fn=cmd_token)
+
+    for name, text in (
+        ("janitor", "resolve orphaned in-flight reservation tokens"),
+        ("resync", "repair Redis drift against the database"),
+    ):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--once", action="store_true")
+        s.set_defaults(fn=_loop_command(name))
+
+    s = sub.add_parser("demo", help="create a demo deal and print how to try it")
+    s.add_argument("--stock", type=int, default=100)
+    s.add_argument("--buckets", type=int, default=4)
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.set_defaults(fn=cmd_demo)
+
+    for name in ("sweep", "reconcile", "sandbox"):
+        s = sub.add_parser(name, help=f"{name} (not available in this version yet)")
+        s.add_argument("--once", action="store_true")
+        s.add_argument("--port", type=int)
+        s.set_defaults(fn=_not_yet(name))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    code: int = args.fn(args)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""Small integer outcomes of the Lua scripts and stored procedures.
+
+Each enum mirrors, value for value, the header of its script or procedure; the
+mapping of outcomes to HTTP problems lives in one place: gate.errors.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class AdmitCode(IntEnum):
+    """lua/admit.lua"""
+
+    OK = 0
+    NOT_LOADED = 1
+    SOLD_OUT = 2
+    NOT_ACTIVE = 3
+    BAD_QUANTITY = 4
+    LIMIT_EXCEEDED = 5
+    REPLAY = 6
+    IN_PROGRESS = 7
+    MISMATCH = 8
+
+
+class SyncCode(IntEnum):
+    """lua/sync_deal.lua"""
+
+    EXISTED = 0
+    IN_SYNC = 1
+    APPLIED = 2
+    STALE = 4
+    NOT_LOADED = 5
+
+
+class DbCode(IntEnum):
+    """db/002_procedures.sql: gate_reserve and gate_release."""
+
+    OK = 0
+    SOLD_OUT = 1
+    LIMIT_EXCEEDED = 2
+    DUPLICATE = 3
+    NOT_FOUND = 4
+    NOT_ACTIVE = 5
+    BAD_QUANTITY = 6
+    WRONG_STATE = 7
+
+
+class OrderStatus:
+    PENDING_PAYMENT = "PENDING_PAYMENT"
+    AUTHORIZED = "AUTHORIZED"
+    PAID = "PAID"
+    EXPIRED = "EXPIRED"
+    CANCELLED = "CANCELLED"
+    REFUND_PENDING = "REFUND_PENDING"
+    REFUNDED = "REFUNDED"
+
+    HOLDING = (PENDING_PAYMENT, AUTHORIZED)
+    ALL = (PENDING_PAYMENT, AUTHORIZED, PAID, EXPIRED, CANCELLED, REFUND_PENDING, REFUNDED)

@@ -1,0 +1,131 @@
+"""Problem details (RFC 9457) and the one mapping from outcomes to HTTP errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from gate.codes import AdmitCode, DbCode
+
+PROBLEM_TYPE_BASE = "https://gate.dev/problems/"
+
+# code -> (status, title)
+_PROBLEMS: dict[str, tuple[int, str]] = {
+    "INVALID_REQUEST": (400, "Invalid request"),
+    "UNAUTHORIZED": (401, "Unauthorized"),
+    "NOT_FOUND": (404, "Not found"),
+    "METHOD_NOT_ALLOWED": (405, "Method not allowed"),
+    "SOLD_OUT": (409, "Sold out"),
+    "NOT_ACTIVE": (409, "Sale not active"),
+    "IDEMPOTENCY_IN_PROGRESS": (409, "Request with this idempotency key in progress"),
+    "CONFLICT": (409, "Conflict"),
+    "PAYLOAD_TOO_LARGE": (413, "Payload too large"),
+    "UNSUPPORTED_MEDIA_TYPE": (415, "Unsupported media type"),
+    "IDEMPOTENCY_MISMATCH": (422, "Idempotency key reused with a different request"),
+    "LIMIT_EXCEEDED": (422, "Per-user limit exceeded"),
+    "RATE_LIMITED": (429, "Too many requests"),
+    "INTERNAL": (500, "Internal error"),
+    "OVERLOADED": (503, "Overloaded"),
+}
+
+
+class Problem(Exception):
+    """An error answered as application/problem+json."""
+
+    def __init__(
+        self,
+        code: str,
+        detail: str,
+        *,
+        status: int | None = None,
+        retry_after_seconds: int | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        default_status, title = _PROBLEMS[code]
+        self.code = code
+        self.status = status or default_status
+        self.title = title
+        self.detail = detail
+        self.retry_after_seconds = retry_after_seconds
+        self.headers = headers or {}
+        self.extra = extra or {}
+        if self.status in (429, 503) and retry_after_seconds is None:
+            self.retry_after_seconds = 1
+
+    def response(self, instance: str | None = None) -> Response:
+        body: dict[str, Any] = {
+            "type": PROBLEM_TYPE_BASE + self.code.lower().replace("_", "-"),
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+            "code": self.code,
+        }
+        if instance:
+            body["instance"] = instance
+        body.update(self.extra)
+        headers = dict(self.headers)
+        if self.retry_after_seconds is not None:
+            headers["Retry-After"] = str(max(1, int(self.retry_after_seconds)))
+        if self.status == 401:
+            headers.setdefault("WWW-Authenticate", "Bearer")
+        return Response(
+            orjson.dumps(body),
+            status_code=self.status,
+            media_type="application/problem+json",
+            headers=headers,
+        )
+
+
+def invalid(detail: str) -> Problem:
+    return Problem("INVALID_REQUEST", detail)
+
+
+def not_found(what: str = "resource") -> Problem:
+    return Problem("NOT_FOUND", f"No such {what}.")
+
+
+def overloaded(detail: str, retry_after_seconds: int = 1) -> Problem:
+    return Problem("OVERLOADED", detail, retry_after_seconds=retry_after_seconds)
+
+
+def from_admit(code: AdmitCode, detail: str) -> Problem:
+    """Map a rejecting admit.lua outcome to its problem."""
+    if code == AdmitCode.SOLD_OUT:
+        left = int(detail or 0)
+        text = "The deal is sold out." if left == 0 else f"Only {left} unit(s) left."
+        return Problem("SOLD_OUT", text, extra={"remaining_hint": left})
+    if code == AdmitCode.NOT_ACTIVE:
+        text = "The sale has not started yet." if detail == "early" else "The sale has ended."
+        return Problem("NOT_ACTIVE", text)
+    if code == AdmitCode.BAD_QUANTITY:
+        return invalid(f"quantity must be an integer between 1 and {detail}.")
+    if code == AdmitCode.LIMIT_EXCEEDED:
+        return Problem("LIMIT_EXCEEDED", f"At most {detail} unit(s) per buyer for this deal.")
+    if code == AdmitCode.IN_PROGRESS:
+        return Problem(
+            "IDEMPOTENCY_IN_PROGRESS", "A request with this Idempotency-Key is still in progress."
+        )
+    if code == AdmitCode.MISMATCH:
+        return Problem(
+            "IDEMPOTENCY_MISMATCH", "This Idempotency-Key was used with a different request."
+        )
+    raise AssertionError(f"admit code {code!r} is not a rejection")
+
+
+def from_db(code: DbCode) -> Problem:
+    """Map a rejecting gate_reserve outcome to its problem."""
+    if code == DbCode.SOLD_OUT:
+        return Problem("SOLD_OUT", "The deal is sold out.", extra={"remaining_hint": 0})
+    if code == DbCode.LIMIT_EXCEEDED:
+        return Problem("LIMIT_EXCEEDED", "Per-buyer limit for this deal reached.")
+    if code == DbCode.NOT_FOUND:
+        return not_found("deal")
+    if code == DbCode.NOT_ACTIVE:
+        return Problem("NOT_ACTIVE", "The sale is not active.")
+    if code == DbCode.BAD_QUANTITY:
+        return invalid("quantity exceeds the deal's max_per_order.")
+    raise AssertionError(f"db code {code!r} is not a rejection")

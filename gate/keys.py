@@ -1,0 +1,67 @@
+"""Every Redis key the gate uses, built in one place.
+
+All keys of one deal share the hash tag `{d:ID}`, so every script touches a single
+slot and runs unchanged on Redis Cluster. Scripts receive their keys only through
+KEYS, never by building names inside Lua.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Deals whose Redis state is loaded; the janitor and the resync loop walk this set.
+# It lives outside any deal's slot and is only ever touched by plain commands.
+ACTIVE_DEALS = "gate:deals"
+
+
+@dataclass(frozen=True, slots=True)
+class DealKeys:
+    deal_id: int
+    tag: str
+    meta: str  # hash: nb, avail, start_ms, end_ms, max, limit, epoch
+    buckets: str  # hash: bucket index -> available units
+    users: str  # hash: user id -> units held or bought (per-user quota)
+    # hash: marker id -> record. "T|…" an admission token (Redis already decremented,
+    # the database not yet), "R|…" an intent (the database is changing, Redis not yet).
+    inflight: str
+    inflight_times: str  # zset: marker id -> creation time (Redis TIME, ms)
+    resolved: str  # zset: "id|C|…" / "id|A|…" markers resolved in the last seconds
+    sync_lock: str  # string: one sync pass per deal at a time across processes
+
+    def idempotency(self, user_id: int, key: str) -> str:
+        return f"{self.tag}:k:{user_id}:{key}"
+
+    @property
+    def state(self) -> tuple[str, str, str, str, str, str]:
+        """Counters and markers, in the KEYS order of apply.lua and sync_deal.lua."""
+        return (
+            self.meta,
+            self.buckets,
+            self.users,
+            self.inflight,
+            self.inflight_times,
+            self.resolved,
+        )
+
+
+_cache: dict[int, DealKeys] = {}
+
+
+def deal_keys(deal_id: int) -> DealKeys:
+    keys = _cache.get(deal_id)
+    if keys is None:
+        tag = f"{{d:{deal_id}}}"
+        keys = DealKeys(
+            deal_id=deal_id,
+            tag=tag,
+            meta=f"{tag}:meta",
+            buckets=f"{tag}:b",
+            users=f"{tag}:u",
+            inflight=f"{tag}:f",
+            inflight_times=f"{tag}:ft",
+            resolved=f"{tag}:done",
+            sync_lock=f"{tag}:sl",
+        )
+        if len(_cache) < 100_000:
+            _cache[deal_id] = keys
+    return keys

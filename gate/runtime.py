@@ -1,0 +1,78 @@
+"""The running gate: settings, connections and services, started and stopped together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from gate.auth import AdminAuth, BuyerAuth
+from gate.db import Database
+from gate.deals import Deals
+from gate.janitor import Janitor
+from gate.migrate import pending
+from gate.mirror import Mirror
+from gate.reservations import Reservations
+from gate.resync import Resync
+from gate.scripts import ScriptRunner, make_redis, read_scripts
+from gate.settings import Settings
+
+log = logging.getLogger("gate")
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Gate:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # Read the scripts now: a missing script must stop start-up before any socket opens.
+        scripts = read_scripts()
+        self.db = Database(settings)
+        self.redis = make_redis(
+            settings.redis_url, settings.redis_pool_max, settings.redis_timeout_seconds
+        )
+        self.runner = ScriptRunner(self.redis, scripts, settings.redis_pipeline_max)
+        self.mirror = Mirror(settings, self.db, self.redis, self.runner)
+        self.reservations = Reservations(
+            self.db, self.mirror, settings.reservation_db_timeout_seconds
+        )
+        self.deals = Deals(self.db, self.mirror)
+        self.buyer_auth = BuyerAuth(settings.jwt_secret, settings.jwt_cache_max)
+        self.admin_auth = AdminAuth(settings.admin_token)
+        self.janitor = Janitor(settings, self.db, self.redis, self.mirror)
+        self.resync = Resync(settings, self.redis, self.mirror)
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, *, background: bool | None = None) -> None:
+        if self.settings.dev_secrets_used:
+            log.warning(
+                "GATE_ENV=dev: using built-in development values for %s; never run like this"
+                " in production",
+                ", ".join(self.settings.dev_secrets_used),
+            )
+        left = await pending(self.settings.mysql, self.settings.db_connect_timeout_seconds)
+        if left:
+            raise StartupError(
+                f"database schema is not current (pending: {left}); run gate migrate"
+            )
+        await self.db.start()
+        await self.runner.load()
+        run_background = self.settings.run_background if background is None else background
+        if run_background:
+            self._spawn(self.janitor.run(self._stop))
+            self._spawn(self.resync.run(self._stop))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.runner.aclose()
+        await self.redis.aclose()
+        await self.db.close()

@@ -1,0 +1,230 @@
+"""Settings: read once from the environment, typed, with units last in every name.
+
+Secrets are wrapped in `Secret` so that no repr, log line or traceback prints them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
+
+DEV_JWT_SECRET = "gate-dev-jwt-secret-not-for-production-000000"
+DEV_ADMIN_TOKEN = "gate-dev-admin-token"
+# base64 of "gate-dev-webhook-secret-0123456789"
+DEV_WEBHOOK_SECRET = "whsec_Z2F0ZS1kZXYtd2ViaG9vay1zZWNyZXQtMDEyMzQ1Njc4OQ=="
+
+
+class SettingsError(ValueError):
+    """A setting is missing or malformed; start-up must stop with this message."""
+
+
+class Secret:
+    """A string that never shows itself in repr/str; `.reveal()` is explicit."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('********')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+@dataclass(frozen=True)
+class MysqlTarget:
+    host: str
+    port: int
+    user: str
+    password: Secret
+    database: str
+    unix_socket: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> MysqlTarget:
+        parts = urlsplit(url)
+        if parts.scheme not in ("mysql", "mariadb"):
+            raise SettingsError(
+                f"GATE_MYSQL_URL must start with mysql://, got scheme {parts.scheme!r}"
+            )
+        database = parts.path.lstrip("/") or "gate"
+        if not database.replace("_", "").isalnum():
+            raise SettingsError("GATE_MYSQL_URL database name must be [A-Za-z0-9_]+")
+        query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
+        return cls(
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or 3306,
+            user=unquote(parts.username or "root"),
+            password=Secret(unquote(parts.password or "")),
+            database=database,
+            unix_socket=query.get("unix_socket"),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise SettingsError(f"{name} must be within {lo}..{hi}, got {value}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise SettingsError(f"{name} must be within {lo}..{hi}, got {value}")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name} must be a boolean (1/0, true/false, on/off), got {raw!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    env: str
+    redis_url: str
+    mysql: MysqlTarget
+    jwt_secret: Secret
+    admin_token: Secret
+    webhook_secrets: tuple[Secret, ...]
+    dev_secrets_used: tuple[str, ...] = ()
+
+    # Database pool and transaction bounds.
+    db_pool_max: int = 32
+    db_connect_timeout_seconds: float = 3.0
+    db_lock_wait_seconds: int = 5
+    db_retry_max: int = 3
+    reservation_db_timeout_seconds: float = 10.0
+
+    # Redis bounds.
+    redis_pool_max: int = 64
+    redis_timeout_seconds: float = 2.0
+    redis_pipeline_max: int = 512
+
+    # Reservation protocol bounds.
+    idempotency_ttl_seconds: int = 86_400
+    inflight_max_seconds: float = 30.0
+    janitor_batch_max: int = 500
+    janitor_interval_seconds: float = 1.0
+    resync_interval_seconds: float = 1.0
+    jwt_cache_max: int = 65_536
+    body_max_bytes: int = 4096
+
+    run_background: bool = True
+    auto_migrate: bool = True
+    log_level: str = "INFO"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_dev(self) -> bool:
+        return self.env == "dev"
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read every setting once. Raises SettingsError with a clear message."""
+    env = os.environ if environ is None else environ
+    gate_env = env.get("GATE_ENV", "production").strip().lower() or "production"
+    dev = gate_env == "dev"
+    dev_used: list[str] = []
+
+    def secret(name: str, dev_value: str) -> str:
+        value = env.get(name, "").strip()
+        if value:
+            return value
+        if dev:
+            dev_used.append(name)
+            return dev_value
+        raise SettingsError(f"{name} is required (set GATE_ENV=dev to use built-in dev secrets)")
+
+    jwt_secret = secret("GATE_JWT_SECRET", DEV_JWT_SECRET)
+    if len(jwt_secret) < 32 and not dev:
+        raise SettingsError("GATE_JWT_SECRET must be at least 32 characters for HS256")
+    admin_token = secret("GATE_ADMIN_TOKEN", DEV_ADMIN_TOKEN)
+    if len(admin_token) < 16 and not dev:
+        raise SettingsError("GATE_ADMIN_TOKEN must be at least 16 characters")
+    webhook_raw = secret("GATE_WEBHOOK_SECRET", DEV_WEBHOOK_SECRET)
+    webhook_secrets = tuple(Secret(s) for s in webhook_raw.split())
+    for s in webhook_secrets:
+        if not s.reveal().startswith("whsec_"):
+            raise SettingsError("GATE_WEBHOOK_SECRET entries must look like whsec_<base64>")
+
+    redis_url = env.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if not redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise SettingsError("GATE_REDIS_URL must start with redis://, rediss:// or unix://")
+    mysql = MysqlTarget.parse(env.get("GATE_MYSQL_URL", "mysql://root@127.0.0.1:3306/gate"))
+
+    settings = Settings(
+        env=gate_env,
+        redis_url=redis_url,
+        mysql=mysql,
+        jwt_secret=Secret(jwt_secret),
+        admin_token=Secret(admin_token),
+        webhook_secrets=webhook_secrets,
+        dev_secrets_used=tuple(dev_used),
+        db_pool_max=_int(env, "GATE_DB_POOL_MAX", 32, 2, 1000),
+        db_connect_timeout_seconds=_float(env, "GATE_DB_CONNECT_TIMEOUT_SECONDS", 3.0, 0.1, 60),
+        db_lock_wait_seconds=_int(env, "GATE_DB_LOCK_WAIT_SECONDS", 5, 1, 120),
+        db_retry_max=_int(env, "GATE_DB_RETRY_MAX", 3, 1, 10),
+        reservation_db_timeout_seconds=_float(
+            env, "GATE_RESERVATION_DB_TIMEOUT_SECONDS", 10.0, 0.1, 120
+        ),
+        redis_pool_max=_int(env, "GATE_REDIS_POOL_MAX", 64, 1, 10_000),
+        redis_timeout_seconds=_float(env, "GATE_REDIS_TIMEOUT_SECONDS", 2.0, 0.01, 60),
+        redis_pipeline_max=_int(env, "GATE_REDIS_PIPELINE_MAX", 512, 1, 100_000),
+        idempotency_ttl_seconds=_int(env, "GATE_IDEMPOTENCY_TTL_SECONDS", 86_400, 86_400, 10**8),
+        inflight_max_seconds=_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),
+        janitor_batch_max=_int(env, "GATE_JANITOR_BATCH_MAX", 500, 1, 100_000),
+        janitor_interval_seconds=_float(env, "GATE_JANITOR_INTERVAL_SECONDS", 1.0, 0.05, 60),
+        resync_interval_seconds=_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
+        jwt_cache_max=_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
+        body_max_bytes=4096,
+        run_background=_bool(env, "GATE_BACKGROUND", True),
+        auto_migrate=_bool(env, "GATE_AUTO_MIGRATE", True),
+        log_level=env.get("GATE_LOG_LEVEL", "INFO").upper(),
+    )
+    # The janitor treats a token older than inflight_max_seconds as orphaned; a live
+    # request must therefore always finish (or give up) well before that age.
+    # A statement sent just before the request's deadline may still wait on a lock
+    # on the server for up to the lock-wait timeout.
+    live_max = (
+        settings.reservation_db_timeout_seconds
+        + settings.db_lock_wait_seconds
+        + 2 * settings.redis_timeout_seconds
+    )
+    if settings.inflight_max_seconds <= live_max:
+        raise SettingsError(
+            f"GATE_INFLIGHT_MAX_SECONDS must exceed {live_max:g}: the reservation DB timeout"
+            " plus the lock-wait timeout plus twice the Redis timeout"
+        )
+    return settings

@@ -1,0 +1,122 @@
+--[[
+  admit: one reservation attempt's whole Redis part, in one call.
+
+  Checks, in order of cost: the deal is loaded, the idempotency fast path, the sale
+  window, the quantity bound, the sold-out state, the per-user quota; then takes
+  the quantity from the buckets (random start, falling over to the others; a
+  quantity may span buckets) and records an in-flight token next to the decrement,
+  so that the decrement can later be confirmed or given back exactly once.
+
+  KEYS[1] meta            hash   {d:ID}:meta  nb, avail, start_ms, end_ms, max, limit
+  KEYS[2] buckets         hash   {d:ID}:b     bucket -> available units
+  KEYS[3] users           hash   {d:ID}:u     user id -> units held or bought
+  KEYS[4] idempotency     string {d:ID}:k:USER:KEY  "P|fp|token" or "D|fp|order id"
+  KEYS[5] inflight        hash   {d:ID}:f     token -> "T|user|qty|alloc|ms|key|fp"
+  KEYS[6] inflight_times  zset   {d:ID}:ft    token -> admission time (ms)
+
+  ARGV[1] user id
+  ARGV[2] quantity (integer >= 1, checked by the caller)
+  ARGV[3] request fingerprint
+  ARGV[4] token (the order id the reservation will get)
+  ARGV[5] random non-negative integer choosing the start bucket
+  ARGV[6] in-progress marker TTL (ms)
+  ARGV[7] idempotency key (raw, as sent by the buyer)
+
+  Returns {code, detail}:
+    0 OK              detail = allocation "bucket:qty[,bucket:qty…]"
+    1 NOT_LOADED      the deal's state is absent; load it from the database
+    2 SOLD_OUT        detail = units left (less than asked)
+    3 NOT_ACTIVE      detail = "early" | "ended"
+    4 BAD_QUANTITY    detail = max per order
+    5 LIMIT_EXCEEDED  detail = per-user limit
+    6 REPLAY          detail = order id of the earlier request with this key
+    7 IN_PROGRESS     an earlier request with this key is still running
+    8 MISMATCH        this key was used with a different request
+]]
+local meta = redis.call('HMGET', KEYS[1], 'nb', 'avail', 'start_ms', 'end_ms', 'max', 'limit')
+local nb = tonumber(meta[1])
+if not nb then
+  return {1, ''}
+end
+
+local fp = ARGV[3]
+local seen = redis.call('GET', KEYS[4])
+if seen then
+  local state, seen_fp, ref = string.match(seen, '^(%a)|([^|]*)|(.*)$')
+  if seen_fp ~= fp then
+    return {8, ''}
+  end
+  if state == 'D' then
+    return {6, ref}
+  end
+  return {7, ''}
+end
+
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local start_ms = tonumber(meta[3]) or 0
+local end_ms = tonumber(meta[4]) or 0
+if start_ms > 0 and now_ms < start_ms then
+  return {3, 'early'}
+end
+if end_ms > 0 and now_ms >= end_ms then
+  return {3, 'ended'}
+end
+
+local qty = tonumber(ARGV[2])
+local max = tonumber(meta[5]) or 1
+if qty > max then
+  return {4, tostring(max)}
+end
+
+local avail = tonumber(meta[2]) or 0
+if avail < qty then
+  if avail < 0 then avail = 0 end
+  return {2, tostring(avail)}
+end
+
+local user = ARGV[1]
+local limit = tonumber(meta[6]) or 0
+local taken = 0
+if limit > 0 then
+  taken = tonumber(redis.call('HGET', KEYS[3], user) or '0')
+  if taken + qty > limit then
+    return {5, tostring(limit)}
+  end
+end
+
+-- Choose the parts first and write nothing until the whole quantity is covered, so
+-- that a shortfall (buckets disagreeing with the total) leaves no trace.
+local start = tonumber(ARGV[5]) % nb
+local remaining = qty
+local parts = {}
+for i = 0, nb - 1 do
+  local b = (start + i) % nb
+  local have = tonumber(redis.call('HGET', KEYS[2], b) or '0')
+  if have > 0 then
+    local take = math.min(have, remaining)
+    parts[#parts + 1] = {b, take}
+    remaining = remaining - take
+    if remaining == 0 then break end
+  end
+end
+if remaining > 0 then
+  return {2, tostring(qty - remaining)}
+end
+
+local alloc = {}
+for i, part in ipairs(parts) do
+  redis.call('HINCRBY', KEYS[2], part[1], -part[2])
+  alloc[i] = part[1] .. ':' .. part[2]
+end
+local alloc_s = table.concat(alloc, ',')
+redis.call('HINCRBY', KEYS[1], 'avail', -qty)
+if limit > 0 then
+  redis.call('HINCRBY', KEYS[3], user, qty)
+end
+local token = ARGV[4]
+redis.call('SET', KEYS[4], 'P|' .. fp .. '|' .. token, 'PX', ARGV[6])
+redis.call('HSET', KEYS[5], token,
+  'T|' .. user .. '|' .. qty .. '|' .. alloc_s .. '|' .. now_ms .. '|' .. ARGV[7] .. '|' .. fp)
+redis.call('ZADD', KEYS[6], now_ms, token)
+return {0, alloc_s}

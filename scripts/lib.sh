@@ -1,0 +1,131 @@
+# Shared set-up steps for scripts/run and scripts/test (sourced, not executed).
+#
+# ensure_venv      create .venv and install the project when needed
+# ensure_services  make Redis and MariaDB answer at GATE_REDIS_URL / GATE_MYSQL_URL:
+#                  use what answers there, otherwise start local instances on
+#                  loopback with their own data directory under .local/, installing
+#                  redis-server / mariadb-server with apt-get when missing.
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${GATE_VENV:-$ROOT/.venv}
+STATE=${GATE_STATE_DIR:-$ROOT/.local}
+export GATE_REDIS_URL=${GATE_REDIS_URL:-redis://127.0.0.1:6379/0}
+export GATE_MYSQL_URL=${GATE_MYSQL_URL:-mysql://root@127.0.0.1:3306/gate}
+
+say() { printf '==> %s\n' "$*" >&2; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"
+  elif command -v sudo >/dev/null 2>&1; then sudo "$@"
+  else say "need root to run: $*"; return 1
+  fi
+}
+
+apt_install() {
+  say "installing Debian packages: $*"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+ensure_venv() {
+  if ! command -v python3 >/dev/null 2>&1; then apt_install python3; fi
+  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    say "Python >= 3.11 is required (found $(python3 --version 2>&1))"; return 1
+  fi
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating virtualenv in $VENV"
+    if ! python3 -m venv "$VENV" 2>/dev/null; then
+      rm -rf "$VENV"
+      apt_install python3-venv
+      python3 -m venv "$VENV"
+    fi
+  fi
+  local stamp="$VENV/.gate-installed"
+  if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+    say "installing gate and its dependencies"
+    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+    touch "$stamp"
+  fi
+}
+
+# url_part URL field -> host | port | db, with defaults for the scheme.
+url_part() {
+  python3 - "$1" "$2" <<'PY'
+import sys
+from urllib.parse import urlsplit
+u = urlsplit(sys.argv[1])
+default = 6379 if u.scheme.startswith("redis") else 3306
+print({"host": u.hostname or "127.0.0.1", "port": u.port or default}[sys.argv[2]])
+PY
+}
+
+is_loopback() { case "$1" in 127.*|localhost|::1) return 0;; *) return 1;; esac; }
+
+redis_answers() {
+  local host=$1 port=$2 reply=""
+  exec 3<>"/dev/tcp/$host/$port" 2>/dev/null || return 1
+  printf 'PING\r\n' >&3
+  read -r -t 2 reply <&3 || true
+  exec 3>&- 3<&-
+  case "$reply" in +PONG*|-NOAUTH*) return 0;; *) return 1;; esac
+}
+
+mysql_answers() {
+  local host=$1 port=$2
+  timeout 2 bash -c "exec 3<>/dev/tcp/$host/$port" 2>/dev/null
+}
+
+wait_for() {
+  local what=$1; shift
+  for _ in $(seq 1 60); do
+    if "$@"; then return 0; fi
+    sleep 0.5
+  done
+  say "$what did not come up"; return 1
+}
+
+ensure_redis() {
+  local host port
+  host=$(url_part "$GATE_REDIS_URL" host); port=$(url_part "$GATE_REDIS_URL" port)
+  if redis_answers "$host" "$port"; then return 0; fi
+  if ! is_loopback "$host"; then say "Redis at $host:$port does not answer"; return 1; fi
+  command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+  mkdir -p "$STATE/redis"
+  say "starting a local Redis on 127.0.0.1:$port (data in $STATE/redis)"
+  redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --dir "$STATE/redis" \
+    --save "" --appendonly no --maxmemory-policy noeviction \
+    --logfile "$STATE/redis/redis.log" --pidfile "$STATE/redis/redis.pid"
+  wait_for "Redis" redis_answers "$host" "$port"
+}
+
+ensure_mariadb() {
+  local host port
+  host=$(url_part "$GATE_MYSQL_URL" host); port=$(url_part "$GATE_MYSQL_URL" port)
+  if mysql_answers "$host" "$port"; then return 0; fi
+  if ! is_loopback "$host"; then say "MariaDB at $host:$port does not answer"; return 1; fi
+  if ! command -v mariadbd >/dev/null 2>&1 && [ ! -x /usr/sbin/mariadbd ]; then
+    apt_install mariadb-server
+  fi
+  local data="$STATE/mariadb/data" user
+  user=$(id -un)
+  mkdir -p "$STATE/mariadb"
+  if [ ! -d "$data/mysql" ]; then
+    say "initialising a local MariaDB data directory in $data"
+    mariadb-install-db --datadir="$data" --user="$user" --auth-root-authentication-method=normal \
+      --skip-test-db >"$STATE/mariadb/install.log" 2>&1
+  fi
+  say "starting a local MariaDB on 127.0.0.1:$port (data in $data)"
+  local mariadbd_bin
+  mariadbd_bin=$(command -v mariadbd || echo /usr/sbin/mariadbd)
+  setsid "$mariadbd_bin" --no-defaults --datadir="$data" --user="$user" \
+    --bind-address=127.0.0.1 --port="$port" --socket="$STATE/mariadb/mysqld.sock" \
+    --pid-file="$STATE/mariadb/mysqld.pid" --log-error="$STATE/mariadb/error.log" \
+    --innodb-buffer-pool-size=256M --max-connections=500 </dev/null >/dev/null 2>&1 &
+  wait_for "MariaDB" mysql_answers "$host" "$port"
+}
+
+ensure_services() {
+  ensure_redis
+  ensure_mariadb
+}

@@ -1,0 +1,332 @@
+"""Test helpers: real gate processes, real Redis and MariaDB, no mocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json as stdjson
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import aiomysql
+import jwt
+import orjson
+import redis.asyncio as aioredis
+from multidict import CIMultiDictProxy
+
+from gate.check import check_deal
+from gate.db import Database, connect_kwargs
+from gate.keys import deal_keys
+from gate.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+GATE_BIN = str(Path(sys.executable).with_name("gate"))
+
+JWT_SECRET = "test-jwt-secret-0123456789abcdef0123456789"
+ADMIN_TOKEN = "test-admin-token-0123456789"
+WEBHOOK_SECRET = "whsec_dGVzdC13ZWJob29rLXNlY3JldC0wMTIzNDU2Nzg5"
+
+
+def base_env() -> dict[str, str]:
+    redis_url = os.environ.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    mysql_url = os.environ.get("GATE_MYSQL_URL", "mysql://root@127.0.0.1:3306/gate")
+    # The suite owns a database and a Redis logical database of its own.
+    test_redis = os.environ.get("GATE_TEST_REDIS_URL") or redis_url.rsplit("/", 1)[0] + "/15"
+    test_mysql = os.environ.get("GATE_TEST_MYSQL_URL") or mysql_url.rsplit("/", 1)[0] + "/gate_test"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATE_")}
+    env.update(
+        {
+            "GATE_ENV": "test",
+            "GATE_REDIS_URL": test_redis,
+            "GATE_MYSQL_URL": test_mysql,
+            "GATE_JWT_SECRET": JWT_SECRET,
+            "GATE_ADMIN_TOKEN": ADMIN_TOKEN,
+            "GATE_WEBHOOK_SECRET": WEBHOOK_SECRET,
+            "GATE_DB_LOCK_WAIT_SECONDS": "2",
+            "GATE_RESERVATION_DB_TIMEOUT_SECONDS": "5",
+            "GATE_REDIS_TIMEOUT_SECONDS": "1",
+            "GATE_INFLIGHT_MAX_SECONDS": "10",
+            "GATE_JANITOR_INTERVAL_SECONDS": "0.2",
+            "GATE_RESYNC_INTERVAL_SECONDS": "0.3",
+            "GATE_LOG_LEVEL": "WARNING",
+        }
+    )
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def token(user_id: int, ttl_seconds: int = 3600, **extra: Any) -> str:
+    now = int(time.time())
+    claims = {"sub": str(user_id), "iat": now, "exp": now + ttl_seconds, **extra}
+    return jwt.encode(claims, JWT_SECRET, algorithm="HS256")
+
+
+def buyer(user_id: int) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token(user_id)}"}
+
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+class GateProcess:
+    """A real `gate serve` process on its own port."""
+
+    def __init__(self, env: Mapping[str, str], workers: int = 1, background: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [GATE_BIN, "serve", "--port", str(self.port), "--workers", str(workers)]
+        if not background:
+            args.append("--no-background")
+        self.log_path = ROOT / ".local" / f"test-gate-{self.port}.log"
+        self.log_path.parent.mkdir(exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            args, env=dict(env), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_ready(self, timeout_seconds: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gate exited early: {self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"gate not ready: {self.log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: a gate dying mid-request."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+
+@dataclass
+class Resp:
+    status_code: int
+    headers: CIMultiDictProxy[str]
+    content: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+
+class Client:
+    """A small HTTP client over aiohttp with the surface the tests need."""
+
+    def __init__(self, base_url: str, limit: int = 400) -> None:
+        self.base_url = base_url
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=limit),
+            timeout=aiohttp.ClientTimeout(total=60),
+        )
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Resp:
+        kwargs: dict[str, Any] = {"headers": dict(headers or {})}
+        if json is not None:
+            # The standard library encodes what orjson refuses (integers past 64 bits),
+            # which the bad-input tests need to send.
+            kwargs["data"] = stdjson.dumps(json).encode()
+            kwargs["headers"].setdefault("Content-Type", "application/json")
+        elif content is not None:
+            kwargs["data"] = content
+        if "Content-Type" not in kwargs["headers"]:
+            kwargs["skip_auto_headers"] = ["Content-Type"]
+        async with self.session.request(method, self.base_url + path, **kwargs) as r:
+            return Resp(r.status, r.headers, await r.read())
+
+    async def get(self, path: str, **kw: Any) -> Resp:
+        return await self.request("GET", path, **kw)
+
+    async def post(self, path: str, **kw: Any) -> Resp:
+        return await self.request("POST", path, **kw)
+
+    async def put(self, path: str, **kw: Any) -> Resp:
+        return await self.request("PUT", path, **kw)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+async def create_deal(client: Client, **fields: Any) -> int:
+    body = {"title": "Test deal", "unit_price": 500, "currency": "EUR", "stock": 100, **fields}
+    resp = await client.post("/v1/admin/deals", json=body, headers=ADMIN)
+    assert resp.status_code == 201, resp.text
+    return int(resp.json()["id"])
+
+
+async def reserve(
+    client: Client,
+    deal_id: int,
+    user_id: int,
+    key: str,
+    quantity: int = 1,
+) -> Resp:
+    return await client.post(
+        f"/v1/deals/{deal_id}/reservations",
+        json={"quantity": quantity},
+        headers={**buyer(user_id), "Idempotency-Key": key},
+    )
+
+
+async def db_available(db: Database, deal_id: int) -> dict[int, int]:
+    rows = await db.fetchall(
+        "SELECT bucket, available FROM deal_buckets WHERE deal_id = %s ORDER BY bucket", (deal_id,)
+    )
+    return {int(b): int(a) for b, a in rows}
+
+
+async def redis_available(rds: aioredis.Redis, deal_id: int) -> tuple[int | None, dict[int, int]]:
+    keys = deal_keys(deal_id)
+    avail = await rds.hget(keys.meta, "avail")
+    buckets = await rds.hgetall(keys.buckets)
+    return (None if avail is None else int(avail)), {int(b): int(v) for b, v in buckets.items()}
+
+
+async def settled_report(
+    db: Database, rds: aioredis.Redis, deal_id: int, timeout_seconds: float = 10.0
+) -> dict[str, Any]:
+    """The check report once nothing is in flight and Redis could be compared."""
+    deadline = time.monotonic() + timeout_seconds
+    report: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        report = await check_deal(db, rds, deal_id)
+        if report["redis"].get("compared") and report["invariant"]["ok"]:
+            return report
+        await asyncio.sleep(0.2)
+    return report
+
+
+async def assert_invariants(
+    db: Database, rds: aioredis.Redis, deal_id: int, timeout_seconds: float = 10.0
+) -> dict[str, Any]:
+    """total = available + held + sold everywhere, ledger agrees, Redis = DB."""
+    report = await settled_report(db, rds, deal_id, timeout_seconds)
+    assert report["invariant"]["ok"], report["invariant"]["breaches"]
+    assert report["redis"]["compared"], report["redis"]
+    db_avail = await db_available(db, deal_id)
+    r_total, r_buckets = await redis_available(rds, deal_id)
+    assert r_buckets == db_avail
+    assert r_total == sum(db_avail.values())
+    return report
+
+
+class Traffic:
+    """Buyers reserving and cancelling one deal concurrently until stopped."""
+
+    def __init__(self, client: Client, deal_id: int, user_base: int, seed: int) -> None:
+        self.client = client
+        self.deal_id = deal_id
+        self.user_base = user_base
+        self.rng = random.Random(seed)
+        self.stop = asyncio.Event()
+        self.held: list[tuple[int, str]] = []
+        self._tasks: list[asyncio.Future[None]] = []
+
+    async def _buyer(self, worker: int) -> None:
+        i = 0
+        while not self.stop.is_set():
+            user = self.user_base + worker * 10_000 + i
+            key = f"traffic-{self.deal_id}-{worker}-{i:05d}"
+            r = await reserve(self.client, self.deal_id, user, key, self.rng.choice((1, 2)))
+            if r.status_code == 201:
+                self.held.append((user, r.json()["order_id"]))
+            i += 1
+
+    async def cancel_one(self) -> bool:
+        if not self.held:
+            return False
+        user, order_id = self.held.pop(self.rng.randrange(len(self.held)))
+        r = await self.client.post(f"/v1/orders/{order_id}/cancel", headers=buyer(user))
+        assert r.status_code == 200, r.text
+        return True
+
+    async def _canceller(self) -> None:
+        while not self.stop.is_set():
+            await self.cancel_one()
+            await asyncio.sleep(0.004)
+
+    def start(self, buyers: int) -> None:
+        self._tasks = [asyncio.ensure_future(self._buyer(w)) for w in range(buyers)]
+        self._tasks.append(asyncio.ensure_future(self._canceller()))
+
+    async def finish(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self._tasks)
+
+
+@asynccontextmanager
+async def locked_buckets(settings: Settings, deal_id: int) -> AsyncIterator[Any]:
+    """A test connection holding every bucket row of a deal locked; yields its cursor.
+    Leaving the block rolls the lock back."""
+    locker = await aiomysql.connect(**connect_kwargs(settings.mysql, 5))
+    try:
+        async with locker.cursor() as cur:
+            await cur.execute("START TRANSACTION")
+            await cur.execute(
+                "SELECT * FROM deal_buckets WHERE deal_id = %s FOR UPDATE", (deal_id,)
+            )
+            try:
+                yield cur
+            finally:
+                await cur.execute("ROLLBACK")
+    finally:
+        locker.close()
+
+
+async def wait_for_reserve_statement(cur: Any, deal_id: int) -> int:
+    """The server thread of a reservation for this deal, once it waits on a bucket row.
+    (Inside the procedure the processlist shows the inner statement, not the CALL.)"""
+    for _ in range(200):
+        await cur.execute(
+            "SELECT ID FROM information_schema.PROCESSLIST"
+            " WHERE ID <> CONNECTION_ID() AND INFO LIKE %s AND INFO LIKE %s",
+            ("%UPDATE deal_buckets%", f"%NAME_CONST('p_deal_id',{deal_id})%"),
+        )
+        row = await cur.fetchone()
+        if row:
+            return int(row[0])
+        await asyncio.sleep(0.02)
+    raise AssertionError("the reservation never reached the database")

@@ -1,0 +1,89 @@
+"""The gate command: check, token, and start-up refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import jwt
+import redis.asyncio as aioredis
+
+from gate.db import Database
+from gate.keys import ACTIVE_DEALS, deal_keys
+from tests.support import GATE_BIN, JWT_SECRET, Client, create_deal, reserve, settled_report
+
+
+def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [GATE_BIN, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+async def test_check_reports_and_exits_by_verdict(
+    client: Client, db: Database, rds: aioredis.Redis, env: dict[str, str]
+) -> None:
+    deal_id = await create_deal(client, stock=6, buckets=2)
+    assert (await reserve(client, deal_id, 810_001, "cli-check-001")).status_code == 201
+    await settled_report(db, rds, deal_id)
+    ok = run(env, "check", "--deal", str(deal_id))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"deal {deal_id}: OK  total=6 available=5 held=1 sold=0" in ok.stdout
+    as_json = run(env, "check", "--deal", str(deal_id), "--json")
+    assert as_json.returncode == 0
+    report = json.loads(as_json.stdout)
+    assert report["ok"] is True and report["deals"][0]["redis"]["compared"] is True
+
+    # A ledger row that no counter reflects is a breach.
+    await db.execute(
+        "INSERT INTO inventory_ledger (deal_id, bucket, d_total, d_available, d_held, d_sold,"
+        " available_before, available_after, reason, actor) VALUES (%s, 0, 1, 1, 0, 0, 0, 1,"
+        " 'forged', 'test')",
+        (deal_id,),
+    )
+    try:
+        bad = run(env, "check", "--deal", str(deal_id))
+        assert bad.returncode == 1
+        assert "BREACH" in bad.stdout and "ledger sums" in bad.stdout
+    finally:
+        await db.execute("DELETE FROM inventory_ledger WHERE reason = 'forged'")
+
+    # Redis disagreeing with the database while nothing is in flight is a breach too.
+    # (The resync loop repairs such drift within a second; keep it away from this deal.)
+    await rds.srem(ACTIVE_DEALS, deal_id)
+    await rds.hincrby(deal_keys(deal_id).buckets, "0", 2)
+    await rds.hincrby(deal_keys(deal_id).meta, "avail", 2)
+    drift = run(env, "check", "--deal", str(deal_id), "--json")
+    assert drift.returncode == 1
+    breaches = json.loads(drift.stdout)["deals"][0]["invariant"]["breaches"]
+    assert "redis: bucket 0 has 5, database 3" in breaches or any("redis" in b for b in breaches)
+    await rds.sadd(ACTIVE_DEALS, deal_id)
+    await settled_report(db, rds, deal_id)
+
+
+def test_token_mints_a_verifiable_buyer_token(env: dict[str, str]) -> None:
+    out = run(env, "token", "4242")
+    assert out.returncode == 0
+    claims = jwt.decode(out.stdout.strip(), JWT_SECRET, algorithms=["HS256"])
+    assert claims["sub"] == "4242" and claims["exp"] > claims["iat"]
+    assert JWT_SECRET not in out.stdout + out.stderr
+
+
+def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: object) -> None:
+    production = {k: v for k, v in env.items() if k != "GATE_JWT_SECRET"}
+    production["GATE_ENV"] = "production"
+    out = run(production, "serve", "--port", "1")
+    assert out.returncode == 2
+    assert "GATE_JWT_SECRET is required" in out.stderr
+
+    out = run({**env, "GATE_DB_POOL_MAX": "banana"}, "serve", "--port", "1")
+    assert out.returncode == 2 and "GATE_DB_POOL_MAX must be an integer" in out.stderr
+
+    out = run({**env, "GATE_WEBHOOK_SECRET": "not-a-whsec"}, "serve", "--port", "1")
+    assert out.returncode == 2 and "whsec_" in out.stderr
+
+    lua = tmp_path / "lua"  # type: ignore[operator]
+    lua.mkdir()
+    out = run({**env, "GATE_LUA_DIR": str(lua)}, "serve", "--port", "1")
+    assert out.returncode == 2 and "missing; refusing to start" in out.stderr
+    # No secret ever reaches the output.
+    assert env["GATE_ADMIN_TOKEN"] not in out.stdout + out.stderr
