@@ -62,18 +62,19 @@ PY
 
 is_loopback() { case "$1" in 127.*|localhost|::1) return 0;; *) return 1;; esac; }
 
+# Probes run in a child shell: a failed `exec 3<>/dev/tcp/…` makes a
+# non-interactive shell exit, which must not take the set-up script with it.
 redis_answers() {
-  local host=$1 port=$2 reply=""
-  exec 3<>"/dev/tcp/$host/$port" 2>/dev/null || return 1
-  printf 'PING\r\n' >&3
-  read -r -t 2 reply <&3 || true
-  exec 3>&- 3<&-
-  case "$reply" in +PONG*|-NOAUTH*) return 0;; *) return 1;; esac
+  timeout 3 bash -c '
+    exec 3<>"/dev/tcp/$1/$2" || exit 1
+    printf "PING\r\n" >&3
+    read -r -t 2 reply <&3 || exit 1
+    case "$reply" in +PONG*|-NOAUTH*) exit 0;; *) exit 1;; esac
+  ' probe "$1" "$2" 2>/dev/null
 }
 
 mysql_answers() {
-  local host=$1 port=$2
-  timeout 2 bash -c "exec 3<>/dev/tcp/$host/$port" 2>/dev/null
+  timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' probe "$1" "$2" 2>/dev/null
 }
 
 wait_for() {
@@ -112,8 +113,14 @@ ensure_mariadb() {
   mkdir -p "$STATE/mariadb"
   if [ ! -d "$data/mysql" ]; then
     say "initialising a local MariaDB data directory in $data"
-    mariadb-install-db --datadir="$data" --user="$user" --auth-root-authentication-method=normal \
-      --skip-test-db >"$STATE/mariadb/install.log" 2>&1
+    # --no-defaults: the system my.cnf (user, log paths) belongs to the system server.
+    if ! mariadb-install-db --no-defaults --datadir="$data" --user="$user" \
+        --auth-root-authentication-method=normal --skip-test-db \
+        >"$STATE/mariadb/install.log" 2>&1; then
+      tail -20 "$STATE/mariadb/install.log" >&2
+      rm -rf "$data"
+      say "mariadb-install-db failed"; return 1
+    fi
   fi
   say "starting a local MariaDB on 127.0.0.1:$port (data in $data)"
   local mariadbd_bin
@@ -122,7 +129,9 @@ ensure_mariadb() {
     --bind-address=127.0.0.1 --port="$port" --socket="$STATE/mariadb/mysqld.sock" \
     --pid-file="$STATE/mariadb/mysqld.pid" --log-error="$STATE/mariadb/error.log" \
     --innodb-buffer-pool-size=256M --max-connections=500 </dev/null >/dev/null 2>&1 &
-  wait_for "MariaDB" mysql_answers "$host" "$port"
+  if ! wait_for "MariaDB" mysql_answers "$host" "$port"; then
+    tail -20 "$STATE/mariadb/error.log" >&2; return 1
+  fi
 }
 
 ensure_services() {
