@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from gate import orders, validate
 from gate.db import DbUnavailable
@@ -208,7 +208,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def routes() -> list[Route]:
+def routes() -> list[BaseRoute]:
     deal = "/v1/deals/{deal_id:int}"
     order = "/v1/orders/{order_id:str}"
     admin_deal_path = "/v1/admin/deals/{deal_id:int}"
@@ -229,11 +229,12 @@ def routes() -> list[Route]:
 
 
 def build_app(settings: Settings, *, background: bool | None = None) -> Starlette:
+    # Constructing the gate does no I/O; the lifespan starts it.
+    gate = Gate(settings)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        gate = Gate(settings)
         await gate.start(background=background)
-        app.state.gate = gate
         try:
             yield
         finally:
@@ -245,7 +246,19 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
         DbUnavailable: _db_unavailable,
         Exception: _unexpected,
     }
-    return Starlette(routes=routes(), lifespan=lifespan, exception_handlers=handlers)
+    all_routes = routes()
+    middleware = []
+    for ext in gate.extensions:
+        all_routes.extend(ext.routes)
+        middleware.extend(ext.middleware)
+    app = Starlette(
+        routes=all_routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers=handlers,
+    )
+    app.state.gate = gate
+    return app
 
 
 def create_app() -> Starlette:

@@ -213,11 +213,17 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.set_defaults(fn=cmd_demo)
 
+    from gate.extensions import area_modules
+
+    for module in area_modules():
+        module.add_commands(sub)
+    # Contract commands no area provides yet say so instead of failing to parse.
     for name in ("sweep", "reconcile", "sandbox"):
-        s = sub.add_parser(name, help=f"{name} (not available in this version yet)")
-        s.add_argument("--once", action="store_true")
-        s.add_argument("--port", type=int)
-        s.set_defaults(fn=_not_yet(name))
+        if name not in sub.choices:
+            s = sub.add_parser(name, help=f"{name} (not available in this version yet)")
+            s.add_argument("--once", action="store_true")
+            s.add_argument("--port", type=int)
+            s.set_defaults(fn=_not_yet(name))
     return p
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from gate.auth import AdminAuth, BuyerAuth
 from gate.db import Database
 from gate.deals import Deals
+from gate.extensions import install_all
 from gate.janitor import Janitor
 from gate.migrate import pending
 from gate.mirror import Mirror
@@ -46,6 +47,8 @@ class Gate:
         self.resync = Resync(settings, self.redis, self.mirror)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # Areas install last: they may use every core service above.
+        self.extensions = install_all(self)
 
     async def start(self, *, background: bool | None = None) -> None:
         if self.settings.dev_secrets_used:
@@ -61,10 +64,16 @@ class Gate:
             )
         await self.db.start()
         await self.runner.load()
+        for ext in self.extensions:
+            for hook in ext.on_start:
+                await hook()
         run_background = self.settings.run_background if background is None else background
         if run_background:
             self._spawn(self.janitor.run(self._stop))
             self._spawn(self.resync.run(self._stop))
+            for ext in self.extensions:
+                for worker in ext.workers:
+                    self._spawn(worker(self._stop))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(coro))
@@ -73,6 +82,12 @@ class Gate:
         self._stop.set()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for ext in reversed(self.extensions):
+            for hook in ext.on_stop:
+                try:
+                    await hook()
+                except Exception:
+                    log.exception("stopping %s failed", ext.name)
         await self.runner.aclose()
         await self.redis.aclose()
         await self.db.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
 DEV_JWT_SECRET = "gate-dev-jwt-secret-not-for-production-000000"
@@ -73,7 +74,7 @@ class MysqlTarget:
         )
 
 
-def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -86,7 +87,7 @@ def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> i
     return value
 
 
-def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+def env_float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -99,7 +100,7 @@ def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: flo
     return value
 
 
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -144,7 +145,9 @@ class Settings:
     run_background: bool = True
     auto_migrate: bool = True
     log_level: str = "INFO"
-    extra: dict[str, str] = field(default_factory=dict)
+    # The environment as read at start-up, for areas that read their own settings
+    # (with env_int & co.). Never printed: it holds the secrets too.
+    environ: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_dev(self) -> bool:
@@ -192,26 +195,27 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         admin_token=Secret(admin_token),
         webhook_secrets=webhook_secrets,
         dev_secrets_used=tuple(dev_used),
-        db_pool_max=_int(env, "GATE_DB_POOL_MAX", 32, 2, 1000),
-        db_connect_timeout_seconds=_float(env, "GATE_DB_CONNECT_TIMEOUT_SECONDS", 3.0, 0.1, 60),
-        db_lock_wait_seconds=_int(env, "GATE_DB_LOCK_WAIT_SECONDS", 5, 1, 120),
-        db_retry_max=_int(env, "GATE_DB_RETRY_MAX", 3, 1, 10),
-        reservation_db_timeout_seconds=_float(
+        db_pool_max=env_int(env, "GATE_DB_POOL_MAX", 32, 2, 1000),
+        db_connect_timeout_seconds=env_float(env, "GATE_DB_CONNECT_TIMEOUT_SECONDS", 3.0, 0.1, 60),
+        db_lock_wait_seconds=env_int(env, "GATE_DB_LOCK_WAIT_SECONDS", 5, 1, 120),
+        db_retry_max=env_int(env, "GATE_DB_RETRY_MAX", 3, 1, 10),
+        reservation_db_timeout_seconds=env_float(
             env, "GATE_RESERVATION_DB_TIMEOUT_SECONDS", 10.0, 0.1, 120
         ),
-        redis_pool_max=_int(env, "GATE_REDIS_POOL_MAX", 64, 1, 10_000),
-        redis_timeout_seconds=_float(env, "GATE_REDIS_TIMEOUT_SECONDS", 2.0, 0.01, 60),
-        redis_pipeline_max=_int(env, "GATE_REDIS_PIPELINE_MAX", 512, 1, 100_000),
-        idempotency_ttl_seconds=_int(env, "GATE_IDEMPOTENCY_TTL_SECONDS", 86_400, 86_400, 10**8),
-        inflight_max_seconds=_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),
-        janitor_batch_max=_int(env, "GATE_JANITOR_BATCH_MAX", 500, 1, 100_000),
-        janitor_interval_seconds=_float(env, "GATE_JANITOR_INTERVAL_SECONDS", 1.0, 0.05, 60),
-        resync_interval_seconds=_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
-        jwt_cache_max=_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
+        redis_pool_max=env_int(env, "GATE_REDIS_POOL_MAX", 64, 1, 10_000),
+        redis_timeout_seconds=env_float(env, "GATE_REDIS_TIMEOUT_SECONDS", 2.0, 0.01, 60),
+        redis_pipeline_max=env_int(env, "GATE_REDIS_PIPELINE_MAX", 512, 1, 100_000),
+        idempotency_ttl_seconds=env_int(env, "GATE_IDEMPOTENCY_TTL_SECONDS", 86_400, 86_400, 10**8),
+        inflight_max_seconds=env_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),
+        janitor_batch_max=env_int(env, "GATE_JANITOR_BATCH_MAX", 500, 1, 100_000),
+        janitor_interval_seconds=env_float(env, "GATE_JANITOR_INTERVAL_SECONDS", 1.0, 0.05, 60),
+        resync_interval_seconds=env_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
+        jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
         body_max_bytes=4096,
-        run_background=_bool(env, "GATE_BACKGROUND", True),
-        auto_migrate=_bool(env, "GATE_AUTO_MIGRATE", True),
+        run_background=env_bool(env, "GATE_BACKGROUND", True),
+        auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),
         log_level=env.get("GATE_LOG_LEVEL", "INFO").upper(),
+        environ=MappingProxyType(dict(env)),
     )
     # The janitor treats a token older than inflight_max_seconds as orphaned; a live
     # request must therefore always finish (or give up) well before that age.

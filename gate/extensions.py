@@ -1,0 +1,47 @@
+"""How an area of the gate (payments, expiry, operations…) plugs into the process.
+
+Each area module exposes `install(gate) -> Extension` and, if it has commands,
+`add_commands(subparsers) -> None`. The core wires every area listed in
+`AREAS` into the HTTP app, the background workers and the `gate` command, so an
+area never edits the core's files to add a route, a loop or a command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from starlette.middleware import Middleware
+from starlette.routing import BaseRoute
+
+if TYPE_CHECKING:
+    from gate.runtime import Gate
+
+Worker = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
+
+# Area modules, in installation order.
+AREAS = ("gate.payments", "gate.expiry", "gate.ops")
+
+
+@dataclass
+class Extension:
+    name: str
+    routes: list[BaseRoute] = field(default_factory=list)
+    # Background loops run by `gate serve` (unless --no-background): each gets the
+    # stop event and must return soon after it is set.
+    workers: list[Worker] = field(default_factory=list)
+    middleware: list[Middleware] = field(default_factory=list)
+    on_start: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+def area_modules() -> list[ModuleType]:
+    return [importlib.import_module(name) for name in AREAS]
+
+
+def install_all(gate: Gate) -> list[Extension]:
+    return [module.install(gate) for module in area_modules()]
