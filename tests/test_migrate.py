@@ -16,13 +16,15 @@ from gate.settings import MysqlTarget, Settings
 
 @pytest.fixture
 async def scratch(settings: Settings) -> MysqlTarget:
+    # Named after the suite's own database, so parallel suites never share it.
+    name = f"{settings.mysql.database}_mig"
     target = MysqlTarget.parse(
-        f"mysql://{settings.mysql.user}@{settings.mysql.host}:{settings.mysql.port}/gate_test_mig"
+        f"mysql://{settings.mysql.user}@{settings.mysql.host}:{settings.mysql.port}/{name}"
     )
     conn = await aiomysql.connect(**connect_kwargs(target, 5, with_db=False))
     async with conn.cursor() as cur:
         await cur.execute("SET SESSION sql_notes = 0")
-        await cur.execute("DROP DATABASE IF EXISTS gate_test_mig")
+        await cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
     conn.close()
     return target
 
