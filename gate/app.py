@@ -19,9 +19,10 @@ from gate import orders, validate
 from gate.db import DbUnavailable
 from gate.errors import Problem, invalid, not_found, overloaded
 from gate.http import json_response, read_json
+from gate.limits import client_ip, device_id
 from gate.logs import configure
 from gate.metrics import METRICS
-from gate.reservations import MAX_QUANTITY
+from gate.reservations import MAX_QUANTITY, ReserveRequest
 from gate.runtime import Gate
 from gate.settings import Settings, load_settings
 
@@ -51,6 +52,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
+    """Ready when Redis and the database answer; the body also reports degraded
+    states (an open circuit, a saturated pool) that do not stop the gate serving."""
     gate = _gate(request)
     checks: dict[str, str] = {}
 
@@ -66,10 +69,19 @@ async def readyz(request: Request) -> Response:
             checks[name] = "ok"
         except Exception as exc:
             checks[name] = f"unavailable: {type(exc).__name__}"
+    pool = gate.db.pool_stats()
+    details = {
+        "redis_circuit": gate.reservations.breaker.state,
+        "db_pool": pool,
+    }
+    degraded = gate.reservations.breaker.state != "closed" or (
+        pool["reservation_in_use"] >= pool["reservation_max"]
+    )
     if all(v == "ok" for v in checks.values()):
-        return json_response({"status": "ready", "checks": checks})
+        status = "degraded" if degraded else "ready"
+        return json_response({"status": status, "checks": checks, **details})
     return Problem(
-        "OVERLOADED", "A dependency is unavailable.", extra={"checks": checks}
+        "OVERLOADED", "A dependency is unavailable.", extra={"checks": checks, **details}
     ).response()
 
 
@@ -96,9 +108,14 @@ async def reserve(request: Request) -> Response:
         user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
         deal_id = _deal_id(request)
         key = validate.idempotency_key(request.headers.get("idempotency-key"))
+        device = device_id(request.headers.get("x-device-id"))
         body = validate.obj(await read_json(request, gate.settings.body_max_bytes))
         quantity = validate.integer(body, "quantity", 1, MAX_QUANTITY)
-        result = await gate.reservations.reserve(deal_id, user_id, quantity, key)
+        peer = request.client.host if request.client else None
+        ip = client_ip(peer, request.headers.get("x-forwarded-for"), gate.settings.trusted_proxies)
+        result = await gate.reservations.reserve(
+            ReserveRequest(deal_id, user_id, quantity, key, ip, device)
+        )
     except Problem as problem:
         outcome = problem.code
         raise

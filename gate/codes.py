@@ -21,6 +21,14 @@ class AdmitCode(IntEnum):
     REPLAY = 6
     IN_PROGRESS = 7
     MISMATCH = 8
+    RATE_LIMITED = 9
+
+
+class LimitCode(IntEnum):
+    """lua/limit.lua"""
+
+    OK = 0
+    RATE_LIMITED = 1
 
 
 class SyncCode(IntEnum):

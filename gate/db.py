@@ -17,11 +17,32 @@ from typing import Any, TypeVar
 
 import aiomysql
 import pymysql
+from prometheus_client import Counter, Gauge
 from pymysql.constants import CLIENT
 
+from gate.metrics import METRICS
 from gate.settings import MysqlTarget, Settings
 
 log = logging.getLogger("gate.db")
+
+POOL_IN_USE = Gauge(
+    "gate_db_pool_in_use",
+    "Database connections checked out of the pool.",
+    registry=METRICS.registry,
+    multiprocess_mode="livesum",
+)
+POOL_WAITING = Gauge(
+    "gate_db_pool_waiting",
+    "Reservations waiting for their share of the database pool.",
+    registry=METRICS.registry,
+    multiprocess_mode="livesum",
+)
+POOL_REFUSED = Counter(
+    "gate_db_pool_refused_total",
+    "Requests refused because no database connection was free in time.",
+    ["use"],
+    registry=METRICS.registry,
+)
 
 T = TypeVar("T")
 
@@ -113,6 +134,12 @@ class Database:
         self.pool_max = pool_max or settings.db_pool_max
         self.pool: aiomysql.Pool | None = None
         self.init_sql = ""
+        # Reservations may hold only this many connections at once: the rest of the
+        # pool stays free for callbacks, cancels and reads however hot the sale.
+        self.reservation_max = min(settings.db_reservation_pool_max, self.pool_max)
+        self._reservation_slots = asyncio.Semaphore(self.reservation_max)
+        self.reservations_in_use = 0
+        self.reservations_waiting = 0
 
     async def start(self) -> None:
         version = await server_version(
@@ -134,23 +161,49 @@ class Database:
             self.pool = None
 
     @asynccontextmanager
+    async def reservation_connection(self) -> AsyncIterator[Any]:
+        """A connection from the reservations' share of the pool, or DbUnavailable
+        after a short wait: a saturated database answers 503 at once."""
+        wait = self.settings.db_reservation_acquire_seconds
+        self.reservations_waiting += 1
+        POOL_WAITING.inc()
+        try:
+            async with asyncio.timeout(wait):
+                await self._reservation_slots.acquire()
+        except TimeoutError:
+            POOL_REFUSED.labels("reservation").inc()
+            raise DbUnavailable("the reservations' share of the database pool is busy") from None
+        finally:
+            self.reservations_waiting -= 1
+            POOL_WAITING.dec()
+        self.reservations_in_use += 1
+        try:
+            async with self.connection(wait) as conn:
+                yield conn
+        finally:
+            self.reservations_in_use -= 1
+            self._reservation_slots.release()
+
+    @asynccontextmanager
     async def connection(self, timeout_seconds: float | None = None) -> AsyncIterator[Any]:
         """A pooled connection; a broken one is closed instead of returned."""
         assert self.pool is not None, "database not started"
         wait = (
             timeout_seconds
             if timeout_seconds is not None
-            else self.settings.db_connect_timeout_seconds
+            else self.settings.db_acquire_timeout_seconds
         )
         try:
             conn = await asyncio.wait_for(self.pool.acquire(), wait)
         except TimeoutError as exc:
+            POOL_REFUSED.labels("other" if timeout_seconds is None else "reservation").inc()
             raise DbUnavailable("no database connection available in time") from exc
         except Exception as exc:
             if is_connection_error(exc) or isinstance(exc, pymysql.err.OperationalError):
                 raise DbUnavailable(f"database unreachable: {exc}") from exc
             raise
         broken = False
+        POOL_IN_USE.inc()
         try:
             yield conn
         except BaseException as exc:
@@ -164,6 +217,7 @@ class Database:
                     broken = True
             raise
         finally:
+            POOL_IN_USE.dec()
             if broken:
                 conn.close()
             self.pool.release(conn)
@@ -205,6 +259,17 @@ class Database:
                 pass
             return tuple(row) if row is not None else None
 
+    def pool_stats(self) -> dict[str, int]:
+        pool = self.pool
+        return {
+            "size": pool.size if pool else 0,
+            "free": pool.freesize if pool else 0,
+            "max": self.pool_max,
+            "reservation_in_use": self.reservations_in_use,
+            "reservation_max": self.reservation_max,
+            "reservation_waiting": self.reservations_waiting,
+        }
+
     async def retrying(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run `attempt` again after a deadlock or lock-wait timeout, bounded, jittered."""
         tries = self.settings.db_retry_max
@@ -215,6 +280,7 @@ class Database:
                 if not is_retryable(exc) or i == tries - 1:
                     raise
                 log.info("retrying after errno %s (attempt %d)", errno_of(exc), i + 1)
+                METRICS.db_retries.labels(str(errno_of(exc))).inc()
                 await asyncio.sleep(random.uniform(0.002, 0.02) * (2**i))
         raise AssertionError("unreachable")
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from gate import validate
 from gate.alloc import parse_alloc
 from gate.check import check_deal
@@ -219,7 +221,18 @@ class Deals:
 
     async def public_view(self, deal_id: int) -> dict[str, Any]:
         deal = await self._cached(deal_id)
-        remaining = await self.mirror.available(deal_id)
+        try:
+            remaining = await self.mirror.available(deal_id)
+        except RedisError as exc:
+            # Redis is in trouble: the database still knows the answer, at a higher
+            # price, and this view is a hint anyway.
+            log.warning("deal %s: Redis unavailable for the deal view: %r", deal_id, exc)
+            row = await self.db.fetchone(
+                "SELECT COALESCE(SUM(b.available), 0) FROM deal_buckets b JOIN deals d"
+                " ON d.id = b.deal_id AND d.layout_epoch = b.epoch WHERE b.deal_id = %s",
+                (deal_id,),
+            )
+            remaining = int(row[0]) if row else 0
         if remaining is None:
             raise not_found("deal")
         return deal.public(remaining)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # Deals whose Redis state is loaded; the janitor and the resync loop walk this set.
 # It lives outside any deal's slot and is only ever touched by plain commands.
 ACTIVE_DEALS = "gate:deals"
+# The global limiter of the reservation endpoint, in a slot of its own.
+GLOBAL_LIMIT = "{gate}:rl:global"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,16 @@ class DealKeys:
 
     def idempotency(self, user_id: int, key: str) -> str:
         return f"{self.tag}:k:{user_id}:{key}"
+
+    def limiters(self, user_id: int, ip: str, device: str | None) -> tuple[str, str, str, str]:
+        """The deal-slot limiter keys, in the KEYS order of admit.lua (deal, user,
+        ip, device); without a device id the device key is never touched."""
+        return (
+            f"{self.tag}:rl:d",
+            f"{self.tag}:rl:u:{user_id}",
+            f"{self.tag}:rl:i:{ip}",
+            f"{self.tag}:rl:v:{device or '-'}",
+        )
 
     @property
     def state(self) -> tuple[str, str, str, str, str, str]:

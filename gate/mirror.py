@@ -24,7 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gate.clock import epoch_ms
-from gate.codes import AdmitCode, SyncCode
+from gate.codes import SyncCode
 from gate.db import Database
 from gate.keys import ACTIVE_DEALS, DealKeys, deal_keys
 from gate.scripts import ScriptRunner
@@ -89,7 +89,7 @@ class Mirror:
 
     # -- reservations ----------------------------------------------------------------
 
-    async def admit(
+    def admit(
         self,
         keys: DealKeys,
         user_id: int,
@@ -98,9 +98,14 @@ class Mirror:
         token: str,
         start: int,
         idempotency_key: str,
-    ) -> tuple[AdmitCode, str]:
+        limiter_keys: tuple[str, str, str, str],
+        limiter_args: Sequence[int],
+    ) -> asyncio.Future[Any]:
+        """Queue the admission script (see lua/admit.lua); the future resolves to its
+        raw {code, detail}. Queued now, so calls made in the same event-loop turn
+        (the global limiter, say) travel in the same pipeline."""
         in_progress_ms = int(self.settings.inflight_max_seconds * 1000) + 60_000
-        code, detail = await self.runner.call(
+        return self.runner.call(
             "admit",
             (
                 keys.meta,
@@ -109,10 +114,19 @@ class Mirror:
                 keys.idempotency(user_id, idempotency_key),
                 keys.inflight,
                 keys.inflight_times,
+                *limiter_keys,
             ),
-            (user_id, quantity, fingerprint, token, start, in_progress_ms, idempotency_key),
+            (
+                user_id,
+                quantity,
+                fingerprint,
+                token,
+                start,
+                in_progress_ms,
+                idempotency_key,
+                *limiter_args,
+            ),
         )
-        return AdmitCode(int(code)), str(detail)
 
     async def confirm(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str

@@ -1,17 +1,23 @@
 """The reservation path: one Redis admission, one authoritative database transaction.
 
-    admit (Lua) ──rejected──> problem (no database work)
-        │ OK: units taken in Redis, in-flight token recorded
-        ▼
-    CALL gate_reserve (one round trip, one short transaction)
+    in-flight cap ──full──> 503
+    admit (Lua; the global limiter in the same pipeline)
+        ├─ rejected (sold out, not active, replay, limits…) ──> answer, no database work
+        └─ OK: units taken in Redis, admission token recorded
+    CALL gate_reserve (one round trip, one short transaction, on the reservations'
+    share of the pool)
         ├─ committed ──────────> confirm token ──> 201
         ├─ refused (sold out in the database, quota, duplicate key…) ──> compensate
-        ├─ failed (database down, statement error) ──> compensate ──> 503
+        ├─ failed (database busy or down, statement error) ──> compensate ──> 503
         └─ unknown (connection lost mid-commit) ──> make sure the server thread has
            ended, look the order up by id ──> confirm or compensate
 
-Compensation gives units back only if it is the call that removes the token, so
-the request, a retry and the janitor can never give back the same units twice.
+Compensation gives units back only if it is the call that removes the token, so the
+request, a retry and the janitor can never give back the same units twice.
+
+When Redis is failing, a circuit breaker stops calling it; reservations then answer
+503 (policy "reject", the default: the database is never stampeded) or go straight
+to the database behind a small per-process cap (policy "database").
 """
 
 from __future__ import annotations
@@ -24,19 +30,47 @@ from dataclasses import dataclass
 from typing import Any
 
 import pymysql
+from prometheus_client import Counter, Histogram
 
 from gate import orders
 from gate.alloc import normalise_alloc
+from gate.breaker import Breaker
 from gate.clock import iso
-from gate.codes import AdmitCode, DbCode
+from gate.codes import AdmitCode, DbCode, LimitCode
 from gate.db import Database, DbUnavailable, OutcomeUnknown, is_connection_error
 from gate.errors import Problem, from_admit, from_db, not_found, overloaded
-from gate.keys import DealKeys, deal_keys
+from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys
+from gate.limits import LimitSpec, rate_limited
+from gate.metrics import METRICS
 from gate.mirror import Mirror
+from gate.settings import Settings
 
 log = logging.getLogger("gate.reservations")
 
 MAX_QUANTITY = 1_000_000
+
+TRANSACTION_SECONDS = Histogram(
+    "gate_db_transaction_seconds",
+    "Duration of the reservation transaction (one CALL round trip).",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    registry=METRICS.registry,
+)
+RATE_LIMITED = Counter(
+    "gate_rate_limited_total",
+    "Reservations refused by a rate limiter, by scope.",
+    ["scope"],
+    registry=METRICS.registry,
+)
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    deal_id: int
+    user_id: int
+    quantity: int
+    idempotency_key: str
+    ip: str
+    device: str | None
 
 
 @dataclass(frozen=True)
@@ -50,143 +84,221 @@ def fingerprint(deal_id: int, quantity: int) -> str:
     return hashlib.sha256(f"reserve:{deal_id}:{quantity}".encode()).hexdigest()[:32]
 
 
+def _limiter_args(specs: tuple[LimitSpec | None, ...]) -> list[int]:
+    args: list[int] = []
+    for spec in specs:
+        args.extend((spec.emission_ms, spec.burst) if spec else (0, 0))
+    return args
+
+
 class Reservations:
-    def __init__(self, db: Database, mirror: Mirror, timeout_seconds: float) -> None:
+    def __init__(self, settings: Settings, db: Database, mirror: Mirror) -> None:
+        self.settings = settings
         self.db = db
         self.mirror = mirror
-        self.timeout_seconds = timeout_seconds
+        self.timeout_seconds = settings.reservation_db_timeout_seconds
+        self.breaker = Breaker(
+            "redis", settings.redis_breaker_failures_max, settings.redis_breaker_open_seconds
+        )
+        self._scoped = (
+            settings.limit_deal,
+            settings.limit_user,
+            settings.limit_ip,
+            settings.limit_device,
+        )
+        self._scoped_args = _limiter_args(self._scoped)
+        self._any_limit = any(self._scoped) or settings.limit_global is not None
+        self._inflight = 0
+        self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
 
-    async def reserve(
-        self, deal_id: int, user_id: int, quantity: int, idempotency_key: str
-    ) -> Reserved:
-        assert 1 <= quantity <= MAX_QUANTITY, "quantity is validated before the gate"
-        keys = deal_keys(deal_id)
-        fp = fingerprint(deal_id, quantity)
+    async def reserve(self, req: ReserveRequest) -> Reserved:
+        assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
+        if self._inflight >= self.settings.reservation_inflight_max:
+            raise overloaded("Too many reservations in progress; retry shortly.")
+        self._inflight += 1
+        try:
+            if not self.breaker.allow():
+                return await self._without_redis(req)
+            return await self._reserve(req)
+        finally:
+            self._inflight -= 1
+
+    async def _reserve(self, req: ReserveRequest) -> Reserved:
+        keys = deal_keys(req.deal_id)
+        fp = fingerprint(req.deal_id, req.quantity)
         token = orders.new_id()
         start = random.getrandbits(30)
 
-        code, detail = await self._admit(keys, user_id, quantity, fp, token, start, idempotency_key)
+        code, detail, global_ok = await self._admit(keys, req, fp, token, start)
         if code == AdmitCode.NOT_LOADED:
             try:
-                found = await self.mirror.load(deal_id)
+                found = await self.mirror.load(req.deal_id)
             except DbUnavailable:
                 raise overloaded("Database unavailable; retry shortly.") from None
             if not found:
                 raise not_found("deal")
-            code, detail = await self._admit(
-                keys, user_id, quantity, fp, token, start, idempotency_key
-            )
+            code, detail, global_ok = await self._admit(keys, req, fp, token, start)
             if code == AdmitCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
         if code == AdmitCode.REPLAY:
-            return await self._replay(detail, user_id, fp)
+            return await self._replay(detail, req.user_id, fp)
+        if code == AdmitCode.RATE_LIMITED:
+            scope, wait_ms = detail.split("|")
+            raise self._limited(scope, int(wait_ms))
         if code != AdmitCode.OK:
             raise from_admit(code, detail)
+        if global_ok is not None:
+            # The global limiter ran in the same pipeline; if it refused, give back
+            # what the admission took before anything reaches the database.
+            await self._compensate(keys, req, token)
+            raise self._limited("global", global_ok)
 
         alloc = normalise_alloc(detail)
         try:
-            row = await self._transaction(
-                token, deal_id, user_id, quantity, alloc, idempotency_key, fp
-            )
+            row = await self._transaction(token, req, alloc, fp)
         except OutcomeUnknown as exc:
-            row = await self._resolve_unknown(exc, keys, user_id, idempotency_key, token)
+            row = await self._resolve_unknown(exc, keys, req, token, redis=True)
         except Exception as exc:
             if not isinstance(exc, DbUnavailable | pymysql.err.MySQLError | TimeoutError):
                 log.exception("reservation transaction failed unexpectedly")
-            await self._compensate(keys, user_id, idempotency_key, token)
+            await self._compensate(keys, req, token)
             raise overloaded("Database unavailable; retry shortly.") from None
 
         db_code = DbCode(int(row[0]))
         if db_code == DbCode.OK:
-            committed_alloc = str(row[1])
             try:
                 await self.mirror.confirm(
-                    keys, user_id, idempotency_key, token, fp, committed_alloc
+                    keys, req.user_id, req.idempotency_key, token, fp, str(row[1])
                 )
+                self.breaker.success()
             except Exception as exc:
                 # The order is committed; the janitor confirms the token later.
+                self.breaker.failure()
                 log.warning("order %s committed but not confirmed in Redis: %r", token, exc)
-            unit_price = int(row[4])
-            body = {
-                "order_id": token,
-                "status": "PENDING_PAYMENT",
-                "deal_id": deal_id,
-                "quantity": quantity,
-                "unit_price": unit_price,
-                "amount": unit_price * quantity,
-                "currency": str(row[5]),
-                "expires_at": iso(row[2]),
-            }
-            return Reserved(body, replayed=False)
+            return Reserved(self._body(token, req, row), replayed=False)
 
-        await self._compensate(keys, user_id, idempotency_key, token)
+        await self._compensate(keys, req, token)
         if db_code == DbCode.DUPLICATE:
-            existing = await orders.by_idempotency_key(self.db, user_id, idempotency_key)
-            if existing is None:
-                raise Problem(
-                    "IDEMPOTENCY_IN_PROGRESS",
-                    "A request with this Idempotency-Key is still in progress.",
-                )
-            if existing.fingerprint != fp:
-                raise Problem(
-                    "IDEMPOTENCY_MISMATCH",
-                    "This Idempotency-Key was used with a different request.",
-                )
-            return Reserved(existing.reservation_body(), replayed=True)
+            return await self._existing(req, fp)
         if db_code == DbCode.SOLD_OUT:
-            log.info("deal %s: Redis admitted but the database is sold out (drift)", deal_id)
+            log.info("deal %s: Redis admitted but the database is sold out", req.deal_id)
         raise from_db(db_code)
 
     async def _admit(
-        self,
-        keys: DealKeys,
-        user_id: int,
-        quantity: int,
-        fp: str,
-        token: str,
-        start: int,
-        idempotency_key: str,
-    ) -> tuple[AdmitCode, str]:
+        self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, start: int
+    ) -> tuple[AdmitCode, str, int | None]:
+        """Run the admission (and the global limiter in the same pipeline).
+        Returns the admission's code and detail, and the global limiter's retry
+        delay in ms when it refused (None when it admitted or is off)."""
+        admit = self.mirror.admit(
+            keys,
+            req.user_id,
+            req.quantity,
+            fp,
+            token,
+            start,
+            req.idempotency_key,
+            keys.limiters(req.user_id, req.ip, req.device),
+            self._scoped_args,
+        )
+        spec = self.settings.limit_global
+        limit = (
+            self.mirror.runner.call("limit", (GLOBAL_LIMIT,), (spec.emission_ms, spec.burst))
+            if spec
+            else None
+        )
         try:
-            return await self.mirror.admit(
-                keys, user_id, quantity, fp, token, start, idempotency_key
-            )
+            code, detail = await admit
         except Exception as exc:
             # Never re-run a script that may have run: if the admission did happen,
             # its token is in Redis and the janitor gives the units back.
+            self.breaker.failure()
+            if limit is not None:
+                await asyncio.gather(limit, return_exceptions=True)
             log.warning("admission failed for deal %s: %r", keys.deal_id, exc)
-            raise overloaded("Admission service unavailable; retry shortly.") from None
+            raise overloaded(
+                "Admission service unavailable; retry shortly.",
+                self.breaker.retry_after_seconds(),
+            ) from None
+        self.breaker.success()
+        refused: int | None = None
+        if limit is not None:
+            try:
+                limit_code, limit_detail = await limit
+                if LimitCode(int(limit_code)) == LimitCode.RATE_LIMITED:
+                    refused = int(limit_detail)
+            except Exception as exc:
+                log.warning("global limiter failed: %r", exc)
+                if not self.settings.limits_fail_open:
+                    refused = 1000
+        return AdmitCode(int(code)), str(detail), refused
+
+    def _limited(self, scope: str, wait_ms: int) -> Problem:
+        RATE_LIMITED.labels(scope).inc()
+        spec = {
+            "deal": self.settings.limit_deal,
+            "user": self.settings.limit_user,
+            "ip": self.settings.limit_ip,
+            "device": self.settings.limit_device,
+            "global": self.settings.limit_global,
+        }[scope]
+        assert spec is not None, f"limiter {scope} refused while off"
+        return rate_limited(scope, spec, wait_ms)
+
+    async def _without_redis(self, req: ReserveRequest) -> Reserved:
+        """Redis is failing (the breaker is open)."""
+        retry = self.breaker.retry_after_seconds()
+        if self.settings.redis_down_policy != "database":
+            raise overloaded("Reservations are paused while admission recovers.", retry)
+        if self._any_limit and not self.settings.limits_fail_open:
+            raise overloaded("Rate limits unavailable; reservations paused.", retry)
+        if self._direct_slots.locked():
+            raise overloaded("Database fallback at capacity; retry shortly.", retry)
+        async with self._direct_slots:
+            fp = fingerprint(req.deal_id, req.quantity)
+            token = orders.new_id()
+            # No Redis allocation: a random bucket, and the procedure falls over to
+            # the others. The resync loop brings Redis back once it answers.
+            alloc = f"{random.getrandbits(16)}:{req.quantity}"
+            try:
+                row = await self._transaction(token, req, alloc, fp)
+            except OutcomeUnknown as exc:
+                row = await self._resolve_unknown(
+                    exc, deal_keys(req.deal_id), req, token, redis=False
+                )
+            except (DbUnavailable, pymysql.err.MySQLError, TimeoutError):
+                raise overloaded("Database unavailable; retry shortly.") from None
+            db_code = DbCode(int(row[0]))
+            if db_code == DbCode.OK:
+                return Reserved(self._body(token, req, row), replayed=False)
+            if db_code == DbCode.DUPLICATE:
+                return await self._existing(req, fp)
+            raise from_db(db_code)
 
     async def _transaction(
-        self,
-        token: str,
-        deal_id: int,
-        user_id: int,
-        quantity: int,
-        alloc: str,
-        idempotency_key: str,
-        fp: str,
+        self, token: str, req: ReserveRequest, alloc: str, fp: str
     ) -> tuple[Any, ...]:
         thread: list[Any] = []
 
         async def attempt() -> tuple[Any, ...]:
-            async with self.db.connection() as conn:
+            async with self.db.reservation_connection() as conn:
                 thread[:] = [conn.thread_id(), conn.connected_time]
                 try:
-                    row = await self.db.call(
-                        conn,
-                        "CALL gate_reserve(%s, %s, %s, %s, %s, %s, %s, %s)",
-                        (
-                            token,
-                            deal_id,
-                            user_id,
-                            quantity,
-                            alloc,
-                            idempotency_key,
-                            fp,
-                            f"user:{user_id}",
-                        ),
-                    )
+                    with TRANSACTION_SECONDS.time():
+                        row = await self.db.call(
+                            conn,
+                            "CALL gate_reserve(%s, %s, %s, %s, %s, %s, %s, %s)",
+                            (
+                                token,
+                                req.deal_id,
+                                req.user_id,
+                                req.quantity,
+                                alloc,
+                                req.idempotency_key,
+                                fp,
+                                f"user:{req.user_id}",
+                            ),
+                        )
                 except Exception as exc:
                     if is_connection_error(exc):
                         raise OutcomeUnknown(thread[0], thread[1], exc) from exc
@@ -202,7 +314,13 @@ class Reservations:
             raise DbUnavailable("timed out waiting for a database connection") from exc
 
     async def _resolve_unknown(
-        self, exc: OutcomeUnknown, keys: DealKeys, user_id: int, idempotency_key: str, token: str
+        self,
+        exc: OutcomeUnknown,
+        keys: DealKeys,
+        req: ReserveRequest,
+        token: str,
+        *,
+        redis: bool,
     ) -> tuple[Any, ...]:
         """The connection broke mid-transaction: find out whether it committed."""
         log.warning("reservation %s: outcome unknown (%r); resolving", token, exc.cause)
@@ -215,11 +333,15 @@ class Reservations:
         except Exception as lookup_exc:
             # Cannot tell yet. Leave the token: the janitor resolves it against the
             # database once it answers, and never gives units back for a committed order.
+            METRICS.unknown_outcomes.labels("deferred").inc()
             log.warning("reservation %s unresolved, left to the janitor: %r", token, lookup_exc)
             raise overloaded("Database unavailable; retry shortly.") from None
         if order is None:
-            await self._compensate(keys, user_id, idempotency_key, token)
+            METRICS.unknown_outcomes.labels("rolled_back").inc()
+            if redis:
+                await self._compensate(keys, req, token)
             raise overloaded("Database connection lost; the reservation was not made.")
+        METRICS.unknown_outcomes.labels("committed").inc()
         return (
             int(DbCode.OK),
             order.alloc,
@@ -229,13 +351,42 @@ class Reservations:
             order.currency,
         )
 
-    async def _compensate(
-        self, keys: DealKeys, user_id: int, idempotency_key: str, token: str
-    ) -> None:
+    async def _compensate(self, keys: DealKeys, req: ReserveRequest, token: str) -> None:
         try:
-            await self.mirror.compensate(keys, user_id, idempotency_key, token)
+            if await self.mirror.compensate(keys, req.user_id, req.idempotency_key, token):
+                METRICS.compensations.inc()
         except Exception as exc:
+            self.breaker.failure()
             log.warning("compensation of %s deferred to the janitor: %r", token, exc)
+
+    @staticmethod
+    def _body(token: str, req: ReserveRequest, row: tuple[Any, ...]) -> dict[str, Any]:
+        unit_price = int(row[4])
+        return {
+            "order_id": token,
+            "status": "PENDING_PAYMENT",
+            "deal_id": req.deal_id,
+            "quantity": req.quantity,
+            "unit_price": unit_price,
+            "amount": unit_price * req.quantity,
+            "currency": str(row[5]),
+            "expires_at": iso(row[2]),
+        }
+
+    async def _existing(self, req: ReserveRequest, fp: str) -> Reserved:
+        """The database already holds this buyer's key: a replay or a mismatch."""
+        existing = await orders.by_idempotency_key(self.db, req.user_id, req.idempotency_key)
+        if existing is None:
+            raise Problem(
+                "IDEMPOTENCY_IN_PROGRESS",
+                "A request with this Idempotency-Key is still in progress.",
+            )
+        if existing.fingerprint != fp:
+            raise Problem(
+                "IDEMPOTENCY_MISMATCH",
+                "This Idempotency-Key was used with a different request.",
+            )
+        return Reserved(existing.reservation_body(), replayed=True)
 
     async def _replay(self, order_id: str, user_id: int, fp: str) -> Reserved:
         try:

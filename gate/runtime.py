@@ -37,9 +37,7 @@ class Gate:
         )
         self.runner = ScriptRunner(self.redis, scripts, settings.redis_pipeline_max)
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
-        self.reservations = Reservations(
-            self.db, self.mirror, settings.reservation_db_timeout_seconds
-        )
+        self.reservations = Reservations(settings, self.db, self.mirror)
         self.deals = Deals(self.db, self.mirror)
         self.buyer_auth = BuyerAuth(settings.jwt_secret, settings.jwt_cache_max)
         self.admin_auth = AdminAuth(settings.admin_token)

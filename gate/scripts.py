@@ -10,20 +10,51 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter, Histogram
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gate.metrics import METRICS
 
 log = logging.getLogger("gate.scripts")
 
+SCRIPT_SECONDS = Histogram(
+    "gate_redis_script_seconds",
+    "Time from queueing a script call to its result (pipeline round trip included).",
+    ["script"],
+    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+    registry=METRICS.registry,
+)
+REDIS_ERRORS = Counter(
+    "gate_redis_errors_total",
+    "Failed Redis script calls by kind (timeout, connection, script, other).",
+    ["kind"],
+    registry=METRICS.registry,
+)
+
+
+def error_kind(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError | RedisTimeoutError):
+        return "timeout"
+    if isinstance(exc, RedisConnectionError | ConnectionError | OSError):
+        return "connection"
+    if isinstance(exc, ResponseError):
+        return "script"
+    return "other"
+
+
 LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
-SCRIPT_NAMES = ("admit", "confirm", "compensate", "intend", "apply", "sync_deal")
+SCRIPT_NAMES = ("admit", "limit", "confirm", "compensate", "intend", "apply", "sync_deal")
 
 
 class ScriptMissing(RuntimeError):
@@ -58,7 +89,7 @@ def read_scripts(directory: Path | None = None) -> dict[str, Script]:
     return scripts
 
 
-_Call = tuple[Script, Sequence[str], Sequence[Any], "asyncio.Future[Any]"]
+_Call = tuple[Script, Sequence[str], Sequence[Any], "asyncio.Future[Any]", float]
 
 
 class ScriptRunner:
@@ -84,7 +115,7 @@ class ScriptRunner:
     def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((self.scripts[name], keys, args, fut))
+        self._pending.append((self.scripts[name], keys, args, fut, time.perf_counter()))
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
@@ -104,7 +135,9 @@ class ScriptRunner:
         try:
             results = await self._execute(batch)
         except BaseException as exc:  # the whole pipeline failed: every caller learns why
-            for *_, fut in batch:
+            REDIS_ERRORS.labels(error_kind(exc)).inc(len(batch))
+            for call in batch:
+                fut = call[3]
                 if not fut.done():
                     fut.set_exception(exc if isinstance(exc, Exception) else RedisError(str(exc)))
             if not isinstance(exc, Exception):
@@ -120,25 +153,29 @@ class ScriptRunner:
             await self.load()
             results = await self._execute(retry)
         except Exception as exc:
-            for *_, fut in retry:
-                if not fut.done():
-                    fut.set_exception(exc)
+            for call in retry:
+                if not call[3].done():
+                    call[3].set_exception(exc)
             return
-        for *_, fut in self._deliver(retry, results):
-            if not fut.done():
-                fut.set_exception(NoScriptError("script missing after reload"))
+        for call in self._deliver(retry, results):
+            if not call[3].done():
+                call[3].set_exception(NoScriptError("script missing after reload"))
 
     @staticmethod
     def _deliver(batch: list[_Call], results: list[Any]) -> list[_Call]:
         """Hand each caller its result; return the calls that met NOSCRIPT."""
         missing: list[_Call] = []
+        now = time.perf_counter()
         for call, result in zip(batch, results, strict=True):
             fut = call[3]
             if fut.done():
                 continue
             if isinstance(result, NoScriptError):
                 missing.append(call)
-            elif isinstance(result, Exception):
+                continue
+            SCRIPT_SECONDS.labels(call[0].name).observe(now - call[4])
+            if isinstance(result, Exception):
+                REDIS_ERRORS.labels(error_kind(result)).inc()
                 fut.set_exception(result)
             else:
                 fut.set_result(result)
@@ -146,7 +183,7 @@ class ScriptRunner:
 
     async def _execute(self, batch: list[_Call]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for script, keys, args, _ in batch:
+        for script, keys, args, _, _ in batch:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
         return list(await pipe.execute(raise_on_error=False))
 

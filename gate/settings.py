@@ -11,10 +11,23 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
+from gate.limits import SCOPES, LimitError, LimitSpec, Network, parse_limit, parse_networks
+
 DEV_JWT_SECRET = "gate-dev-jwt-secret-not-for-production-000000"
 DEV_ADMIN_TOKEN = "gate-dev-admin-token"
 # base64 of "gate-dev-webhook-secret-0123456789"
 DEV_WEBHOOK_SECRET = "whsec_Z2F0ZS1kZXYtd2ViaG9vay1zZWNyZXQtMDEyMzQ1Njc4OQ=="
+
+
+# A per-deal buyer limit is on by default (no human clicks 20 times a second); the
+# others depend on the deployment (shared NAT addresses, device ids) and are opt-in.
+DEFAULT_LIMITS = {
+    "deal": "off",
+    "user": "20/s burst 40",
+    "ip": "off",
+    "device": "off",
+    "global": "off",
+}
 
 
 class SettingsError(ValueError):
@@ -128,10 +141,33 @@ class Settings:
     db_retry_max: int = 3
     reservation_db_timeout_seconds: float = 10.0
 
-    # Redis bounds.
+    # Redis bounds and what happens when Redis is in trouble.
     redis_pool_max: int = 64
-    redis_timeout_seconds: float = 2.0
+    redis_timeout_seconds: float = 0.5
     redis_pipeline_max: int = 512
+    redis_breaker_failures_max: int = 5
+    redis_breaker_open_seconds: float = 2.0
+    # "reject": reservations answer 503 while Redis is unavailable (the database is
+    # never stampeded); "database": they go straight to the database, at most
+    # redis_down_db_concurrency_max at a time per process.
+    redis_down_policy: str = "reject"
+    redis_down_db_concurrency_max: int = 4
+    limits_fail_open: bool = False
+
+    # Rate limits (None: off) and who may tell us the client's address.
+    limit_deal: LimitSpec | None = None
+    limit_user: LimitSpec | None = None
+    limit_ip: LimitSpec | None = None
+    limit_device: LimitSpec | None = None
+    limit_global: LimitSpec | None = None
+    trusted_proxies: tuple[Network, ...] = ()
+
+    # Bulkheads: reservations may use only part of the pool and wait only briefly
+    # for it, so callbacks, cancels and reads always find a connection.
+    db_reservation_pool_max: int = 24
+    db_reservation_acquire_seconds: float = 1.0
+    db_acquire_timeout_seconds: float = 2.0
+    reservation_inflight_max: int = 1024
 
     # Reservation protocol bounds.
     idempotency_ttl_seconds: int = 86_400
@@ -182,6 +218,26 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         if not s.reveal().startswith("whsec_"):
             raise SettingsError("GATE_WEBHOOK_SECRET entries must look like whsec_<base64>")
 
+    try:
+        limits = {
+            scope: parse_limit(
+                f"GATE_LIMIT_{scope.upper()}",
+                env.get(f"GATE_LIMIT_{scope.upper()}"),
+                DEFAULT_LIMITS[scope],
+            )
+            for scope in SCOPES
+        }
+        trusted = parse_networks("GATE_TRUSTED_PROXIES", env.get("GATE_TRUSTED_PROXIES"))
+    except LimitError as exc:
+        raise SettingsError(str(exc)) from None
+    down_policy = env.get("GATE_REDIS_DOWN_POLICY", "reject").strip().lower() or "reject"
+    if down_policy not in ("reject", "database"):
+        raise SettingsError("GATE_REDIS_DOWN_POLICY must be 'reject' or 'database'")
+    limits_on_error = env.get("GATE_LIMITS_ON_REDIS_ERROR", "closed").strip().lower() or "closed"
+    if limits_on_error not in ("open", "closed"):
+        raise SettingsError("GATE_LIMITS_ON_REDIS_ERROR must be 'open' or 'closed'")
+    pool_max = env_int(env, "GATE_DB_POOL_MAX", 32, 2, 1000)
+
     redis_url = env.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise SettingsError("GATE_REDIS_URL must start with redis://, rediss:// or unix://")
@@ -195,7 +251,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         admin_token=Secret(admin_token),
         webhook_secrets=webhook_secrets,
         dev_secrets_used=tuple(dev_used),
-        db_pool_max=env_int(env, "GATE_DB_POOL_MAX", 32, 2, 1000),
+        db_pool_max=pool_max,
         db_connect_timeout_seconds=env_float(env, "GATE_DB_CONNECT_TIMEOUT_SECONDS", 3.0, 0.1, 60),
         db_lock_wait_seconds=env_int(env, "GATE_DB_LOCK_WAIT_SECONDS", 5, 1, 120),
         db_retry_max=env_int(env, "GATE_DB_RETRY_MAX", 3, 1, 10),
@@ -203,7 +259,30 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             env, "GATE_RESERVATION_DB_TIMEOUT_SECONDS", 10.0, 0.1, 120
         ),
         redis_pool_max=env_int(env, "GATE_REDIS_POOL_MAX", 64, 1, 10_000),
-        redis_timeout_seconds=env_float(env, "GATE_REDIS_TIMEOUT_SECONDS", 2.0, 0.01, 60),
+        redis_timeout_seconds=env_float(env, "GATE_REDIS_TIMEOUT_SECONDS", 0.5, 0.01, 60),
+        redis_breaker_failures_max=env_int(env, "GATE_REDIS_BREAKER_FAILURES", 5, 1, 10_000),
+        redis_breaker_open_seconds=env_float(
+            env, "GATE_REDIS_BREAKER_OPEN_SECONDS", 2.0, 0.05, 600
+        ),
+        redis_down_policy=down_policy,
+        redis_down_db_concurrency_max=env_int(
+            env, "GATE_REDIS_DOWN_DB_CONCURRENCY_MAX", 4, 1, 1000
+        ),
+        limits_fail_open=limits_on_error == "open",
+        limit_deal=limits["deal"],
+        limit_user=limits["user"],
+        limit_ip=limits["ip"],
+        limit_device=limits["device"],
+        limit_global=limits["global"],
+        trusted_proxies=trusted,
+        db_reservation_pool_max=env_int(
+            env, "GATE_DB_RESERVATION_POOL_MAX", max(1, pool_max * 3 // 4), 1, pool_max
+        ),
+        db_reservation_acquire_seconds=env_float(
+            env, "GATE_DB_RESERVATION_ACQUIRE_SECONDS", 1.0, 0.001, 60
+        ),
+        db_acquire_timeout_seconds=env_float(env, "GATE_DB_ACQUIRE_TIMEOUT_SECONDS", 2.0, 0.01, 60),
+        reservation_inflight_max=env_int(env, "GATE_RESERVATION_INFLIGHT_MAX", 1024, 1, 1_000_000),
         redis_pipeline_max=env_int(env, "GATE_REDIS_PIPELINE_MAX", 512, 1, 100_000),
         idempotency_ttl_seconds=env_int(env, "GATE_IDEMPOTENCY_TTL_SECONDS", 86_400, 86_400, 10**8),
         inflight_max_seconds=env_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),

@@ -2,7 +2,9 @@
   admit: one reservation attempt's whole Redis part, in one call.
 
   Checks, in order of cost: the deal is loaded, the idempotency fast path, the sale
-  window, the quantity bound, the sold-out state, the per-user quota; then takes
+  window, the quantity bound, the sold-out state (losers are answered before any
+  limiter runs), the rate limiters of this deal's slot (GCRA on Redis TIME, all or
+  nothing: a refused request consumes no limiter), the per-user quota; then takes
   the quantity from the buckets (random start, falling over to the others; a
   quantity may span buckets) and records an in-flight token next to the decrement,
   so that the decrement can later be confirmed or given back exactly once.
@@ -13,6 +15,10 @@
   KEYS[4] idempotency     string {d:ID}:k:USER:KEY  "P|fp|token" or "D|fp|order id"
   KEYS[5] inflight        hash   {d:ID}:f     token -> "T|user|qty|alloc|ms|key|fp"
   KEYS[6] inflight_times  zset   {d:ID}:ft    token -> admission time (ms)
+  KEYS[7] limit: deal     string {d:ID}:rl:d          theoretical arrival time (ms)
+  KEYS[8] limit: user     string {d:ID}:rl:u:USER     (idem)
+  KEYS[9] limit: ip       string {d:ID}:rl:i:IP       (idem)
+  KEYS[10] limit: device  string {d:ID}:rl:v:DEVICE   (idem)
 
   ARGV[1] user id
   ARGV[2] quantity (integer >= 1, checked by the caller)
@@ -21,6 +27,8 @@
   ARGV[5] random non-negative integer choosing the start bucket
   ARGV[6] in-progress marker TTL (ms)
   ARGV[7] idempotency key (raw, as sent by the buyer)
+  ARGV[8..15] per limiter of KEYS[7..10]: emission interval (ms), burst;
+          an interval of 0 turns that limiter off
 
   Returns {code, detail}:
     0 OK              detail = allocation "bucket:qty[,bucket:qty…]"
@@ -32,6 +40,7 @@
     6 REPLAY          detail = order id of the earlier request with this key
     7 IN_PROGRESS     an earlier request with this key is still running
     8 MISMATCH        this key was used with a different request
+    9 RATE_LIMITED    detail = "scope|retry after (ms)"
 ]]
 local meta = redis.call('HMGET', KEYS[1], 'nb', 'avail', 'start_ms', 'end_ms', 'max', 'limit')
 local nb = tonumber(meta[1])
@@ -73,6 +82,32 @@ local avail = tonumber(meta[2]) or 0
 if avail < qty then
   if avail < 0 then avail = 0 end
   return {2, tostring(avail)}
+end
+
+-- Rate limiters: judge every enabled scope first, write only if all admit.
+local scopes = {'deal', 'user', 'ip', 'device'}
+local tats = {}
+local worst_scope, worst_wait = nil, 0
+for i = 1, 4 do
+  local interval = tonumber(ARGV[6 + 2 * i])
+  if interval > 0 then
+    local burst = tonumber(ARGV[7 + 2 * i])
+    local tat = tonumber(redis.call('GET', KEYS[6 + i]) or '0')
+    if tat < now_ms then tat = now_ms end
+    local new_tat = tat + interval
+    local wait = new_tat - burst * interval - now_ms
+    if wait > 0 then
+      if wait > worst_wait then worst_scope, worst_wait = scopes[i], wait end
+    else
+      tats[i] = new_tat
+    end
+  end
+end
+if worst_scope then
+  return {9, worst_scope .. '|' .. worst_wait}
+end
+for i, new_tat in pairs(tats) do
+  redis.call('SET', KEYS[6 + i], new_tat, 'PX', new_tat - now_ms + 1000)
 end
 
 local user = ARGV[1]

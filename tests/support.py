@@ -61,6 +61,16 @@ def base_env() -> dict[str, str]:
             "GATE_JANITOR_INTERVAL_SECONDS": "0.2",
             "GATE_RESYNC_INTERVAL_SECONDS": "0.3",
             "GATE_LOG_LEVEL": "WARNING",
+            # Limits are off unless a test turns them on: many tests fire hundreds
+            # of requests from one address and a few buyers.
+            "GATE_LIMIT_DEAL": "off",
+            "GATE_LIMIT_USER": "off",
+            "GATE_LIMIT_IP": "off",
+            "GATE_LIMIT_DEVICE": "off",
+            "GATE_LIMIT_GLOBAL": "off",
+            # Correctness suites on a shared 2-core machine: admitted buyers may
+            # queue for the pool longer than production's 1 s before shedding.
+            "GATE_DB_RESERVATION_ACQUIRE_SECONDS": "5",
         }
     )
     return env
@@ -330,3 +340,79 @@ async def wait_for_reserve_statement(cur: Any, deal_id: int) -> int:
             return int(row[0])
         await asyncio.sleep(0.02)
     raise AssertionError("the reservation never reached the database")
+
+
+class TcpProxy:
+    """A real TCP proxy between a gate and a server, to cut or delay its traffic.
+
+    Modes: "pass" forwards bytes; "cut" closes every connection and refuses new
+    ones; "delay" forwards server-to-client bytes only after `delay_seconds`.
+    """
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self.mode = "pass"
+        self.delay_seconds = 0.0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delayed: bool
+    ) -> None:
+        try:
+            while data := await reader.read(65536):
+                if delayed and self.mode == "delay":
+                    await asyncio.sleep(self.delay_seconds)
+                if self.mode == "cut":
+                    break
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode == "cut":
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers.update((writer, up_writer))
+        await asyncio.gather(
+            self._pipe(reader, up_writer, delayed=False),
+            self._pipe(up_reader, writer, delayed=True),
+        )
+        self._writers.difference_update((writer, up_writer))
+
+    def cut(self) -> None:
+        self.mode = "cut"
+        for w in list(self._writers):
+            w.close()
+        self._writers.clear()
+
+    def restore(self) -> None:
+        self.mode = "pass"
+
+    def delay(self, seconds: float) -> None:
+        self.delay_seconds = seconds
+        self.mode = "delay"
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+def redis_via(env: Mapping[str, str], proxy: TcpProxy) -> str:
+    """The test Redis URL, rerouted through a proxy."""
+    db = env["GATE_REDIS_URL"].rsplit("/", 1)[1]
+    return f"redis://127.0.0.1:{proxy.port}/{db}"

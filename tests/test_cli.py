@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 
@@ -50,6 +51,8 @@ async def test_check_reports_and_exits_by_verdict(
     # Redis disagreeing with the database while nothing is in flight is a breach too.
     # (The resync loop repairs such drift within a second; keep it away from this deal.)
     await rds.srem(ACTIVE_DEALS, deal_id)
+    # A resync pass that read the deal list before the SREM may still be walking it.
+    await asyncio.sleep(2.0)
     await rds.hincrby(deal_keys(deal_id).buckets, "0", 2)
     await rds.hincrby(deal_keys(deal_id).meta, "avail", 2)
     drift = run(env, "check", "--deal", str(deal_id), "--json")
@@ -80,6 +83,17 @@ def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: objec
 
     out = run({**env, "GATE_WEBHOOK_SECRET": "not-a-whsec"}, "serve", "--port", "1")
     assert out.returncode == 2 and "whsec_" in out.stderr
+
+    for name, value, message in (
+        ("GATE_LIMIT_USER", "banana", "GATE_LIMIT_USER must be '<count>/<s|m|h>'"),
+        ("GATE_LIMIT_GLOBAL", "10/d", "GATE_LIMIT_GLOBAL must be"),
+        ("GATE_LIMIT_IP", "0/s", "count and burst must be between 1"),
+        ("GATE_TRUSTED_PROXIES", "10.0.0.0/8 nonsense", "'nonsense' is not an IP address"),
+        ("GATE_REDIS_DOWN_POLICY", "maybe", "GATE_REDIS_DOWN_POLICY must be"),
+    ):
+        out = run({**env, name: value}, "serve", "--port", "1")
+        assert out.returncode == 2, (name, out.stderr)
+        assert message in out.stderr, (name, out.stderr)
 
     lua = tmp_path / "lua"  # type: ignore[operator]
     lua.mkdir()

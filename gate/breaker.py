@@ -1,0 +1,81 @@
+"""A circuit breaker for a dependency (Redis): stop calling it while it is failing.
+
+Closed: calls go through; `failures_max` consecutive failures open it. Open: calls
+are refused at once for `open_seconds` (the caller answers 503 or takes its
+fallback). Then half-open: one probe call goes through; success closes the
+breaker, failure opens it again. Per process: each gate process learns on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from prometheus_client import Gauge
+
+from gate.metrics import METRICS
+
+CIRCUIT_OPEN = Gauge(
+    "gate_circuit_open",
+    "1 while the circuit breaker for a dependency is open or half-open.",
+    ["dependency"],
+    registry=METRICS.registry,
+    multiprocess_mode="max",
+)
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+class Breaker:
+    def __init__(
+        self,
+        name: str,
+        failures_max: int,
+        open_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert failures_max >= 1 and open_seconds > 0
+        self.name = name
+        self.failures_max = failures_max
+        self.open_seconds = open_seconds
+        self._clock = clock
+        self.state = CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probing = False
+        CIRCUIT_OPEN.labels(name).set(0)
+
+    def allow(self) -> bool:
+        """May a call go through now? In half-open state only one probe at a time."""
+        if self.state == CLOSED:
+            return True
+        if self.state == OPEN:
+            if self._clock() - self._opened_at < self.open_seconds:
+                return False
+            self.state = HALF_OPEN
+            self._probing = False
+        if self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def success(self) -> None:
+        if self.state != CLOSED:
+            CIRCUIT_OPEN.labels(self.name).set(0)
+        self.state = CLOSED
+        self._failures = 0
+        self._probing = False
+
+    def failure(self) -> None:
+        self._failures += 1
+        if self.state == HALF_OPEN or self._failures >= self.failures_max:
+            if self.state == CLOSED:
+                CIRCUIT_OPEN.labels(self.name).set(1)
+            self.state = OPEN
+            self._opened_at = self._clock()
+            self._probing = False
+
+    def retry_after_seconds(self) -> int:
+        left = self.open_seconds - (self._clock() - self._opened_at)
+        return max(1, math.ceil(left)) if self.state == OPEN else 1

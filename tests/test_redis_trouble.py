@@ -1,0 +1,185 @@
+"""Redis in trouble: fail closed without touching the database, recover by itself,
+never re-run a script that may have run; optionally fall back to the database."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import pytest
+import redis.asyncio as aioredis
+
+from gate.db import Database
+from gate.keys import deal_keys
+from tests.support import (
+    Client,
+    GateProcess,
+    TcpProxy,
+    assert_invariants,
+    create_deal,
+    redis_via,
+    reserve,
+)
+
+pytestmark = pytest.mark.slow
+
+
+async def _counts(db: Database) -> tuple[int, int]:
+    row = await db.fetchone(
+        "SELECT (SELECT COUNT(*) FROM orders), (SELECT COUNT(*) FROM inventory_ledger)"
+    )
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+async def _until_recovered(client: Client, deal_id: int, user: int, seconds: float) -> None:
+    """Retry (with fresh keys) until a whole round of concurrent reservations, spread
+    over every worker process (each has its own breaker), is created."""
+    deadline = time.monotonic() + seconds
+    attempt = 0
+    while time.monotonic() < deadline:
+        attempt += 1
+        batch = await asyncio.gather(
+            *(reserve(client, deal_id, user + i, f"recover-{deal_id}-{attempt:03d}-{i}")
+              for i in range(8))
+        )
+        statuses = {r.status_code for r in batch}
+        assert statuses <= {201, 503}, [r.text for r in batch]
+        if statuses == {201}:
+            return
+        await asyncio.sleep(0.3)
+    raise AssertionError("the gate did not recover")
+
+
+@pytest.fixture
+async def proxy(env: dict[str, str]) -> AsyncIterator[TcpProxy]:
+    target = urlsplit(env["GATE_REDIS_URL"])
+    p = TcpProxy(target.hostname or "127.0.0.1", target.port or 6379)
+    await p.start()
+    yield p
+    await p.close()
+
+
+async def _gate_via(env: dict[str, str], proxy: TcpProxy, **extra: str) -> GateProcess:
+    gate = GateProcess({**env, "GATE_REDIS_URL": redis_via(env, proxy), **extra})
+    await asyncio.to_thread(gate.wait_ready)
+    return gate
+
+
+async def test_paused_redis_fails_closed_and_recovers(
+    client: Client, db: Database, rds: aioredis.Redis, env: dict[str, str]
+) -> None:
+    deal_id = await create_deal(client, stock=500)
+    assert (await reserve(client, deal_id, 41_000, "pause-warm-0001")).status_code == 201
+    before = await _counts(db)
+    pauser = aioredis.Redis.from_url(env["GATE_REDIS_URL"])
+    await pauser.execute_command("CLIENT", "PAUSE", "4000", "WRITE")
+    try:
+        responses = await asyncio.wait_for(
+            asyncio.gather(
+                *(reserve(client, deal_id, 41_100 + i, f"paused-{i:05d}") for i in range(20))
+            ),
+            30,
+        )
+    finally:
+        await pauser.execute_command("CLIENT", "UNPAUSE")
+        await pauser.aclose()
+    for r in responses:
+        assert r.status_code == 503, r.text
+        assert r.json()["code"] == "OVERLOADED"
+        assert int(r.headers["Retry-After"]) >= 1
+    # Nothing reached the database.
+    assert await _counts(db) == before
+    await _until_recovered(client, deal_id, 41_200, 20)
+    await assert_invariants(db, rds, deal_id, timeout_seconds=20)
+
+
+async def test_cut_connection_fails_closed_and_recovers(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy
+) -> None:
+    gate = await _gate_via(env, proxy)
+    client = Client(gate.url)
+    try:
+        deal_id = await create_deal(client, stock=500)
+        assert (await reserve(client, deal_id, 42_000, "cut-warm-00001")).status_code == 201
+        before = await _counts(db)
+        proxy.cut()
+        responses = await asyncio.gather(
+            *(reserve(client, deal_id, 42_100 + i, f"cut-{i:05d}") for i in range(20))
+        )
+        assert {r.status_code for r in responses} == {503}
+        assert {r.json()["code"] for r in responses} == {"OVERLOADED"}
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["redis"] != "ok"
+        assert await _counts(db) == before
+        proxy.restore()
+        await _until_recovered(client, deal_id, 42_200, 20)
+        await assert_invariants(db, rds, deal_id, timeout_seconds=20)
+    finally:
+        await client.close()
+        gate.stop()
+
+
+async def test_a_timed_out_admission_is_never_re_run(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy
+) -> None:
+    """Redis runs the script but its answer arrives after the gate's timeout: the
+    gate answers 503 without re-sending it; the orphaned token is given back once."""
+    gate = await _gate_via(env, proxy, GATE_INFLIGHT_MAX_SECONDS="9.5")
+    client = Client(gate.url)
+    try:
+        deal_id = await create_deal(client, stock=10)
+        keys = deal_keys(deal_id)
+        proxy.delay(1.5)  # longer than the gate's 1 s Redis timeout
+        r = await reserve(client, deal_id, 43_000, "slow-reply-0001")
+        assert r.status_code == 503, r.text
+        proxy.restore()
+        # The script ran exactly once: one token, one unit taken in Redis.
+        await asyncio.sleep(0.5)
+        assert await rds.hlen(keys.inflight) == 1
+        assert int(await rds.hget(keys.meta, "avail") or 0) == 9
+        # The janitor gives it back once it is old enough; nothing was ordered.
+        report = await assert_invariants(db, rds, deal_id, timeout_seconds=25)
+        assert report["totals"] == {"total": 10, "available": 10, "held": 0, "sold": 0}
+    finally:
+        await client.close()
+        gate.stop()
+
+
+async def test_database_fallback_policy_sells_without_redis(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy
+) -> None:
+    gate = await _gate_via(
+        env,
+        proxy,
+        GATE_REDIS_DOWN_POLICY="database",
+        GATE_REDIS_BREAKER_FAILURES="1",
+        GATE_REDIS_BREAKER_OPEN_SECONDS="30",
+    )
+    client = Client(gate.url)
+    try:
+        deal_id = await create_deal(client, stock=5)
+        proxy.cut()
+        # The first call fails and opens the breaker; later ones go to the database.
+        first = await reserve(client, deal_id, 44_000, "fallback-00000")
+        assert first.status_code == 503
+        created = 0
+        for i in range(8):
+            r = await reserve(client, deal_id, 44_001 + i, f"fallback-{i:05d}")
+            assert r.status_code in (201, 409, 503), r.text
+            created += r.status_code == 201
+        # Never more than the stock, even without Redis in front.
+        row = await db.fetchone("SELECT COUNT(*) FROM orders WHERE deal_id = %s", (deal_id,))
+        assert row is not None and int(row[0]) == created <= 5
+        assert created >= 1
+        # Replays work from the database's unique key.
+        again = await reserve(client, deal_id, 44_001, "fallback-00000")
+        assert again.status_code in (200, 409, 503)
+        proxy.restore()
+        # Redis learns what was sold while it was away.
+        await assert_invariants(db, rds, deal_id, timeout_seconds=20)
+    finally:
+        await client.close()
+        gate.stop()
