@@ -35,7 +35,13 @@ class Gate:
         self.redis = make_redis(
             settings.redis_url, settings.redis_pool_max, settings.redis_timeout_seconds
         )
-        self.runner = ScriptRunner(self.redis, scripts, settings.redis_pipeline_max)
+        self.runner = ScriptRunner(
+            self.redis,
+            scripts,
+            settings.redis_pipeline_max,
+            settings.redis_url,
+            settings.redis_timeout_seconds,
+        )
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
         self.reservations = Reservations(settings, self.db, self.mirror)
         self.deals = Deals(self.db, self.mirror)

@@ -2,7 +2,9 @@
 
 Every call made during one event-loop turn goes out in one pipeline (DESIGN lever 1:
 ×2 on a one-script endpoint), so a burst of buyers costs one Redis round trip per
-turn instead of one per buyer.
+turn instead of one per buyer. The pipeline is written as raw RESP on a connection
+of the runner's own (gate/resp.py): redis-py's pipeline objects cost three times
+the whole call.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gate.metrics import METRICS
+from gate.resp import RespConnection
 
 log = logging.getLogger("gate.scripts")
 
@@ -93,12 +96,22 @@ _Call = tuple[Script, Sequence[str], Sequence[Any], "asyncio.Future[Any]", float
 
 
 class ScriptRunner:
-    """Runs scripts by name; calls issued in the same loop turn share one pipeline."""
+    """Runs scripts by name; calls issued in the same loop turn share one pipeline,
+    written to one of a few raw RESP connections (gate/resp.py)."""
 
-    def __init__(self, client: aioredis.Redis, scripts: dict[str, Script], batch_max: int) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        scripts: dict[str, Script],
+        batch_max: int,
+        url: str,
+        timeout_seconds: float,
+        connections: int = 2,
+    ) -> None:
         self.client = client
         self.scripts = scripts
         self.batch_max = batch_max
+        self._conns = [RespConnection(url, timeout_seconds) for _ in range(max(1, connections))]
         self._pending: list[_Call] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -182,14 +195,18 @@ class ScriptRunner:
         return missing
 
     async def _execute(self, batch: list[_Call]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for script, keys, args, _, _ in batch:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        return list(await pipe.execute(raise_on_error=False))
+        conn = min(self._conns, key=lambda c: (not c.connected, c.pending))
+        await conn.connect()
+        futures = conn.send(
+            [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _, _ in batch]
+        )
+        return list(await asyncio.gather(*futures))
 
     async def aclose(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for conn in self._conns:
+            conn.close()
 
 
 def make_redis(url: str, pool_max: int, timeout_seconds: float) -> aioredis.Redis:

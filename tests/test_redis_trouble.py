@@ -42,8 +42,10 @@ async def _until_recovered(client: Client, deal_id: int, user: int, seconds: flo
     while time.monotonic() < deadline:
         attempt += 1
         batch = await asyncio.gather(
-            *(reserve(client, deal_id, user + i, f"recover-{deal_id}-{attempt:03d}-{i}")
-              for i in range(8))
+            *(
+                reserve(client, deal_id, user + i, f"recover-{deal_id}-{attempt:03d}-{i}")
+                for i in range(8)
+            )
         )
         statuses = {r.status_code for r in batch}
         assert statuses <= {201, 503}, [r.text for r in batch]
@@ -127,7 +129,9 @@ async def test_a_timed_out_admission_is_never_re_run(
 ) -> None:
     """Redis runs the script but its answer arrives after the gate's timeout: the
     gate answers 503 without re-sending it; the orphaned token is given back once."""
-    gate = await _gate_via(env, proxy, GATE_INFLIGHT_MAX_SECONDS="9.5")
+    gate = await _gate_via(
+        env, proxy, GATE_REDIS_TIMEOUT_SECONDS="1", GATE_INFLIGHT_MAX_SECONDS="9.5"
+    )
     client = Client(gate.url)
     try:
         deal_id = await create_deal(client, stock=10)

@@ -29,9 +29,28 @@ async def test_concurrent_attempts_hold_exactly_the_stock(
         )
     )
     statuses = Counter(r.status_code for r in responses)
-    assert set(statuses) <= {201, 409}, statuses
-    assert statuses[201] == STOCK // quantity
-    assert all(r.json()["code"] == "SOLD_OUT" for r in responses if r.status_code == 409)
+    # 503 is the gate shedding load (a saturated machine); the request was given back.
+    assert set(statuses) <= {201, 409, 503}, statuses
+    assert statuses[201] <= STOCK // quantity
+    assert all(
+        r.json()["code"] == ("SOLD_OUT" if r.status_code == 409 else "OVERLOADED")
+        for r in responses
+        if r.status_code != 201
+    )
+    created = [r.json() for r in responses if r.status_code == 201]
+    # Units shed with a 503 are sellable again: buy until the deal says sold out.
+    i = 0
+    while len(created) * quantity < STOCK and i < 10 * STOCK:
+        r = await reserve(
+            client, deal_id, base_user + ATTEMPTS + i, f"mop-{deal_id}-{i:06d}", quantity
+        )
+        assert r.status_code in (201, 503), r.text
+        if r.status_code == 201:
+            created.append(r.json())
+        i += 1
+    assert len(created) * quantity == STOCK
+    after = await reserve(client, deal_id, base_user + 9_999, f"mop-{deal_id}-after", quantity)
+    assert after.status_code == 409 and after.json()["code"] == "SOLD_OUT"
 
     held = await db.fetchone(
         "SELECT COALESCE(SUM(quantity), 0), COUNT(*) FROM orders"
@@ -43,7 +62,6 @@ async def test_concurrent_attempts_hold_exactly_the_stock(
     assert int(held[1]) == STOCK // quantity
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": STOCK, "available": 0, "held": STOCK, "sold": 0}
-    # Every created order is the buyer's own and carries the amount of its quantity.
-    created = [r.json() for r in responses if r.status_code == 201]
+    # Every created order is distinct and carries the amount of its quantity.
     assert len({o["order_id"] for o in created}) == len(created)
     assert all(o["amount"] == 500 * quantity for o in created)

@@ -1,0 +1,177 @@
+"""A pipelined Redis connection for the hot path's script calls.
+
+redis-py's pipeline machinery costs ≈ 130–150 µs per EVALSHA here; packing RESP by
+hand and parsing replies with hiredis (the C parser redis-py itself uses) costs ≈ 40
+µs including the script's run on the server (docs/performance.md). Only the script
+runner uses this; everything else keeps redis-py.
+
+Replies come back in request order on one connection, so each connection keeps a
+FIFO of futures. Every batch carries a deadline: a batch still unanswered after
+`timeout_seconds` fails everything pending on that connection with a timeout and
+closes it. Nothing is ever re-sent: a timed-out script may have run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import hiredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+READ_CHUNK_BYTES = 1 << 16
+
+
+def pack(args: Sequence[Any]) -> bytes:
+    """One command in RESP: an array of bulk strings."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def _error(reply: hiredis.ReplyError) -> ResponseError:
+    text = str(reply)
+    if text.startswith("NOSCRIPT"):
+        return NoScriptError(text)
+    return ResponseError(text)
+
+
+class RespConnection:
+    def __init__(self, url: str, timeout_seconds: float) -> None:
+        parts = urlsplit(url)
+        self.unix_path = parts.path if parts.scheme == "unix" else None
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 6379
+        self.tls = parts.scheme == "rediss"
+        self.username = unquote(parts.username) if parts.username else None
+        self.password = unquote(parts.password) if parts.password else None
+        query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
+        self.db = int(query.get("db", 0)) if self.unix_path else int(parts.path.lstrip("/") or 0)
+        self.timeout_seconds = timeout_seconds
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: deque[asyncio.Future[Any]] = deque()
+        self._reader_task: asyncio.Task[None] | None = None
+        self._parser = hiredis.Reader(encoding="utf-8", replyError=hiredis.ReplyError)
+        self._connecting: asyncio.Future[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None and not self._writer.is_closing()
+
+    async def connect(self) -> None:
+        if self.connected:
+            return
+        if self._connecting is not None:
+            return await asyncio.shield(self._connecting)
+        self._connecting = asyncio.get_running_loop().create_future()
+        try:
+            await self._open()
+            self._connecting.set_result(None)
+        except BaseException as exc:
+            self._connecting.set_exception(exc)
+            self._connecting.exception()
+            raise
+        finally:
+            self._connecting = None
+
+    async def _open(self) -> None:
+        context = ssl.create_default_context() if self.tls else None
+        try:
+            if self.unix_path:
+                opening = asyncio.open_unix_connection(self.unix_path)
+            else:
+                opening = asyncio.open_connection(self.host, self.port, ssl=context)
+            reader, writer = await asyncio.wait_for(opening, self.timeout_seconds)
+        except (OSError, TimeoutError) as exc:
+            raise RedisConnectionError(f"cannot connect to Redis: {exc!r}") from exc
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            import socket
+
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._parser = hiredis.Reader(encoding="utf-8", replyError=hiredis.ReplyError)
+        self._writer = writer
+        self._pending.clear()
+        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader, writer))
+        setup: list[Sequence[Any]] = []
+        if self.password is not None:
+            setup.append(
+                ("AUTH", self.username, self.password) if self.username else ("AUTH", self.password)
+            )
+        if self.db:
+            setup.append(("SELECT", self.db))
+        if setup:
+            for reply in await asyncio.gather(*self.send(setup)):
+                if isinstance(reply, Exception):
+                    self.close(RedisConnectionError(f"Redis refused set-up: {reply}"))
+                    raise reply
+
+    def send(self, commands: Sequence[Sequence[Any]]) -> list[asyncio.Future[Any]]:
+        """Write a batch of commands; one future per command, resolved in order.
+        A reply that is an error resolves to the exception object (not raised)."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            raise RedisConnectionError("Redis connection is not open")
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in commands]
+        writer.write(b"".join(pack(c) for c in commands))
+        self._pending.extend(futures)
+        last = futures[-1]
+        loop.call_later(self.timeout_seconds, self._check_deadline, last, writer)
+        return futures
+
+    def _check_deadline(self, fut: asyncio.Future[Any], writer: asyncio.StreamWriter) -> None:
+        if not fut.done() and writer is self._writer:
+            self.close(RedisTimeoutError(f"no Redis reply within {self.timeout_seconds} s"))
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parser = self._parser
+        try:
+            while True:
+                data = await reader.read(READ_CHUNK_BYTES)
+                if not data:
+                    raise RedisConnectionError("Redis closed the connection")
+                parser.feed(data)
+                while (reply := parser.gets()) is not False:
+                    if not self._pending:
+                        raise RedisConnectionError("reply without a pending command")
+                    fut = self._pending.popleft()
+                    if not fut.done():
+                        fut.set_result(
+                            _error(reply) if isinstance(reply, hiredis.ReplyError) else reply
+                        )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if writer is self._writer:
+                self.close(
+                    exc
+                    if isinstance(exc, RedisConnectionError)
+                    else RedisConnectionError(repr(exc))
+                )
+
+    def close(self, reason: Exception | None = None) -> None:
+        """Close the connection and fail everything still pending on it."""
+        writer, self._writer = self._writer, None
+        pending, self._pending = self._pending, deque()
+        failure = reason or RedisConnectionError("Redis connection closed")
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(failure)
+        if writer is not None:
+            writer.close()
+        task, self._reader_task = self._reader_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
