@@ -456,6 +456,7 @@ class Deals:
         self._public.pop(deal_id, None)
         try:
             await self.mirror.rebuild(deal_id)
+            await self.mirror.rebuild_buyers(deal_id)
         except Exception as exc:
             # The deal is committed; Redis loads it on first use or the resync loop
             # repairs it. Dropping the stale state makes sure of the former.

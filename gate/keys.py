@@ -29,6 +29,7 @@ class DealKeys:
     inflight_times: str  # zset: marker id -> creation time (Redis TIME, ms)
     resolved: str  # zset: "id|C|…" / "id|A|…" markers resolved in the last seconds
     sync_lock: str  # string: one sync pass per deal at a time across processes
+    buyers: str  # set: users ever admitted to this deal (for the sold-out near-cache)
 
     def idempotency(self, user_id: int, key: str) -> str:
         return f"{self.tag}:k:{user_id}:{key}"
@@ -73,6 +74,7 @@ def deal_keys(deal_id: int) -> DealKeys:
             inflight_times=f"{tag}:ft",
             resolved=f"{tag}:done",
             sync_lock=f"{tag}:sl",
+            buyers=f"{tag}:buyers",
         )
         if len(_cache) < 100_000:
             _cache[deal_id] = keys

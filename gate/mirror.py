@@ -33,6 +33,7 @@ from gate.settings import Settings
 log = logging.getLogger("gate.mirror")
 
 LOOKUP_CHUNK = 1000
+BUYERS_CHUNK = 5000
 INTENT_BATCH_MAX = 500
 # The resolved log must outlive the longest sync pass by a margin.
 SYNC_WINDOW_MS = 5_000
@@ -115,6 +116,7 @@ class Mirror:
                 keys.inflight,
                 keys.inflight_times,
                 *limiter_keys,
+                keys.buyers,
             ),
             (
                 user_id,
@@ -206,6 +208,8 @@ class Mirror:
         self._loading[deal_id] = fut
         try:
             found = await self._sync(deal_id, "load") is not None
+            if found:
+                await self.rebuild_buyers(deal_id)
             fut.set_result(found)
             return found
         except BaseException as exc:
@@ -218,6 +222,21 @@ class Mirror:
     async def rebuild(self, deal_id: int) -> bool:
         """Rebuild a deal's buckets now (after creation or rebucketing)."""
         return await self._sync(deal_id, "layout") is not None
+
+    async def rebuild_buyers(self, deal_id: int) -> None:
+        """Refill the set of users ever admitted to a deal from its orders, then mark
+        it complete: only then may a gate answer "sold out" from its near-cache.
+
+        Admissions during the rebuild add themselves (admit.lua), and every order
+        committed before the read below is in it, so the set is complete."""
+        keys = deal_keys(deal_id)
+        if await self.redis.hget(keys.meta, "buyers_ok"):
+            return
+        async with self.db.connection() as conn, conn.cursor() as cur:
+            await cur.execute("SELECT DISTINCT user_id FROM orders WHERE deal_id = %s", (deal_id,))
+            while rows := await cur.fetchmany(BUYERS_CHUNK):
+                await self.redis.sadd(keys.buyers, *(int(r[0]) for r in rows))
+        await self.redis.hset(keys.meta, "buyers_ok", 1)
 
     async def resync(self, deal_id: int) -> tuple[SyncCode, str] | None:
         """Repair drift exactly. None: the deal no longer exists in the database."""
@@ -287,7 +306,7 @@ class Mirror:
 
     async def forget(self, deal_id: int) -> None:
         keys = deal_keys(deal_id)
-        await self.redis.delete(*keys.state)
+        await self.redis.delete(*keys.state, keys.buyers)
         await self.redis.srem(ACTIVE_DEALS, deal_id)
 
     async def available(self, deal_id: int) -> int | None:

@@ -23,6 +23,7 @@ to the database behind a small per-process cap (policy "database").
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import random
@@ -44,6 +45,7 @@ from gate.limits import LimitSpec, rate_limited
 from gate.metrics import METRICS
 from gate.mirror import Mirror
 from gate.settings import Settings
+from gate.soldout import SoldOutCache
 
 log = logging.getLogger("gate.reservations")
 
@@ -55,6 +57,12 @@ TRANSACTION_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
     registry=METRICS.registry,
 )
+
+
+def sold_out() -> Problem:
+    return Problem("SOLD_OUT", "The deal is sold out.", extra={"remaining_hint": 0})
+
+
 RATE_LIMITED = Counter(
     "gate_rate_limited_total",
     "Reservations refused by a rate limiter, by scope.",
@@ -74,11 +82,28 @@ class ReserveRequest:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """What the admission (and the global limiter beside it) answered."""
+
+    code: AdmitCode
+    detail: str
+    # The user was admitted to this deal before: a refusal may hide a replay whose
+    # Redis record was lost, so the database is asked.
+    known_buyer: bool = False
+    # Size of the deal's buyers set on a sold-out answer (-1: unknown), for the
+    # near-cache.
+    buyers: int = -1
+    # The global limiter refused: retry after this many ms.
+    global_retry_ms: int | None = None
+
+
+@dataclass(frozen=True)
 class Reserved:
     body: dict[str, Any]
     replayed: bool
 
 
+@functools.lru_cache(maxsize=4096)
 def fingerprint(deal_id: int, quantity: int) -> str:
     """What makes two requests with one idempotency key "the same request"."""
     return hashlib.sha256(f"reserve:{deal_id}:{quantity}".encode()).hexdigest()[:32]
@@ -92,10 +117,13 @@ def _limiter_args(specs: tuple[LimitSpec | None, ...]) -> list[int]:
 
 
 class Reservations:
-    def __init__(self, settings: Settings, db: Database, mirror: Mirror) -> None:
+    def __init__(
+        self, settings: Settings, db: Database, mirror: Mirror, soldout: SoldOutCache
+    ) -> None:
         self.settings = settings
         self.db = db
         self.mirror = mirror
+        self.soldout = soldout
         self.timeout_seconds = settings.reservation_db_timeout_seconds
         self.breaker = Breaker(
             "redis", settings.redis_breaker_failures_max, settings.redis_breaker_open_seconds
@@ -113,6 +141,8 @@ class Reservations:
 
     async def reserve(self, req: ReserveRequest) -> Reserved:
         assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
+        if self.soldout.sold_out_for(req.deal_id, req.user_id):
+            raise sold_out()
         if self._inflight >= self.settings.reservation_inflight_max:
             raise overloaded("Too many reservations in progress; retry shortly.")
         self._inflight += 1
@@ -129,31 +159,37 @@ class Reservations:
         token = orders.new_id()
         start = random.getrandbits(30)
 
-        code, detail, global_ok = await self._admit(keys, req, fp, token, start)
-        if code == AdmitCode.NOT_LOADED:
+        adm = await self._admit(keys, req, fp, token, start)
+        if adm.code == AdmitCode.NOT_LOADED:
             try:
                 found = await self.mirror.load(req.deal_id)
             except DbUnavailable:
                 raise overloaded("Database unavailable; retry shortly.") from None
             if not found:
                 raise not_found("deal")
-            code, detail, global_ok = await self._admit(keys, req, fp, token, start)
-            if code == AdmitCode.NOT_LOADED:
+            adm = await self._admit(keys, req, fp, token, start)
+            if adm.code == AdmitCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
-        if code == AdmitCode.REPLAY:
-            return await self._replay(detail, req.user_id, fp)
-        if code == AdmitCode.RATE_LIMITED:
-            scope, wait_ms = detail.split("|")
-            raise self._limited(scope, int(wait_ms))
-        if code != AdmitCode.OK:
-            raise from_admit(code, detail)
-        if global_ok is not None:
+        if adm.code == AdmitCode.REPLAY:
+            return await self._replay(adm.detail, req.user_id, fp)
+        if adm.code != AdmitCode.OK:
+            if adm.known_buyer:
+                existing = await self._existing_or_none(req, fp)
+                if existing is not None:
+                    return existing
+            if adm.code == AdmitCode.SOLD_OUT and adm.detail == "0":
+                self.soldout.observe(req.deal_id, adm.buyers)
+            if adm.code == AdmitCode.RATE_LIMITED:
+                scope, wait_ms = adm.detail.split("|")
+                raise self._limited(scope, int(wait_ms))
+            raise from_admit(adm.code, adm.detail)
+        if adm.global_retry_ms is not None:
             # The global limiter ran in the same pipeline; if it refused, give back
             # what the admission took before anything reaches the database.
             await self._compensate(keys, req, token)
-            raise self._limited("global", global_ok)
+            raise self._limited("global", adm.global_retry_ms)
 
-        alloc = normalise_alloc(detail)
+        alloc = normalise_alloc(adm.detail)
         try:
             row = await self._transaction(token, req, alloc, fp)
         except OutcomeUnknown as exc:
@@ -186,10 +222,8 @@ class Reservations:
 
     async def _admit(
         self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, start: int
-    ) -> tuple[AdmitCode, str, int | None]:
-        """Run the admission (and the global limiter in the same pipeline).
-        Returns the admission's code and detail, and the global limiter's retry
-        delay in ms when it refused (None when it admitted or is off)."""
+    ) -> Admission:
+        """Run the admission (and the global limiter in the same pipeline)."""
         admit = self.mirror.admit(
             keys,
             req.user_id,
@@ -208,7 +242,7 @@ class Reservations:
             else None
         )
         try:
-            code, detail = await admit
+            reply = await admit
         except Exception as exc:
             # Never re-run a script that may have run: if the admission did happen,
             # its token is in Redis and the janitor gives the units back.
@@ -231,7 +265,13 @@ class Reservations:
                 log.warning("global limiter failed: %r", exc)
                 if not self.settings.limits_fail_open:
                     refused = 1000
-        return AdmitCode(int(code)), str(detail), refused
+        return Admission(
+            code=AdmitCode(int(reply[0])),
+            detail=str(reply[1]),
+            buyers=int(reply[2]) if len(reply) > 2 else -1,
+            known_buyer=len(reply) > 3 and int(reply[3]) == 1,
+            global_retry_ms=refused,
+        )
 
     def _limited(self, scope: str, wait_ms: int) -> Problem:
         RATE_LIMITED.labels(scope).inc()
@@ -372,6 +412,21 @@ class Reservations:
             "currency": str(row[5]),
             "expires_at": iso(row[2]),
         }
+
+    async def _existing_or_none(self, req: ReserveRequest, fp: str) -> Reserved | None:
+        """The database's answer for this buyer's key, if it holds one."""
+        try:
+            existing = await orders.by_idempotency_key(self.db, req.user_id, req.idempotency_key)
+        except Exception:
+            raise overloaded("Database unavailable; retry shortly.") from None
+        if existing is None or existing.deal_id != req.deal_id:
+            return None
+        if existing.fingerprint != fp:
+            raise Problem(
+                "IDEMPOTENCY_MISMATCH",
+                "This Idempotency-Key was used with a different request.",
+            )
+        return Reserved(existing.reservation_body(), replayed=True)
 
     async def _existing(self, req: ReserveRequest, fp: str) -> Reserved:
         """The database already holds this buyer's key: a replay or a mismatch."""

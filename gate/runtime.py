@@ -18,6 +18,7 @@ from gate.reservations import Reservations
 from gate.resync import Resync
 from gate.scripts import ScriptRunner, make_redis, read_scripts
 from gate.settings import Settings
+from gate.soldout import SoldOutCache
 
 log = logging.getLogger("gate")
 
@@ -43,7 +44,8 @@ class Gate:
             settings.redis_timeout_seconds,
         )
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
-        self.reservations = Reservations(settings, self.db, self.mirror)
+        self.soldout = SoldOutCache(self.redis, settings.sold_out_cache_seconds)
+        self.reservations = Reservations(settings, self.db, self.mirror, self.soldout)
         self.deals = Deals(self.db, self.mirror)
         self.buyer_auth = BuyerAuth(settings.jwt_secret, settings.jwt_cache_max)
         self.admin_auth = AdminAuth(settings.admin_token)
@@ -92,6 +94,7 @@ class Gate:
                     await hook()
                 except Exception:
                     log.exception("stopping %s failed", ext.name)
+        await self.soldout.aclose()
         await self.runner.aclose()
         await self.redis.aclose()
         await self.db.close()

@@ -176,6 +176,7 @@ class Settings:
     janitor_interval_seconds: float = 1.0
     resync_interval_seconds: float = 1.0
     jwt_cache_max: int = 65_536
+    sold_out_cache_seconds: float = 0.1
     body_max_bytes: int = 4096
 
     run_background: bool = True
@@ -290,6 +291,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         janitor_interval_seconds=env_float(env, "GATE_JANITOR_INTERVAL_SECONDS", 1.0, 0.05, 60),
         resync_interval_seconds=env_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
         jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
+        sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,
         body_max_bytes=4096,
         run_background=env_bool(env, "GATE_BACKGROUND", True),
         auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),

@@ -19,6 +19,8 @@
   KEYS[8] limit: user     string {d:ID}:rl:u:USER     (idem)
   KEYS[9] limit: ip       string {d:ID}:rl:i:IP       (idem)
   KEYS[10] limit: device  string {d:ID}:rl:v:DEVICE   (idem)
+  KEYS[11] buyers         set    {d:ID}:buyers  users ever admitted (never shrinks):
+          a gate may answer "sold out" from its near-cache only to users not in it
 
   ARGV[1] user id
   ARGV[2] quantity (integer >= 1, checked by the caller)
@@ -33,7 +35,9 @@
   Returns {code, detail}:
     0 OK              detail = allocation "bucket:qty[,bucket:qty…]"
     1 NOT_LOADED      the deal's state is absent; load it from the database
-    2 SOLD_OUT        detail = units left (less than asked)
+    2 SOLD_OUT        detail = units left (less than asked); a third element gives
+                      the size of the buyers set, or -1 while that set is not known
+                      to be complete (after a load, until rebuilt from the database)
     3 NOT_ACTIVE      detail = "early" | "ended"
     4 BAD_QUANTITY    detail = max per order
     5 LIMIT_EXCEEDED  detail = per-user limit
@@ -41,8 +45,12 @@
     7 IN_PROGRESS     an earlier request with this key is still running
     8 MISMATCH        this key was used with a different request
     9 RATE_LIMITED    detail = "scope|retry after (ms)"
+  Rejections 2, 3, 4, 5 and 9 carry a fourth element, 1 when the user is in the
+  buyers set: this request may then be a replay whose Redis record was lost (a
+  flush), and the caller asks the database before answering.
 ]]
-local meta = redis.call('HMGET', KEYS[1], 'nb', 'avail', 'start_ms', 'end_ms', 'max', 'limit')
+local meta = redis.call('HMGET', KEYS[1], 'nb', 'avail', 'start_ms', 'end_ms', 'max', 'limit',
+  'buyers_ok')
 local nb = tonumber(meta[1])
 if not nb then
   return {1, ''}
@@ -61,27 +69,34 @@ if seen then
   return {7, ''}
 end
 
+-- Rejections below also say whether this user was ever admitted to the deal.
+local function reject(code, detail, buyers)
+  return {code, detail, buyers or -1, redis.call('SISMEMBER', KEYS[11], ARGV[1])}
+end
+
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local start_ms = tonumber(meta[3]) or 0
 local end_ms = tonumber(meta[4]) or 0
 if start_ms > 0 and now_ms < start_ms then
-  return {3, 'early'}
+  return reject(3, 'early')
 end
 if end_ms > 0 and now_ms >= end_ms then
-  return {3, 'ended'}
+  return reject(3, 'ended')
 end
 
 local qty = tonumber(ARGV[2])
 local max = tonumber(meta[5]) or 1
 if qty > max then
-  return {4, tostring(max)}
+  return reject(4, tostring(max))
 end
 
 local avail = tonumber(meta[2]) or 0
 if avail < qty then
   if avail < 0 then avail = 0 end
-  return {2, tostring(avail)}
+  local buyers = -1
+  if meta[7] then buyers = redis.call('SCARD', KEYS[11]) end
+  return reject(2, tostring(avail), buyers)
 end
 
 -- Rate limiters: judge every enabled scope first, write only if all admit.
@@ -104,7 +119,7 @@ for i = 1, 4 do
   end
 end
 if worst_scope then
-  return {9, worst_scope .. '|' .. worst_wait}
+  return reject(9, worst_scope .. '|' .. worst_wait)
 end
 for i, new_tat in pairs(tats) do
   redis.call('SET', KEYS[6 + i], new_tat, 'PX', new_tat - now_ms + 1000)
@@ -116,7 +131,7 @@ local taken = 0
 if limit > 0 then
   taken = tonumber(redis.call('HGET', KEYS[3], user) or '0')
   if taken + qty > limit then
-    return {5, tostring(limit)}
+    return reject(5, tostring(limit))
   end
 end
 
@@ -136,7 +151,9 @@ for i = 0, nb - 1 do
   end
 end
 if remaining > 0 then
-  return {2, tostring(qty - remaining)}
+  local buyers = -1
+  if meta[7] then buyers = redis.call('SCARD', KEYS[11]) end
+  return reject(2, tostring(qty - remaining), buyers)
 end
 
 local alloc = {}
@@ -154,4 +171,5 @@ redis.call('SET', KEYS[4], 'P|' .. fp .. '|' .. token, 'PX', ARGV[6])
 redis.call('HSET', KEYS[5], token,
   'T|' .. user .. '|' .. qty .. '|' .. alloc_s .. '|' .. now_ms .. '|' .. ARGV[7] .. '|' .. fp)
 redis.call('ZADD', KEYS[6], now_ms, token)
+redis.call('SADD', KEYS[11], user)
 return {0, alloc_s}

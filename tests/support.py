@@ -55,6 +55,8 @@ def base_env() -> dict[str, str]:
             "GATE_ADMIN_TOKEN": ADMIN_TOKEN,
             "GATE_WEBHOOK_SECRET": WEBHOOK_SECRET,
             "GATE_DB_LOCK_WAIT_SECONDS": "2",
+            # Many gate processes share one MariaDB (max_connections 151 by default).
+            "GATE_DB_POOL_MAX": "10",
             "GATE_RESERVATION_DB_TIMEOUT_SECONDS": "5",
             "GATE_REDIS_TIMEOUT_SECONDS": "2",
             "GATE_INFLIGHT_MAX_SECONDS": "15",
@@ -71,6 +73,9 @@ def base_env() -> dict[str, str]:
             # Correctness suites on a shared 2-core machine: admitted buyers may
             # queue for the pool longer than production's 1 s before shedding.
             "GATE_DB_RESERVATION_ACQUIRE_SECONDS": "5",
+            # Tests read their own writes at once; the sold-out near-cache (up to
+            # 100 ms stale by design) has its own test with it turned on.
+            "GATE_SOLD_OUT_CACHE_MS": "0",
         }
     )
     return env

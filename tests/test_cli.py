@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 
@@ -10,7 +9,7 @@ import jwt
 import redis.asyncio as aioredis
 
 from gate.db import Database
-from gate.keys import ACTIVE_DEALS, deal_keys
+from gate.keys import deal_keys
 from tests.support import GATE_BIN, JWT_SECRET, Client, create_deal, reserve, settled_report
 
 
@@ -49,18 +48,23 @@ async def test_check_reports_and_exits_by_verdict(
         await db.execute("DELETE FROM inventory_ledger WHERE reason = 'forged'")
 
     # Redis disagreeing with the database while nothing is in flight is a breach too.
-    # (The resync loop repairs such drift within a second; keep it away from this deal.)
-    await rds.srem(ACTIVE_DEALS, deal_id)
-    # A resync pass that read the deal list before the SREM may still be walking it.
-    await asyncio.sleep(2.0)
-    await rds.hincrby(deal_keys(deal_id).buckets, "0", 2)
-    await rds.hincrby(deal_keys(deal_id).meta, "avail", 2)
-    drift = run(env, "check", "--deal", str(deal_id), "--json")
-    assert drift.returncode == 1
-    breaches = json.loads(drift.stdout)["deals"][0]["invariant"]["breaches"]
-    assert "redis: bucket 0 has 5, database 3" in breaches or any("redis" in b for b in breaches)
-    await rds.sadd(ACTIVE_DEALS, deal_id)
-    await settled_report(db, rds, deal_id)
+    # The shared gates repair drift within a second, so the drift is seeded in a
+    # Redis database none of them uses, and `gate check` is pointed at it.
+    alt_url = env["GATE_REDIS_URL"].rsplit("/", 1)[0] + "/10"
+    alt = aioredis.Redis.from_url(alt_url, decode_responses=True)
+    try:
+        await alt.flushdb()
+        keys = deal_keys(deal_id)
+        await alt.hset(keys.meta, mapping={"nb": 2, "avail": 7})
+        await alt.hset(keys.buckets, mapping={"0": 5, "1": 2})
+        drift = run({**env, "GATE_REDIS_URL": alt_url}, "check", "--deal", str(deal_id), "--json")
+        assert drift.returncode == 1, drift.stdout
+        breaches = json.loads(drift.stdout)["deals"][0]["invariant"]["breaches"]
+        assert "redis: bucket 0 has 5, database 3" in breaches, breaches
+        assert "redis: total 7, database 5" in breaches, breaches
+    finally:
+        await alt.flushdb()
+        await alt.aclose()
 
 
 def test_token_mints_a_verifiable_buyer_token(env: dict[str, str]) -> None:
