@@ -533,6 +533,12 @@ class Bench:
             "oversold": numbers.get("oversold"),
             "lost": numbers.get("lost"),
             "unsold": numbers.get("available"),
+            # Units left over although every buyer got 201 or 409 were turned away
+            # while they existed: ghost stock. Units left after some buyers were shed
+            # (503/429, no retry in this run) are only unsold.
+            "ghost": numbers.get("available")
+            if result.requests - result.fillers - result.count(201, 409) == 0
+            else 0,
             "invariant_ok": verdict.get("ok"),
             "breaches": verdict.get("breaches", []),
             "redis": verdict.get("redis"),
@@ -588,7 +594,8 @@ class Bench:
         g = out["gate"]
         say(
             f"  gate: sold out in {g['time_to_sell_out_s']} s, oversold {g['oversold']},"
-            f" lost {g['lost']}, unsold {g['unsold']}, DB calls {g['db_calls']}"
+            f" lost {g['lost']}, ghost {g['ghost']}, unsold {g['unsold']},"
+            f" DB calls {g['db_calls']}"
         )
         if self.plan.sellout_baseline:
             out["baseline"] = self.sellout_run(self.baseline, 1, self.baseline_once_tokens)
