@@ -281,9 +281,10 @@ async def verify_api_deal(
         if view["redis"].get("loaded") and not view["redis"].get("compared"):
             breaches.append("redis: not comparable in the settle time")
         totals = view["totals"]
+        # The admin view has units, not order counts, per state.
         states = {
-            "HELD": {"count": 0, "units": int(view["orders"]["held"])},
-            "PAID": {"count": 0, "units": int(view["orders"]["sold"])},
+            "HELD": {"count": -1, "units": int(view["orders"]["held"])},
+            "PAID": {"count": -1, "units": int(view["orders"]["sold"])},
         }
         numbers = stock_numbers(totals, {"PENDING_PAYMENT": states["HELD"], "PAID": states["PAID"]})
         found: dict[str, tuple[int, int, str]] = {}
@@ -348,7 +349,10 @@ def render(report: Mapping[str, Any], roles: Mapping[int, str] | None = None) ->
             lines.append(f"deal {deal['deal_id']}{role}: {verdict}")
         else:
             n = deal["numbers"]
-            states = " ".join(f"{s}={v['count']}" for s, v in sorted(deal["states"].items()))
+            states = " ".join(
+                f"{s}={v['count']}" if v["count"] >= 0 else f"{s} units={v['units']}"
+                for s, v in sorted(deal["states"].items())
+            )
             lines.append(
                 f"deal {deal['deal_id']}{role}: {verdict}  stock={n['total']}"
                 f" available={n['available']} ordered={n['ordered']}"
