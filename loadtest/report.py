@@ -357,8 +357,8 @@ def write_markdown(
             f"One deal with one unit, sold before the measurement; then /healthz (no I/O) and"
             f" reservations on the sold-out deal alternate for {plan['duration_s']:g} s each at"
             f" {r['connections']} connections. Buyers: a pool of {plan['buyers']:,} who click"
-            " again and again (their tokens verified once and cached), a fresh"
-            " Idempotency-Key on every click.",
+            " again and again (after the warm-up every worker has verified and cached their"
+            " tokens), a fresh Idempotency-Key on every click.",
             "",
             "| round | /healthz per s | sold-out rejections per s | 409 share | ratio"
             " | CPU (cores) healthz / sold-out |",
