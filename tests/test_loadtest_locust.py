@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,9 @@ def test_a_short_crowd_run_passes_the_verifier(
         "--host",
         gate.url,
         "--run-time",
-        "5s",
+        "6s",
+        "--stock",
+        "40",
         "--users",
         "30",
         "--out",
@@ -42,13 +45,22 @@ def test_a_short_crowd_run_passes_the_verifier(
     assert "reserve" in rows
     assert (out / "report.html").stat().st_size > 0
 
-    # The crowd sold the deal out; every order a client was told about was checked.
+    # Every order a client was told about was checked against the database; a crowd
+    # that got SOLD_OUT answers must have bought every unit (how far a busy machine
+    # gets in a few seconds is not asserted).
     record = ClientRecord.read(out / "client.json")
     flash = record.deals["flash"]
-    assert record.outcomes[flash]["SOLD_OUT"] > 0
-    assert len([r for r in record.created if r[2] == flash]) == 150
+    ordered = len([r for r in record.created if r[2] == flash])
+    assert 0 < ordered <= 40
+    if record.outcomes[flash].get("SOLD_OUT"):
+        assert ordered == 40
     assert record.violations == []
     verdict = (out / "verify.txt").read_text()
-    assert (
-        f"deal {flash} [flash]: OK  stock=150 available=0 ordered=150 oversold=0 lost=0" in verdict
+    line = re.search(
+        rf"deal {flash} \[flash\]: OK  stock=40 available=(\d+) ordered=(\d+)"
+        r" oversold=0 lost=0  redis: equal",
+        verdict,
     )
+    assert line is not None, verdict
+    available, in_db = int(line[1]), int(line[2])
+    assert available + in_db == 40 and in_db >= ordered
