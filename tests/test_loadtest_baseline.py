@@ -25,13 +25,14 @@ from tests.support import ADMIN, JWT_SECRET, Client, buyer, create_deal, reserve
 
 @pytest.fixture(scope="module")
 def benv(env: dict[str, str]) -> dict[str, str]:
-    return baseline_env(env)
+    # Other suites share the database server: keep this one's connections few.
+    return {**baseline_env(env), "GATE_DB_POOL_MAX": "8"}
 
 
 @pytest.fixture(scope="module")
 def baseline(benv: dict[str, str]) -> Iterator[Server]:
     asyncio.run(migrate(MysqlTarget.parse(benv["BASELINE_MYSQL_URL"]), drop=True))
-    server = start_baseline(benv, workers=2)
+    server = start_baseline(benv, workers=1)
     try:
         yield server
     finally:
@@ -53,7 +54,8 @@ async def bdb(
 ) -> AsyncIterator[Database]:
     from dataclasses import replace
 
-    database = Database(replace(settings, mysql=MysqlTarget.parse(benv["BASELINE_MYSQL_URL"])))
+    target = MysqlTarget.parse(benv["BASELINE_MYSQL_URL"])
+    database = Database(replace(settings, mysql=target), pool_max=4)
     await database.start()
     try:
         yield database
