@@ -82,6 +82,7 @@ class Run:
         self.webhook_key: bytes | None = None
         self.payments = False
         self.provider = "sandbox"
+        self.pay_via = "direct"
         self.run_tag = format(int(time.time() * 1000) % 36**8, "x")
         self.users = itertools.count(1)
         self.user_base = 0
@@ -120,6 +121,26 @@ def _options(parser: Any) -> None:
         "--webhook-secret", env_var="GATE_WEBHOOK_SECRET", default="", help="whsec_… for callbacks"
     )
     g.add_argument("--provider", env_var="LOADTEST_PROVIDER", default="sandbox")
+    g.add_argument(
+        "--pay-via",
+        env_var="LOADTEST_PAY_VIA",
+        choices=("direct", "sandbox"),
+        default="direct",
+        help="direct: sign and send callbacks ourselves; sandbox: pay on the sandbox's pay"
+        " step (its redirect_url) and let it deliver the callbacks",
+    )
+    g.add_argument(
+        "--sandbox-url",
+        env_var="LOADTEST_SANDBOX_URL",
+        default="",
+        help="with --pay-via sandbox: set its delivery controls (duplicates, reorder window)",
+    )
+    g.add_argument(
+        "--sandbox-duplicates", type=int, env_var="LOADTEST_SANDBOX_DUPLICATES", default=2
+    )
+    g.add_argument(
+        "--sandbox-reorder-seconds", type=float, env_var="LOADTEST_SANDBOX_REORDER", default=0.5
+    )
     g.add_argument("--record", env_var="LOADTEST_RECORD", default="", help="client record path")
     g.add_argument("--user-base", type=int, env_var="LOADTEST_USER_BASE", default=0)
     for role in ("flash", "reader", "pay", "late"):
@@ -132,11 +153,11 @@ def _options(parser: Any) -> None:
 
 
 def _admin_post(host: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     request = urllib.request.Request(
-        host.rstrip("/") + path,
-        data=orjson.dumps(body),
-        method="POST",
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        host.rstrip("/") + path, data=orjson.dumps(body), method="POST", headers=headers
     )
     with urllib.request.urlopen(request, timeout=30) as resp:
         result: dict[str, Any] = orjson.loads(resp.read())
@@ -204,7 +225,21 @@ def _start(environment: Any, **_: Any) -> None:
             RUN.record.deals[role] = int(created["id"])
             log.info("created %s deal %s", role, created["id"])
     if classes & set(PAYMENT_CLASSES):
-        RUN.payments = bool(RUN.webhook_key) and _payments_available(RUN.record.host, RUN.provider)
+        RUN.pay_via = opts.pay_via
+        signer = RUN.webhook_key is not None or RUN.pay_via == "sandbox"
+        RUN.payments = signer and _payments_available(RUN.record.host, RUN.provider)
+        if RUN.payments and RUN.pay_via == "sandbox" and opts.sandbox_url:
+            # The sandbox duplicates every event and shuffles the copies in a window:
+            # the provider's own at-least-once, out-of-order delivery.
+            _admin_post(
+                opts.sandbox_url,
+                "",
+                "/sandbox/config",
+                {
+                    "duplicates": opts.sandbox_duplicates,
+                    "reorder_window_seconds": opts.sandbox_reorder_seconds,
+                },
+            )
         if not RUN.payments:
             RUN.record.notes.append(
                 "payments unavailable (no webhook secret or no callback endpoint):"
@@ -440,9 +475,34 @@ class Payer(Buyer):
             else:
                 resp.failure(f"{resp.status_code} {resp.text[:200]}")
 
-    def pay(self, order: dict[str, Any], duplicates: int, reorder: bool) -> None:
+    def pay_in_sandbox(self, session: dict[str, Any], reorder: bool) -> None:
+        """Pay on the sandbox's pay step; with `reorder`, a failed attempt first (its
+        payment.failed and the success then reach the gate in any order)."""
+        outcomes = ["fail", "succeed"] if reorder else ["succeed"]
+        for outcome in outcomes:
+            with self.client.post(
+                str(session["redirect_url"]),
+                json={"outcome": outcome},
+                name=f"sandbox pay ({outcome})",
+                catch_response=True,
+            ) as resp:
+                if 200 <= resp.status_code < 300:
+                    resp.success()
+                else:
+                    resp.failure(f"{resp.status_code} {resp.text[:200]}")
+
+    def pay(
+        self,
+        order: dict[str, Any],
+        session: dict[str, Any],
+        duplicates: int,
+        reorder: bool,
+    ) -> None:
         """Deliver payment.succeeded `duplicates` times (concurrently) and, when
         `reorder`, an earlier failed attempt's event, in a shuffled order."""
+        if RUN.pay_via == "sandbox":
+            self.pay_in_sandbox(session, reorder)
+            return
         assert RUN.webhook_key is not None
         order_id = str(order["order_id"])
         amount, currency = int(order["amount"]), str(order["currency"])
@@ -488,9 +548,12 @@ class PayingBuyer(Payer):
         deal_id = RUN.deal("pay")
         user = RUN.next_user()
         status, _, order = self.reserve_until_answered(deal_id, user, f"pay-{RUN.run_tag}-{user}")
-        if status not in (200, 201) or self.session(user, str(order["order_id"])) is None:
+        if status not in (200, 201):
             return
-        self.pay(order, duplicates=random.randint(1, 3), reorder=random.random() < 0.5)
+        session = self.session(user, str(order["order_id"]))
+        if session is None:
+            return
+        self.pay(order, session, duplicates=random.randint(1, 3), reorder=random.random() < 0.5)
         ref: OrderRef = (str(order["order_id"]), user, deal_id)
         RUN.record.add(RUN.record.paid, ref)
         if self.wait_status(user, ref[0], ("PAID",), PAID_WAIT_SECONDS) != "PAID":
@@ -508,12 +571,15 @@ class LatePayer(Payer):
         deal_id = RUN.deal("late")
         user = RUN.next_user()
         status, _, order = self.reserve_until_answered(deal_id, user, f"late-{RUN.run_tag}-{user}")
-        if status not in (200, 201) or self.session(user, str(order["order_id"])) is None:
+        if status not in (200, 201):
+            return
+        session = self.session(user, str(order["order_id"]))
+        if session is None:
             return
         hold = int(RUN.options.late_hold_seconds) if RUN.options else 2
         # Past the deadline, and usually past the sweeper's release too (≤ 2 s).
         gevent.sleep(hold + random.uniform(0.5, 3.5))
-        self.pay(order, duplicates=random.randint(1, 2), reorder=False)
+        self.pay(order, session, duplicates=random.randint(1, 2), reorder=False)
         ref: OrderRef = (str(order["order_id"]), user, deal_id)
         RUN.record.add(RUN.record.late_paid, ref)
         self.wait_status(user, ref[0], LATE_ENDS, LATE_END_WAIT_SECONDS)

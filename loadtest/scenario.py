@@ -109,6 +109,13 @@ def parser() -> argparse.ArgumentParser:
         help="db: GATE_MYSQL_URL and GATE_REDIS_URL (default); api: the gate's admin API",
     )
     p.add_argument("--settle-seconds", type=float, default=20.0)
+    p.add_argument(
+        "--pay-via",
+        choices=("direct", "sandbox"),
+        default="direct",
+        help="pay scenarios: sign callbacks ourselves (direct) or pay on the sandbox's pages",
+    )
+    p.add_argument("--sandbox-url", default="", help="with --pay-via sandbox: its base URL")
     p.add_argument("locust_args", nargs="*", help="further locust arguments, after --")
     return p
 
@@ -150,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         str(args.stock or sc.stock or 1000),
         "--buckets",
         str(args.buckets or sc.buckets),
+        "--pay-via",
+        args.pay_via,
+        *(["--sandbox-url", args.sandbox_url] if args.sandbox_url else []),
         *args.locust_args,
         *sc.classes,
     ]
