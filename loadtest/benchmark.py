@@ -103,7 +103,11 @@ def plan_from(args: argparse.Namespace, argv: list[str]) -> Plan:
         sellout_baseline=not args.no_sellout_baseline,
         latency_s=pick(args.latency_duration, 8.0, 2.0),
         latency_loads=[0.5, 0.9],
-        phases=args.only or list(PHASES),
+        # The latency runs are set relative to the peak the buckets phase finds.
+        phases=sorted(
+            set(args.only or PHASES) | ({"buckets"} if "latency" in (args.only or []) else set()),
+            key=PHASES.index,
+        ),
         argv=argv,
     )
 
