@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
     lines = "\n".join(f"  {name:11} {s.text}" for name, s in SCENARIOS.items())
     p = argparse.ArgumentParser(
         prog="loadtest/run",
-        description="Run a locust scenario headless against a gate, then verify.",
+        description="Run a locust scenario headless against a gate, then verify. Other"
+        " arguments are passed to locust (and the locustfile's own options).",
         epilog="scenarios:\n" + lines,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -116,12 +117,14 @@ def parser() -> argparse.ArgumentParser:
         help="pay scenarios: sign callbacks ourselves (direct) or pay on the sandbox's pages",
     )
     p.add_argument("--sandbox-url", default="", help="with --pay-via sandbox: its base URL")
-    p.add_argument("locust_args", nargs="*", help="further locust arguments, after --")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    # Arguments this command does not know go to locust (and its locustfile options,
+    # e.g. --late-hold-seconds 1 or --loglevel DEBUG).
+    args, locust_args = parser().parse_known_args(argv)
+    locust_args = [a for a in locust_args if a != "--"]
     sc = SCENARIOS[args.scenario]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or ROOT / "loadtest" / "results" / f"{args.scenario}-{stamp}")
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "--pay-via",
         args.pay_via,
         *(["--sandbox-url", args.sandbox_url] if args.sandbox_url else []),
-        *args.locust_args,
+        *locust_args,
         *sc.classes,
     ]
     print("$ " + " ".join(command), flush=True)
