@@ -1,0 +1,585 @@
+"""Locust scenarios for the gate (FastHttpUser). Run them through `loadtest/run`, or:
+
+    locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8000 \\
+        -u 200 -r 100 -t 30s --csv out/stats --html out/report.html \\
+        --record out/client.json FlashSaleBuyer DuplicateClicker Reader
+
+Buyers mint their own tokens (HS256 with GATE_JWT_SECRET). Deals are created through
+the admin API (GATE_ADMIN_TOKEN) at the start of the run unless their ids are given.
+
+User classes (each a scenario; mix them by naming several):
+  FlashSaleBuyer    a crowd of new buyers, one click each with a fresh key, retrying the
+                    same key after 429/503, until the deal sells out and after
+  DuplicateClicker  double and triple clicks sent concurrently with one key, then a
+                    retry: at most one 201 and one order id per key
+  Reader            buyers polling their own order and the deal; peeking at another
+                    buyer's order must answer 404
+  PayingBuyer       (needs payments, #4) reserve, open the payment session twice
+                    (idempotent), then signed callbacks duplicated and reordered;
+                    the order must end PAID
+  LatePayer         (needs payments #4 and the expiry sweeper #5) short holds that
+                    expire while the buyer pays; the late payment must end PAID
+                    (stock re-taken) or REFUND_PENDING/REFUNDED
+
+A run writes the client record (--record) that `python -m loadtest.verify` checks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import gevent
+import orjson
+from gevent.pool import Group
+from locust import FastHttpUser, between, events, task
+from locust.exception import StopUser
+from locust.runners import WorkerRunner
+
+from loadtest import webhooks
+from loadtest.record import ORDERS_MAX, ClientRecord, OrderRef
+from loadtest.tokens import TokenMint
+
+log = logging.getLogger("loadtest")
+
+RETRIES_MAX = 3
+RETRY_PAUSE_MAX_SECONDS = 2.0
+PAID_WAIT_SECONDS = 8.0
+LATE_END_WAIT_SECONDS = 15.0
+STATES = (
+    "PENDING_PAYMENT",
+    "AUTHORIZED",
+    "PAID",
+    "EXPIRED",
+    "CANCELLED",
+    "REFUND_PENDING",
+    "REFUNDED",
+)
+LATE_ENDS = ("PAID", "REFUND_PENDING", "REFUNDED")
+# Which deal each user class buys from, and how that deal is created when no id is given.
+ROLES = {
+    "FlashSaleBuyer": "flash",
+    "DuplicateClicker": "flash",
+    "Reader": "reader",
+    "PayingBuyer": "pay",
+    "LatePayer": "late",
+}
+PAYMENT_CLASSES = ("PayingBuyer", "LatePayer")
+
+
+class Run:
+    """State shared by every user of this process."""
+
+    def __init__(self) -> None:
+        self.record = ClientRecord()
+        self.mint: TokenMint | None = None
+        self.webhook_key: bytes | None = None
+        self.payments = False
+        self.provider = "sandbox"
+        self.pay_via = "direct"
+        self.run_tag = format(int(time.time() * 1000) % 36**8, "x")
+        self.users = itertools.count(1)
+        self.user_base = 0
+        self.options: Any = None
+        self.seen: set[str] = set()
+
+    def order_seen(self, order_id: str, user: int, deal_id: int) -> None:
+        """Remember an order a client was told about (201, or a replay of a lost 201)."""
+        if order_id not in self.seen:
+            if len(self.seen) < ORDERS_MAX:
+                self.seen.add(order_id)
+            self.record.add(self.record.created, (order_id, user, deal_id))
+
+    def next_user(self) -> int:
+        return self.user_base + next(self.users)
+
+    def deal(self, role: str) -> int:
+        deal_id = self.record.deals.get(role)
+        if deal_id is None:
+            raise StopUser()
+        return deal_id
+
+
+RUN = Run()
+
+
+# -- options and set-up ---------------------------------------------------------------------
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser: Any) -> None:
+    g = parser.add_argument_group("gate")
+    g.add_argument("--jwt-secret", env_var="GATE_JWT_SECRET", default="", help="buyer token key")
+    g.add_argument("--admin-token", env_var="GATE_ADMIN_TOKEN", default="", help="to create deals")
+    g.add_argument(
+        "--webhook-secret", env_var="GATE_WEBHOOK_SECRET", default="", help="whsec_… for callbacks"
+    )
+    g.add_argument("--provider", env_var="LOADTEST_PROVIDER", default="sandbox")
+    g.add_argument(
+        "--pay-via",
+        env_var="LOADTEST_PAY_VIA",
+        choices=("direct", "sandbox"),
+        default="direct",
+        help="direct: sign and send callbacks ourselves; sandbox: pay on the sandbox's pay"
+        " step (its redirect_url) and let it deliver the callbacks",
+    )
+    g.add_argument(
+        "--sandbox-url",
+        env_var="LOADTEST_SANDBOX_URL",
+        default="",
+        help="with --pay-via sandbox: set its delivery controls (duplicates, reorder window)",
+    )
+    g.add_argument(
+        "--sandbox-duplicates", type=int, env_var="LOADTEST_SANDBOX_DUPLICATES", default=2
+    )
+    g.add_argument(
+        "--sandbox-reorder-seconds", type=float, env_var="LOADTEST_SANDBOX_REORDER", default=0.5
+    )
+    g.add_argument("--record", env_var="LOADTEST_RECORD", default="", help="client record path")
+    g.add_argument("--user-base", type=int, env_var="LOADTEST_USER_BASE", default=0)
+    for role in ("flash", "reader", "pay", "late"):
+        g.add_argument(
+            f"--{role}-deal", type=int, env_var=f"LOADTEST_{role.upper()}_DEAL", default=0
+        )
+    g.add_argument("--stock", type=int, env_var="LOADTEST_STOCK", default=200)
+    g.add_argument("--buckets", type=int, env_var="LOADTEST_BUCKETS", default=4)
+    g.add_argument("--late-hold-seconds", type=int, env_var="LOADTEST_LATE_HOLD", default=2)
+
+
+def _admin_post(host: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(
+        host.rstrip("/") + path, data=orjson.dumps(body), method="POST", headers=headers
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        result: dict[str, Any] = orjson.loads(resp.read())
+        return result
+
+
+def _deal_body(role: str, opts: Any, users: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "title": f"loadtest {role} {RUN.run_tag}",
+        "unit_price": 1999,
+        "currency": "EUR",
+        "max_per_order": 1,
+        "hold_seconds": 600,
+    }
+    if role == "flash":
+        body.update(stock=opts.stock, buckets=opts.buckets)
+    elif role == "late":
+        body.update(stock=max(100, 20 * users), buckets=4, hold_seconds=opts.late_hold_seconds)
+    else:
+        body.update(stock=max(1000, 50 * users), buckets=4)
+    return body
+
+
+def _payments_available(host: str, provider: str) -> bool:
+    """Whether the gate has the callback endpoint: an unsigned empty event is refused
+    (400/401) by a gate that has it and answered 404 by one that does not."""
+    request = urllib.request.Request(
+        f"{host.rstrip('/')}/v1/payments/{provider}/webhook",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10):
+            return True
+    except urllib.error.HTTPError as exc:
+        return exc.code != 404
+
+
+@events.test_start.add_listener
+def _start(environment: Any, **_: Any) -> None:
+    opts = environment.parsed_options
+    RUN.options = opts
+    RUN.record.host = environment.host or ""
+    RUN.provider = opts.provider
+    RUN.user_base = opts.user_base or (int(time.time()) % 10**7) * 10**6
+    RUN.mint = TokenMint(opts.jwt_secret, ttl_seconds=6 * 3600)
+    if opts.webhook_secret:
+        RUN.webhook_key = webhooks.secret_key(opts.webhook_secret)
+    classes = {cls.__name__ for cls in environment.user_classes}
+    roles = sorted({ROLES[c] for c in classes if c in ROLES})
+    users = int(getattr(opts, "num_users", 0) or 100)
+    for role in roles:
+        given = int(getattr(opts, f"{role}_deal"))
+        if given:
+            RUN.record.deals[role] = given
+        elif isinstance(environment.runner, WorkerRunner):
+            log.error("distributed runs need --%s-deal: workers cannot share created deals", role)
+        elif not opts.admin_token:
+            log.error("no --%s-deal and no admin token to create one", role)
+        else:
+            created = _admin_post(
+                RUN.record.host, opts.admin_token, "/v1/admin/deals", _deal_body(role, opts, users)
+            )
+            RUN.record.deals[role] = int(created["id"])
+            log.info("created %s deal %s", role, created["id"])
+    if classes & set(PAYMENT_CLASSES):
+        RUN.pay_via = opts.pay_via
+        signer = RUN.webhook_key is not None or RUN.pay_via == "sandbox"
+        RUN.payments = signer and _payments_available(RUN.record.host, RUN.provider)
+        if RUN.payments and RUN.pay_via == "sandbox" and opts.sandbox_url:
+            # The sandbox duplicates every event and shuffles the copies in a window:
+            # the provider's own at-least-once, out-of-order delivery.
+            _admin_post(
+                opts.sandbox_url,
+                "",
+                "/sandbox/config",
+                {
+                    "duplicates": opts.sandbox_duplicates,
+                    "reorder_window_seconds": opts.sandbox_reorder_seconds,
+                },
+            )
+        if not RUN.payments:
+            RUN.record.notes.append(
+                "payments unavailable (no webhook secret or no callback endpoint):"
+                " payment scenarios skipped"
+            )
+            log.warning(RUN.record.notes[-1])
+
+
+@events.quitting.add_listener
+def _quit(environment: Any, **_: Any) -> None:
+    opts = environment.parsed_options
+    if not opts or not opts.record:
+        return
+    path = Path(opts.record)
+    if isinstance(environment.runner, WorkerRunner):
+        path = path.with_name(f"{path.stem}.{environment.runner.client_id}{path.suffix}")
+    RUN.record.write(path)
+
+
+# -- users ------------------------------------------------------------------------------------
+
+
+def _json(resp: Any) -> dict[str, Any]:
+    try:
+        data = orjson.loads(resp.content or b"{}")
+    except orjson.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class Buyer(FastHttpUser):
+    abstract = True
+    network_timeout = 30.0
+    connection_timeout = 10.0
+
+    def auth(self, user: int) -> dict[str, str]:
+        assert RUN.mint is not None, "test_start mints tokens"
+        return {"Authorization": RUN.mint.header(user)}
+
+    def reserve(
+        self, deal_id: int, user: int, key: str, name: str = "reserve"
+    ) -> tuple[int, str, dict[str, Any]]:
+        """One reservation request; returns (status, problem code or "", body)."""
+        headers = {**self.auth(user), "Idempotency-Key": key}
+        with self.client.post(
+            f"/v1/deals/{deal_id}/reservations",
+            json={"quantity": 1},
+            headers=headers,
+            name=name,
+            catch_response=True,
+        ) as resp:
+            body = _json(resp)
+            status = resp.status_code
+            code = str(body.get("code", "")) if status >= 400 else ""
+            RUN.record.outcome(deal_id, code or str(status))
+            if status in (200, 201):
+                if body.get("deal_id") != deal_id or not body.get("order_id"):
+                    resp.failure(f"{status} without this deal's order: {body}")
+                elif status == 200 and resp.headers.get("Idempotent-Replayed") != "true":
+                    resp.failure("200 without Idempotent-Replayed: true")
+                else:
+                    resp.success()
+                    RUN.order_seen(str(body["order_id"]), user, deal_id)
+            elif status == 409 and code in ("SOLD_OUT", "IDEMPOTENCY_IN_PROGRESS"):
+                resp.success()
+            elif status in (429, 503):
+                # Load shedding is an answer the crowd must expect, not an error.
+                resp.success()
+            else:
+                resp.failure(f"{status} {code or resp.text[:200]}")
+            retry_after = resp.headers.get("Retry-After") or "1"
+        if status in (429, 503):
+            pause = min(RETRY_PAUSE_MAX_SECONDS, float(retry_after) if retry_after.isdigit() else 1)
+            gevent.sleep(random.uniform(0.1, 1.0) * pause)
+        return status, code, body
+
+    def reserve_until_answered(
+        self, deal_id: int, user: int, key: str, name: str = "reserve"
+    ) -> tuple[int, str, dict[str, Any]]:
+        """A browser that retries the same key after 429/503, a bounded number of times."""
+        answer = self.reserve(deal_id, user, key, name)
+        for _ in range(RETRIES_MAX - 1):
+            if answer[0] not in (429, 503):
+                break
+            answer = self.reserve(deal_id, user, key, name + " (retry)")
+        return answer
+
+    def order(self, user: int, order_id: str, name: str = "order") -> dict[str, Any] | None:
+        with self.client.get(
+            f"/v1/orders/{order_id}", headers=self.auth(user), name=name, catch_response=True
+        ) as resp:
+            body = _json(resp)
+            if resp.status_code == 200 and body.get("status") in STATES:
+                resp.success()
+                return body
+            resp.failure(f"{resp.status_code} {resp.text[:200]}")
+            return None
+
+
+class FlashSaleBuyer(Buyer):
+    """A crowd of new buyers clicking once each."""
+
+    weight = 10
+    wait_time = between(0.0, 0.02)
+
+    @task
+    def click(self) -> None:
+        deal_id = RUN.deal("flash")
+        user = RUN.next_user()
+        self.reserve_until_answered(deal_id, user, f"fs-{RUN.run_tag}-{user}")
+
+
+class DuplicateClicker(Buyer):
+    """Double/triple clicks with one key, concurrently, then a browser retry."""
+
+    weight = 3
+    wait_time = between(0.0, 0.05)
+    concurrency = 4
+
+    @task
+    def clicks(self) -> None:
+        deal_id = RUN.deal("flash")
+        user = RUN.next_user()
+        key = f"dup-{RUN.run_tag}-{user}"
+        answers: list[tuple[int, str, dict[str, Any]]] = []
+        group = Group()
+        for _ in range(random.randint(2, 4)):
+            group.spawn(lambda: answers.append(self.reserve(deal_id, user, key, "reserve (click)")))
+        group.join()
+        gevent.sleep(random.uniform(0.0, 0.1))
+        answers.append(self.reserve_until_answered(deal_id, user, key, "reserve (again)"))
+        created = [a for a in answers if a[0] == 201]
+        orders = {str(a[2]["order_id"]) for a in answers if a[0] in (200, 201)}
+        if len(created) > 1 or len(orders) > 1:
+            RUN.record.violation(
+                f"key {key} (user {user}): {len(created)} answers 201, order ids {sorted(orders)}"
+            )
+
+
+class Reader(Buyer):
+    """Buyers who hold one order and keep polling it and the deal."""
+
+    weight = 2
+    wait_time = between(0.2, 1.0)
+
+    def on_start(self) -> None:
+        self.user = RUN.next_user()
+        self.order_id: str | None = None
+        deal_id = RUN.deal("reader")
+        key = f"rd-{RUN.run_tag}-{self.user}"
+        status, _, body = self.reserve_until_answered(deal_id, self.user, key)
+        if status in (200, 201):
+            self.order_id = str(body["order_id"])
+
+    @task(3)
+    def poll_deal(self) -> None:
+        deal_id = RUN.deal("reader")
+        with self.client.get(f"/v1/deals/{deal_id}", name="deal", catch_response=True) as resp:
+            body = _json(resp)
+            if resp.status_code == 200 and body.get("id") == deal_id and "sold_out" in body:
+                resp.success()
+            else:
+                resp.failure(f"{resp.status_code} {resp.text[:200]}")
+
+    @task(2)
+    def poll_order(self) -> None:
+        if self.order_id is None:
+            return
+        body = self.order(self.user, self.order_id)
+        if body is not None and body.get("order_id", body.get("id")) != self.order_id:
+            RUN.record.violation(f"order {self.order_id}: read back as {body}")
+
+    @task(1)
+    def peek(self) -> None:
+        """Another buyer's order must look exactly like one that does not exist."""
+        if not RUN.record.created:
+            return
+        order_id, owner, _ = random.choice(RUN.record.created)
+        if owner == self.user:
+            return
+        with self.client.get(
+            f"/v1/orders/{order_id}",
+            headers=self.auth(self.user),
+            name="order (someone else's)",
+            catch_response=True,
+        ) as resp:
+            if resp.status_code == 404:
+                resp.success()
+            else:
+                resp.failure(f"another buyer's order answered {resp.status_code}")
+                RUN.record.violation(f"user {self.user} could read order {order_id}")
+
+
+class Payer(Buyer):
+    abstract = True
+    concurrency = 4
+
+    def on_start(self) -> None:
+        if not RUN.payments:
+            raise StopUser()
+
+    def session(self, user: int, order_id: str) -> dict[str, Any] | None:
+        """Open the payment session twice: the second answer must be the same session."""
+        sessions = []
+        for name in ("payment session", "payment session (again)"):
+            with self.client.post(
+                f"/v1/orders/{order_id}/payment",
+                headers=self.auth(user),
+                name=name,
+                catch_response=True,
+            ) as resp:
+                body = _json(resp)
+                if resp.status_code in (200, 201) and body.get("session_id"):
+                    resp.success()
+                    sessions.append(body)
+                else:
+                    resp.failure(f"{resp.status_code} {resp.text[:200]}")
+                    return None
+        if sessions[0]["session_id"] != sessions[1]["session_id"]:
+            RUN.record.violation(f"order {order_id}: two payment sessions {sessions}")
+        return sessions[0]
+
+    def deliver(self, delivery: webhooks.Delivery, name: str) -> None:
+        with self.client.post(
+            f"/v1/payments/{RUN.provider}/webhook",
+            data=delivery.body,
+            headers=delivery.headers,
+            name=name,
+            catch_response=True,
+        ) as resp:
+            if 200 <= resp.status_code < 300:
+                resp.success()
+            else:
+                resp.failure(f"{resp.status_code} {resp.text[:200]}")
+
+    def pay_in_sandbox(self, session: dict[str, Any], reorder: bool) -> None:
+        """Pay on the sandbox's pay step; with `reorder`, a failed attempt first (its
+        payment.failed and the success then reach the gate in any order)."""
+        outcomes = ["fail", "succeed"] if reorder else ["succeed"]
+        for outcome in outcomes:
+            with self.client.post(
+                str(session["redirect_url"]),
+                json={"outcome": outcome},
+                name=f"sandbox pay ({outcome})",
+                catch_response=True,
+            ) as resp:
+                if 200 <= resp.status_code < 300:
+                    resp.success()
+                else:
+                    resp.failure(f"{resp.status_code} {resp.text[:200]}")
+
+    def pay(
+        self,
+        order: dict[str, Any],
+        session: dict[str, Any],
+        duplicates: int,
+        reorder: bool,
+    ) -> None:
+        """Deliver payment.succeeded `duplicates` times (concurrently) and, when
+        `reorder`, an earlier failed attempt's event, in a shuffled order."""
+        if RUN.pay_via == "sandbox":
+            self.pay_in_sandbox(session, reorder)
+            return
+        assert RUN.webhook_key is not None
+        order_id = str(order["order_id"])
+        amount, currency = int(order["amount"]), str(order["currency"])
+        succeeded = webhooks.event(
+            "payment.succeeded", order_id, f"pay_{order_id}_2", amount, currency
+        )
+        first = webhooks.sign(RUN.webhook_key, succeeded)
+        deliveries = [(first, "webhook succeeded")]
+        for _ in range(duplicates - 1):
+            again = webhooks.sign(RUN.webhook_key, succeeded, msg_id=first.headers["webhook-id"])
+            deliveries.append((again, "webhook duplicate"))
+        if reorder:
+            failed = webhooks.event(
+                "payment.failed", order_id, f"pay_{order_id}_1", amount, currency
+            )
+            deliveries.append((webhooks.sign(RUN.webhook_key, failed), "webhook failed (stale)"))
+        random.shuffle(deliveries)
+        group = Group()
+        for delivery, name in deliveries:
+            group.spawn(self.deliver, delivery, name)
+        group.join()
+
+    def wait_status(self, user: int, order_id: str, wanted: tuple[str, ...], seconds: float) -> str:
+        deadline = time.monotonic() + seconds
+        status = "?"
+        while time.monotonic() < deadline:
+            body = self.order(user, order_id, "order (after payment)")
+            status = str(body.get("status")) if body else "?"
+            if status in wanted:
+                break
+            gevent.sleep(0.5)
+        return status
+
+
+class PayingBuyer(Payer):
+    """Reserve, pay in time; callbacks duplicated and reordered; the order ends PAID."""
+
+    weight = 2
+    wait_time = between(0.1, 0.5)
+
+    @task
+    def buy(self) -> None:
+        deal_id = RUN.deal("pay")
+        user = RUN.next_user()
+        status, _, order = self.reserve_until_answered(deal_id, user, f"pay-{RUN.run_tag}-{user}")
+        if status not in (200, 201):
+            return
+        session = self.session(user, str(order["order_id"]))
+        if session is None:
+            return
+        self.pay(order, session, duplicates=random.randint(1, 3), reorder=random.random() < 0.5)
+        ref: OrderRef = (str(order["order_id"]), user, deal_id)
+        RUN.record.add(RUN.record.paid, ref)
+        if self.wait_status(user, ref[0], ("PAID",), PAID_WAIT_SECONDS) != "PAID":
+            log.warning("order %s not PAID after %s s", ref[0], PAID_WAIT_SECONDS)
+
+
+class LatePayer(Payer):
+    """Short holds that expire while the buyer is still paying."""
+
+    weight = 1
+    wait_time = between(0.1, 0.5)
+
+    @task
+    def buy_late(self) -> None:
+        deal_id = RUN.deal("late")
+        user = RUN.next_user()
+        status, _, order = self.reserve_until_answered(deal_id, user, f"late-{RUN.run_tag}-{user}")
+        if status not in (200, 201):
+            return
+        session = self.session(user, str(order["order_id"]))
+        if session is None:
+            return
+        hold = int(RUN.options.late_hold_seconds) if RUN.options else 2
+        # Past the deadline, and usually past the sweeper's release too (≤ 2 s).
+        gevent.sleep(hold + random.uniform(0.5, 3.5))
+        self.pay(order, session, duplicates=random.randint(1, 2), reorder=False)
+        ref: OrderRef = (str(order["order_id"]), user, deal_id)
+        RUN.record.add(RUN.record.late_paid, ref)
+        self.wait_status(user, ref[0], LATE_ENDS, LATE_END_WAIT_SECONDS)

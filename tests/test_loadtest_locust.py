@@ -1,0 +1,66 @@
+"""A short headless locust run against a real gate must pass the verifier (CI)."""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+import pytest
+
+from loadtest.record import ClientRecord
+from tests.loadtest_support import run_module
+from tests.support import GateProcess
+
+
+@pytest.mark.slow
+def test_a_short_crowd_run_passes_the_verifier(
+    gate: GateProcess, env: dict[str, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "ci"
+    result = run_module(
+        env,
+        "loadtest.scenario",
+        "ci",
+        "--host",
+        gate.url,
+        "--run-time",
+        "6s",
+        "--stock",
+        "40",
+        "--users",
+        "30",
+        "--out",
+        str(out),
+        timeout_seconds=180,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "verifier: all checks hold" in result.stdout
+
+    # locust's own outputs: the CSV statistics and the HTML report.
+    with (out / "stats_stats.csv").open() as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    assert int(rows["Aggregated"]["Request Count"]) > 0
+    assert int(rows["Aggregated"]["Failure Count"]) == 0
+    assert "reserve" in rows
+    assert (out / "report.html").stat().st_size > 0
+
+    # Every order a client was told about was checked against the database; a crowd
+    # that got SOLD_OUT answers must have bought every unit (how far a busy machine
+    # gets in a few seconds is not asserted).
+    record = ClientRecord.read(out / "client.json")
+    flash = record.deals["flash"]
+    ordered = len([r for r in record.created if r[2] == flash])
+    assert 0 < ordered <= 40
+    if record.outcomes[flash].get("SOLD_OUT"):
+        assert ordered == 40
+    assert record.violations == []
+    verdict = (out / "verify.txt").read_text()
+    line = re.search(
+        rf"deal {flash} \[flash\]: OK  stock=40 available=(\d+) ordered=(\d+)"
+        r" oversold=0 lost=0  redis: equal",
+        verdict,
+    )
+    assert line is not None, verdict
+    available, in_db = int(line[1]), int(line[2])
+    assert available + in_db == 40 and in_db >= ordered

@@ -1,0 +1,116 @@
+"""The payment scenarios against a gate with payments and a running sandbox provider.
+
+They need the payments area (#4): until the gate has `gate sandbox`, they are skipped."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from loadtest.procs import Server, free_port
+from loadtest.record import ClientRecord
+from tests.loadtest_support import run_module
+from tests.support import GATE_BIN, ROOT, GateProcess
+
+pytestmark = pytest.mark.slow
+
+
+def has_sandbox(env: dict[str, str]) -> bool:
+    """Whether `gate sandbox` is the provider, not the core's "not available" stand-in."""
+    out = subprocess.run([GATE_BIN, "--help"], env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.strip().startswith("sandbox ")]
+    return bool(lines) and "not available" not in lines[0]
+
+
+@pytest.fixture(scope="module")
+def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProcess, str, dict]]:
+    if not has_sandbox(env):
+        pytest.skip("needs the payments area (#4): this gate has no sandbox provider")
+    port = free_port()
+    sandbox = Server(
+        "sandbox",
+        [GATE_BIN, "sandbox", "--port", str(port)],
+        env,
+        port,
+        ROOT / ".local" / f"test-sandbox-{port}.log",
+        ROOT,
+    )
+    gate: GateProcess | None = None
+    try:
+        sandbox.wait_ready("/healthz")
+        sandbox_url = f"http://127.0.0.1:{port}"
+        gate_port = free_port()
+        genv = {
+            **env,
+            "GATE_PAYMENT_PROVIDER_URL": sandbox_url,
+            "GATE_PAYMENT_CALLBACK_URL": f"http://127.0.0.1:{gate_port}/v1/payments/sandbox/webhook",
+            "GATE_PAYMENT_RETURN_URL": f"http://127.0.0.1:{gate_port}/paid",
+        }
+        gate = _start_on(genv, gate_port)
+        gate.wait_ready()
+        yield gate, sandbox_url, genv
+    finally:
+        if gate is not None:
+            gate.stop()
+        sandbox.stop()
+
+
+def _start_on(env: dict[str, str], port: int) -> GateProcess:
+    """A GateProcess on a port chosen beforehand (the callback URL names it)."""
+    proc = GateProcess.__new__(GateProcess)
+    proc.port = port
+    proc.url = f"http://127.0.0.1:{port}"
+    proc.log_path = ROOT / ".local" / f"test-gate-{port}.log"
+    proc._log = open(proc.log_path, "wb")  # closed by GateProcess.stop()
+    proc.proc = subprocess.Popen(
+        [GATE_BIN, "serve", "--port", str(port), "--workers", "1"],
+        env=dict(env),
+        stdout=proc._log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return proc
+
+
+@pytest.mark.parametrize(
+    ("scenario", "extra"),
+    [
+        ("pay", []),
+        ("pay", ["--pay-via", "sandbox"]),
+        ("late-pay", []),
+    ],
+)
+def test_payment_scenarios_pass_the_verifier(
+    paying_gate: tuple[GateProcess, str, dict], tmp_path: Path, scenario: str, extra: list[str]
+) -> None:
+    gate, sandbox_url, genv = paying_gate
+    if "sandbox" in extra:
+        extra = [*extra, "--sandbox-url", sandbox_url]
+    out = tmp_path / scenario
+    result = run_module(
+        genv,
+        "loadtest.scenario",
+        scenario,
+        "--host",
+        gate.url,
+        "--run-time",
+        "5s",
+        "--users",
+        "6",
+        "--out",
+        str(out),
+        *extra,
+        "--",
+        "--late-hold-seconds",
+        "1",
+        timeout_seconds=240,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "verifier: all checks hold" in result.stdout
+    record = ClientRecord.read(out / "client.json")
+    paid = record.late_paid if scenario == "late-pay" else record.paid
+    assert paid, "no buyer got as far as paying"
+    assert record.violations == []
