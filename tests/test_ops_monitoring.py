@@ -108,9 +108,9 @@ def test_the_seeds_thresholds_are_alerted() -> None:
     lag = r["GateReleaseLagHigh"]["expr"]
     assert "gate_expiry_release_lag_seconds_sum" in lag and "> 300" in lag
     # "Any" means any: no threshold above zero, no waiting on the breach itself.
-    assert r["GateInvariantBreach"]["expr"].endswith("> 0") and "for" not in r[
-        "GateInvariantBreach"
-    ]
+    assert (
+        r["GateInvariantBreach"]["expr"].endswith("> 0") and "for" not in r["GateInvariantBreach"]
+    )
     assert r["GateRedisDrift"]["expr"].endswith("> 0")
     assert "gate_payment_quarantined_total" in r["GatePaymentQuarantined"]["expr"]
     assert "gate_refund_backlog" in r["GateRefundBacklogGrowing"]["expr"]
@@ -123,9 +123,7 @@ def test_prometheus_config_scrapes_the_gate_and_loads_the_rules() -> None:
     gate = jobs["gate"]
     assert gate.get("metrics_path", "/metrics") == "/metrics"
     ports = [sd["port"] for sd in gate.get("dns_sd_configs", [])] + [
-        int(t.rsplit(":", 1)[1])
-        for sc in gate.get("static_configs", [])
-        for t in sc["targets"]
+        int(t.rsplit(":", 1)[1]) for sc in gate.get("static_configs", []) for t in sc["targets"]
     ]
     assert 8000 in ports
 
