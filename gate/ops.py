@@ -217,10 +217,14 @@ def install(gate: Gate) -> Extension:
     sample_seconds = env_float(env, "GATE_METRICS_SAMPLE_SECONDS", 1.0, 0.05, 60.0)
     logs.redact_secrets(_secrets(gate.settings))
     _observe_buyers(gate)
-    document = openapi.render()
+    rendered: list[bytes] = []
 
     async def openapi_json(request: Request) -> Response:
-        return Response(document, media_type="application/json")
+        # Rendered on first use, once every area has installed (and described its
+        # own endpoints with openapi.add_operation), whatever the installation order.
+        if not rendered:
+            rendered.append(openapi.render())
+        return Response(rendered[0], media_type="application/json")
 
     sampler = PoolSampler(gate, sample_seconds)
     stop = asyncio.Event()
