@@ -11,6 +11,7 @@ credential, before a line is written.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -61,15 +62,22 @@ def sane_request_id(raw: bytes) -> str | None:
     return None
 
 
-_ID_PREFIX = os.urandom(4).hex()
-_id_counter = 0
+def _new_prefix() -> None:
+    global _id_prefix, _id_counter
+    _id_prefix = f"{os.urandom(4).hex()}{os.getpid() & 0xFFFF:04x}-"
+    _id_counter = itertools.count(1)
+
+
+_id_prefix = ""
+_id_counter = itertools.count(1)
+_new_prefix()
+# A forked worker must not repeat its parent's ids.
+os.register_at_fork(after_in_child=_new_prefix)
 
 
 def new_request_id() -> str:
-    """A process prefix and a counter: unique, and far cheaper than a UUID."""
-    global _id_counter
-    _id_counter += 1
-    return f"{_ID_PREFIX}{os.getpid() & 0xFFFF:04x}-{_id_counter:x}"
+    """A random per-process prefix and a counter: unique, far cheaper than a UUID."""
+    return f"{_id_prefix}{next(_id_counter):x}"
 
 
 def begin_request(rid: str) -> RequestContext:
