@@ -94,9 +94,9 @@ class RequestObserver:
                 break
         if rid is None:
             rid = logs.new_request_id()
-        ctx = logs.begin_request(rid)
+        logs.begin_request(rid)
         rid_header = (REQUEST_ID_HEADER, rid.encode("ascii"))
-        status = 500
+        status = 500  # until a response starts: an error escaped, or the client left
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -110,9 +110,9 @@ class RequestObserver:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self._record(scope, status, time.perf_counter() - started, ctx)
+            self._record(scope, status, time.perf_counter() - started)
 
-    def _record(self, scope: Scope, status: int, elapsed: float, ctx: logs.RequestContext) -> None:
+    def _record(self, scope: Scope, status: int, elapsed: float) -> None:
         route = self._route(scope)
         method = scope["method"]
         if method not in KNOWN_METHODS:
