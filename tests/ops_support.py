@@ -1,0 +1,74 @@
+"""Helpers for the operability tests: gate processes started the way `gate serve`
+prepares them for several workers, and metric scraping."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.mmap_dict import MmapedDict
+
+from gate.metrics import METRICS_DIR_ENV, MULTIPROC_ENV, prepare_multiprocess, sample_values
+from tests.support import Client, GateProcess
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def multiprocess_env(base: Mapping[str, str], metrics_dir: Path, workers: int) -> dict[str, str]:
+    """The environment the `gate serve` parent gives its workers (via the same helper)."""
+    env = {k: v for k, v in base.items() if k != MULTIPROC_ENV}
+    env[METRICS_DIR_ENV] = str(metrics_dir)
+    path = prepare_multiprocess(workers, env)
+    assert path == str(metrics_dir) and env[MULTIPROC_ENV] == path
+    return env
+
+
+@contextmanager
+def running_gate(env: Mapping[str, str], workers: int = 2) -> Iterator[GateProcess]:
+    proc = GateProcess(env, workers=workers)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+class FreshConnectionClient(Client):
+    """A client that opens a new connection for every request.
+
+    Workers share one listening socket and each accepts every connection queued when
+    it wakes; pooled keep-alive connections would all stay with the worker that won
+    the first race. One connection per request spreads requests over the workers.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True, limit=8),
+            timeout=aiohttp.ClientTimeout(total=60),
+        )
+
+
+async def scrape(client: Client) -> Samples:
+    r = await client.get("/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["Content-Type"].startswith("text/plain")
+    return sample_values(r.text)
+
+
+def per_process_values(metrics_dir: Path, name: str, **labels: str) -> dict[int, float]:
+    """{pid: value} of one counter series, read from each process's metric file."""
+    out: dict[int, float] = {}
+    want = set(labels.items())
+    for path in glob.glob(os.path.join(metrics_dir, "counter_*.db")):
+        pid = int(os.path.basename(path)[len("counter_") : -len(".db")])
+        for key, value, _ts, _pos in MmapedDict.read_all_values_from_file(path):
+            _metric, sample, lab, _help = json.loads(key)
+            if sample == name and want <= set(lab.items()):
+                out[pid] = out.get(pid, 0.0) + value
+    return out
