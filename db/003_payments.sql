@@ -396,9 +396,12 @@ proc: BEGIN
         SELECT id, status, amount INTO v_r_id, v_r_status, v_r_amount FROM payment_refunds
          WHERE provider = p_provider AND provider_refund_id = p_refund_id FOR UPDATE;
         IF v_found = 0 THEN
+            -- Not linked yet: the gate's own refund of this payment, asked for but not
+            -- answered (the webhook can overtake the provider's answer).
             SET v_found = 1;
             SELECT id, status, amount INTO v_r_id, v_r_status, v_r_amount FROM payment_refunds
-             WHERE provider = p_provider AND payment_id = p_payment_id FOR UPDATE;
+             WHERE provider = p_provider AND payment_id = p_payment_id
+               AND provider_refund_id IS NULL AND status <> 'succeeded' FOR UPDATE;
             IF v_found = 0 THEN
                 SET v_r_id = NULL;
             END IF;
