@@ -7,21 +7,23 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.runtime import Gate
-from tests.payments_support import (  # noqa: F401
-    PayStack,
+from tests import payments_support as ps
+from tests.payments_support import (
     SandboxClient,
-    core,
     expire,
     new_order,
     order_row,
-    pay_client,
-    pay_stack,
-    sandbox,
     start_payment,
     wait_status,
     wait_until,
 )
 from tests.support import Client, assert_invariants, buyer, create_deal
+
+# Fixtures shared by the payment modules (the shared conftest is the core's).
+core = ps.core
+pay_client = ps.pay_client
+sandbox = ps.sandbox
+pay_stack = ps.pay_stack
 
 
 async def test_full_flow_reserve_pay_callback_paid(
@@ -57,9 +59,7 @@ async def test_full_flow_reserve_pay_callback_paid(
         (order_id,),
     )
     assert [tuple(r) for r in ledger] == [(-1, 1, 0, "reserve"), (0, -1, 1, "pay")]
-    outbox = await db.fetchall(
-        "SELECT topic FROM outbox WHERE aggregate_id = %s", (order_id,)
-    )
+    outbox = await db.fetchall("SELECT topic FROM outbox WHERE aggregate_id = %s", (order_id,))
     assert [r[0] for r in outbox] == ["order.paid"]
     events = await db.fetchall(
         "SELECT event_type, outcome FROM payment_events WHERE order_id = %s", (order_id,)

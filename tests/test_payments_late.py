@@ -9,21 +9,24 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.payments.workers import refund_key
-from tests.payments_support import (  # noqa: F401
+from tests import payments_support as ps
+from tests.payments_support import (
     SandboxClient,
     event_body,
     new_order,
     order_row,
-    pay_client,
-    pay_stack,
     post_webhook,
-    sandbox,
     signed,
     start_payment,
     wait_status,
     wait_until,
 )
 from tests.support import Client, assert_invariants, buyer, create_deal, reserve
+
+# Fixtures shared by the payment modules (the shared conftest is the core's).
+pay_client = ps.pay_client
+sandbox = ps.sandbox
+pay_stack = ps.pay_stack
 
 
 async def _held_success(
@@ -164,7 +167,7 @@ async def test_every_order_of_success_failure_refund_converges(
         r = await reserve(pay_client, deal, 4400 + i, f"converge-other-{i:04d}")
         assert r.status_code == 201  # the deal is sold out: a late payment is refunded
 
-    for perm, order_id, _payment, success_id, refund_id, failure in cases:
+    for perm, _order_id, _payment, success_id, refund_id, failure in cases:
         for step in perm:
             if step == "succeeded":
                 assert await sandbox.deliver([success_id]) == [[200]]

@@ -14,7 +14,8 @@ from standardwebhooks.webhooks import Webhook
 
 from gate.db import Database
 from gate.payments.signing import WebhookRejected, sign, sign_headers, verify
-from tests.payments_support import (  # noqa: F401
+from tests import payments_support as ps
+from tests.payments_support import (
     NEW_KEY,
     NEW_SECRET,
     OLD_KEY,
@@ -23,14 +24,16 @@ from tests.payments_support import (  # noqa: F401
     event_body,
     new_order,
     order_row,
-    pay_client,
-    pay_stack,
     post_webhook,
     signed,
 )
 from tests.support import Client, create_deal
 
 KEYS = (OLD_KEY, NEW_KEY)
+
+# Fixtures shared by the payment modules (the shared conftest is the core's).
+pay_client = ps.pay_client
+pay_stack = ps.pay_stack
 
 
 def test_library_signatures_verify_here_and_ours_there() -> None:
@@ -116,7 +119,10 @@ async def test_rejected_callbacks_change_nothing(pay_client: Client, db: Databas
     # A rotated pair: one entry from a retired key, one valid: accepted, applied once.
     pair = dict(good)
     pair["webhook-signature"] = " ".join(
-        [sign(OTHER_KEY, good["webhook-id"], now, body), sign(OLD_KEY, good["webhook-id"], now, body)]
+        [
+            sign(OTHER_KEY, good["webhook-id"], now, body),
+            sign(OLD_KEY, good["webhook-id"], now, body),
+        ]
     )
     pair["webhook-timestamp"] = str(now)
     r = await post_webhook(pay_client, body, pair)
@@ -131,8 +137,13 @@ async def test_genuine_but_unreadable_bodies_are_400(pay_client: Client, db: Dat
         b"\xff\xfe\x00",
         b"[1, 2]",
         b'{"id": 7, "type": "payment.succeeded", "data": {}}',
-        orjson.dumps({"id": "evt_bad_amount", "type": "payment.succeeded",
-                      "data": {"payment_id": "pi_x", "amount": "500"}}),
+        orjson.dumps(
+            {
+                "id": "evt_bad_amount",
+                "type": "payment.succeeded",
+                "data": {"payment_id": "pi_x", "amount": "500"},
+            }
+        ),
         orjson.dumps({"id": "evt_no_payment", "type": "payment.succeeded", "data": {}}),
     ):
         r = await post_webhook(pay_client, body, signed(body, msg_id="evt_unreadable"))
