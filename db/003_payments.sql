@@ -186,6 +186,7 @@ proc: BEGIN
     DECLARE v_r_id       BIGINT UNSIGNED DEFAULT NULL;
     DECLARE v_r_status   VARCHAR(16) CHARACTER SET ascii;
     DECLARE v_r_amount   BIGINT UNSIGNED;
+    DECLARE v_r_provider_id VARCHAR(191) CHARACTER SET ascii;
     DECLARE v_waiting    INT DEFAULT 0;
     DECLARE v_capture    INT DEFAULT 0;
     DECLARE v_topic      VARCHAR(64) CHARACTER SET ascii DEFAULT NULL;
@@ -392,19 +393,18 @@ proc: BEGIN
             SET v_code = 3, v_outcome = 'quarantined', v_detail = 'no_refund_id';
             LEAVE main;
         END IF;
+        -- The gate refunds a payment at most once (one row per payment): lock that row
+        -- and decide on what it says now. It is this refund when it carries its id,
+        -- or when it was asked for and not answered yet (a webhook can overtake the
+        -- provider's answer to the worker); any other refund is not the gate's.
         SET v_found = 1;
-        SELECT id, status, amount INTO v_r_id, v_r_status, v_r_amount FROM payment_refunds
-         WHERE provider = p_provider AND provider_refund_id = p_refund_id FOR UPDATE;
-        IF v_found = 0 THEN
-            -- Not linked yet: the gate's own refund of this payment, asked for but not
-            -- answered (the webhook can overtake the provider's answer).
-            SET v_found = 1;
-            SELECT id, status, amount INTO v_r_id, v_r_status, v_r_amount FROM payment_refunds
-             WHERE provider = p_provider AND payment_id = p_payment_id
-               AND provider_refund_id IS NULL AND status <> 'succeeded' FOR UPDATE;
-            IF v_found = 0 THEN
-                SET v_r_id = NULL;
-            END IF;
+        SELECT id, status, amount, provider_refund_id
+          INTO v_r_id, v_r_status, v_r_amount, v_r_provider_id
+          FROM payment_refunds
+         WHERE provider = p_provider AND payment_id = p_payment_id FOR UPDATE;
+        IF v_found = 0 OR NOT (v_r_provider_id <=> p_refund_id
+                               OR (v_r_provider_id IS NULL AND v_r_status <> 'succeeded')) THEN
+            SET v_r_id = NULL;
         END IF;
         IF v_r_id IS NULL THEN
             IF v_status IN ('EXPIRED', 'CANCELLED') THEN
