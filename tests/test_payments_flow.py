@@ -6,6 +6,8 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from gate.db import Database
+from gate.payments.config import load_payment_settings
+from gate.payments.http_provider import SandboxProvider
 from gate.runtime import Gate
 from tests import payments_support as ps
 from tests.payments_support import (
@@ -161,3 +163,55 @@ async def test_authorization_voided_when_the_hold_ended(
     )
     assert status is not None and status[0] == "voided"
     await assert_invariants(db, rds, deal)
+
+
+async def test_without_a_provider_payments_answer_503(client: Client) -> None:
+    # The suite's core gate has no provider configured: it runs, nobody can pay.
+    deal = await create_deal(client, stock=1)
+    order_id = await new_order(client, deal, 4051)
+    r = await client.post(f"/v1/orders/{order_id}/payment", headers=buyer(4051))
+    assert r.status_code == 503 and r.json()["code"] == "OVERLOADED"
+    assert "Retry-After" in r.headers
+
+
+async def test_provider_interface_lists_transactions_and_queries_by_order(
+    pay_client: Client, sandbox: SandboxClient, pay_stack: ps.PayStack, db: Database
+) -> None:
+    deal = await create_deal(pay_client, stock=2, unit_price=333)
+    order_id = await new_order(pay_client, deal, 4061)
+    session = await start_payment(pay_client, order_id, 4061)
+    paid = await sandbox.pay(session["session_id"], "succeed")
+    await wait_status(db, order_id, "PAID")
+    settings = load_payment_settings(pay_stack.env)
+    provider = SandboxProvider(settings, [])
+    try:
+        found = await provider.find_session(order_id)
+        assert found is not None and found.session_id == session["session_id"]
+        [payment] = await provider.payments_for_order(order_id)
+        assert (payment.payment_id, payment.status, payment.amount) == (
+            paid["id"],
+            "succeeded",
+            333,
+        )
+        seen = []
+        cursor = None
+        while True:
+            page = await provider.transactions(cursor, 50)
+            seen.extend(page.items)
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+        assert [t.kind for t in seen if t.payment_id == paid["id"]] == ["payment"]
+        assert await provider.get_payment("pi_does_not_exist") is None
+    finally:
+        await provider.close()
+    metrics = (await pay_client.get("/metrics")).text
+    for name in (
+        "gate_callbacks_total",
+        "gate_callback_delay_seconds",
+        "gate_payment_quarantined_total",
+        "gate_refund_backlog",
+        "gate_outbox_unpublished",
+        "gate_outbox_lag_seconds",
+    ):
+        assert name in metrics, name

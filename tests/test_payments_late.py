@@ -267,3 +267,32 @@ async def test_second_payment_for_a_paid_order_is_refunded(
     assert (row["status"], row["paid_amount"], row["refunded_amount"]) == ("PAID", 1300, 650)
     assert [x["amount"] for x in await sandbox.refunds_of(second)] == [650]
     await assert_invariants(db, rds, deal)
+
+
+async def test_declined_refunds_are_retried_until_settled(
+    pay_client: Client, sandbox: SandboxClient, db: Database, rds: aioredis.Redis
+) -> None:
+    deal = await create_deal(pay_client, stock=1, unit_price=220)
+    order_id, payment, event = await _held_success(pay_client, sandbox, deal, 4801)
+    await _cancel(pay_client, order_id, 4801)
+    r = await reserve(pay_client, deal, 4802, "declined-refund-other")
+    assert r.status_code == 201
+    await sandbox.configure(mode="auto", refund_mode="fail")
+    assert await sandbox.deliver([event["id"]]) == [[200]]
+
+    async def declined() -> bool:
+        return any(x["status"] == "failed" for x in await sandbox.refunds_of(payment["id"]))
+
+    assert await wait_until(declined)
+    assert (await order_row(db, order_id))["status"] == "REFUND_PENDING"
+    await sandbox.configure(refund_mode="succeed")
+    row = await wait_status(db, order_id, "REFUNDED", timeout_seconds=30)
+    assert (row["paid_amount"], row["refunded_amount"]) == (220, 220)
+    refunds = await sandbox.refunds_of(payment["id"])
+    assert [x["status"] for x in refunds].count("succeeded") == 1
+    assert sum(x["amount"] for x in refunds if x["status"] == "succeeded") == 220
+    stored = await db.fetchone(
+        "SELECT status, generation FROM payment_refunds WHERE order_id = %s", (order_id,)
+    )
+    assert stored is not None and stored[0] == "succeeded" and int(stored[1]) >= 1
+    await assert_invariants(db, rds, deal)
