@@ -233,7 +233,7 @@ async def main(argv: list[str] | None = None) -> int:
         "callbacks_per_second": round(len(mix) / seconds, 1),
         "p50_ms": round(q[49] * 1000, 2),
         "p99_ms": round(q[98] * 1000, 2),
-        "statuses": statuses,
+        "statuses": {str(k): v for k, v in statuses.items()},
         "verified": checked,
     }
     sys.stdout.write(orjson.dumps(result).decode() + "\n")
