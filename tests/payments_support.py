@@ -52,6 +52,8 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
     env.update(
         {
             "GATE_WEBHOOK_SECRET": f"{OLD_SECRET} {NEW_SECRET}",
+            # The database server is shared by parallel suites (max_connections).
+            "GATE_DB_POOL_MAX": "16",
             "GATE_PAYMENT_PROVIDER_URL": sandbox_url,
             "GATE_PAYMENT_TIMEOUT_SECONDS": "1",
             "GATE_PAYMENT_RETRY_MAX": "2",
@@ -60,7 +62,7 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
             "GATE_PAYMENT_RECOVERY_AFTER_SECONDS": "0.5",
             "GATE_PAYMENT_ACTION_LEASE_SECONDS": "1",
             "GATE_PAYMENT_BACKOFF_MAX_SECONDS": "2",
-            "GATE_OUTBOX_INTERVAL_SECONDS": "0.1",
+            "GATE_OUTBOX_INTERVAL_SECONDS": "0.2",
             "GATE_OUTBOX_STREAM": "gate:test-pay-events",
         }
     )
@@ -126,7 +128,8 @@ class PayStack:
     env: dict[str, str]
 
 
-@pytest.fixture(scope="session")
+# Per module: no payment gate idles in the background while other suites run.
+@pytest.fixture(scope="module")
 def pay_stack(prepared: None) -> Iterator[PayStack]:
     sandbox_port = free_port()
     env = pay_env(f"http://127.0.0.1:{sandbox_port}")

@@ -158,10 +158,14 @@ async def test_authorization_voided_when_the_hold_ended(
     assert payments[0]["captured_amount"] == 0
     row = await order_row(db, order_id)
     assert row["status"] == "EXPIRED" and row["paid_amount"] == 0
-    status = await db.fetchone(
-        "SELECT status FROM payments WHERE payment_id = %s", (payments[0]["id"],)
-    )
-    assert status is not None and status[0] == "voided"
+
+    async def recorded_voided() -> bool:
+        row = await db.fetchone(
+            "SELECT status FROM payments WHERE payment_id = %s", (payments[0]["id"],)
+        )
+        return row is not None and row[0] == "voided"
+
+    assert await wait_until(recorded_voided)
     await assert_invariants(db, rds, deal)
 
 
