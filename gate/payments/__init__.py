@@ -1,20 +1,169 @@
 """Payments: provider interface, sandbox provider, signed callbacks, order state machine,
-refunds, outbox (issue #4)."""
+refunds, outbox (issue #4). See docs/payments.md."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import socket
+import sys
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gate.extensions import Extension
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gate.extensions import Extension, Worker
+from gate.http import json_response
+from gate.payments.config import load_payment_settings
+from gate.payments.http_provider import SandboxProvider
+from gate.payments.machine import PaymentMachine
+from gate.payments.outbox import OutboxRelay
+from gate.payments.sessions import PaymentSessions
+from gate.payments.signing import decode_secrets
+from gate.payments.webhook import WebhookEndpoint
+from gate.payments.workers import PaymentWorker
+from gate.settings import SettingsError, env_bool
 
 if TYPE_CHECKING:
     from gate.runtime import Gate
 
 
+def _actor() -> str:
+    return f"payments@{socket.gethostname()[:40]}:{os.getpid()}"
+
+
 def install(gate: Gate) -> Extension:
-    return Extension(name="payments")
+    env = gate.settings.environ
+    settings = load_payment_settings(env)
+    keys = decode_secrets(gate.settings.webhook_secrets)
+    provider = SandboxProvider(settings, keys) if settings.provider_url else None
+    actor = _actor()
+    machine = PaymentMachine(gate.db, gate.mirror, actor)
+    worker = PaymentWorker(gate.db, gate.mirror, machine, provider, settings, actor)
+    relay = OutboxRelay(
+        gate.db,
+        gate.redis,
+        settings.outbox_stream,
+        settings.outbox_stream_maxlen,
+        settings.outbox_batch_max,
+        settings.outbox_interval_seconds,
+    )
+    sessions = PaymentSessions(gate.db, provider, settings)
+    webhook = WebhookEndpoint(
+        settings.provider,
+        keys,
+        machine,
+        settings.webhook_body_max_bytes,
+        settings.dedup_cache_max,
+        worker.kick,
+    )
+
+    async def create_payment(request: Request) -> Response:
+        user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+        body, created = await sessions.get_or_create(request.path_params["order_id"], user_id)
+        return json_response(body, 201 if created else 200)
+
+    workers: list[Worker] = []
+    if settings.run_workers:
+        workers.append(worker.run)
+    if env_bool(env, "GATE_OUTBOX_RELAY", True):
+        workers.append(relay.run)
+    on_stop: list[Callable[[], Awaitable[None]]] = []
+    if provider is not None:
+        on_stop.append(provider.close)
+    return Extension(
+        name="payments",
+        routes=[
+            Route("/v1/orders/{order_id:str}/payment", create_payment, methods=["POST"]),
+            Route("/v1/payments/{provider:str}/webhook", webhook.handle, methods=["POST"]),
+        ],
+        workers=workers,
+        on_stop=on_stop,
+    )
+
+
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gate.logs import configure
+    from gate.payments.sandbox import load_config
+
+    try:
+        load_config(os.environ, args.host, args.port)
+    except SettingsError as exc:
+        print(f"gate sandbox: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure(os.environ.get("GATE_LOG_LEVEL", "INFO").upper())
+    os.environ["GATE_SANDBOX_HOST"] = args.host
+    os.environ["GATE_SANDBOX_PORT"] = str(args.port)
+    uvicorn.run(
+        "gate.payments.sandbox:create_sandbox_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=1,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_config=None,
+        lifespan="on",
+        backlog=4096,
+    )
+    return 0
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    import redis.asyncio as aioredis
+
+    from gate.db import Database
+    from gate.logs import configure
+    from gate.settings import load_settings
+
+    try:
+        settings = load_settings()
+        payment = load_payment_settings(settings.environ)
+    except SettingsError as exc:
+        print(f"gate relay: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure(settings.log_level)
+
+    async def go() -> int:
+        db = Database(settings, pool_max=4)
+        await db.start()
+        client = aioredis.Redis.from_url(
+            settings.redis_url, socket_timeout=settings.redis_timeout_seconds
+        )
+        relay = OutboxRelay(
+            db,
+            client,
+            payment.outbox_stream,
+            payment.outbox_stream_maxlen,
+            payment.outbox_batch_max,
+            payment.outbox_interval_seconds,
+        )
+        try:
+            if args.once:
+                print(f"relay: {await relay.run_once()}")
+            else:
+                await relay.run(asyncio.Event())
+        finally:
+            await client.aclose()
+            await db.close()
+        return 0
+
+    return asyncio.run(go())
 
 
 def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this area's `gate` subcommands."""
+    s = sub.add_parser("sandbox", help="run the sandbox payment provider (test mode)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8090)
+    s.set_defaults(fn=_cmd_sandbox)
+
+    s = sub.add_parser("relay", help="publish outbox rows to the event stream")
+    s.add_argument("--once", action="store_true")
+    s.set_defaults(fn=_cmd_relay)

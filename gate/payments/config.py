@@ -1,0 +1,116 @@
+"""Payment settings, read once from the environment the gate started with."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from gate.settings import Secret, SettingsError, env_bool, env_float, env_int
+
+PROVIDER_NAME_MAX = 32
+
+
+def _url(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SettingsError(f"{name} must be an http(s) URL, got {raw!r}")
+    return raw.rstrip("/")
+
+
+@dataclass(frozen=True)
+class PaymentSettings:
+    # The provider the gate calls. Without a URL the gate runs (nobody pays):
+    # POST /v1/orders/{id}/payment answers 503 and the workers leave work queued.
+    provider: str = "sandbox"
+    provider_url: str | None = None
+    provider_api_key: Secret | None = None
+    # Passed to the provider with each session: where it delivers the callbacks.
+    callback_url: str | None = None
+    # Where the provider sends the buyer back after paying.
+    return_url: str | None = None
+    connect_timeout_seconds: float = 1.0
+    timeout_seconds: float = 5.0
+    retry_max: int = 3
+    # A capture starts only while the hold has at least this long to run, so that it
+    # finishes (timeouts and retries included) before the hold can expire.
+    capture_margin_seconds: float = 30.0
+    webhook_body_max_bytes: int = 65_536
+    worker_batch_max: int = 100
+    worker_interval_seconds: float = 1.0
+    # A provider call claimed by a worker is not tried again for this long.
+    action_lease_seconds: float = 30.0
+    backoff_max_seconds: float = 300.0
+    # Events recorded as late or waiting are retried by the recovery loop after this.
+    recovery_after_seconds: float = 5.0
+    outbox_stream: str = "gate:events"
+    outbox_stream_maxlen: int = 1_000_000
+    outbox_batch_max: int = 500
+    outbox_interval_seconds: float = 0.2
+    dedup_cache_max: int = 100_000
+    background_tasks_max: int = 256
+    run_workers: bool = True
+
+    @property
+    def payments_enabled(self) -> bool:
+        return self.provider_url is not None
+
+
+def load_payment_settings(env: Mapping[str, str]) -> PaymentSettings:
+    provider = env.get("GATE_PAYMENT_PROVIDER", "sandbox").strip() or "sandbox"
+    if (
+        len(provider) > PROVIDER_NAME_MAX
+        or not provider.replace("_", "").replace("-", "").isalnum()
+        or not provider.isascii()
+    ):
+        raise SettingsError("GATE_PAYMENT_PROVIDER must be 1-32 characters of [A-Za-z0-9_-]")
+    api_key = env.get("GATE_PAYMENT_API_KEY", "").strip()
+    stream = env.get("GATE_OUTBOX_STREAM", "gate:events").strip() or "gate:events"
+    if len(stream) > 200:
+        raise SettingsError("GATE_OUTBOX_STREAM must be at most 200 characters")
+    settings = PaymentSettings(
+        provider=provider,
+        provider_url=_url(env, "GATE_PAYMENT_PROVIDER_URL"),
+        provider_api_key=Secret(api_key) if api_key else None,
+        callback_url=_url(env, "GATE_PAYMENT_CALLBACK_URL"),
+        return_url=_url(env, "GATE_PAYMENT_RETURN_URL"),
+        connect_timeout_seconds=env_float(
+            env, "GATE_PAYMENT_CONNECT_TIMEOUT_SECONDS", 1.0, 0.05, 30
+        ),
+        timeout_seconds=env_float(env, "GATE_PAYMENT_TIMEOUT_SECONDS", 5.0, 0.1, 60),
+        retry_max=env_int(env, "GATE_PAYMENT_RETRY_MAX", 3, 1, 10),
+        capture_margin_seconds=env_float(
+            env, "GATE_PAYMENT_CAPTURE_MARGIN_SECONDS", 30.0, 0.0, 3600
+        ),
+        webhook_body_max_bytes=env_int(env, "GATE_WEBHOOK_BODY_MAX_BYTES", 65_536, 1024, 1_048_576),
+        worker_batch_max=env_int(env, "GATE_PAYMENT_WORKER_BATCH_MAX", 100, 1, 10_000),
+        worker_interval_seconds=env_float(
+            env, "GATE_PAYMENT_WORKER_INTERVAL_SECONDS", 1.0, 0.05, 60
+        ),
+        action_lease_seconds=env_float(env, "GATE_PAYMENT_ACTION_LEASE_SECONDS", 30.0, 1, 3600),
+        backoff_max_seconds=env_float(env, "GATE_PAYMENT_BACKOFF_MAX_SECONDS", 300.0, 1, 86_400),
+        recovery_after_seconds=env_float(
+            env, "GATE_PAYMENT_RECOVERY_AFTER_SECONDS", 5.0, 0.1, 3600
+        ),
+        outbox_stream=stream,
+        outbox_stream_maxlen=env_int(
+            env, "GATE_OUTBOX_STREAM_MAXLEN", 1_000_000, 1000, 1_000_000_000
+        ),
+        outbox_batch_max=env_int(env, "GATE_OUTBOX_BATCH_MAX", 500, 1, 10_000),
+        outbox_interval_seconds=env_float(env, "GATE_OUTBOX_INTERVAL_SECONDS", 0.2, 0.01, 60),
+        dedup_cache_max=env_int(env, "GATE_WEBHOOK_DEDUP_CACHE_MAX", 100_000, 0, 10_000_000),
+        background_tasks_max=256,
+        run_workers=env_bool(env, "GATE_PAYMENT_WORKERS", True),
+    )
+    # The capture must be over before the hold can end: a capture attempt may take
+    # every retry's timeout plus the backoff between them.
+    budget = settings.retry_max * (settings.timeout_seconds + 1.0)
+    if settings.payments_enabled and settings.capture_margin_seconds < budget:
+        raise SettingsError(
+            f"GATE_PAYMENT_CAPTURE_MARGIN_SECONDS must be at least {budget:g}: the retries"
+            " times (GATE_PAYMENT_TIMEOUT_SECONDS + 1 s of backoff)"
+        )
+    return settings

@@ -1,0 +1,275 @@
+"""Late payments: money that arrived after the order's hold ended.
+
+If the deal still has the units, they are taken again (ledgered, with a Redis
+intent so the mirror follows exactly) and the order is PAID; otherwise the order
+becomes REFUND_PENDING with a refund row the refund worker settles through the
+provider. Either way the event moves from 'late' to 'applied' in the same
+transaction, so two gates settling the same event cannot both act: the event row
+is locked first and re-checked.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gate.alloc import format_alloc, parse_alloc
+from gate.codes import OrderStatus
+from gate.db import Database, is_connection_error
+from gate.mirror import Intent, Mirror
+from gate.orders import new_id
+
+log = logging.getLogger("gate.payments.late")
+
+
+@dataclass(frozen=True)
+class LateResult:
+    outcome: str  # paid | refund_pending | second_payment | noop
+    order_id: str | None
+    deal_id: int
+
+
+def plan_retake(
+    available: dict[int, int], quantity: int, preferred: list[int]
+) -> list[tuple[int, int]] | None:
+    """Which buckets give `quantity` units: the order's own buckets first, then the
+    fullest. None when the deal has fewer units left."""
+    if sum(available.values()) < quantity:
+        return None
+    order = list(dict.fromkeys(b for b in preferred if b in available))
+    order += sorted((b for b in available if b not in order), key=lambda b: -available[b])
+    plan: dict[int, int] = {}
+    need = quantity
+    for b in order:
+        if need == 0:
+            break
+        take = min(need, available[b])
+        if take > 0:
+            plan[b] = take
+            need -= take
+    assert need == 0, "availability summed to enough but the plan fell short"
+    return sorted(plan.items())
+
+
+def _payload(**fields: Any) -> str:
+    return orjson.dumps(fields).decode()
+
+
+async def settle_late(
+    db: Database, mirror: Mirror, provider: str, event_id: str, actor: str
+) -> LateResult:
+    """Settle one event recorded as 'late'. Safe to run twice or concurrently."""
+    intents: list[tuple[int, Intent]] = []
+
+    async def attempt() -> LateResult:
+        async with db.connection() as conn, conn.cursor() as cur:
+            await cur.execute("START TRANSACTION")
+            await cur.execute(
+                "SELECT outcome, order_id, payment_id, amount, currency FROM payment_events"
+                " WHERE provider = %s AND event_id = %s FOR UPDATE",
+                (provider, event_id),
+            )
+            ev = await cur.fetchone()
+            if ev is None or ev[0] != "late":
+                await cur.execute("ROLLBACK")
+                return LateResult("noop", None, 0)
+            order_id, payment_id, amount, currency = str(ev[1]), str(ev[2]), int(ev[3]), ev[4]
+            await cur.execute(
+                "SELECT status, deal_id, user_id, quantity, alloc FROM orders"
+                " WHERE id = %s FOR UPDATE",
+                (order_id,),
+            )
+            order = await cur.fetchone()
+            assert order is not None, "a late event always names an existing order"
+            status, deal_id, user_id, quantity, alloc = (
+                str(order[0]),
+                int(order[1]),
+                int(order[2]),
+                int(order[3]),
+                str(order[4]),
+            )
+            await cur.execute("SELECT NOW(6)")
+            now_row = await cur.fetchone()
+            assert now_row is not None
+            now = now_row[0]
+            at = now.isoformat(timespec="microseconds") + "Z"
+            tx = new_id()
+            common = {
+                "order_id": order_id,
+                "deal_id": deal_id,
+                "user_id": user_id,
+                "quantity": quantity,
+                "provider": provider,
+                "payment_id": payment_id,
+                "amount": amount,
+                "currency": currency,
+                "event_id": event_id,
+                "late": True,
+                "at": at,
+            }
+
+            if status not in (OrderStatus.EXPIRED, OrderStatus.CANCELLED):
+                # Another payment settled this order meanwhile: this one goes back.
+                await cur.execute(
+                    "UPDATE orders SET paid_amount = paid_amount + %s, updated_at = %s,"
+                    " version = version + 1 WHERE id = %s",
+                    (amount, now, order_id),
+                )
+                await _refund_row(
+                    cur, provider, payment_id, order_id, amount, currency, now, "second_payment"
+                )
+                await _outbox(
+                    cur,
+                    tx,
+                    "payment.refund_scheduled",
+                    order_id,
+                    {**common, "status": status, "detail": "second_payment"},
+                    now,
+                )
+                await _event_done(cur, provider, event_id, "second_payment", now)
+                await cur.execute("COMMIT")
+                return LateResult("second_payment", order_id, deal_id)
+
+            await cur.execute(
+                "SELECT bucket_count, layout_epoch, per_user_limit FROM deals"
+                " WHERE id = %s FOR UPDATE",
+                (deal_id,),
+            )
+            deal = await cur.fetchone()
+            assert deal is not None
+            nb, epoch, limit = int(deal[0]), int(deal[1]), deal[2]
+            await cur.execute(
+                "SELECT bucket, available FROM deal_buckets WHERE deal_id = %s AND epoch = %s"
+                " ORDER BY bucket FOR UPDATE",
+                (deal_id, epoch),
+            )
+            available = {int(b): int(a) for b, a in await cur.fetchall()}
+            preferred = [b % nb for b, _ in parse_alloc(alloc)]
+            plan = plan_retake(available, quantity, preferred)
+
+            if plan is None:
+                await cur.execute(
+                    "UPDATE orders SET status = 'REFUND_PENDING', paid_amount = paid_amount + %s,"
+                    " provider_payment_id = %s, paid_at = %s, updated_at = %s,"
+                    " version = version + 1 WHERE id = %s AND status IN ('EXPIRED', 'CANCELLED')",
+                    (amount, payment_id, now, now, order_id),
+                )
+                assert cur.rowcount == 1, "the order row is locked in this transaction"
+                await _refund_row(
+                    cur, provider, payment_id, order_id, amount, currency, now, "late_no_stock"
+                )
+                await _outbox(
+                    cur,
+                    tx,
+                    "order.refund_pending",
+                    order_id,
+                    {**common, "status": OrderStatus.REFUND_PENDING},
+                    now,
+                )
+                await _event_done(cur, provider, event_id, "late_refund", now)
+                await cur.execute("COMMIT")
+                return LateResult("refund_pending", order_id, deal_id)
+
+            for b, q in plan:
+                await cur.execute(
+                    "UPDATE deal_buckets SET available = available - %s, sold = sold + %s,"
+                    " updated_at = %s WHERE deal_id = %s AND bucket = %s AND epoch = %s"
+                    " AND available >= %s",
+                    (q, q, now, deal_id, b, epoch, q),
+                )
+                assert cur.rowcount == 1, "bucket rows are locked in this transaction"
+                await cur.execute(
+                    "INSERT INTO inventory_ledger (deal_id, bucket, order_id, op_id, d_total,"
+                    " d_available, d_held, d_sold, available_before, available_after, reason,"
+                    " actor, created_at) VALUES (%s, %s, %s, %s, 0, %s, 0, %s, %s, %s,"
+                    " 'late_pay', %s, %s)",
+                    (deal_id, b, order_id, tx, -q, q, available[b], available[b] - q, actor, now),
+                )
+            if limit is not None:
+                await cur.execute(
+                    "INSERT INTO user_quota (deal_id, user_id, units) VALUES (%s, %s, %s)"
+                    " ON DUPLICATE KEY UPDATE units = units + %s",
+                    (deal_id, user_id, quantity, quantity),
+                )
+            await cur.execute(
+                "UPDATE orders SET status = 'PAID', alloc = %s, paid_amount = paid_amount + %s,"
+                " provider_payment_id = %s, paid_at = %s, updated_at = %s,"
+                " version = version + 1 WHERE id = %s AND status IN ('EXPIRED', 'CANCELLED')",
+                (format_alloc(plan), amount, payment_id, now, now, order_id),
+            )
+            assert cur.rowcount == 1, "the order row is locked in this transaction"
+            await _outbox(
+                cur, tx, "order.paid", order_id, {**common, "status": OrderStatus.PAID}, now
+            )
+            await _event_done(cur, provider, event_id, "late_retake", now)
+            # Redis must learn of the change before it can be seen committed; the
+            # bucket rows stay locked only for this one short call.
+            intent = Intent(tx, user_id, quantity, ",".join(f"{b}:{-q}" for b, q in plan))
+            intents.append((deal_id, intent))
+            try:
+                await mirror.intend(deal_id, [intent])
+            except Exception as exc:
+                log.warning("order %s: re-take intent not recorded in Redis: %r", order_id, exc)
+            await cur.execute("COMMIT")
+            return LateResult("paid", order_id, deal_id)
+
+    try:
+        result = await db.retrying(attempt)
+    except Exception as exc:
+        # Intents of attempts that rolled back are dropped; when the connection broke
+        # the outcome is unknown and the janitor resolves them against the ledger.
+        if not is_connection_error(exc):
+            for deal_id, intent in intents:
+                await _resolve(mirror, deal_id, intent, False)
+        raise
+    for deal_id, intent in intents[:-1]:
+        await _resolve(mirror, deal_id, intent, False)
+    if intents:
+        deal_id, intent = intents[-1]
+        await _resolve(mirror, deal_id, intent, result.outcome == "paid")
+    return result
+
+
+async def _resolve(mirror: Mirror, deal_id: int, intent: Intent, committed: bool) -> None:
+    try:
+        await mirror.apply(deal_id, [(intent.id, committed)])
+    except Exception as exc:
+        log.warning("deal %s: re-take not yet applied in Redis: %r", deal_id, exc)
+
+
+async def _refund_row(
+    cur: Any,
+    provider: str,
+    payment_id: str,
+    order_id: str,
+    amount: int,
+    currency: str,
+    now: Any,
+    reason: str,
+) -> None:
+    await cur.execute(
+        "INSERT INTO payment_refunds (provider, payment_id, order_id, amount, currency, reason,"
+        " next_attempt_at, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (provider, payment_id, order_id, amount, currency, reason, now, now, now),
+    )
+
+
+async def _outbox(
+    cur: Any, event_id: str, topic: str, aggregate: str, payload: dict[str, Any], now: Any
+) -> None:
+    await cur.execute(
+        "INSERT INTO outbox (event_id, topic, aggregate_id, payload, created_at)"
+        " VALUES (%s, %s, %s, %s, %s)",
+        (event_id, topic, aggregate, _payload(**payload), now),
+    )
+
+
+async def _event_done(cur: Any, provider: str, event_id: str, detail: str, now: Any) -> None:
+    await cur.execute(
+        "UPDATE payment_events SET outcome = 'applied', detail = %s, processed_at = %s"
+        " WHERE provider = %s AND event_id = %s",
+        (detail, now, provider, event_id),
+    )

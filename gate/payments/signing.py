@@ -1,0 +1,108 @@
+"""Standard Webhooks signatures (https://www.standardwebhooks.com/), on raw bytes.
+
+The signed content is `{webhook-id}.{webhook-timestamp}.{raw body}`; the signature
+header lists space-separated `v1,<base64 HMAC-SHA256>` entries, any of which may
+match any configured key (rotation: the provider signs with the new key and the
+old one for a while; the gate accepts either of several secrets).
+
+Why not the `standardwebhooks` package's `verify`: it decodes the body as UTF-8
+before signing it (a non-UTF-8 body raises an error other than its verification
+error), accepts fractional and exponent timestamps and floors them, and raises a
+bare ValueError on a malformed signature entry. This module works on the bytes as
+received, accepts only an integer timestamp within ±300 s, bounds every header and
+compares in constant time. tests/test_payments_signing.py checks that the
+package's signatures verify here and ours there.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import re
+from collections.abc import Mapping, Sequence
+
+from gate.settings import Secret, SettingsError
+
+TOLERANCE_SECONDS = 300
+SIGNATURE_ENTRIES_MAX = 16
+SIGNATURE_HEADER_MAX = 2048
+# No dots: the signed content joins id, timestamp and body with dots, so an id with a
+# dot could shift bytes between the id and the timestamp under the same signature.
+MSG_ID_RE = re.compile(r"^[\x21-\x2d\x2f-\x7e]{1,191}$")
+TIMESTAMP_RE = re.compile(r"^[0-9]{1,12}$")
+
+
+class WebhookRejected(Exception):
+    """The request is not a genuine, fresh webhook from the provider."""
+
+
+def decode_secret(secret: str) -> bytes:
+    if not secret.startswith("whsec_"):
+        raise SettingsError("webhook secrets must look like whsec_<base64>")
+    body = secret[len("whsec_") :]
+    try:
+        key = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise SettingsError("a webhook secret is not valid base64 after whsec_") from None
+    if len(key) < 16:
+        raise SettingsError("a webhook secret must decode to at least 16 bytes")
+    return key
+
+
+def decode_secrets(secrets: Sequence[Secret]) -> tuple[bytes, ...]:
+    return tuple(decode_secret(s.reveal()) for s in secrets)
+
+
+def signed_content(msg_id: str, timestamp: str, body: bytes) -> bytes:
+    return msg_id.encode() + b"." + timestamp.encode() + b"." + body
+
+
+def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
+    digest = hmac.new(key, signed_content(msg_id, str(timestamp), body), hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
+
+
+def sign_headers(keys: Sequence[bytes], msg_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    return {
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": " ".join(sign(k, msg_id, timestamp, body) for k in keys),
+    }
+
+
+def verify(keys: Sequence[bytes], headers: Mapping[str, str], body: bytes, now: float) -> str:
+    """Check a webhook; returns its webhook-id. Raises WebhookRejected."""
+    msg_id = headers.get("webhook-id") or ""
+    timestamp = headers.get("webhook-timestamp") or ""
+    signature = headers.get("webhook-signature") or ""
+    if not MSG_ID_RE.match(msg_id):
+        raise WebhookRejected("missing or malformed webhook-id")
+    if not TIMESTAMP_RE.match(timestamp):
+        raise WebhookRejected("missing or malformed webhook-timestamp")
+    if abs(now - int(timestamp)) > TOLERANCE_SECONDS:
+        raise WebhookRejected("webhook-timestamp outside the ±300 s window")
+    if not signature or len(signature) > SIGNATURE_HEADER_MAX:
+        raise WebhookRejected("missing or oversized webhook-signature")
+    offered: list[bytes] = []
+    for entry in signature.split(" ")[:SIGNATURE_ENTRIES_MAX]:
+        version, _, value = entry.partition(",")
+        if version != "v1" or not value:
+            continue
+        try:
+            offered.append(base64.b64decode(value, validate=True))
+        except (binascii.Error, ValueError):
+            continue
+    if not offered:
+        raise WebhookRejected("no v1 signature")
+    content = signed_content(msg_id, timestamp, body)
+    matched = False
+    for key in keys:
+        expected = hmac.new(key, content, hashlib.sha256).digest()
+        for candidate in offered:
+            # Every comparison runs: the time taken does not depend on which matched.
+            matched |= hmac.compare_digest(expected, candidate)
+    if not matched:
+        raise WebhookRejected("no signature matches")
+    return msg_id

@@ -1,0 +1,120 @@
+"""POST /v1/payments/{provider}/webhook.
+
+Order of work, each step bounded: read at most `webhook_body_max_bytes`; verify the
+signature on the raw bytes (401, nothing recorded); parse (400); record and apply
+the event in one transaction (the 2xx is sent only after it committed); then the
+follow-ups a late payment or a waiting refund needs. A follow-up that fails leaves
+its event recorded as 'late' or 'waiting' for the recovery loop, and the answer is
+still 2xx: the event is durable, and a redelivery would change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gate.errors import Problem, invalid, not_found
+from gate.http import json_response
+from gate.payments.codes import METRIC_OUTCOME, EventCode
+from gate.payments.machine import PaymentMachine
+from gate.payments.metrics import CALLBACK_DELAY, CALLBACKS
+from gate.payments.provider import EventInvalid, parse_event
+from gate.payments.signing import WebhookRejected, verify
+
+log = logging.getLogger("gate.payments.webhook")
+
+HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
+
+
+class RecentEvents:
+    """Event ids this process saw committed, so a redelivery is answered without a
+    database round trip. Bounded; losing it only costs that round trip."""
+
+    def __init__(self, max_items: int) -> None:
+        self.max_items = max_items
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, event_id: object) -> bool:
+        return event_id in self._seen
+
+    def add(self, event_id: str) -> None:
+        if self.max_items <= 0:
+            return
+        self._seen[event_id] = None
+        if len(self._seen) > self.max_items:
+            for _ in range(max(1, self.max_items // 8)):
+                self._seen.popitem(last=False)
+
+
+class WebhookEndpoint:
+    def __init__(
+        self,
+        provider: str,
+        keys: Sequence[bytes],
+        machine: PaymentMachine,
+        body_max_bytes: int,
+        dedup_max: int,
+        kick: Callable[[], None],
+    ) -> None:
+        self.provider = provider
+        self.keys = tuple(keys)
+        self.machine = machine
+        self.body_max_bytes = body_max_bytes
+        self.recent = RecentEvents(dedup_max)
+        self.kick = kick
+
+    def _reject(self, problem: Problem) -> Problem:
+        CALLBACKS.labels(self.provider, "rejected").inc()
+        return problem
+
+    async def _read(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.body_max_bytes):
+            raise self._reject(
+                Problem("PAYLOAD_TOO_LARGE", f"At most {self.body_max_bytes} bytes.")
+            )
+        body = bytearray()
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > self.body_max_bytes:
+                raise self._reject(
+                    Problem("PAYLOAD_TOO_LARGE", f"At most {self.body_max_bytes} bytes.")
+                )
+        return bytes(body)
+
+    async def handle(self, request: Request) -> Response:
+        if request.path_params["provider"] != self.provider:
+            raise not_found("payment provider")
+        body = await self._read(request)
+        now = time.time()
+        headers = {name: request.headers.get(name, "") for name in HEADERS}
+        try:
+            verify(self.keys, headers, body, now)
+        except WebhookRejected as exc:
+            raise self._reject(Problem("UNAUTHORIZED", f"Webhook rejected: {exc}.")) from None
+        try:
+            event = parse_event(body)
+        except EventInvalid as exc:
+            raise self._reject(invalid(f"Unreadable event: {exc}.")) from None
+        if event.event_id in self.recent:
+            CALLBACKS.labels(self.provider, "duplicate").inc()
+            return json_response({"received": True, "outcome": "duplicate"})
+        if event.created is not None:
+            CALLBACK_DELAY.observe(max(0.0, now - event.created))
+        applied = await self.machine.record(self.provider, event)
+        self.recent.add(event.event_id)
+        CALLBACKS.labels(self.provider, METRIC_OUTCOME[applied.code]).inc()
+        if applied.code == EventCode.LATE or applied.waiting:
+            try:
+                await self.machine.follow_up(self.provider, event.order_id, event.event_id, applied)
+            except Exception:
+                log.exception("event %s: follow-up deferred to the recovery loop", event.event_id)
+        if applied.code in (EventCode.APPLIED, EventCode.LATE):
+            # Captures, voids and refunds are the worker's, out of this request's path.
+            self.kick()
+        return json_response({"received": True, "outcome": applied.outcome})
