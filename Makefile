@@ -5,5 +5,7 @@ run:
 	scripts/run
 test:
 	scripts/test
+bench:
+	loadtest/bench
 lint:
 	.venv/bin/ruff check gate tests loadtest && .venv/bin/mypy

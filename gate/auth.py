@@ -14,6 +14,7 @@ import time
 import jwt
 
 from gate.errors import Problem
+from gate.logs import set_user
 from gate.settings import Secret
 
 ALGORITHM = "HS256"
@@ -51,6 +52,7 @@ class BuyerAuth:
         now = time.time()
         if hit is not None:
             if hit[1] > now:
+                set_user(hit[0])
                 return hit[0]
             del self._cache[token]
             raise _unauthorized("Token expired.")
@@ -77,6 +79,7 @@ class BuyerAuth:
                 for stale in list(self._cache)[: max(1, self._cache_max // 8)]:
                     del self._cache[stale]
             self._cache[token] = (user, exp)
+        set_user(user)
         return user
 
 

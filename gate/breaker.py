@@ -12,17 +12,9 @@ import math
 import time
 from collections.abc import Callable
 
-from prometheus_client import Gauge
-
 from gate.metrics import METRICS
 
-CIRCUIT_OPEN = Gauge(
-    "gate_circuit_open",
-    "1 while the circuit breaker for a dependency is open or half-open.",
-    ["dependency"],
-    registry=METRICS.registry,
-    multiprocess_mode="max",
-)
+CIRCUIT_OPEN = METRICS.circuit_open
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 

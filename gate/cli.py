@@ -26,6 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gate.logs import configure
+    from gate.metrics import prepare_multiprocess
     from gate.migrate import migrate
     from gate.scripts import ScriptMissing, read_scripts
 
@@ -40,6 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if settings.auto_migrate:
         asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
+    # Several workers keep their metrics in files one scrape merges (gate/metrics.py).
+    prepare_multiprocess(args.workers)
     uvicorn.run(
         "gate.app:create_app",
         factory=True,

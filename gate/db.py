@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 import aiomysql
 import pymysql
-from prometheus_client import Counter, Gauge
 from pymysql.constants import CLIENT
 
 from gate.metrics import METRICS
@@ -25,23 +24,11 @@ from gate.settings import MysqlTarget, Settings
 
 log = logging.getLogger("gate.db")
 
-POOL_IN_USE = Gauge(
-    "gate_db_pool_in_use",
-    "Database connections checked out of the pool.",
-    registry=METRICS.registry,
-    multiprocess_mode="livesum",
-)
-POOL_WAITING = Gauge(
-    "gate_db_pool_waiting",
-    "Reservations waiting for their share of the database pool.",
-    registry=METRICS.registry,
-    multiprocess_mode="livesum",
-)
-POOL_REFUSED = Counter(
+# The pool gauges (gate_db_pool_in_use / _waiting) are sampled by gate/ops.py.
+POOL_REFUSED = METRICS.counter(
     "gate_db_pool_refused_total",
     "Requests refused because no database connection was free in time.",
     ["use"],
-    registry=METRICS.registry,
 )
 
 T = TypeVar("T")
@@ -166,7 +153,6 @@ class Database:
         after a short wait: a saturated database answers 503 at once."""
         wait = self.settings.db_reservation_acquire_seconds
         self.reservations_waiting += 1
-        POOL_WAITING.inc()
         try:
             async with asyncio.timeout(wait):
                 await self._reservation_slots.acquire()
@@ -175,7 +161,6 @@ class Database:
             raise DbUnavailable("the reservations' share of the database pool is busy") from None
         finally:
             self.reservations_waiting -= 1
-            POOL_WAITING.dec()
         self.reservations_in_use += 1
         try:
             async with self.connection(wait) as conn:
@@ -203,7 +188,6 @@ class Database:
                 raise DbUnavailable(f"database unreachable: {exc}") from exc
             raise
         broken = False
-        POOL_IN_USE.inc()
         try:
             yield conn
         except BaseException as exc:
@@ -217,7 +201,6 @@ class Database:
                     broken = True
             raise
         finally:
-            POOL_IN_USE.dec()
             if broken:
                 conn.close()
             self.pool.release(conn)

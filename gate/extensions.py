@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 Worker = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
-# Area modules, in installation order.
-AREAS = ("gate.payments", "gate.expiry", "gate.ops")
+# Area modules, in installation order. Operations comes first so that its request
+# middleware (request ids, one log line and metrics per request) wraps all others.
+AREAS = ("gate.ops", "gate.payments", "gate.expiry")
 
 
 @dataclass

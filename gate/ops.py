@@ -17,7 +17,6 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -175,23 +174,6 @@ class PoolSampler:
                 await asyncio.wait_for(stop.wait(), self.interval_seconds)
 
 
-def _observe_buyers(gate: Gate) -> None:
-    """Note the authenticated buyer in the request's log context.
-
-    Wraps the instance's `user_id` (auth is the core's module); the same effect as a
-    `logs.set_user(user)` call at the end of BuyerAuth.user_id.
-    """
-    auth = gate.buyer_auth
-    original: Callable[[str | None], int] = auth.user_id
-
-    def user_id(authorization: str | None) -> int:
-        user = original(authorization)
-        logs.set_user(user)
-        return user
-
-    auth.__dict__["user_id"] = user_id
-
-
 def _secrets(settings: Settings) -> list[str]:
     found = [settings.jwt_secret.reveal(), settings.admin_token.reveal()]
     for secret in settings.webhook_secrets:
@@ -216,7 +198,6 @@ def install(gate: Gate) -> Extension:
     log_mode = request_log_mode(env)
     sample_seconds = env_float(env, "GATE_METRICS_SAMPLE_SECONDS", 1.0, 0.05, 60.0)
     logs.redact_secrets(_secrets(gate.settings))
-    _observe_buyers(gate)
     rendered: list[bytes] = []
 
     async def openapi_json(request: Request) -> Response:

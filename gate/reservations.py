@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pymysql
-from prometheus_client import Counter, Histogram
 
 from gate import orders
 from gate.alloc import normalise_alloc
@@ -51,24 +50,14 @@ log = logging.getLogger("gate.reservations")
 
 MAX_QUANTITY = 1_000_000
 
-TRANSACTION_SECONDS = Histogram(
-    "gate_db_transaction_seconds",
-    "Duration of the reservation transaction (one CALL round trip).",
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-    registry=METRICS.registry,
-)
+TRANSACTION_SECONDS = METRICS.db_transaction_seconds
 
 
 def sold_out() -> Problem:
     return Problem("SOLD_OUT", "The deal is sold out.", extra={"remaining_hint": 0})
 
 
-RATE_LIMITED = Counter(
-    "gate_rate_limited_total",
-    "Reservations refused by a rate limiter, by scope.",
-    ["scope"],
-    registry=METRICS.registry,
-)
+RATE_LIMITED = METRICS.rate_limited
 
 
 @dataclass(frozen=True)

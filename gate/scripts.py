@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter, Histogram
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -31,19 +30,8 @@ from gate.resp import RespConnection
 
 log = logging.getLogger("gate.scripts")
 
-SCRIPT_SECONDS = Histogram(
-    "gate_redis_script_seconds",
-    "Time from queueing a script call to its result (pipeline round trip included).",
-    ["script"],
-    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
-    registry=METRICS.registry,
-)
-REDIS_ERRORS = Counter(
-    "gate_redis_errors_total",
-    "Failed Redis script calls by kind (timeout, connection, script, other).",
-    ["kind"],
-    registry=METRICS.registry,
-)
+SCRIPT_SECONDS = METRICS.redis_script_seconds
+REDIS_ERRORS = METRICS.redis_errors
 
 
 def error_kind(exc: BaseException) -> str:

@@ -60,7 +60,11 @@ async def test_check_reports_and_exits_by_verdict(
         drift = run({**env, "GATE_REDIS_URL": alt_url}, "check", "--deal", str(deal_id), "--json")
         assert drift.returncode == 1, drift.stdout
         breaches = json.loads(drift.stdout)["deals"][0]["invariant"]["breaches"]
-        assert "redis: bucket 0 has 5, database 3" in breaches, breaches
+        # The hold came from a random start bucket, so bucket 0 holds 2 or 3 in the DB.
+        assert any(
+            b in breaches
+            for b in ("redis: bucket 0 has 5, database 2", "redis: bucket 0 has 5, database 3")
+        ), breaches
         assert "redis: total 7, database 5" in breaches, breaches
     finally:
         await alt.flushdb()

@@ -231,12 +231,6 @@ async def test_routes_are_labelled_by_template_never_by_raw_path(mp_client: Clie
     assert ("gate_db_pool_waiting", frozenset()) in samples
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gate/app.py reserve() also counts every successful reservation as outcome"
-    " ERROR (its finally block runs with outcome still 'error'); fix proposed in the"
-    " ops report. Remove this marker with the fix.",
-)
 async def test_a_successful_reservation_counts_once(mp_client: Client) -> None:
     before = await scrape(mp_client)
     deal_id = await create_deal(mp_client, stock=2)

@@ -10,7 +10,14 @@ import aiomysql
 import pytest
 
 from gate.db import connect_kwargs
-from gate.migrate import DB_DIR, MigrationError, migrate, pending, split_statements
+from gate.migrate import (
+    DB_DIR,
+    MigrationError,
+    migrate,
+    pending,
+    read_migrations,
+    split_statements,
+)
 from gate.settings import MysqlTarget, Settings
 
 
@@ -30,15 +37,19 @@ async def scratch(settings: Settings) -> MysqlTarget:
 
 
 async def test_concurrent_and_repeated_migrations(scratch: MysqlTarget) -> None:
-    assert await pending(scratch) == ["001_schema", "002_procedures"]
+    names = [f"{m.version:03d}_{m.name}" for m in read_migrations()]
+    assert names[:2] == ["001_schema", "002_procedures"]
+    assert await pending(scratch) == names
     results = await asyncio.gather(*(migrate(scratch) for _ in range(3)))
-    assert sorted(map(tuple, results)) == [(), (), ("001_schema", "002_procedures")]
+    assert sorted(map(tuple, results)) == [(), (), tuple(names)]
     assert await migrate(scratch) == []
     assert await pending(scratch) == []
     conn = await aiomysql.connect(**connect_kwargs(scratch, 5))
     async with conn.cursor() as cur:
         await cur.execute("SELECT version, name FROM schema_migrations ORDER BY version")
-        assert [tuple(r) for r in await cur.fetchall()] == [(1, "schema"), (2, "procedures")]
+        assert [tuple(r) for r in await cur.fetchall()] == [
+            (m.version, m.name) for m in read_migrations()
+        ]
     conn.close()
 
 
