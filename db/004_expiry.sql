@@ -1,10 +1,12 @@
 -- Expiry sweeper, version 1 (issue #5, docs/expiry.md).
 --
 -- gate_expire_batch releases a whole batch of due holds in one round trip with
--- set-based statements, so the server's work grows linearly with the batch (one
--- UPDATE of the orders, one UPDATE per bucket, one INSERT … SELECT each for ledger
--- and outbox rows, one UPDATE of the per-user quota rows) instead of one
--- transaction per order.
+-- set-based statements, so the server's work grows linearly with the batch: one
+-- UPDATE of the orders, one of the per-user quota rows, one multi-row INSERT each
+-- for outbox and ledger rows, and a single write per bucket, instead of one
+-- transaction per order. Joins start from the batch (STRAIGHT_JOIN) and reach every
+-- table by its primary key: left to itself the optimizer scanned a deal's orders and
+-- joined the batch to them by nested loops, quadratic in the batch.
 
 DELIMITER $$
 
@@ -72,7 +74,8 @@ BEGIN
     UPDATE gate_expire_parts AS t STRAIGHT_JOIN orders AS o ON o.id = t.order_id
        SET o.status = 'EXPIRED', o.closed_at = v_now, o.updated_at = v_now,
            o.version = o.version + 1
-     WHERE t.part_no = 1 AND o.status IN ('PENDING_PAYMENT', 'AUTHORIZED') AND o.expires_at <= v_now;
+     WHERE t.part_no = 1 AND o.status IN ('PENDING_PAYMENT', 'AUTHORIZED')
+       AND o.expires_at <= v_now;
     IF ROW_COUNT() <> v_orders THEN
         SIGNAL SQLSTATE '45000'
             SET MESSAGE_TEXT = 'gate: an order of the expiry batch was not holding and due';
@@ -80,10 +83,9 @@ BEGIN
 
     -- The buyers' per-user quota units come back (rows exist only for deals with a
     -- per-user limit).
-    UPDATE user_quota AS u
-      JOIN (SELECT deal_id, user_id, SUM(quantity) AS units FROM gate_expire_parts
+    UPDATE (SELECT deal_id, user_id, SUM(quantity) AS units FROM gate_expire_parts
              WHERE part_no = 1 GROUP BY deal_id, user_id) AS t
-        ON u.deal_id = t.deal_id AND u.user_id = t.user_id
+      STRAIGHT_JOIN user_quota AS u ON u.deal_id = t.deal_id AND u.user_id = t.user_id
        SET u.units = u.units - t.units
      WHERE u.units >= t.units;
 
@@ -109,9 +111,9 @@ BEGIN
 
     -- One write per bucket for the whole batch, in the layout read above. Bucket rows
     -- are the contended ones, so they are locked last, just before the commit.
-    UPDATE deal_buckets AS b
-      JOIN (SELECT deal_id, bucket, epoch, SUM(q) AS q FROM gate_expire_parts
+    UPDATE (SELECT deal_id, bucket, epoch, SUM(q) AS q FROM gate_expire_parts
              GROUP BY deal_id, bucket, epoch) AS t
+      STRAIGHT_JOIN deal_buckets AS b
         ON b.deal_id = t.deal_id AND b.bucket = t.bucket AND b.epoch = t.epoch
        SET b.available = b.available + t.q, b.held = b.held - t.q, b.updated_at = v_now;
     IF ROW_COUNT() <> v_groups THEN
@@ -131,7 +133,7 @@ BEGIN
                    SUM(q) OVER (PARTITION BY deal_id, bucket ORDER BY order_id, part_no
                                 ROWS UNBOUNDED PRECEDING) AS running
               FROM gate_expire_parts) AS x
-      JOIN deal_buckets AS b ON b.deal_id = x.deal_id AND b.bucket = x.bucket;
+      STRAIGHT_JOIN deal_buckets AS b ON b.deal_id = x.deal_id AND b.bucket = x.bucket;
     SET @gate_expire_sql = CONCAT(
         'INSERT INTO inventory_ledger (deal_id, bucket, order_id, op_id, d_total,',
         ' d_available, d_held, d_sold, available_before, available_after, reason, actor,',

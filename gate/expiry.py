@@ -126,7 +126,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         sweeper = Sweeper(gate.db, gate.mirror, expiry.sweep)
         try:
             if args.once:
-                print(f"sweep: released {await sweeper.sweep_due()}")
+                try:
+                    released = await sweeper.sweep_due()
+                except Exception as exc:
+                    print(f"gate sweep: a batch failed: {exc!r}", file=sys.stderr)
+                    return 1
+                print(f"sweep: released {released}")
                 return 0
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
