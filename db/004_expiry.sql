@@ -30,7 +30,7 @@ CREATE PROCEDURE gate_expire_batch(
     IN p_batch  LONGTEXT CHARACTER SET utf8mb4,
     IN p_actor  VARCHAR(64))
 SQL SECURITY INVOKER
-BEGIN
+proc: BEGIN
     DECLARE v_now     DATETIME(6);
     DECLARE v_orders  INT UNSIGNED;
     DECLARE v_groups  INT UNSIGNED;
@@ -67,6 +67,11 @@ BEGIN
     IF v_orders <> JSON_LENGTH(p_batch) THEN
         SIGNAL SQLSTATE '45000'
             SET MESSAGE_TEXT = 'gate: an order of the expiry batch does not exist';
+    END IF;
+    IF v_orders = 0 THEN
+        COMMIT;
+        SELECT 0 AS code, 0 AS released, v_now AS released_at;
+        LEAVE proc;
     END IF;
 
     -- The conditional transition: only a holding order whose deadline has passed by
@@ -154,8 +159,13 @@ END$$
 CREATE PROCEDURE gate_expire_scratch()
 SQL SECURITY INVOKER
 BEGIN
+    DECLARE v_heap BIGINT UNSIGNED DEFAULT @@SESSION.max_heap_table_size;
     -- Already there: nothing to create (the handled error leaves no warning).
     DECLARE CONTINUE HANDLER FOR 1050 BEGIN END;
+    -- A MEMORY table's capacity is fixed when it is created: room for the largest
+    -- batch (5,000 orders) of many-part allocations, without raising the session's
+    -- limit for anything else.
+    SET SESSION max_heap_table_size = 268435456;
     CREATE TEMPORARY TABLE gate_expire_parts (
         order_id    CHAR(26) CHARACTER SET ascii NOT NULL,
         op_id       CHAR(26) CHARACTER SET ascii NOT NULL,
@@ -169,6 +179,7 @@ BEGIN
         q           INT UNSIGNED NOT NULL,
         PRIMARY KEY (order_id, part_no)
     ) ENGINE = MEMORY;
+    SET SESSION max_heap_table_size = v_heap;
     DELETE FROM gate_expire_parts;
 END$$
 

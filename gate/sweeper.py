@@ -48,6 +48,7 @@ HOLDING = ("PENDING_PAYMENT", "AUTHORIZED")
 # once this many times before the batch counts as failed.
 BATCH_ATTEMPTS_MAX = 3
 LOOKUP_CHUNK = 1000
+FAILURE_PAUSE_MAX_SECONDS = 2.0
 LAG_BUCKETS_SECONDS = (
     0.1,
     0.25,
@@ -163,15 +164,22 @@ class Sweeper:
         await asyncio.gather(*(self._loop(stop) for _ in range(self.config.tasks)))
 
     async def _loop(self, stop: asyncio.Event) -> None:
+        failures = 0
         while not stop.is_set():
+            pause = self.config.interval_seconds
             try:
                 released = await self.run_once()
+                failures = 0
             except Exception as exc:
                 log.warning("expiry batch failed: %r", exc)
                 released = 0
+                # The database or Redis may be down: back off a little, but never so
+                # far that a hold would wait long once they are back.
+                failures = min(failures + 1, 8)
+                pause = min(pause * 2**failures, max(pause, FAILURE_PAUSE_MAX_SECONDS))
             if released < self.config.batch_max:
                 try:
-                    await asyncio.wait_for(stop.wait(), self.config.interval_seconds)
+                    await asyncio.wait_for(stop.wait(), pause)
                 except TimeoutError:
                     pass
 

@@ -72,8 +72,9 @@ async def test_each_order_has_exactly_one_outcome_when_expiry_races_payment(
         for s in sweepers:
             assert s.alive(), s.output()[-2000:]
     finally:
-        for s in sweepers:
-            s.stop()
+        # SIGTERM: each sweeper finishes its batch and exits cleanly.
+        exits = [s.stop() for s in sweepers]
+    assert exits == [0, 0], [s.output()[-2000:] for s in sweepers]
 
     outcome = {
         str(r[0]): str(r[1])
