@@ -23,13 +23,14 @@ for the janitor.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import random
 import socket
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import orjson
@@ -39,7 +40,6 @@ from prometheus_client import Counter, Histogram
 from gate.db import Database, errno_of, is_connection_error, is_retryable
 from gate.metrics import METRICS
 from gate.mirror import Intent, Mirror
-from gate.orders import new_id
 
 log = logging.getLogger("gate.sweeper")
 
@@ -78,7 +78,7 @@ RELEASE_FAILURES = Counter(
 )
 RELEASE_LAG = Histogram(
     "gate_expiry_release_lag_seconds",
-    "Database time of the release minus the hold's expires_at.",
+    "Time from a hold's expires_at (database clock) until its release committed.",
     buckets=LAG_BUCKETS_SECONDS,
     registry=METRICS.registry,
 )
@@ -90,7 +90,7 @@ class SweepStats:
 
     released: int = 0
     failed: int = 0
-    lag_sum: float = 0.0  # seconds, over the releases whose time is known
+    lag_sum: float = 0.0  # seconds, summed over the holds released
     batches: int = 0
     retries: int = 0
     unresolved: int = 0
@@ -114,12 +114,13 @@ class Due:
     user_id: int
     quantity: int
     alloc: str
-    expires_at: datetime
+    overdue_seconds: float  # NOW(6) - expires_at when the batch was taken
 
 
 @dataclass
 class Batch:
     orders: list[Due]
+    taken_at: float = field(default_factory=time.monotonic)
     intents: list[Intent] = field(default_factory=list)  # one per order, same order
 
     def by_deal(self) -> dict[int, list[Intent]]:
@@ -137,6 +138,19 @@ class Unknown(Exception):
         self.thread_id = thread_id
         self.connected_at = connected_at
         self.cause = cause
+
+
+_CROCKFORD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", "0123456789ABCDEFGHJKMNPQRSTVWXYZ")
+
+
+def new_ids(n: int) -> list[str]:
+    """`n` ULIDs (timestamp now, 80 random bits each) for intent ids, made in bulk:
+    `gate.orders.new_id` costs about 16 µs an id, which is 16 ms a 1,000-hold batch."""
+    ms = time.time_ns() // 1_000_000
+    stamp = "".join("0123456789ABCDEFGHJKMNPQRSTVWXYZ"[(ms >> s) & 31] for s in range(45, -5, -5))
+    # 10 random bytes are exactly 16 base-32 digits, so the encoding needs no padding.
+    digits = base64.b32encode(os.urandom(10 * n)).decode().translate(_CROCKFORD)
+    return [stamp + digits[i : i + 16] for i in range(0, 16 * n, 16)]
 
 
 def default_actor() -> str:
@@ -249,7 +263,7 @@ class Sweeper:
         released = int(row[1])
         assert released == len(batch.orders), "a batch releases all its orders or none"
         await self._apply(batch, True)
-        self._released(batch, row[2])
+        self._released(batch)
         return released
 
     async def _decided(self, batch: Batch, committed: bool | None, exc: BaseException) -> int:
@@ -261,7 +275,7 @@ class Sweeper:
         await self._apply(batch, committed)
         if committed:
             log.warning("expiry batch committed although the call failed: %r", exc)
-            self._released(batch, None)
+            self._released(batch)
             return len(batch.orders)
         if not (isinstance(exc, pymysql.err.MySQLError) and is_retryable(exc)):
             self._failed(batch, exc)
@@ -279,22 +293,33 @@ class Sweeper:
         for status in HOLDING:
             if len(found) >= limit:
                 break
+            # One text column per row: the client parses rows in Python, and six typed
+            # columns cost it about three times as much CPU as one.
             await cur.execute(
-                "SELECT id, deal_id, user_id, quantity, alloc, expires_at FROM orders"
+                "SELECT CONCAT_WS('|', id, deal_id, user_id, quantity, alloc,"
+                " TIMESTAMPDIFF(MICROSECOND, expires_at, NOW(6))) FROM orders"
                 " WHERE status = %s AND expires_at <= NOW(6)"
                 " ORDER BY expires_at LIMIT %s FOR UPDATE SKIP LOCKED",
                 (status, limit - len(found)),
             )
-            found.extend(
-                Due(str(r[0]), int(r[1]), int(r[2]), int(r[3]), str(r[4]), r[5])
-                for r in await cur.fetchall()
-            )
+            for (text,) in await cur.fetchall():
+                order_id, deal_id, user_id, quantity, alloc, overdue_us = str(text).split("|")
+                found.append(
+                    Due(
+                        order_id,
+                        int(deal_id),
+                        int(user_id),
+                        int(quantity),
+                        alloc,
+                        int(overdue_us) / 1e6,
+                    )
+                )
         return found
 
     async def _intend(self, batch: Batch) -> None:
         batch.intents = [
-            Intent(id=new_id(), user_id=due.user_id, units=-due.quantity, deltas=due.alloc)
-            for due in batch.orders
+            Intent(id=intent_id, user_id=due.user_id, units=-due.quantity, deltas=due.alloc)
+            for due, intent_id in zip(batch.orders, new_ids(len(batch.orders)), strict=True)
         ]
         groups = batch.by_deal()
         results = await asyncio.gather(
@@ -382,16 +407,18 @@ class Sweeper:
 
     # -- accounting ------------------------------------------------------------------
 
-    def _released(self, batch: Batch, released_at: datetime | None) -> None:
+    def _released(self, batch: Batch) -> None:
         n = len(batch.orders)
         STATS.released += n
         STATS.batches += 1
         RELEASED.inc(n)
-        if released_at is not None:
-            for due in batch.orders:
-                lag = max(0.0, (released_at - due.expires_at).total_seconds())
-                STATS.lag_sum += lag
-                RELEASE_LAG.observe(lag)
+        # Overdue when taken, plus the time the batch took (milliseconds; for a batch
+        # resolved by lookup, an upper bound).
+        took = time.monotonic() - batch.taken_at
+        for due in batch.orders:
+            lag = max(0.0, due.overdue_seconds + took)
+            STATS.lag_sum += lag
+            RELEASE_LAG.observe(lag)
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:
         n = len(batch.orders)
