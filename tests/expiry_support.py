@@ -1,6 +1,5 @@
-"""Helpers for the expiry tests: a payment applied the way a verified callback applies
-it, gate commands as real processes, a TCP proxy that can hold traffic back, holds
-made through the HTTP API, and waiting for the database."""
+"""Helpers for the expiry tests: gate commands as real processes, a TCP proxy that can
+hold traffic back, holds made through the HTTP API, and waiting for the database."""
 
 from __future__ import annotations
 
@@ -13,80 +12,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-import pymysql
-
-from gate.alloc import parse_alloc
 from gate.db import Database
 from tests.support import GATE_BIN, ROOT, Client, reserve
-
-PAYMENT_ACTOR = "test:payment"
-
-
-async def pay(db: Database, order_id: str) -> bool:
-    """Apply a successful payment to a holding order, exactly as the payments area
-    applies a verified callback: a conditional transition that only a holding order
-    still inside its hold takes (the database clock decides), then held -> sold on
-    the order's bucket rows in the current layout (epoch checked), ledgered. No Redis
-    intent: `available` does not change. False: the order was no longer payable
-    (the payments area then re-takes stock or refunds; not simulated here).
-
-    A stand-in until the payments area lands; the lead re-points it to the real
-    callback then."""
-
-    async def attempt() -> bool:
-        async with db.connection() as conn, conn.cursor() as cur:
-            await cur.execute("START TRANSACTION")
-            changed = await cur.execute(
-                "UPDATE orders SET status = 'PAID', paid_amount = amount, paid_at = NOW(6),"
-                " updated_at = NOW(6), version = version + 1"
-                " WHERE id = %s AND status IN ('PENDING_PAYMENT', 'AUTHORIZED')"
-                " AND expires_at > NOW(6)",
-                (order_id,),
-            )
-            if changed == 0:
-                await cur.execute("ROLLBACK")
-                return False
-            await cur.execute(
-                "SELECT o.deal_id, o.alloc, d.bucket_count, d.layout_epoch"
-                " FROM orders o JOIN deals d ON d.id = o.deal_id WHERE o.id = %s",
-                (order_id,),
-            )
-            row = await cur.fetchone()
-            assert row is not None
-            deal_id, alloc, nb, epoch = int(row[0]), str(row[1]), int(row[2]), int(row[3])
-            parts: dict[int, int] = {}
-            for b, q in parse_alloc(alloc):
-                parts[b % nb] = parts.get(b % nb, 0) + q
-            for bucket in sorted(parts):
-                q = parts[bucket]
-                changed = await cur.execute(
-                    "UPDATE deal_buckets SET held = held - %s, sold = sold + %s,"
-                    " updated_at = NOW(6)"
-                    " WHERE deal_id = %s AND bucket = %s AND epoch = %s AND held >= %s",
-                    (q, q, deal_id, bucket, epoch, q),
-                )
-                if changed == 0:
-                    # The layout changed since it was read: run the whole payment again.
-                    await cur.execute("ROLLBACK")
-                    raise pymysql.err.OperationalError(1213, "bucket layout changed; retry")
-                await cur.execute(
-                    "SELECT available FROM deal_buckets WHERE deal_id = %s AND bucket = %s",
-                    (deal_id, bucket),
-                )
-                avail_row = await cur.fetchone()
-                assert avail_row is not None
-                avail = int(avail_row[0])
-                await cur.execute(
-                    "INSERT INTO inventory_ledger (deal_id, bucket, order_id, d_total,"
-                    " d_available, d_held, d_sold, available_before, available_after, reason,"
-                    " actor, created_at) VALUES (%s, %s, %s, 0, 0, %s, %s, %s, %s, 'pay', %s,"
-                    " NOW(6))",
-                    (deal_id, bucket, order_id, -q, q, avail, avail, PAYMENT_ACTOR),
-                )
-            await cur.execute("COMMIT")
-            return True
-
-    return await db.retrying(attempt)
 
 
 async def make_holds(
