@@ -112,22 +112,16 @@ async def test_each_order_has_exactly_one_outcome_when_expiry_races_payment(
             released[str(order_id)] += int(d_available)
         if reason in ("pay", "late_pay"):
             assert int(d_sold) == 1
-    events = Counter(
-        str(r[0])
+    outbox = Counter(
+        (str(r[0]), str(r[1]))
         for r in await db.fetchall(
-            "SELECT aggregate_id FROM outbox WHERE topic = 'order.expired' AND aggregate_id IN"
+            "SELECT topic, aggregate_id FROM outbox WHERE aggregate_id IN"
             " (SELECT id FROM orders WHERE deal_id = %s)",
             (deal_id,),
         )
     )
-    paid_events = Counter(
-        str(r[0])
-        for r in await db.fetchall(
-            "SELECT aggregate_id FROM outbox WHERE topic = 'order.paid' AND aggregate_id IN"
-            " (SELECT id FROM orders WHERE deal_id = %s)",
-            (deal_id,),
-        )
-    )
+    events = Counter({o: n for (topic, o), n in outbox.items() if topic == "order.expired"})
+    paid_events = Counter({o: n for (topic, o), n in outbox.items() if topic == "order.paid"})
     in_time = late = 0
     for order_id in outcome:
         assert paid_events[order_id] == 1, (order_id, paid_events[order_id])
