@@ -8,6 +8,14 @@ finished or died (settings guarantee a live request gives up well before).
     or never will (drop it).
 Every script acts only if the marker is still there, so the janitor can race the
 request itself or another janitor safely.
+
+A marker whose operation the database shows committed needs no such wait: the
+outcome is decided, and confirming or applying it is what the request would have
+done. The janitor resolves those once they are `janitor_committed_after_seconds`
+old, long past any live request's own resolution. This is what clears the markers a
+failover to a stale replica brings back (their requests finished after the replica's
+copy was taken), so the deal is comparable again within seconds, not after
+`inflight_max_seconds`.
 """
 
 from __future__ import annotations
@@ -36,20 +44,27 @@ class Janitor:
     async def run_once(self) -> int:
         """Resolve at most one batch of orphaned tokens per deal; returns how many."""
         seconds, micros = await self.redis.time()
-        cutoff_ms = int(seconds) * 1000 + int(micros) // 1000
-        cutoff_ms -= int(self.settings.inflight_max_seconds * 1000)
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        cutoff_ms = now_ms - int(self.settings.inflight_max_seconds * 1000)
+        committed_cutoff_ms = now_ms - int(self.settings.janitor_committed_after_seconds * 1000)
         batch = self.settings.janitor_batch_max
         resolved = 0
         for raw in await self.redis.smembers(ACTIVE_DEALS):
             keys = deal_keys(int(raw))
-            tokens = [
-                str(t)
-                for t in await self.redis.zrangebyscore(
-                    keys.inflight_times, "-inf", cutoff_ms, start=0, num=batch
-                )
-            ]
+            aged = await self.redis.zrangebyscore(
+                keys.inflight_times,
+                "-inf",
+                max(cutoff_ms, committed_cutoff_ms),
+                start=0,
+                num=batch,
+                withscores=True,
+            )
+            # redis-py types the reply loosely; WITHSCORES gives (member, score) pairs.
+            pairs: list[tuple[str, float]] = [(str(t), float(sc)) for t, sc in aged]  # type: ignore[str-unpack]
+            tokens = [t for t, _ in pairs]
             if not tokens:
                 continue
+            orphaned = {t for t, score in pairs if score <= cutoff_ms}
             records = await self.redis.hmget(keys.inflight, tokens)
             marks = ",".join(["%s"] * len(tokens))
             orders = {
@@ -71,10 +86,13 @@ class Janitor:
                     await self.redis.zrem(keys.inflight_times, token)
                     continue
                 marker = parse_marker(str(record))
+                committed = token in (ledgered if marker.kind == "R" else orders)
+                if not committed and token not in orphaned:
+                    continue  # its request may still be running: wait for the full age
                 if marker.kind == "R":
-                    intents.append((token, token in ledgered))
+                    intents.append((token, committed))
                     continue
-                if token in orders:
+                if committed:
                     done = await self.mirror.confirm(
                         keys,
                         marker.user_id,

@@ -174,6 +174,7 @@ class Settings:
     inflight_max_seconds: float = 30.0
     janitor_batch_max: int = 500
     janitor_interval_seconds: float = 1.0
+    janitor_committed_after_seconds: float = 2.0
     resync_interval_seconds: float = 1.0
     jwt_cache_max: int = 65_536
     sold_out_cache_seconds: float = 0.1
@@ -289,6 +290,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         inflight_max_seconds=env_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),
         janitor_batch_max=env_int(env, "GATE_JANITOR_BATCH_MAX", 500, 1, 100_000),
         janitor_interval_seconds=env_float(env, "GATE_JANITOR_INTERVAL_SECONDS", 1.0, 0.05, 60),
+        janitor_committed_after_seconds=env_float(
+            env, "GATE_JANITOR_COMMITTED_AFTER_SECONDS", 2.0, 0.1, 3600
+        ),
         resync_interval_seconds=env_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
         jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
         sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,
