@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter, Gauge
 
 from gate.check import check_deal
 from gate.db import Database
@@ -56,46 +55,45 @@ log = logging.getLogger("gate.invariants")
 TRACKED_DEALS_MAX = 100_000
 LOGGED_BREACHES_MAX = 5
 
-BREACHES = Gauge(
+BREACHES = METRICS.gauge(
     "gate_invariant_breaches",
     "Invariant breaches found by the latest check of a deal (0: every invariant holds).",
     ["deal"],
-    registry=METRICS.registry,
+    kind="state",
 )
-CHECKS = Counter(
+CHECKS = METRICS.counter(
     "gate_invariant_checks_total",
     "Continuous invariant checks of one deal, by result (ok, breach, error).",
     ["result"],
-    registry=METRICS.registry,
 )
-DRIFT = Gauge(
+DRIFT = METRICS.gauge(
     "gate_redis_drift_units",
     "Units Redis and the database disagree about, summed over a deal's buckets, as of"
     " the latest check that could compare them.",
     ["deal"],
-    registry=METRICS.registry,
+    kind="state",
 )
-INCONSISTENCY = Gauge(
+INCONSISTENCY = METRICS.gauge(
     "gate_inconsistency_ratio",
     "Inconsistent units (book mismatches, Redis drift, holds stuck past the lag"
     " threshold) over total stock, across the deals checked.",
-    registry=METRICS.registry,
+    kind="state",
 )
-FAILURE_RATIO = Gauge(
+FAILURE_RATIO = METRICS.gauge(
     "gate_release_failure_ratio",
     "Failed over attempted hold releases by this process's sweeper in the alert window.",
-    registry=METRICS.registry,
+    kind="flag",
 )
-OLDEST_DUE = Gauge(
+OLDEST_DUE = METRICS.gauge(
     "gate_expiry_oldest_due_seconds",
     "Age of the oldest hold whose deadline has passed and that still holds stock.",
-    registry=METRICS.registry,
+    kind="state",
 )
-ALERTS = Gauge(
+ALERTS = METRICS.gauge(
     "gate_alert_firing",
     "1 while an alert of the seeds' threshold table fires in this process.",
     ["alert"],
-    registry=METRICS.registry,
+    kind="flag",
 )
 
 

@@ -17,7 +17,7 @@ from gate.metrics import METRICS
 from gate.orders import new_id
 from gate.runtime import Gate
 from gate.settings import Settings, SettingsError, load_settings
-from gate.sweeper import STATS, SweepConfig
+from gate.sweeper import NEXT_DUE_PAUSE_MIN_SECONDS, STATS, SweepConfig
 from tests.expiry_support import holding, make_holds, run_gate, statuses, wait_until
 from tests.support import (
     ADMIN,
@@ -140,6 +140,27 @@ async def test_expiry_follows_the_database_clock_when_an_operator_moves_deadline
     ]
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 3, "available": 1, "held": 2, "sold": 0}
+
+
+async def test_an_idle_sweeper_wakes_at_the_next_deadline(
+    client: Client, db: Database, local_gate: Gate
+) -> None:
+    """After a short batch the pause is cut to the next hold's deadline (never longer
+    than the interval, never shorter than the floor), so a crowd's holds falling due
+    together are released right then, not up to an interval later."""
+    deal_id = await create_deal(client, stock=1, buckets=1, hold_seconds=3600)
+    (order_id,) = await make_holds(client, deal_id, 1, user_base=826_000)
+    await db.execute(
+        "UPDATE orders SET expires_at = NOW(6) + INTERVAL 1 SECOND WHERE id = %s", (order_id,)
+    )
+    sweeper = make_sweeper(local_gate, SweepConfig(interval_seconds=30.0))
+    pause = await sweeper._until_next_due(30.0)
+    # Another test's hold may fall due sooner; none of them may make it longer.
+    assert NEXT_DUE_PAUSE_MIN_SECONDS <= pause <= 1.01, pause
+    assert await sweeper._until_next_due(0.2) <= 0.2
+    await db.execute(
+        "UPDATE orders SET expires_at = NOW(6) + INTERVAL 1 HOUR WHERE id = %s", (order_id,)
+    )
 
 
 async def test_an_authorized_hold_expires_too(
