@@ -229,6 +229,23 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
     assert settled.status_code == 200 and settled.json()["status"] == "succeeded"
     await sb.configure(drop_rate=0.0)
 
+    # missing_event: a second payment's refund declined at the provider, the callback
+    # dropped: the next generation is asked for.
+    order_e3, _ = await paid(client, sb, db, deal, 6114)
+    await sb.configure(refund_mode="pending")
+    pay_e3 = str((await seed_payment(sb, order_id=order_e3, amount=500, currency="EUR"))["id"])
+
+    async def submitted_e3() -> bool:
+        row = await refund_row(db, pay_e3)
+        return row is not None and row[1] is not None
+
+    assert await wait_until(submitted_e3)
+    refund_e3 = str((await refund_row(db, pay_e3) or ("", ""))[1])
+    await sb.configure(refund_mode="succeed", drop_rate=1.0)
+    declined = await sb.http.post(f"/sandbox/refunds/{refund_e3}/settle", json={"outcome": "fail"})
+    assert declined.status_code == 200 and declined.json()["status"] == "failed"
+    await sb.configure(drop_rate=0.0)
+
     # second_payment: a second successful payment for a paid order, never announced.
     order_f, _ = await paid(client, sb, db, deal, 6109)
     pay_f2 = str(
@@ -282,6 +299,8 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
     expect(pay_e, "refund_stuck", {"flagged"})
     f_e2 = expect(pay_e2, "missing_event", {"repaired"})
     assert f_e2["refund_id"] == refund_e2
+    f_e3 = expect(pay_e3, "missing_event", {"repaired"})
+    assert f_e3["refund_id"] == refund_e3 and "refund_retry" in f_e3["detail"]
     expect(pay_f2, "second_payment", {"refunded", "refund_scheduled"})
     assert expect(pay_g, "amount_mismatch", {"flagged"})["detail"] == "amount_mismatch"
     assert expect(pay_g2, "amount_mismatch", {"flagged"})["detail"] == "currency_mismatch"
@@ -341,6 +360,11 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
         1000,
         500,
     )
+    # The declined refund asked again under the next generation's key, and settled.
+    assert await wait_until(lambda: refund_settled(db, pay_e3))
+    assert [x["status"] for x in await sb.refunds_of(pay_e3)] == ["failed", "succeeded"]
+    row_e3 = await order_row(db, order_e3)
+    assert (row_e3["paid_amount"], row_e3["refunded_amount"]) == (1000, 500)
     # The second payment refunded through the second-payment path, once.
     assert await wait_until(lambda: refund_settled(db, pay_f2))
     row_f = await order_row(db, order_f)

@@ -550,12 +550,17 @@ class Reconciler:
             return finding
         after = await self._order_status(t.order_id)
         transition = f"{before} -> {after}"
+        # Whether the money goes back says which path the payment took: the
+        # second-payment path, or a late payment the deal had no units left for.
+        refund = await self.db.fetchone(
+            "SELECT reason FROM payment_refunds WHERE provider = %s AND payment_id = %s",
+            (self.name, t.id),
+        )
         if t.status != "succeeded" or applied.code == EventCode.IGNORED:
             finding = replace(base, detail=f"{PAYMENT_FACTS[t.status]}: {transition}")
-        elif applied.detail == "second_payment":
+        elif refund is not None and refund[0] == "second_payment":
             finding = replace(base, kind="second_payment", outcome="refund_scheduled")
-        elif after == "REFUND_PENDING":
-            # Late, and the deal had no units left: the money goes back.
+        elif refund is not None:
             finding = replace(
                 base, kind="paid_not_applied", outcome="refund_scheduled", detail=transition
             )
@@ -565,10 +570,24 @@ class Reconciler:
         report.findings.append(finding)
         return finding
 
-    async def _refund_now(self, scheduled: list[Finding]) -> None:
-        """Refunds the pass just caused go out now through the worker's refund path
-        (stable idempotency keys); the worker finishes any that do not settle."""
+    async def _retry(self, payment_ids: Sequence[str]) -> None:
+        """Ask the provider for these payments' refunds now, through the worker's
+        refund path: the current generation's idempotency key, so a refund the
+        provider already has comes back as it is and is never made twice."""
+        for part in chunks(payment_ids):
+            marks = ", ".join(["%s"] * len(part))
+            await self.db.execute(
+                f"UPDATE payment_refunds SET next_attempt_at = NOW(6)"
+                f" WHERE provider = %s AND payment_id IN ({marks})"
+                f" AND status IN ('pending', 'submitted')",
+                (self.name, *part),
+            )
         await self.worker.refunds(self.provider)
+
+    async def _refund_now(self, scheduled: list[Finding]) -> None:
+        """Refunds the pass just caused go out now; the worker finishes any that do
+        not settle."""
+        await self._retry([str(f.payment_id) for f in scheduled])
         for finding in scheduled:
             row = await self.db.fetchone(
                 "SELECT status FROM payment_refunds WHERE provider = %s AND payment_id = %s",
@@ -584,7 +603,7 @@ class Reconciler:
         if not refunds:
             return
         books = await self._books([t.payment_id for t in refunds])
-        retried = False
+        declined: list[str] = []
         for t in refunds:
             fact = f"refund.{t.status}"
             base = Finding(
@@ -622,11 +641,12 @@ class Reconciler:
             elif applied.code == EventCode.WAITING:
                 report.findings.append(replace(base, outcome="deferred", detail="waiting"))
             else:
-                retried = retried or t.status == "failed"
+                if t.status == "failed":
+                    declined.append(t.payment_id)
                 report.findings.append(replace(base, detail=f"{fact}: {applied.detail}"))
-        if retried:
+        if declined:
             # A declined refund moved to its next generation: ask again now.
-            await self.worker.refunds(self.provider)
+            await self._retry(declined)
 
     # -- PAID here, nothing at the provider ------------------------------------------
 
@@ -703,13 +723,7 @@ class Reconciler:
         report.actions += len(rows)
         ids = [int(r[0]) for r in rows]
         marks = ", ".join(["%s"] * len(ids))
-        # Retry through the worker's refund path: due now, same generation, same key.
-        await self.db.execute(
-            f"UPDATE payment_refunds SET next_attempt_at = NOW(6)"
-            f" WHERE id IN ({marks}) AND status IN ('pending', 'submitted')",
-            ids,
-        )
-        await self.worker.refunds(self.provider)
+        await self._retry([str(r[1]) for r in rows])
         after = {
             int(r[0]): r[1:]
             for r in await self.db.fetchall(
