@@ -833,6 +833,9 @@ def command(args: argparse.Namespace) -> int:
             print("gate reconcile: --window-seconds must be within 60..7776000", file=sys.stderr)
             return 2
         recon = replace(recon, window_seconds=args.window_seconds)
+    if args.loop and recon.interval_seconds == 0:
+        print("gate reconcile: --loop needs GATE_RECONCILE_INTERVAL_SECONDS > 0", file=sys.stderr)
+        return 2
     if payment.provider_url is None:
         print("gate reconcile: no provider configured (GATE_PAYMENT_PROVIDER_URL)", file=sys.stderr)
         return 2
