@@ -142,6 +142,42 @@ async def refund_settled(db: Database, payment_id: str) -> bool:
     return row is not None and row[0] == "succeeded"
 
 
+async def asked_refund(db: Database, payment_id: str) -> str:
+    """Once the gate has asked the provider for this payment's refund: its id there."""
+
+    async def asked() -> bool:
+        row = await refund_row(db, payment_id)
+        return row is not None and row[1] is not None
+
+    assert await wait_until(asked)
+    row = await refund_row(db, payment_id)
+    assert row is not None
+    return str(row[1])
+
+
+async def settle_silently(sb: SandboxClient, refund_id: str, outcome: str) -> None:
+    """The provider settles a pending refund and its callback is lost."""
+    await sb.configure(drop_rate=1.0)
+    r = await sb.http.post(f"/sandbox/refunds/{refund_id}/settle", json={"outcome": outcome})
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == {"succeed": "succeeded", "fail": "failed"}[outcome]
+    await sb.configure(drop_rate=0.0)
+
+
+async def second_payment_settled_silently(
+    sb: SandboxClient, db: Database, order_id: str, outcome: str
+) -> tuple[str, str]:
+    """A second payment for a paid order, announced: the gate asks for its refund,
+    which the provider settles with `outcome` without telling the gate. Returns the
+    payment's and the refund's ids."""
+    await sb.configure(refund_mode="pending")
+    payment = await seed_payment(sb, order_id=order_id, amount=500, currency="EUR")
+    refund_id = await asked_refund(db, str(payment["id"]))
+    await sb.configure(refund_mode="succeed")
+    await settle_silently(sb, refund_id, outcome)
+    return str(payment["id"]), refund_id
+
+
 async def totals(db: Database, sb: SandboxClient) -> dict[str, int]:
     """Row counts a repair would change (and the orders' versions)."""
     out: dict[str, int] = {}
@@ -205,46 +241,15 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
     pay_e = str((await sb.pay(session_e["session_id"]))["id"])
     await wait_status(db, order_e, "REFUND_PENDING")
 
-    async def submitted_e() -> bool:
-        row = await refund_row(db, pay_e)
-        return row is not None and row[1] is not None
-
-    assert await wait_until(submitted_e)
+    await asked_refund(db, pay_e)
 
     # missing_event: a second payment's refund settled at the provider, its callback
     # dropped (the gate still waits for it).
     order_e2, _ = await paid(client, sb, db, deal, 6108)
-    pay_e2 = str((await seed_payment(sb, order_id=order_e2, amount=500, currency="EUR"))["id"])
-
-    async def submitted_e2() -> bool:
-        row = await refund_row(db, pay_e2)
-        return row is not None and row[1] is not None
-
-    assert await wait_until(submitted_e2)
-    refund_e2 = str((await refund_row(db, pay_e2) or ("", ""))[1])
-    await sb.configure(refund_mode="succeed", drop_rate=1.0)
-    settled = await sb.http.post(
-        f"/sandbox/refunds/{refund_e2}/settle", json={"outcome": "succeed"}
-    )
-    assert settled.status_code == 200 and settled.json()["status"] == "succeeded"
-    await sb.configure(drop_rate=0.0)
-
-    # missing_event: a second payment's refund declined at the provider, the callback
-    # dropped: the next generation is asked for.
+    pay_e2, refund_e2 = await second_payment_settled_silently(sb, db, order_e2, "succeed")
+    # missing_event: the same, declined at the provider: the next generation is asked for.
     order_e3, _ = await paid(client, sb, db, deal, 6114)
-    await sb.configure(refund_mode="pending")
-    pay_e3 = str((await seed_payment(sb, order_id=order_e3, amount=500, currency="EUR"))["id"])
-
-    async def submitted_e3() -> bool:
-        row = await refund_row(db, pay_e3)
-        return row is not None and row[1] is not None
-
-    assert await wait_until(submitted_e3)
-    refund_e3 = str((await refund_row(db, pay_e3) or ("", ""))[1])
-    await sb.configure(refund_mode="succeed", drop_rate=1.0)
-    declined = await sb.http.post(f"/sandbox/refunds/{refund_e3}/settle", json={"outcome": "fail"})
-    assert declined.status_code == 200 and declined.json()["status"] == "failed"
-    await sb.configure(drop_rate=0.0)
+    pay_e3, refund_e3 = await second_payment_settled_silently(sb, db, order_e3, "fail")
 
     # second_payment: a second successful payment for a paid order, never announced.
     order_f, _ = await paid(client, sb, db, deal, 6109)
@@ -412,10 +417,7 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
 
     # -- the stuck refund settles at the provider, its callback lost: repaired ---------
     refund_e = str((await sb.refunds_of(pay_e))[0]["id"])
-    await sb.configure(drop_rate=1.0)
-    r = await sb.http.post(f"/sandbox/refunds/{refund_e}/settle", json={"outcome": "succeed"})
-    assert r.status_code == 200
-    await sb.configure(drop_rate=0.0)
+    await settle_silently(sb, refund_e, "succeed")
     code, third = await reconcile(pay_stack.env)
     assert code == 1
     assert [(f["kind"], f["outcome"], f["payment_id"]) for f in third["findings"] if f["new"]] == [
