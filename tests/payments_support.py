@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,8 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
             "GATE_PAYMENT_BACKOFF_MAX_SECONDS": "2",
             "GATE_OUTBOX_INTERVAL_SECONDS": "0.2",
             "GATE_OUTBOX_STREAM": "gate:test-pay-events",
+            # No background reconciliation: tests/test_reconcile.py turns it on.
+            "GATE_RECONCILE_INTERVAL_SECONDS": "0",
         }
     )
     return env
@@ -128,13 +131,15 @@ class PayStack:
     env: dict[str, str]
 
 
-# Per module: no payment gate idles in the background while other suites run.
-@pytest.fixture(scope="module")
-def pay_stack(prepared: None) -> Iterator[PayStack]:
+@contextmanager
+def running_pay_stack(
+    extra_env: dict[str, str] | None = None, provider: str = "sandbox", workers: int = 2
+) -> Iterator[PayStack]:
+    """A gate (`workers` processes) and a sandbox delivering to it, both stopped after."""
     sandbox_port = free_port()
-    env = pay_env(f"http://127.0.0.1:{sandbox_port}")
-    gate = GateProcess(env, workers=2)
-    sandbox = SandboxProcess(sandbox_port, gate.url + WEBHOOK_PATH)
+    env = {**pay_env(f"http://127.0.0.1:{sandbox_port}"), **(extra_env or {})}
+    gate = GateProcess(env, workers=workers)
+    sandbox = SandboxProcess(sandbox_port, gate.url + f"/v1/payments/{provider}/webhook")
     try:
         sandbox.wait_ready()
         gate.wait_ready()
@@ -142,6 +147,13 @@ def pay_stack(prepared: None) -> Iterator[PayStack]:
     finally:
         gate.stop()
         sandbox.stop()
+
+
+# Per module: no payment gate idles in the background while other suites run.
+@pytest.fixture(scope="module")
+def pay_stack(prepared: None) -> Iterator[PayStack]:
+    with running_pay_stack() as stack:
+        yield stack
 
 
 @pytest.fixture

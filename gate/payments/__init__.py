@@ -17,10 +17,12 @@ from starlette.routing import Route
 
 from gate.extensions import Extension, Worker
 from gate.http import json_response
-from gate.payments.config import load_payment_settings
+from gate.payments.config import load_payment_settings, load_reconcile_settings
 from gate.payments.http_provider import SandboxProvider
 from gate.payments.machine import PaymentMachine
 from gate.payments.outbox import OutboxRelay
+from gate.payments.reconcile import Reconciler
+from gate.payments.reconcile import add_command as add_reconcile_command
 from gate.payments.sessions import PaymentSessions
 from gate.payments.signing import decode_secrets
 from gate.payments.webhook import WebhookEndpoint
@@ -71,6 +73,12 @@ def install(gate: Gate) -> Extension:
         workers.append(worker.run)
     if env_bool(env, "GATE_OUTBOX_RELAY", True):
         workers.append(relay.run)
+    reconcile = load_reconcile_settings(env)
+    if provider is not None and reconcile.interval_seconds > 0:
+        reconciler = Reconciler(
+            gate.db, machine, worker, provider, reconcile, gate.settings.mysql.database
+        )
+        workers.append(reconciler.run)
     on_stop: list[Callable[[], Awaitable[None]]] = []
     if provider is not None:
         on_stop.append(provider.close)
@@ -167,3 +175,5 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     s = sub.add_parser("relay", help="publish outbox rows to the event stream")
     s.add_argument("--once", action="store_true")
     s.set_defaults(fn=_cmd_relay)
+
+    add_reconcile_command(sub)

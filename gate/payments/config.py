@@ -114,3 +114,43 @@ def load_payment_settings(env: Mapping[str, str]) -> PaymentSettings:
             " times (GATE_PAYMENT_TIMEOUT_SECONDS + 1 s of backoff)"
         )
     return settings
+
+
+@dataclass(frozen=True)
+class ReconcileSettings:
+    # Pause between passes inside `gate serve`; 0 turns the periodic pass off (the
+    # `gate reconcile` command still works).
+    interval_seconds: float = 300.0
+    # How far back the provider's transactions and the gate's payment events are
+    # compared. Older divergences are out of sight: keep it above the longest time a
+    # callback, a refund or an operator may take.
+    window_seconds: float = 86_400.0
+    # Transactions and events younger than this are left to their callbacks, which
+    # may still be on their way.
+    grace_seconds: float = 120.0
+    # A refund the gate asked for and that has not settled after this long is stuck.
+    refund_stuck_seconds: float = 900.0
+    page_size: int = 500
+    # Pages read per pass: the listing of one window must fit, or the pass reports
+    # itself incomplete (exit status 2).
+    pages_max: int = 200
+    # Repairs (events applied, refunds retried, provider look-ups) per pass; what is
+    # left over waits for the next pass.
+    actions_max: int = 500
+
+
+def load_reconcile_settings(env: Mapping[str, str]) -> ReconcileSettings:
+    interval = env_float(env, "GATE_RECONCILE_INTERVAL_SECONDS", 300.0, 0.0, 86_400)
+    if 0 < interval < 0.1:
+        raise SettingsError("GATE_RECONCILE_INTERVAL_SECONDS must be 0 (off) or at least 0.1")
+    return ReconcileSettings(
+        interval_seconds=interval,
+        window_seconds=env_float(env, "GATE_RECONCILE_WINDOW_SECONDS", 86_400.0, 60, 90 * 86_400),
+        grace_seconds=env_float(env, "GATE_RECONCILE_GRACE_SECONDS", 120.0, 0, 86_400),
+        refund_stuck_seconds=env_float(
+            env, "GATE_RECONCILE_REFUND_STUCK_SECONDS", 900.0, 0, 30 * 86_400
+        ),
+        page_size=env_int(env, "GATE_RECONCILE_PAGE_SIZE", 500, 1, 1000),
+        pages_max=env_int(env, "GATE_RECONCILE_PAGES_MAX", 200, 1, 100_000),
+        actions_max=env_int(env, "GATE_RECONCILE_ACTIONS_MAX", 500, 1, 100_000),
+    )

@@ -199,8 +199,12 @@ class SandboxProvider:
             raise ProviderRejected(404, "not_found", f"payment {payment_id} not found")
         return _refund(doc)
 
-    async def transactions(self, cursor: str | None, limit: int) -> TransactionPage:
+    async def transactions(
+        self, cursor: str | None, limit: int, since: int | None = None
+    ) -> TransactionPage:
         query = f"?limit={int(limit)}" + (f"&after={cursor}" if cursor else "")
+        if since is not None:
+            query += f"&created_gte={int(since)}"
         _, doc = await self._call("GET", "/v1/transactions" + query)
         items = [
             Transaction(

@@ -139,7 +139,12 @@ class Provider(Protocol):
 
     async def refund(self, payment_id: str, amount: int, key: str) -> Refund: ...
 
-    async def transactions(self, cursor: str | None, limit: int) -> TransactionPage: ...
+    async def transactions(
+        self, cursor: str | None, limit: int, since: int | None = None
+    ) -> TransactionPage:
+        """Payments and refunds in creation order, from `cursor` (None: the start, or
+        the first created at or after `since`, unix seconds)."""
+        ...
 
     def verify_webhook(self, headers: dict[str, str], body: bytes, now: float) -> str: ...
 

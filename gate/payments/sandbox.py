@@ -11,7 +11,7 @@ Provider API (what the gate calls; changing calls require `Idempotency-Key`):
   POST /v1/payments/{id}/void
   POST /v1/refunds                   {payment_id, amount}
   GET  /v1/refunds/{id}
-  GET  /v1/transactions?after=&limit=  payments and refunds in creation order
+  GET  /v1/transactions?after=&limit=&created_gte=  payments and refunds in creation order
 The buyer's step:
   GET  /pay/{session_id}             a small page with the three outcomes
   POST /pay/{session_id}             {outcome: succeed | fail | authorize}
@@ -33,6 +33,7 @@ a restart forgets everything, as a test mode may.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hashlib
 import hmac
@@ -400,6 +401,10 @@ class Sandbox:
             self.settle_refund(r, mode)
         return r
 
+    def created_of(self, entry: tuple[str, str]) -> int:
+        kind, oid = entry
+        return self.payments[oid].created if kind == "payment" else self.refunds[oid].created
+
     def settle_refund(self, r: SbRefund, outcome: str) -> None:
         if r.status != "pending":
             return
@@ -614,9 +619,14 @@ async def transactions(request: Request) -> Response:
     sb = _sandbox(request)
     after = request.query_params.get("after", "0")
     limit = request.query_params.get("limit", "100")
+    since = request.query_params.get("created_gte", "0")
     if not after.isdigit() or not limit.isdigit() or not 1 <= int(limit) <= 1000:
         return _error(400, "invalid_request", "after: a cursor; limit: 1..1000.")
-    start, n = int(after), int(limit)
+    if not since.isdigit() or len(since) > 12:
+        return _error(400, "invalid_request", "created_gte: unix seconds.")
+    # The log is in creation order, so a time window starts at one position in it.
+    first = bisect.bisect_left(sb.log, int(since), key=sb.created_of) if int(since) else 0
+    start, n = max(int(after), first), int(limit)
     items = []
     for kind, oid in sb.log[start : start + n]:
         if kind == "payment":
