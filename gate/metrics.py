@@ -101,6 +101,10 @@ AGREED_NAMES: dict[str, tuple[str, ...]] = {
         "gate_refund_backlog",
         "gate_outbox_unpublished",
         "gate_outbox_lag_seconds",
+        "gate_reconcile_findings_total",
+        "gate_reconcile_runs_total",
+        "gate_reconcile_open",
+        "gate_reconcile_last_run_timestamp_seconds",
     ),
     "ops": ("gate_http_requests_total", "gate_http_request_seconds"),
 }

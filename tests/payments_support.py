@@ -314,7 +314,8 @@ async def wait_until(predicate: Any, timeout_seconds: float = 15.0) -> Any:
 
 async def expire(core: Gate, order_id: str) -> None:
     """End a hold the way the expiry sweeper does: past the deadline, then a
-    conditional release that may take an AUTHORIZED order too."""
+    conditional release that may take an AUTHORIZED order too (or the gate's own
+    sweeper, which may win the race, does it)."""
     await core.db.execute(
         "UPDATE orders SET expires_at = NOW(6) - INTERVAL 1 SECOND WHERE id = %s", (order_id,)
     )
@@ -331,7 +332,10 @@ async def expire(core: Gate, order_id: str) -> None:
         reason="expire",
         actor="test-sweeper",
     )
-    assert released
+    if not released:
+        # The gate's own sweeper got there first (the hold was due): same outcome.
+        after = await orders.get(core.db, order_id)
+        assert after is not None and after.status == "EXPIRED", after
 
 
 async def counts(db: Database, order_id: str) -> dict[str, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import orjson
@@ -98,16 +99,21 @@ async def test_rejected_callbacks_change_nothing(pay_client: Client, db: Databas
     good = signed(body)
     before = await counts(db, order_id)
     now = int(time.time())
-    cases = {
-        "forged": {**good, "webhook-signature": "v1," + base64.b64encode(b"x" * 32).decode()},
-        "wrong secret": signed(body, OTHER_KEY),
-        "swapped webhook-id": {**good, "webhook-id": "evt_someone_else"},
-        "301 s old": signed(body, timestamp=now - 301),
-        "301 s ahead": signed(body, timestamp=now + 301),
-        "no signature": {k: v for k, v in good.items() if k != "webhook-signature"},
+    # Each case is signed just before it is sent: a timestamp computed once would
+    # drift inside the ±300 s window on a slow machine.
+    cases: dict[str, Callable[[], dict[str, str]]] = {
+        "forged": lambda: {
+            **good,
+            "webhook-signature": "v1," + base64.b64encode(b"x" * 32).decode(),
+        },
+        "wrong secret": lambda: signed(body, OTHER_KEY),
+        "swapped webhook-id": lambda: {**good, "webhook-id": "evt_someone_else"},
+        "301 s old": lambda: signed(body, timestamp=int(time.time()) - 301),
+        "301 s ahead": lambda: signed(body, timestamp=int(time.time()) + 301),
+        "no signature": lambda: {k: v for k, v in good.items() if k != "webhook-signature"},
     }
-    for name, headers in cases.items():
-        r = await post_webhook(pay_client, body, headers)
+    for name, make_headers in cases.items():
+        r = await post_webhook(pay_client, body, make_headers())
         assert r.status_code == 401, (name, r.text)
         assert r.headers["content-type"] == "application/problem+json"
     tampered = body.replace(b'"amount":500', b'"amount":5')
