@@ -21,7 +21,7 @@ from starlette.responses import Response
 from gate.errors import Problem, invalid, not_found
 from gate.http import json_response
 from gate.payments.codes import METRIC_OUTCOME, EventCode
-from gate.payments.machine import PaymentMachine
+from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.metrics import CALLBACK_DELAY, CALLBACKS
 from gate.payments.provider import EventInvalid, parse_event
 from gate.payments.signing import WebhookRejected, verify
@@ -66,6 +66,7 @@ class WebhookEndpoint:
         self.machine = machine
         self.body_max_bytes = body_max_bytes
         self.recent = RecentEvents(dedup_max)
+        self.groups = GroupCommitter(machine, provider)
         self.kick = kick
 
     def _reject(self, problem: Problem) -> Problem:
@@ -106,7 +107,7 @@ class WebhookEndpoint:
             return json_response({"received": True, "outcome": "duplicate"})
         if event.created is not None:
             CALLBACK_DELAY.observe(max(0.0, now - event.created))
-        applied = await self.machine.record(self.provider, event)
+        applied = await self.groups.submit(event)
         self.recent.add(event.event_id)
         CALLBACKS.labels(self.provider, METRIC_OUTCOME[applied.code]).inc()
         if applied.code == EventCode.LATE or applied.waiting:

@@ -1,0 +1,124 @@
+"""Callbacks applied in groups (gate_payment_event_group, GroupCommitter): each event
+is still its own conditional transition, duplicates apply once wherever they race."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import redis.asyncio as aioredis
+
+from gate.check import check_deal
+from gate.db import Database
+from gate.payments.codes import EventCode
+from gate.payments.machine import GroupCommitter, PaymentMachine
+from gate.payments.provider import parse_event
+from gate.runtime import Gate
+from tests import payments_support as ps
+from tests.payments_support import counts, event_body, new_order, order_row, post_webhook, signed
+from tests.support import Client, assert_invariants, create_deal
+
+pay_client = ps.pay_client
+sandbox = ps.sandbox
+pay_stack = ps.pay_stack
+core = ps.core
+
+ORDERS = 24
+COPIES = 3
+
+
+async def test_burst_with_racing_duplicates_pays_each_order_once(
+    pay_client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    deal = await create_deal(pay_client, stock=ORDERS + 1, buckets=4, unit_price=150)
+    order_ids = [await new_order(pay_client, deal, 5100 + i) for i in range(ORDERS)]
+    wrong = await new_order(pay_client, deal, 5100 + ORDERS)
+    bodies = [event_body("payment.succeeded", o, f"pi_grp_{o}", 150) for o in order_ids]
+    # One wrong amount in the same burst: quarantined, and it does not undo the others.
+    bodies.append(event_body("payment.succeeded", wrong, f"pi_grp_{wrong}", 149))
+    sends = [b for b in bodies for _ in range(COPIES)]
+    random.Random(7).shuffle(sends)
+    results = await asyncio.gather(*(post_webhook(pay_client, b, signed(b)) for b in sends))
+    assert [r.status_code for r in results] == [200] * len(sends)
+    outcomes = [r.json()["outcome"] for r in results]
+    assert outcomes.count("applied") == ORDERS
+    assert outcomes.count("quarantined") == 1
+    assert outcomes.count("duplicate") == len(sends) - ORDERS - 1
+    for order_id in order_ids:
+        row = await order_row(db, order_id)
+        assert (row["status"], row["paid_amount"]) == ("PAID", 150)
+        c = await counts(db, order_id)
+        assert (c["events"], c["payments"]) == (1, 1)
+        topics = await db.fetchall("SELECT topic FROM outbox WHERE aggregate_id = %s", (order_id,))
+        assert [t[0] for t in topics] == ["order.paid"]
+    assert (await order_row(db, wrong))["status"] == "PENDING_PAYMENT"
+    await assert_invariants(db, rds, deal)
+
+
+async def test_group_in_one_call_duplicates_inside_and_across(
+    pay_client: Client, core: Gate, db: Database, rds: aioredis.Redis
+) -> None:
+    deal = await create_deal(pay_client, stock=3, unit_price=110)
+    first = await new_order(pay_client, deal, 5201)
+    second = await new_order(pay_client, deal, 5202)
+    machine = PaymentMachine(core.db, core.mirror, "test-groups")
+    a = parse_event(event_body("payment.succeeded", first, "pi_grp_a", 110))
+    b = parse_event(event_body("payment.succeeded", second, "pi_grp_b", 110))
+    done = await machine.record("sandbox", a)
+    assert done.code == EventCode.APPLIED
+    # a again (committed before), b twice in the same group.
+    results = await machine.record_group("sandbox", [a, b, b])
+    assert [r.code for r in results] == [
+        EventCode.DUPLICATE,
+        EventCode.APPLIED,
+        EventCode.DUPLICATE,
+    ]
+    assert results[1].status == "PAID" and results[1].deal_id == deal
+    for order_id in (first, second):
+        assert (await order_row(db, order_id))["status"] == "PAID"
+        c = await counts(db, order_id)
+        assert (c["events"], c["outbox"], c["payments"]) == (1, 1, 1)
+    await assert_invariants(db, rds, deal)
+
+
+async def test_committer_answers_each_caller_and_riders_as_duplicates(
+    pay_client: Client, core: Gate, db: Database, rds: aioredis.Redis
+) -> None:
+    deal = await create_deal(pay_client, stock=8, buckets=2, unit_price=90)
+    order_ids = [await new_order(pay_client, deal, 5300 + i) for i in range(6)]
+    committer = GroupCommitter(PaymentMachine(core.db, core.mirror, "test-groups"), "sandbox")
+    events = [
+        parse_event(event_body("payment.succeeded", o, f"pi_grp_c_{o}", 90)) for o in order_ids
+    ]
+    calls = [e for e in events for _ in range(4)]
+    random.Random(3).shuffle(calls)
+    results = await asyncio.gather(*(committer.submit(e) for e in calls))
+    codes = [r.code for r in results]
+    assert codes.count(EventCode.APPLIED) == len(order_ids)
+    assert codes.count(EventCode.DUPLICATE) == len(calls) - len(order_ids)
+    for order_id in order_ids:
+        assert (await order_row(db, order_id))["status"] == "PAID"
+        c = await counts(db, order_id)
+        assert (c["events"], c["outbox"]) == (1, 1)
+    await assert_invariants(db, rds, deal)
+
+
+async def test_redis_flush_does_not_make_a_redelivery_apply_again(
+    pay_client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    deal = await create_deal(pay_client, stock=2, unit_price=70)
+    order_id = await new_order(pay_client, deal, 5401)
+    body = event_body("payment.succeeded", order_id, "pi_grp_flush", 70)
+    r = await post_webhook(pay_client, body, signed(body))
+    assert (r.status_code, r.json()["outcome"]) == (200, "applied")
+    before = await counts(db, order_id)
+    await rds.flushdb()
+    # Twice: whichever worker answers, the database's key decides.
+    for _ in range(2):
+        r = await post_webhook(pay_client, body, signed(body))
+        assert (r.status_code, r.json()["outcome"]) == (200, "duplicate")
+    assert await counts(db, order_id) == before
+    assert (await order_row(db, order_id))["paid_amount"] == 70
+    # Redis is empty until the next reservation loads the deal: the database's side.
+    report = await check_deal(db, None, deal)
+    assert report["invariant"]["ok"], report["invariant"]
