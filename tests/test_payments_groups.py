@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import orjson
 import redis.asyncio as aioredis
 
 from gate.check import check_deal
@@ -16,7 +17,7 @@ from gate.payments.provider import parse_event
 from gate.runtime import Gate
 from tests import payments_support as ps
 from tests.payments_support import counts, event_body, new_order, order_row, post_webhook, signed
-from tests.support import Client, assert_invariants, create_deal
+from tests.support import Client, assert_invariants, buyer, create_deal
 
 pay_client = ps.pay_client
 sandbox = ps.sandbox
@@ -122,3 +123,67 @@ async def test_redis_flush_does_not_make_a_redelivery_apply_again(
     # Redis is empty until the next reservation loads the deal: the database's side.
     report = await check_deal(db, None, deal)
     assert report["invariant"]["ok"], report["invariant"]
+
+
+async def _scenario(client: Client, deal: int, user_base: int) -> tuple[list[str], list[bytes]]:
+    """Orders and the events of one group: three plain payments (one of two units),
+    a wrong amount, a payment after a cancel (late), a failure, and a refund nobody
+    asked for that follows its payment in the same group."""
+    orders = [await new_order(client, deal, user_base + i) for i in range(6)]
+    orders.append(await new_order(client, deal, user_base + 6, quantity=2))
+    r = await client.post(f"/v1/orders/{orders[4]}/cancel", headers=buyer(user_base + 4))
+    assert r.status_code == 200
+    tag = f"{user_base}"
+    bodies = [
+        event_body("payment.succeeded", orders[0], f"pi_{tag}_0", 100),
+        event_body("payment.succeeded", orders[1], f"pi_{tag}_1", 100),
+        event_body("payment.succeeded", orders[6], f"pi_{tag}_6", 200),
+        event_body("payment.succeeded", orders[3], f"pi_{tag}_3", 99),
+        event_body("payment.succeeded", orders[4], f"pi_{tag}_4", 100),
+        event_body("payment.failed", orders[5], f"pi_{tag}_5", 100),
+        event_body("refund.succeeded", orders[0], f"pi_{tag}_0", 100, refund_id=f"re_{tag}"),
+    ]
+    return orders, bodies
+
+
+async def _state(db: Database, order_ids: list[str]) -> list[tuple[object, ...]]:
+    out: list[tuple[object, ...]] = []
+    for order_id in order_ids:
+        row = await order_row(db, order_id)
+        c = await counts(db, order_id)
+        payloads = await db.fetchall(
+            "SELECT topic, payload FROM outbox WHERE aggregate_id = %s ORDER BY id", (order_id,)
+        )
+        shapes = [(t, sorted(orjson.loads(p))) for t, p in payloads]
+        out.append((row["status"], row["paid_amount"], c, shapes))
+    return out
+
+
+async def test_group_lanes_match_one_at_a_time(
+    pay_client: Client, core: Gate, db: Database, rds: aioredis.Redis
+) -> None:
+    deal = await create_deal(pay_client, stock=20, buckets=3, unit_price=100, max_per_order=2)
+    grouped_orders, grouped = await _scenario(pay_client, deal, 5500)
+    single_orders, single = await _scenario(pay_client, deal, 5600)
+    machine = PaymentMachine(core.db, core.mirror, "test-groups")
+    by_group = await machine.record_group("sandbox", [parse_event(b) for b in grouped])
+    by_one = [await machine.record("sandbox", parse_event(b)) for b in single]
+    assert [(a.code, a.outcome, a.detail, a.status) for a in by_group] == [
+        (a.code, a.outcome, a.detail, a.status) for a in by_one
+    ]
+    assert [a.code for a in by_group] == [
+        EventCode.APPLIED,
+        EventCode.APPLIED,
+        EventCode.APPLIED,
+        EventCode.QUARANTINED,
+        EventCode.LATE,
+        EventCode.IGNORED,
+        EventCode.QUARANTINED,
+    ]
+    assert await _state(db, grouped_orders) == await _state(db, single_orders)
+    # The same event ids again, as one group: all duplicates, nothing changes.
+    before = await _state(db, grouped_orders)
+    again = await machine.record_group("sandbox", [parse_event(b) for b in grouped])
+    assert {a.code for a in again} == {EventCode.DUPLICATE}
+    assert await _state(db, grouped_orders) == before
+    await assert_invariants(db, rds, deal)
