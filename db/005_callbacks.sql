@@ -460,7 +460,7 @@ BEGIN
     DECLARE slow CURSOR FOR
         SELECT n, event_id, event_type, order_id, payment_id, amount, currency, refund_id,
                payload, created, tx_id
-          FROM gate_cb_events WHERE fast = 0 ORDER BY n;
+          FROM gate_cb_events WHERE fast = 0 AND code IS NULL ORDER BY n;
     DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_done = 1;
     DECLARE EXIT HANDLER FOR SQLEXCEPTION
     BEGIN
@@ -506,9 +506,12 @@ BEGIN
      WHERE e.fast = 1 AND o.status IN ('PENDING_PAYMENT', 'AUTHORIZED')
        AND o.amount = e.amount AND o.currency = e.currency;
     UPDATE gate_cb_events SET fast = 0 WHERE fast = 1 AND checked = 0;
+    -- Redeliveries of events committed before: answered here, without the other lane
+    -- (which would try the INSERT and stop at the key). One still in flight in another
+    -- transaction is not visible yet: the other lane waits for it and finds the key.
     UPDATE gate_cb_events AS e STRAIGHT_JOIN payment_events AS x
         ON x.provider = p_provider AND x.event_id = e.event_id
-       SET e.fast = 0 WHERE e.fast = 1;
+       SET e.fast = 0, e.code = 1, e.outcome = 'duplicate', e.deal_id = NULL;
     UPDATE gate_cb_events AS e STRAIGHT_JOIN payments AS p
         ON p.provider = p_provider AND p.payment_id = e.payment_id
        SET e.fast = 0 WHERE e.fast = 1;

@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
                 "GATE_WEBHOOK_SECRET": webhook,
                 "GATE_LOG_LEVEL": "WARNING",
                 "GATE_DB_POOL_MAX": str(args.pool_max),
-                "PYTHONPATH": str(ROOT),
+                "PYTHONPATH": str(args.source or ROOT),
                 **{f"GATE_LIMIT_{s}": "off" for s in LIMIT_VARS},
             }
         )
@@ -523,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/12", help="Redis DB (FLUSHED)")
     p.add_argument("--pool-max", type=int, default=16, help="GATE_DB_POOL_MAX per worker")
+    p.add_argument(
+        "--source",
+        type=Path,
+        help="run the started gate from this checkout (to compare commits; default: this one)",
+    )
     p.add_argument("--provider", default="sandbox")
     p.add_argument("--orders", type=int, default=20_000)
     p.add_argument("--duplicates", type=float, default=0.3)
