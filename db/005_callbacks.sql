@@ -494,8 +494,10 @@ BEGIN
                created    DATETIME(6) PATH '$.created',
                tx_id      CHAR(26) CHARACTER SET ascii PATH '$.tx')) AS j;
 
-    -- The candidates' order rows, locked in order id order (two groups touching the
-    -- same orders then queue instead of deadlocking), then checked.
+    -- The candidates' order rows, locked before anything is written, then checked.
+    -- Two groups sharing orders (a redelivery racing its original in the other
+    -- worker) may still deadlock on them; the loser rolls back whole and the caller
+    -- runs the group again (bounded), then one event at a time.
     SELECT COUNT(*) INTO v_locked FROM (
         SELECT o.id FROM orders AS o
          WHERE o.id IN (SELECT order_id FROM gate_cb_events WHERE fast = 1)

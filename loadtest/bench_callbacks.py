@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--provider", default="sandbox")
     p.add_argument("--orders", type=int, default=20_000)
     p.add_argument("--duplicates", type=float, default=0.3)
-    p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--connections", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="wrk threads")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="a short run (500 orders)")
