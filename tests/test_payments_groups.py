@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import orjson
+import pymysql
 import redis.asyncio as aioredis
 
 from gate.check import check_deal
@@ -15,6 +17,7 @@ from gate.payments.codes import EventCode
 from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.provider import parse_event
 from gate.runtime import Gate
+from gate.settings import Settings
 from tests import payments_support as ps
 from tests.payments_support import counts, event_body, new_order, order_row, post_webhook, signed
 from tests.support import Client, assert_invariants, buyer, create_deal
@@ -186,4 +189,50 @@ async def test_group_lanes_match_one_at_a_time(
     again = await machine.record_group("sandbox", [parse_event(b) for b in grouped])
     assert {a.code for a in again} == {EventCode.DUPLICATE}
     assert await _state(db, grouped_orders) == before
+    await assert_invariants(db, rds, deal)
+
+
+async def test_a_group_that_fails_is_run_one_event_at_a_time(
+    pay_client: Client, core: Gate, settings: Settings, db: Database, rds: aioredis.Redis
+) -> None:
+    """An order row locked from another connection makes its group time out: the
+    group is run again one event at a time, so only that order's callbacks fail (the
+    provider will redeliver them) and the others are applied."""
+    deal = await create_deal(pay_client, stock=6, unit_price=80)
+    locked, free_a, free_b = [await new_order(pay_client, deal, 5700 + i) for i in range(3)]
+    # Short waits and no retry, so the timeouts come quickly.
+    quick = Database(replace(settings, db_lock_wait_seconds=1, db_retry_max=1), pool_max=4)
+    await quick.start()
+    assert quick.pool is not None
+    holder = await quick.pool.acquire()
+    try:
+        async with holder.cursor() as cur:
+            await cur.execute("START TRANSACTION")
+            await cur.execute("SELECT id FROM orders WHERE id = %s FOR UPDATE", (locked,))
+        committer = GroupCommitter(PaymentMachine(quick, core.mirror, "test-groups"), "sandbox")
+        first = parse_event(event_body("payment.succeeded", locked, "pi_grp_l1", 80))
+        # While the first is in the database (alone: the committer was idle), these
+        # three gather into the next group, which also needs the locked order.
+        rest = [
+            parse_event(event_body("payment.succeeded", free_a, "pi_grp_fa", 80)),
+            parse_event(event_body("payment.failed", locked, "pi_grp_l2", 80)),
+            parse_event(event_body("payment.succeeded", free_b, "pi_grp_fb", 80)),
+        ]
+        results = await asyncio.gather(
+            *(committer.submit(e) for e in [first, *rest]), return_exceptions=True
+        )
+        assert isinstance(results[0], pymysql.err.OperationalError)
+        assert isinstance(results[2], pymysql.err.OperationalError)
+        assert [getattr(results[i], "code", None) for i in (1, 3)] == [EventCode.APPLIED] * 2
+    finally:
+        async with holder.cursor() as cur:
+            await cur.execute("ROLLBACK")
+        quick.pool.release(holder)
+        await quick.close()
+    for order_id in (free_a, free_b):
+        assert (await order_row(db, order_id))["status"] == "PAID"
+    assert (await counts(db, locked))["events"] == 0
+    # The provider's redelivery, once the lock is gone, applies.
+    again = await PaymentMachine(core.db, core.mirror, "test-groups").record("sandbox", first)
+    assert again.code == EventCode.APPLIED
     await assert_invariants(db, rds, deal)
