@@ -15,13 +15,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gate.errors import Problem, invalid, not_found
 from gate.http import json_response
 from gate.payments.codes import METRIC_OUTCOME, EventCode
-from gate.payments.machine import PaymentMachine
+from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.metrics import CALLBACK_DELAY, CALLBACKS
 from gate.payments.provider import EventInvalid, parse_event
 from gate.payments.signing import WebhookRejected, verify
@@ -29,6 +30,30 @@ from gate.payments.signing import WebhookRejected, verify
 log = logging.getLogger("gate.payments.webhook")
 
 HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
+# The raw (lower-case, as ASGI servers give them) names this endpoint reads, found in
+# one pass over the request's header list instead of one scan per name.
+_WANTED = {name.encode(): name for name in (*HEADERS, "content-length")}
+_OUTCOMES = ("applied", "duplicate", "ignored", "quarantined", "rejected")
+
+
+def _headers(request: Request) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for raw_name, raw_value in request.scope["headers"]:
+        name = _WANTED.get(raw_name.lower())
+        if name is not None and name not in found:
+            found[name] = raw_value.decode("latin-1")
+    return found
+
+
+def _answer(outcome: str) -> Response:
+    # The few bodies this endpoint sends, serialised once.
+    return Response(_BODIES[outcome], media_type="application/json")
+
+
+_BODIES = {
+    outcome: orjson.dumps({"received": True, "outcome": outcome})
+    for outcome in ("applied", "duplicate", "ignored", "quarantined", "late", "waiting")
+}
 
 
 class RecentEvents:
@@ -66,14 +91,16 @@ class WebhookEndpoint:
         self.machine = machine
         self.body_max_bytes = body_max_bytes
         self.recent = RecentEvents(dedup_max)
+        self.groups = GroupCommitter(machine, provider)
         self.kick = kick
+        # Labelled children looked up once: a lookup per callback showed in profiles.
+        self.counted = {outcome: CALLBACKS.labels(provider, outcome) for outcome in _OUTCOMES}
 
     def _reject(self, problem: Problem) -> Problem:
-        CALLBACKS.labels(self.provider, "rejected").inc()
+        self.counted["rejected"].inc()
         return problem
 
-    async def _read(self, request: Request) -> bytes:
-        length = request.headers.get("content-length")
+    async def _read(self, request: Request, length: str | None) -> bytes:
         if length is not None and (not length.isdigit() or int(length) > self.body_max_bytes):
             raise self._reject(
                 Problem("PAYLOAD_TOO_LARGE", f"At most {self.body_max_bytes} bytes.")
@@ -90,9 +117,9 @@ class WebhookEndpoint:
     async def handle(self, request: Request) -> Response:
         if request.path_params["provider"] != self.provider:
             raise not_found("payment provider")
-        body = await self._read(request)
+        headers = _headers(request)
+        body = await self._read(request, headers.get("content-length"))
         now = time.time()
-        headers = {name: request.headers.get(name, "") for name in HEADERS}
         try:
             verify(self.keys, headers, body, now)
         except WebhookRejected as exc:
@@ -102,13 +129,13 @@ class WebhookEndpoint:
         except EventInvalid as exc:
             raise self._reject(invalid(f"Unreadable event: {exc}.")) from None
         if event.event_id in self.recent:
-            CALLBACKS.labels(self.provider, "duplicate").inc()
-            return json_response({"received": True, "outcome": "duplicate"})
+            self.counted["duplicate"].inc()
+            return _answer("duplicate")
         if event.created is not None:
             CALLBACK_DELAY.observe(max(0.0, now - event.created))
-        applied = await self.machine.record(self.provider, event)
+        applied = await self.groups.submit(event)
         self.recent.add(event.event_id)
-        CALLBACKS.labels(self.provider, METRIC_OUTCOME[applied.code]).inc()
+        self.counted[METRIC_OUTCOME[applied.code]].inc()
         if applied.code == EventCode.LATE or applied.waiting:
             try:
                 await self.machine.follow_up(self.provider, event.order_id, event.event_id, applied)
@@ -117,4 +144,6 @@ class WebhookEndpoint:
         if applied.code in (EventCode.APPLIED, EventCode.LATE):
             # Captures, voids and refunds are the worker's, out of this request's path.
             self.kick()
+        if applied.outcome in _BODIES:
+            return _answer(applied.outcome)
         return json_response({"received": True, "outcome": applied.outcome})
