@@ -423,7 +423,9 @@ class Reservations:
                 return row
 
         try:
-            return await asyncio.wait_for(self.db.retrying(attempt), self.timeout_seconds)
+            # asyncio.timeout rather than wait_for: no task made per reservation.
+            async with asyncio.timeout(self.timeout_seconds):
+                return await self.db.retrying(attempt)
         except TimeoutError as exc:
             if thread:
                 raise OutcomeUnknown(thread[0], thread[1], exc) from exc

@@ -213,7 +213,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         assert first[0] == 201, first
         open_deal = await probe.deal(BIG_STOCK)
         few = [USER_BASE + i for i in range(32)]
-        fresh = [USER_BASE + 1000 + i for i in range(n)]
+        reps = args.repeat
+        fresh = [USER_BASE + 1000 + i for i in range(n * reps)]
         # Warm: every token verified once, every few-buyer's limit spent.
         await drive([probe.reserve_call(sold, u) for u in few] * 4, c)
         await drive([probe.reserve_call(open_deal, u) for u in few] * 4, c)
@@ -226,6 +227,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "limited": [probe.reserve_call(open_deal, few[i % len(few)]) for i in range(n)],
             "committed": [probe.reserve_call(open_deal, u) for u in fresh],
         }
+        # Committed: its buyers buy once (the per-user limit), so each run its own.
+        parts = {
+            "committed": [cases["committed"][r * n : (r + 1) * n] for r in range(reps)],
+        }
         for name in args.cases:
             # Once unmeasured to warm caches, except committed (its buyers buy once).
             if name != "committed":
@@ -233,10 +238,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             profiler = cProfile.Profile() if args.profile else None
             samples = []
             statuses: dict[int, int] = {}
-            # Committed: one run, its buyers buy once (the per-user limit).
-            for _ in range(args.repeat if name != "committed" else 1):
+            for rep in range(reps):
                 # Each call makes a fresh Idempotency-Key: the list can be run again.
-                calls = cases[name]
+                calls = parts[name][rep] if name in parts else cases[name]
                 started = time.process_time()
                 if profiler:
                     profiler.enable()
