@@ -148,6 +148,7 @@ class Reserve:
                 )
             )
             quantity = validate.integer(body, "quantity", 1, MAX_QUANTITY)
+            gate.reservations.refuse_if_sold_out(deal_id, user_id)
             client = scope.get("client")
             ip = client_ip(
                 client[0] if client else None,

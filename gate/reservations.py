@@ -192,10 +192,16 @@ class Reservations:
         self._inflight = 0
         self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
 
-    async def reserve(self, req: ReserveRequest) -> Reserved:
-        assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
-        if self.soldout.sold_out_for(req.deal_id, req.user_id):
+    def refuse_if_sold_out(self, deal_id: int, user_id: int) -> None:
+        """The near-cache's answer, asked by the endpoint as soon as the request is
+        valid, before anything else is built for it (most of a sale's requests end
+        here). `reserve` does not ask again."""
+        if self.soldout.sold_out_for(deal_id, user_id):
             raise sold_out()
+
+    async def reserve(self, req: ReserveRequest) -> Reserved:
+        """A valid request the sold-out near-cache let through (refuse_if_sold_out)."""
+        assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
         if self._any_limit:
             refused = self.refusals.check(req)
             if refused is not None:
