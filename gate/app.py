@@ -155,6 +155,7 @@ class Reserve:
                 headers.get(b"x-forwarded-for"),
                 gate.settings.trusted_proxies,
             )
+            gate.reservations.refuse_if_limited(deal_id, user_id, ip, device)
             result = await gate.reservations.reserve(
                 ReserveRequest(deal_id, user_id, quantity, key, ip, device)
             )

@@ -87,18 +87,22 @@ class Refusals:
         self.global_on = global_on
         self._until: dict[tuple[int, int, Any], float] = {}
 
-    def _keys(self, req: ReserveRequest) -> list[tuple[int, int, Any]]:
-        idents = (None, req.user_id, req.ip, req.device or "-")
-        keys = [(req.deal_id, i, idents[i]) for i in self.scopes]
+    def _keys(
+        self, deal_id: int, user_id: int, ip: str, device: str | None
+    ) -> list[tuple[int, int, Any]]:
+        idents = (None, user_id, ip, device or "-")
+        keys = [(deal_id, i, idents[i]) for i in self.scopes]
         if self.global_on:
             keys.append((0, GLOBAL_INDEX, None))
         return keys
 
-    def check(self, req: ReserveRequest) -> tuple[str, int] | None:
+    def check(
+        self, deal_id: int, user_id: int, ip: str, device: str | None
+    ) -> tuple[str, int] | None:
         """(scope, milliseconds still to wait) when a remembered refusal holds."""
         if not self._until:
             return None
-        for key in self._keys(req):
+        for key in self._keys(deal_id, user_id, ip, device):
             until = self._until.get(key)
             if until is not None:
                 left = until - time.monotonic()
@@ -114,7 +118,7 @@ class Refusals:
             if len(self._until) >= REFUSALS_MAX:
                 self._until.clear()
         index = SCOPE_NAMES.index(scope)
-        for key in self._keys(req):
+        for key in self._keys(req.deal_id, req.user_id, req.ip, req.device):
             if key[1] == index:
                 self._until[key] = sent + wait_ms / 1000
 
@@ -199,13 +203,18 @@ class Reservations:
         if self.soldout.sold_out_for(deal_id, user_id):
             raise sold_out()
 
-    async def reserve(self, req: ReserveRequest) -> Reserved:
-        """A valid request the sold-out near-cache let through (refuse_if_sold_out)."""
-        assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
+    def refuse_if_limited(self, deal_id: int, user_id: int, ip: str, device: str | None) -> None:
+        """A refusal of the limiters this process remembers (Refusals), asked by the
+        endpoint right after refuse_if_sold_out. `reserve` does not ask again."""
         if self._any_limit:
-            refused = self.refusals.check(req)
+            refused = self.refusals.check(deal_id, user_id, ip, device)
             if refused is not None:
                 raise self._limited(*refused)
+
+    async def reserve(self, req: ReserveRequest) -> Reserved:
+        """A valid request the near-caches let through (refuse_if_sold_out,
+        refuse_if_limited)."""
+        assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
         if self._inflight >= self.settings.reservation_inflight_max:
             raise overloaded("Too many reservations in progress; retry shortly.")
         self._inflight += 1

@@ -145,6 +145,14 @@ def _mean(values: Any) -> float:
     return round(sum(items) / len(items), 1) if items else 0.0
 
 
+def _ratio(cheap_us: float, costly_us: float) -> float:
+    """What a throughput ratio comes to when the gate's CPU is the bottleneck: the
+    cost of the cheaper request over the other's. Unlike requests per second it does
+    not depend on how the kernel spread wrk's connections over the workers (a run in
+    which one worker got most of them is capped near one core)."""
+    return round(cheap_us / costly_us, 3) if costly_us else 0.0
+
+
 def server_url(mysql_url: str, database: str) -> str:
     base, _, query = mysql_url.partition("?")
     return base.rsplit("/", 1)[0] + "/" + database + (f"?{query}" if query else "")
@@ -512,7 +520,7 @@ class Bench:
             )
         health_rps = sum(r["healthz_per_s"] for r in rounds) / len(rounds)
         reject_rps = sum(r["rejections_per_s"] for r in rounds) / len(rounds)
-        return {
+        out = {
             "connections": c,
             "rounds": rounds,
             "healthz_per_s": round(health_rps, 1),
@@ -522,6 +530,8 @@ class Bench:
             "sold_out_cpu_us": _mean(r["sold_out"]["cpu_us_per_request"] for r in rounds),
             "target": 0.8,
         }
+        out["ratio_by_cpu"] = _ratio(out["healthz_cpu_us"], out["sold_out_cpu_us"])
+        return out
 
     def phase_limiter(self) -> dict[str, Any]:
         """A few buyers hammering one deal with stock, each over its per-user limit
@@ -588,7 +598,7 @@ class Bench:
             rounds.append(runs)
         sold_rps = _mean(r["sold_out"]["rejections_per_s"] for r in rounds)
         limited_rps = _mean(r["limited"]["rejections_per_s"] for r in rounds)
-        return {
+        out: dict[str, Any] = {
             "connections": c,
             "buyers": self.plan.limiter_users,
             "limit_user": self.plan.limiter_spec,
@@ -600,6 +610,8 @@ class Bench:
             "limited_cpu_us": _mean(r["limited"]["cpu_us_per_request"] for r in rounds),
             "target": 0.9,
         }
+        out["ratio_by_cpu"] = _ratio(out["sold_out_cpu_us"], out["limited_cpu_us"])
+        return out
 
     def phase_buckets(self) -> dict[str, Any]:
         assert self.gate is not None and self.baseline is not None

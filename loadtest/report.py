@@ -26,6 +26,13 @@ def _verdict(ok: bool | None) -> str:
     return "–" if ok is None else ("met" if ok else "**not met**")
 
 
+def _by_cpu(phase: dict[str, Any]) -> str:
+    """The same ratio from the gate's CPU per request (see benchmark._ratio)."""
+    if not phase.get("ratio_by_cpu"):
+        return ""
+    return f"; by gate CPU per request {phase['ratio_by_cpu']:.2f}"
+
+
 # -- verdicts -------------------------------------------------------------------------------
 
 
@@ -39,7 +46,7 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "target": "sold-out rejections/s ≥ 0.8 × /healthz of the same process",
                 "measured": f"{_n(r['rejections_per_s'])}/s vs {_n(r['healthz_per_s'])}/s"
-                f" ({r['connections']} connections)",
+                f" ({r['connections']} connections){_by_cpu(r)}",
                 "value": f"{r['ratio']:.2f}×",
                 "ok": r["ratio"] >= r["target"],
                 "kind": "speed",
@@ -53,7 +60,7 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
                 " process",
                 "measured": f"{_n(lim['limited_per_s'])}/s vs {_n(lim['sold_out_per_s'])}/s"
                 f" ({lim['buyers']} buyers, GATE_LIMIT_USER={lim['limit_user']!r},"
-                f" {lim['connections']} connections)",
+                f" {lim['connections']} connections){_by_cpu(lim)}",
                 "value": f"{lim['ratio']:.2f}×",
                 "ok": lim["ratio"] >= lim["target"],
                 "kind": "speed",
