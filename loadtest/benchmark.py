@@ -145,12 +145,18 @@ def _mean(values: Any) -> float:
     return round(sum(items) / len(items), 1) if items else 0.0
 
 
-def _ratio(cheap_us: float, costly_us: float) -> float:
-    """What a throughput ratio comes to when the gate's CPU is the bottleneck: the
-    cost of the cheaper request over the other's. Unlike requests per second it does
-    not depend on how the kernel spread wrk's connections over the workers (a run in
-    which one worker got most of them is capped near one core)."""
-    return round(cheap_us / costly_us, 3) if costly_us else 0.0
+def _costs(rounds: list[dict[str, Any]], *runs: str) -> dict[str, float]:
+    """Mean gate CPU per request of each named run of the rounds ("<run>_cpu_us")."""
+    return {f"{run}_cpu_us": _mean(r[run]["cpu_us_per_request"] for r in rounds) for run in runs}
+
+
+def _ratio(part: float, whole: float) -> float:
+    """A target's ratio: of throughputs (requests per second), or of costs (the
+    cheaper request's CPU per request over the other's, what the throughput ratio
+    comes to when the gate's CPU is the bottleneck; unlike requests per second it
+    does not depend on how the kernel spread wrk's connections over the workers: a
+    run in which one worker got most of them is capped near one core)."""
+    return round(part / whole, 3) if whole else 0.0
 
 
 def server_url(mysql_url: str, database: str) -> str:
@@ -525,9 +531,8 @@ class Bench:
             "rounds": rounds,
             "healthz_per_s": round(health_rps, 1),
             "rejections_per_s": round(reject_rps, 1),
-            "ratio": round(reject_rps / health_rps, 3) if health_rps else 0.0,
-            "healthz_cpu_us": _mean(r["healthz"]["cpu_us_per_request"] for r in rounds),
-            "sold_out_cpu_us": _mean(r["sold_out"]["cpu_us_per_request"] for r in rounds),
+            "ratio": _ratio(reject_rps, health_rps),
+            **_costs(rounds, "healthz", "sold_out"),
             "target": 0.8,
         }
         out["ratio_by_cpu"] = _ratio(out["healthz_cpu_us"], out["sold_out_cpu_us"])
@@ -605,9 +610,8 @@ class Bench:
             "rounds": rounds,
             "sold_out_per_s": sold_rps,
             "limited_per_s": limited_rps,
-            "ratio": round(limited_rps / sold_rps, 3) if sold_rps else 0.0,
-            "sold_out_cpu_us": _mean(r["sold_out"]["cpu_us_per_request"] for r in rounds),
-            "limited_cpu_us": _mean(r["limited"]["cpu_us_per_request"] for r in rounds),
+            "ratio": _ratio(limited_rps, sold_rps),
+            **_costs(rounds, "sold_out", "limited"),
             "target": 0.9,
         }
         out["ratio_by_cpu"] = _ratio(out["sold_out_cpu_us"], out["limited_cpu_us"])
