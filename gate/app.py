@@ -11,10 +11,11 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gate import orders, validate
 from gate.db import DbUnavailable
@@ -178,6 +179,32 @@ class Reserve:
         await send_answer(send, json_answer(result.body, 201))
 
 
+class ReserveLane:
+    """Hands POST /v1/deals/{id}/reservations straight to its endpoint, past
+    Starlette's exception middleware (which builds a Request for every request) and
+    router (a regex per route), setting what the router would have set (the route,
+    for the request metrics' label, and the path parameter). The innermost
+    middleware: the request middleware still wraps it, and an unexpected error
+    still reaches the server-error handler. Everything else, a mounted app
+    (root_path) included, goes the usual way."""
+
+    def __init__(self, app: ASGIApp, route: Route) -> None:
+        self.app = app
+        self.route = route
+        self.endpoint = route.endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            match = self.route.path_regex.match(scope["path"])
+            if match is not None:
+                scope["route"] = self.route
+                scope["endpoint"] = self.endpoint
+                scope["path_params"] = {"deal_id": int(match["deal_id"])}
+                await self.endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 async def order_view(request: Request) -> Response:
     gate = _gate(request)
     user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
@@ -324,6 +351,8 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     for ext in gate.extensions:
         all_routes.extend(ext.routes)
         middleware.extend(ext.middleware)
+    reserve_route = next(r for r in all_routes if isinstance(r, Route) and r.name == "reserve")
+    middleware.append(Middleware(ReserveLane, route=reserve_route))
     app = Starlette(
         routes=all_routes,
         middleware=middleware,
