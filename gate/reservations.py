@@ -99,16 +99,27 @@ class Refusals:
     def check(
         self, deal_id: int, user_id: int, ip: str, device: str | None
     ) -> tuple[str, int] | None:
-        """(scope, milliseconds still to wait) when a remembered refusal holds."""
-        if not self._until:
+        """(scope, milliseconds still to wait) when a remembered refusal holds.
+        On every reservation: plain look-ups, no key list built."""
+        until_of = self._until
+        if not until_of:
             return None
-        for key in self._keys(deal_id, user_id, ip, device):
-            until = self._until.get(key)
+        for i in self.scopes:
+            key = (deal_id, i, (None, user_id, ip, device or "-")[i])
+            until = until_of.get(key)
             if until is not None:
                 left = until - time.monotonic()
                 if left > 0:
-                    return SCOPE_NAMES[key[1]], math.ceil(left * 1000)
-                del self._until[key]
+                    return SCOPE_NAMES[i], math.ceil(left * 1000)
+                del until_of[key]
+        if self.global_on:
+            key = (0, GLOBAL_INDEX, None)
+            until = until_of.get(key)
+            if until is not None:
+                left = until - time.monotonic()
+                if left > 0:
+                    return "global", math.ceil(left * 1000)
+                del until_of[key]
         return None
 
     def remember(self, req: ReserveRequest, scope: str, wait_ms: int, sent: float) -> None:
