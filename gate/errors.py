@@ -31,8 +31,49 @@ _PROBLEMS: dict[str, tuple[int, str]] = {
 }
 
 
+RawHeaders = list[tuple[bytes, bytes]]
+# An answer ready for the wire: status, ASGI headers, body.
+Encoded = tuple[int, RawHeaders, bytes]
+
+PROBLEM_CONTENT_TYPE = b"application/problem+json"
+# Encoded answers of the common rejections (sold out, rate limited, not active,
+# overloaded), per route instance: a reject costs a dictionary lookup instead of a
+# dict, orjson and a header list. Bounded; emptied when full.
+ENCODED_MAX = 4096
+_encoded: dict[tuple[str, str, int | None, str | None], Encoded] = {}
+
+
+class RawResponse(Response):
+    """A Response whose status, header list and body are already made (Starlette's
+    constructor would build the headers again)."""
+
+    def __init__(self, status: int, raw_headers: RawHeaders, body: bytes) -> None:
+        self.status_code = status
+        self.raw_headers = raw_headers
+        self.body = body
+        self.background = None
+
+
+def raw_headers(headers: dict[str, str]) -> RawHeaders:
+    """ASGI header pairs (lower-case names, as Starlette makes them)."""
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
+def encode_answer(
+    status: int, content_type: bytes, body: bytes, headers: RawHeaders | None = None
+) -> Encoded:
+    raw = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+    if headers:
+        raw.extend(headers)
+    return status, raw, body
+
+
 class Problem(Exception):
-    """An error answered as application/problem+json."""
+    """An error answered as application/problem+json.
+
+    `cacheable`: the answer (body and headers) is a function of the code, the detail,
+    Retry-After and the instance alone, so its encoding is kept and reused.
+    """
 
     def __init__(
         self,
@@ -43,6 +84,7 @@ class Problem(Exception):
         retry_after_seconds: int | None = None,
         headers: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
+        cacheable: bool = False,
     ) -> None:
         super().__init__(detail)
         default_status, title = _PROBLEMS[code]
@@ -53,10 +95,24 @@ class Problem(Exception):
         self.retry_after_seconds = retry_after_seconds
         self.headers = headers or {}
         self.extra = extra or {}
+        self.cacheable = cacheable
         if self.status in (429, 503) and retry_after_seconds is None:
             self.retry_after_seconds = 1
 
-    def response(self, instance: str | None = None) -> Response:
+    def encoded(self, instance: str | None = None) -> Encoded:
+        """The answer on the wire. The header list is the caller's to keep or change."""
+        if not self.cacheable:
+            status, headers, body = self._encode(instance)
+            return status, headers, body
+        key = (self.code, self.detail, self.retry_after_seconds, instance)
+        hit = _encoded.get(key)
+        if hit is None:
+            if len(_encoded) >= ENCODED_MAX:
+                _encoded.clear()
+            hit = _encoded[key] = self._encode(instance)
+        return hit[0], list(hit[1]), hit[2]
+
+    def _encode(self, instance: str | None) -> Encoded:
         body: dict[str, Any] = {
             "type": PROBLEM_TYPE_BASE + self.code.lower().replace("_", "-"),
             "title": self.title,
@@ -67,17 +123,15 @@ class Problem(Exception):
         if instance:
             body["instance"] = instance
         body.update(self.extra)
-        headers = dict(self.headers)
+        headers = raw_headers(self.headers)
         if self.retry_after_seconds is not None:
-            headers["Retry-After"] = str(max(1, int(self.retry_after_seconds)))
-        if self.status == 401:
-            headers.setdefault("WWW-Authenticate", "Bearer")
-        return Response(
-            orjson.dumps(body),
-            status_code=self.status,
-            media_type="application/problem+json",
-            headers=headers,
-        )
+            headers.append((b"retry-after", b"%d" % max(1, int(self.retry_after_seconds))))
+        if self.status == 401 and b"www-authenticate" not in {k for k, _ in headers}:
+            headers.append((b"www-authenticate", b"Bearer"))
+        return encode_answer(self.status, PROBLEM_CONTENT_TYPE, orjson.dumps(body), headers)
+
+    def response(self, instance: str | None = None) -> Response:
+        return RawResponse(*self.encoded(instance))
 
 
 def invalid(detail: str) -> Problem:
@@ -89,7 +143,7 @@ def not_found(what: str = "resource") -> Problem:
 
 
 def overloaded(detail: str, retry_after_seconds: int = 1) -> Problem:
-    return Problem("OVERLOADED", detail, retry_after_seconds=retry_after_seconds)
+    return Problem("OVERLOADED", detail, retry_after_seconds=retry_after_seconds, cacheable=True)
 
 
 def from_admit(code: AdmitCode, detail: str) -> Problem:
@@ -97,10 +151,10 @@ def from_admit(code: AdmitCode, detail: str) -> Problem:
     if code == AdmitCode.SOLD_OUT:
         left = int(detail or 0)
         text = "The deal is sold out." if left == 0 else f"Only {left} unit(s) left."
-        return Problem("SOLD_OUT", text, extra={"remaining_hint": left})
+        return Problem("SOLD_OUT", text, extra={"remaining_hint": left}, cacheable=True)
     if code == AdmitCode.NOT_ACTIVE:
         text = "The sale has not started yet." if detail == "early" else "The sale has ended."
-        return Problem("NOT_ACTIVE", text)
+        return Problem("NOT_ACTIVE", text, cacheable=True)
     if code == AdmitCode.BAD_QUANTITY:
         return invalid(f"quantity must be an integer between 1 and {detail}.")
     if code == AdmitCode.LIMIT_EXCEEDED:

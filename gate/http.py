@@ -7,32 +7,35 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Send
 
-from gate.errors import Problem, invalid
+from gate.errors import Encoded, Problem, RawResponse, encode_answer, invalid, raw_headers
+
+JSON_CONTENT_TYPE = b"application/json"
+
+
+def json_answer(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Encoded:
+    extra = raw_headers(headers) if headers else None
+    return encode_answer(status, JSON_CONTENT_TYPE, orjson.dumps(data), extra)
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        orjson.dumps(data), status_code=status, media_type="application/json", headers=headers
-    )
+    return RawResponse(*json_answer(data, status, headers))
+
+
+async def send_answer(send: Send, answer: Encoded) -> None:
+    """Send a made answer straight through ASGI (what Response.__call__ does)."""
+    status, headers, body = answer
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _too_large(max_bytes: int) -> Problem:
     return Problem("PAYLOAD_TOO_LARGE", f"The body must be at most {max_bytes} bytes.")
 
 
-async def read_json(
-    request: Request,
-    max_bytes: int,
-    content_type: str | None = None,
-    content_length: str | None = None,
-) -> Any:
-    """The JSON body, bounded before anything is parsed. Callers that already hold
-    the headers pass Content-Type and Content-Length to save the lookups."""
-    if content_type is None:
-        content_type = request.headers.get("content-type", "")
-    if content_length is None:
-        content_length = request.headers.get("content-length")
+def check_json_headers(max_bytes: int, content_type: str, content_length: str | None) -> None:
+    """Refuse, before reading anything, a body that is not JSON or announced too long."""
     if content_length is not None:
         if not content_length.isdigit():
             raise invalid("Invalid Content-Length header.")
@@ -43,14 +46,46 @@ async def read_json(
         media.startswith("application/") and media.endswith("+json")
     ):
         raise Problem("UNSUPPORTED_MEDIA_TYPE", "The body must be application/json.")
-    body = bytearray()
-    async for chunk in request.stream():
-        body.extend(chunk)
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes)
+
+
+async def receive_json(
+    receive: Receive, max_bytes: int, content_type: str, content_length: str | None
+) -> Any:
+    """The JSON body read straight from ASGI `receive`, bounded before anything is
+    parsed. (Starlette's Request.stream costs an async generator and its bookkeeping
+    per request, about a tenth of a rejection's whole cost.)"""
+    check_json_headers(max_bytes, content_type, content_length)
+    message = await receive()
+    if message["type"] != "http.request":
+        raise invalid("The client went away before sending the body.")
+    body = message.get("body", b"")
+    if len(body) > max_bytes:
+        raise _too_large(max_bytes)
+    if message.get("more_body", False):
+        buf = bytearray(body)
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise invalid("The client went away before sending the body.")
+            buf.extend(message.get("body", b""))
+            if len(buf) > max_bytes:
+                raise _too_large(max_bytes)
+            if not message.get("more_body", False):
+                break
+        body = bytes(buf)
     if not body:
         raise invalid("The body is empty; a JSON object is required.")
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         raise invalid("The body is not valid JSON.") from None
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The JSON body of a Starlette request (endpoints off the hot path)."""
+    return await receive_json(
+        request.receive,
+        max_bytes,
+        request.headers.get("content-type", ""),
+        request.headers.get("content-length"),
+    )

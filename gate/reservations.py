@@ -26,7 +26,9 @@ import asyncio
 import functools
 import hashlib
 import logging
+import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +56,82 @@ TRANSACTION_SECONDS = METRICS.db_transaction_seconds
 
 
 def sold_out() -> Problem:
-    return Problem("SOLD_OUT", "The deal is sold out.", extra={"remaining_hint": 0})
+    return Problem("SOLD_OUT", "The deal is sold out.", extra={"remaining_hint": 0}, cacheable=True)
 
 
 RATE_LIMITED = METRICS.rate_limited
+SCOPED_LIMITS = ("deal", "user", "ip", "device")
+SCOPE_NAMES = (*SCOPED_LIMITS, "global")
+GLOBAL_INDEX = len(SCOPED_LIMITS)
+REFUSALS_MAX = 100_000
+LIMITED_ANSWERS_MAX = 4096
+
+
+class Refusals:
+    """The limiters' near-cache: what Redis refused, remembered in this process
+    until the refusal's own end, so that a client hammering over its limit is
+    answered 429 without a Redis round trip (issue #3: a limiter rejection must cost
+    no more than a sold-out one).
+
+    Exact for the limits: a GCRA limiter that refuses "retry after w ms" keeps
+    refusing for w ms whatever any process does (its theoretical arrival time only
+    grows, and a refused request changes nothing), and the end is counted from the
+    moment the call was *sent*, before Redis read its clock. What is approximate is
+    only which answer such a client gets meanwhile: Redis answers a replay, a sold-out
+    deal or an ended sale before its limiters, this cache answers 429 for up to the
+    remaining wait; the retry after Retry-After gets the other answer.
+    """
+
+    def __init__(self, scoped: tuple[LimitSpec | None, ...], global_on: bool) -> None:
+        self.scopes = tuple(i for i, spec in enumerate(scoped) if spec)
+        self.global_on = global_on
+        self._until: dict[tuple[int, int, Any], float] = {}
+
+    def _keys(
+        self, deal_id: int, user_id: int, ip: str, device: str | None
+    ) -> list[tuple[int, int, Any]]:
+        idents = (None, user_id, ip, device or "-")
+        keys = [(deal_id, i, idents[i]) for i in self.scopes]
+        if self.global_on:
+            keys.append((0, GLOBAL_INDEX, None))
+        return keys
+
+    def check(
+        self, deal_id: int, user_id: int, ip: str, device: str | None
+    ) -> tuple[str, int] | None:
+        """(scope, milliseconds still to wait) when a remembered refusal holds.
+        On every reservation: plain look-ups, no key list built."""
+        until_of = self._until
+        if not until_of:
+            return None
+        for i in self.scopes:
+            key = (deal_id, i, (None, user_id, ip, device or "-")[i])
+            until = until_of.get(key)
+            if until is not None:
+                left = until - time.monotonic()
+                if left > 0:
+                    return SCOPE_NAMES[i], math.ceil(left * 1000)
+                del until_of[key]
+        if self.global_on:
+            key = (0, GLOBAL_INDEX, None)
+            until = until_of.get(key)
+            if until is not None:
+                left = until - time.monotonic()
+                if left > 0:
+                    return "global", math.ceil(left * 1000)
+                del until_of[key]
+        return None
+
+    def remember(self, req: ReserveRequest, scope: str, wait_ms: int, sent: float) -> None:
+        if len(self._until) >= REFUSALS_MAX:
+            now = time.monotonic()
+            self._until = {k: v for k, v in self._until.items() if v > now}
+            if len(self._until) >= REFUSALS_MAX:
+                self._until.clear()
+        index = SCOPE_NAMES.index(scope)
+        for key in self._keys(req.deal_id, req.user_id, req.ip, req.device):
+            if key[1] == index:
+                self._until[key] = sent + wait_ms / 1000
 
 
 @dataclass(frozen=True)
@@ -125,13 +199,33 @@ class Reservations:
         )
         self._scoped_args = _limiter_args(self._scoped)
         self._any_limit = any(self._scoped) or settings.limit_global is not None
+        self.refusals = Refusals(self._scoped, settings.limit_global is not None)
+        self._specs = dict(zip(SCOPED_LIMITS, self._scoped, strict=True))
+        self._specs["global"] = settings.limit_global
+        self._limited_counters: dict[str, Any] = {}
+        self._limited_answers: dict[tuple[str, int], Problem] = {}
         self._inflight = 0
         self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
 
-    async def reserve(self, req: ReserveRequest) -> Reserved:
-        assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
-        if self.soldout.sold_out_for(req.deal_id, req.user_id):
+    def refuse_if_sold_out(self, deal_id: int, user_id: int) -> None:
+        """The near-cache's answer, asked by the endpoint as soon as the request is
+        valid, before anything else is built for it (most of a sale's requests end
+        here). `reserve` does not ask again."""
+        if self.soldout.sold_out_for(deal_id, user_id):
             raise sold_out()
+
+    def refuse_if_limited(self, deal_id: int, user_id: int, ip: str, device: str | None) -> None:
+        """A refusal of the limiters this process remembers (Refusals), asked by the
+        endpoint right after refuse_if_sold_out. `reserve` does not ask again."""
+        if self._any_limit:
+            refused = self.refusals.check(deal_id, user_id, ip, device)
+            if refused is not None:
+                raise self._limited(*refused)
+
+    async def reserve(self, req: ReserveRequest) -> Reserved:
+        """A valid request the near-caches let through (refuse_if_sold_out,
+        refuse_if_limited)."""
+        assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
         if self._inflight >= self.settings.reservation_inflight_max:
             raise overloaded("Too many reservations in progress; retry shortly.")
         self._inflight += 1
@@ -148,6 +242,7 @@ class Reservations:
         token = orders.new_id()
         start = random.getrandbits(30)
 
+        sent = time.monotonic()
         adm = await self._admit(keys, req, fp, token, start)
         if adm.code == AdmitCode.NOT_LOADED:
             try:
@@ -162,7 +257,11 @@ class Reservations:
         if adm.code == AdmitCode.REPLAY:
             return await self._replay(adm.detail, req.user_id, fp)
         if adm.code != AdmitCode.OK:
-            if adm.known_buyer:
+            # A refusal of a known buyer may hide a replay whose Redis record was lost:
+            # the database is asked. Not for a rate limit: a 429 is a "later", never a
+            # final answer, and asking the database there would put a query behind every
+            # click of a buyer hammering over their limit.
+            if adm.known_buyer and adm.code != AdmitCode.RATE_LIMITED:
                 existing = await self._existing_or_none(req, fp)
                 if existing is not None:
                     return existing
@@ -170,12 +269,14 @@ class Reservations:
                 self.soldout.observe(req.deal_id, adm.buyers)
             if adm.code == AdmitCode.RATE_LIMITED:
                 scope, wait_ms = adm.detail.split("|")
+                self.refusals.remember(req, scope, int(wait_ms), sent)
                 raise self._limited(scope, int(wait_ms))
             raise from_admit(adm.code, adm.detail)
         if adm.global_retry_ms is not None:
             # The global limiter ran in the same pipeline; if it refused, give back
             # what the admission took before anything reaches the database.
             await self._compensate(keys, req, token)
+            self.refusals.remember(req, "global", adm.global_retry_ms, sent)
             raise self._limited("global", adm.global_retry_ms)
 
         alloc = normalise_alloc(adm.detail)
@@ -263,16 +364,28 @@ class Reservations:
         )
 
     def _limited(self, scope: str, wait_ms: int) -> Problem:
-        RATE_LIMITED.labels(scope).inc()
-        spec = {
-            "deal": self.settings.limit_deal,
-            "user": self.settings.limit_user,
-            "ip": self.settings.limit_ip,
-            "device": self.settings.limit_device,
-            "global": self.settings.limit_global,
-        }[scope]
-        assert spec is not None, f"limiter {scope} refused while off"
-        return rate_limited(scope, spec, wait_ms)
+        counter = self._limited_counters.get(scope)
+        if counter is None:
+            counter = self._limited_counters[scope] = RATE_LIMITED.labels(scope)
+        counter.inc()
+        # One answer per scope and whole second of wait: made once, then copied.
+        key = (scope, math.ceil(wait_ms / 1000))
+        made = self._limited_answers.get(key)
+        if made is None:
+            if len(self._limited_answers) >= LIMITED_ANSWERS_MAX:
+                self._limited_answers.clear()
+            spec = self._specs[scope]
+            assert spec is not None, f"limiter {scope} refused while off"
+            made = self._limited_answers[key] = rate_limited(scope, spec, wait_ms)
+        # Its body and headers follow from the detail (scope, limit, wait): cacheable.
+        return Problem(
+            made.code,
+            made.detail,
+            retry_after_seconds=made.retry_after_seconds,
+            headers=made.headers,
+            extra=made.extra,
+            cacheable=True,
+        )
 
     async def _without_redis(self, req: ReserveRequest) -> Reserved:
         """Redis is failing (the breaker is open)."""
@@ -336,7 +449,9 @@ class Reservations:
                 return row
 
         try:
-            return await asyncio.wait_for(self.db.retrying(attempt), self.timeout_seconds)
+            # asyncio.timeout rather than wait_for: no task made per reservation.
+            async with asyncio.timeout(self.timeout_seconds):
+                return await self.db.retrying(attempt)
         except TimeoutError as exc:
             if thread:
                 raise OutcomeUnknown(thread[0], thread[1], exc) from exc

@@ -11,6 +11,14 @@ What stays approximate: for up to `ttl_seconds` after units come back (a cancel 
 an expiry), this process may still say "sold out" — the staleness DESIGN accepts —
 and a buyer who bought one of those returned units through another process may,
 within that same window, have a replay answered "sold out" here.
+
+An entry is renewed before it lapses: the first request that finds it in the second
+half of its life starts one read of the deal's state (units left, sale window, size
+of the buyers set, Redis's clock) and, when the deal is still sold out with the same
+buyers, the entry gets a new `ttl_seconds` counted from before that read. Otherwise
+every process would send its whole concurrency to Redis at each lapse (every request
+in flight during the admission round trip misses), ten times a second per deal;
+the staleness bound stays `ttl_seconds` from the last confirmation.
 """
 
 from __future__ import annotations
@@ -38,16 +46,50 @@ class SoldOutCache:
         # deal -> (valid until (monotonic), size of the buyers set, the set)
         self._entries: dict[int, tuple[float, int, frozenset[int]]] = {}
         self._fetching: dict[int, asyncio.Task[None]] = {}
+        self._renewing: dict[int, asyncio.Task[None]] = {}
 
     def sold_out_for(self, deal_id: int, user_id: int) -> bool:
         """True: answer "sold out" to this user now, without Redis."""
         entry = self._entries.get(deal_id)
         if entry is None:
             return False
-        if entry[0] < time.monotonic():
+        left = entry[0] - time.monotonic()
+        if left < 0:
             del self._entries[deal_id]
             return False
+        if left < self.ttl_seconds / 2 and deal_id not in self._renewing:
+            task = asyncio.get_running_loop().create_task(self._renew(deal_id))
+            self._renewing[deal_id] = task
         return user_id not in entry[2]
+
+    async def _renew(self, deal_id: int) -> None:
+        """Extend the entry if the deal is still sold out to the same buyers."""
+        try:
+            keys = deal_keys(deal_id)
+            sent = time.monotonic()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(keys.meta, "avail", "start_ms", "end_ms", "buyers_ok")
+                pipe.scard(keys.buyers)
+                pipe.time()
+                (avail, start_ms, end_ms, buyers_ok), buyers, (sec, usec) = await pipe.execute()
+            now_ms = int(sec) * 1000 + int(usec) // 1000
+            entry = self._entries.get(deal_id)
+            still = (
+                entry is not None
+                and avail is not None
+                and int(avail) <= 0
+                and buyers_ok is not None
+                and int(buyers) == entry[1]
+                # Outside its window the admission answers NOT_ACTIVE, not sold out.
+                and int(start_ms or 0) <= now_ms
+                and not 0 < int(end_ms or 0) <= now_ms
+            )
+            if entry is not None and still:
+                self._entries[deal_id] = (sent + self.ttl_seconds, entry[1], entry[2])
+        except Exception as exc:
+            log.info("sold-out near-cache: deal %s not renewed: %r", deal_id, exc)
+        finally:
+            self._renewing.pop(deal_id, None)
 
     def observe(self, deal_id: int, buyers: int) -> None:
         """Redis just said the deal is sold out; `buyers` is the size of its buyers
@@ -82,6 +124,7 @@ class SoldOutCache:
         self._entries.pop(deal_id, None)
 
     async def aclose(self) -> None:
-        for task in list(self._fetching.values()):
+        tasks = [*self._fetching.values(), *self._renewing.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._fetching.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

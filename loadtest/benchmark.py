@@ -3,6 +3,9 @@ side, in one run, on one machine, every target reported as a ratio of that run.
 
 Phases (all by default; `--only` picks some):
   ratio     sold-out rejections/s against the same gate process's /healthz (≥ 0.8)
+  limiter   rate-limited rejections/s against sold-out rejections/s of one gate
+            started with a per-user limit (GATE_LIMIT_USER, default 1/m burst 1),
+            a few buyers hammering (≥ 0.9, issue #3)
   buckets   committed reservations/s on one hot deal, 1/4/16/64 buckets × several
             connection counts, against the baseline at the same counts (≥ 3×)
   sellout   10,000 units to 100,000 buyers making one attempt each: time to sell
@@ -44,6 +47,7 @@ TOKEN_TTL_SECONDS = 6 * 3600
 USER_BASE_LOOP = 10**12
 USER_BASE_ONCE = 2 * 10**12
 USER_BASE_SETUP = 3 * 10**12
+USER_BASE_FEW = 4 * 10**12
 LIMIT_VARS = (
     "GATE_LIMIT_IP",
     "GATE_LIMIT_USER",
@@ -51,7 +55,7 @@ LIMIT_VARS = (
     "GATE_LIMIT_DEAL",
     "GATE_LIMIT_GLOBAL",
 )
-PHASES = ("ratio", "buckets", "sellout", "latency")
+PHASES = ("ratio", "limiter", "buckets", "sellout", "latency")
 NOISE_SAMPLE_SECONDS = 2.0
 RATIO_WARMUP_MIN_SECONDS = 3.0
 
@@ -65,6 +69,8 @@ class Plan:
     warmup_s: float
     rounds: int
     ratio_connections: int
+    limiter_users: int
+    limiter_spec: str
     connections: list[int]
     buckets: list[int]
     buyers: int
@@ -93,6 +99,8 @@ def plan_from(args: argparse.Namespace, argv: list[str]) -> Plan:
         warmup_s=pick(args.warmup, 2.0, 1.0),
         rounds=pick(args.rounds, 2, 1),
         ratio_connections=args.ratio_connections,
+        limiter_users=args.limiter_users,
+        limiter_spec=args.limiter_spec,
         connections=pick(args.connections, [16, 64, 256], [32]),
         buckets=pick(args.buckets, [1, 4, 16, 64], [1, 16]),
         buyers=pick(args.buyers, 1_000, 500),
@@ -130,6 +138,25 @@ def http_json(
             return resp.status, orjson.loads(resp.read() or b"null")
     except urllib.error.HTTPError as exc:
         return exc.code, orjson.loads(exc.read() or b"null")
+
+
+def _mean(values: Any) -> float:
+    items = list(values)
+    return round(sum(items) / len(items), 1) if items else 0.0
+
+
+def _costs(rounds: list[dict[str, Any]], *runs: str) -> dict[str, float]:
+    """Mean gate CPU per request of each named run of the rounds ("<run>_cpu_us")."""
+    return {f"{run}_cpu_us": _mean(r[run]["cpu_us_per_request"] for r in rounds) for run in runs}
+
+
+def _ratio(part: float, whole: float) -> float:
+    """A target's ratio: of throughputs (requests per second), or of costs (the
+    cheaper request's CPU per request over the other's, what the throughput ratio
+    comes to when the gate's CPU is the bottleneck; unlike requests per second it
+    does not depend on how the kernel spread wrk's connections over the workers: a
+    run in which one worker got most of them is capped near one core)."""
+    return round(part / whole, 3) if whole else 0.0
 
 
 def server_url(mysql_url: str, database: str) -> str:
@@ -222,6 +249,14 @@ class Bench:
             range(USER_BASE_LOOP, USER_BASE_LOOP + self.plan.buyers),
             TOKEN_TTL_SECONDS,
         )
+        if "limiter" in self.plan.phases:
+            self.few_tokens = self.results_dir / "tokens-few.txt"
+            write_token_file(
+                self.few_tokens,
+                self.jwt_secret,
+                range(USER_BASE_FEW, USER_BASE_FEW + self.plan.limiter_users),
+                TOKEN_TTL_SECONDS,
+            )
         if "sellout" in self.plan.phases:
             first = USER_BASE_ONCE
             write_token_file(
@@ -242,20 +277,27 @@ class Bench:
     def check_connections(self) -> None:
         """Both servers' pools fill up during the run; MariaDB refuses past its limit."""
         pool = int(self.env.get("GATE_DB_POOL_MAX", "32"))
-        need = 2 * self.plan.workers * pool + 10
+        # The limiter phase's own gate runs while the other two are idle and opens
+        # few connections (its buyers reach the database once each): not counted.
+        servers = 2
+        need = servers * self.plan.workers * pool + 10
         limit = int(self.sql(None, "SELECT @@max_connections")[0][0])
         used = int(self.sql(None, "SHOW GLOBAL STATUS LIKE 'Threads_connected'")[0][1])
         if limit - used < need:
             say(
                 f"WARNING: MariaDB allows {limit} connections, {used} in use; this run may"
-                f" open {need} (2 servers × {self.plan.workers} workers × GATE_DB_POOL_MAX"
+                f" open {need} ({servers} servers × {self.plan.workers} workers × GATE_DB_POOL_MAX"
                 f" {pool}). Raise max_connections or lower GATE_DB_POOL_MAX."
             )
+
+    def gate_args(self) -> list[str]:
+        workers = str(self.plan.workers)
+        return [GATE_BIN, "serve", "--port", str(procs.free_port()), "--workers", workers]
 
     def start_servers(self) -> None:
         self.check_connections()
         workers = str(self.plan.workers)
-        gate_args = [GATE_BIN, "serve", "--port", str(procs.free_port()), "--workers", workers]
+        gate_args = self.gate_args()
         base_args = [sys.executable, "-m", "loadtest.baseline", "serve"]
         base_args += ["--port", str(procs.free_port()), "--workers", workers]
         self.commands["gate"] = shlex.join(["gate", *gate_args[1:]])
@@ -314,6 +356,20 @@ class Bench:
             raise RuntimeError(f"{server.name}: creating a deal answered {status}: {body}")
         return int(body["id"])
 
+    def sold_out_deal(self, server: procs.Server, key: str) -> int:
+        """A deal of one unit, sold before any measurement."""
+        deal_id = self.create_deal(server, 1, 1)
+        mint = TokenMint(self.jwt_secret)
+        status, body = http_json(
+            "POST",
+            f"{server.url}/v1/deals/{deal_id}/reservations",
+            {"quantity": 1},
+            {"Authorization": mint.header(USER_BASE_SETUP), "Idempotency-Key": key},
+        )
+        if status != 201:
+            raise RuntimeError(f"could not sell deal {deal_id} out: {status} {body}")
+        return deal_id
+
     def orders_of(self, database_url: str, deal_id: int) -> dict[str, Any]:
         rows = self.sql(
             database_url,
@@ -362,9 +418,9 @@ class Bench:
         """One measured loop run: DB-side committed/s, latency, CPU per component."""
         db = self.gate_mysql if server is self.gate else self.baseline_mysql
         before = self.orders_of(db, deal_id)["count"]
-        meter = self.meter(server)
-        meter.start()
-        result = wrkrun.reserve_loop(
+        result, cpu, cpu_s = self.timed(
+            server,
+            wrkrun.reserve_loop,
             server.url,
             deal_id,
             self.loop_tokens,
@@ -374,12 +430,12 @@ class Bench:
             self.plan.threads,
             delay_ms,
         )
-        cpu = meter.stop()
         after = self.orders_of(db, deal_id)["count"]
         committed = (after - before) / result.duration_s
         out = result.to_json()
         out.update(
             {
+                "cpu_us_per_commit": self.per_request_us(cpu_s, after - before),
                 "committed_per_s": round(committed, 1),
                 "answered_per_s": round(result.rps, 1),
                 "cpu_cores": cpu,
@@ -406,34 +462,43 @@ class Bench:
                 self.plan.threads,
             )
 
+    def timed(
+        self, server: procs.Server, run: Any, *args: Any
+    ) -> tuple[Any, dict[str, float], float]:
+        """Run `run(*args)` (one wrk run) and measure the server's CPU during it: the cores
+        of every component, and the server's own CPU seconds (all its processes)."""
+        meter = self.meter(server)
+        pids = server.pids()
+        before = procs.cpu_seconds(pids)
+        meter.start()
+        result = run(*args)
+        cores = meter.stop()
+        return result, cores, procs.cpu_seconds(pids) - before
+
+    @staticmethod
+    def per_request_us(cpu_s: float, requests: int) -> float:
+        """Server CPU per answered request, µs: far less noisy on a shared machine
+        than requests per second."""
+        return round(cpu_s / max(1, requests) * 1e6, 1)
+
     # -- phases ---------------------------------------------------------------------------
 
     def phase_ratio(self) -> dict[str, Any]:
         assert self.gate is not None
         say("ratio: sold-out rejections/s against /healthz of the same gate")
         c = self.plan.ratio_connections
-        deal_id = self.create_deal(self.gate, 1, 1)
-        mint = TokenMint(self.jwt_secret)
-        status, body = http_json(
-            "POST",
-            f"{self.gate.url}/v1/deals/{deal_id}/reservations",
-            {"quantity": 1},
-            {"Authorization": mint.header(USER_BASE_SETUP), "Idempotency-Key": "bench-sellout-0"},
-        )
-        if status != 201:
-            raise RuntimeError(f"could not sell the ratio deal out: {status} {body}")
+        deal_id = self.sold_out_deal(self.gate, "bench-sellout-0")
         self.warm(self.gate, deal_id, c, max(self.plan.warmup_s, RATIO_WARMUP_MIN_SECONDS))
         rounds = []
+        gate = self.gate
         for i in range(self.plan.rounds):
-            meter = self.meter(self.gate)
-            meter.start()
-            health = wrkrun.get(
-                self.gate.url, "/healthz", c, self.plan.duration_s, self.plan.threads
+            health, health_cpu, health_s = self.timed(
+                gate, wrkrun.get, gate.url, "/healthz", c, self.plan.duration_s, self.plan.threads
             )
-            health_cpu = meter.stop()
-            meter.start()
-            sold_out = wrkrun.reserve_loop(
-                self.gate.url,
+            sold_out, sold_out_cpu, sold_out_s = self.timed(
+                gate,
+                wrkrun.reserve_loop,
+                gate.url,
                 deal_id,
                 self.loop_tokens,
                 f"{self.tag}r{i}",
@@ -441,12 +506,19 @@ class Bench:
                 self.plan.duration_s,
                 self.plan.threads,
             )
-            sold_out_cpu = meter.stop()
             rejected = sold_out.count(409)
             rounds.append(
                 {
-                    "healthz": {**health.to_json(), "cpu_cores": health_cpu},
-                    "sold_out": {**sold_out.to_json(), "cpu_cores": sold_out_cpu},
+                    "healthz": {
+                        **health.to_json(),
+                        "cpu_cores": health_cpu,
+                        "cpu_us_per_request": self.per_request_us(health_s, health.requests),
+                    },
+                    "sold_out": {
+                        **sold_out.to_json(),
+                        "cpu_cores": sold_out_cpu,
+                        "cpu_us_per_request": self.per_request_us(sold_out_s, sold_out.requests),
+                    },
                     "healthz_per_s": round(health.rps, 1),
                     "rejections_per_s": round(rejected / sold_out.duration_s, 1),
                     "rejected_share": round(rejected / max(1, sold_out.requests), 4),
@@ -454,14 +526,96 @@ class Bench:
             )
         health_rps = sum(r["healthz_per_s"] for r in rounds) / len(rounds)
         reject_rps = sum(r["rejections_per_s"] for r in rounds) / len(rounds)
-        return {
+        out = {
             "connections": c,
             "rounds": rounds,
             "healthz_per_s": round(health_rps, 1),
             "rejections_per_s": round(reject_rps, 1),
-            "ratio": round(reject_rps / health_rps, 3) if health_rps else 0.0,
+            "ratio": _ratio(reject_rps, health_rps),
+            **_costs(rounds, "healthz", "sold_out"),
             "target": 0.8,
         }
+        out["ratio_by_cpu"] = _ratio(out["healthz_cpu_us"], out["sold_out_cpu_us"])
+        return out
+
+    def phase_limiter(self) -> dict[str, Any]:
+        """A few buyers hammering one deal with stock, each over its per-user limit
+        after its first click, against the same buyers on a sold-out deal: one gate
+        process (started for this phase with GATE_LIMIT_USER), alternating runs."""
+        c = self.plan.ratio_connections
+        spec = self.plan.limiter_spec
+        say(
+            f"limiter: rate-limited rejections/s against sold-out rejections/s"
+            f" (GATE_LIMIT_USER={spec!r}, {self.plan.limiter_users} buyers)"
+        )
+        args = self.gate_args()
+        self.commands["limiter_gate"] = shlex.join([f"GATE_LIMIT_USER={spec}", "gate", *args[1:]])
+        gate = procs.Server(
+            "gate",
+            args,
+            {**self.env, "GATE_LIMIT_USER": spec},
+            int(args[3]),
+            self.results_dir / "gate-limiter.log",
+            ROOT,
+        )
+        try:
+            gate.wait_ready("/readyz")
+            return self._limiter_rounds(gate, c)
+        finally:
+            gate.stop()
+
+    def _limiter_rounds(self, gate: procs.Server, c: int) -> dict[str, Any]:
+        sold_deal = self.sold_out_deal(gate, "bench-limit-0")
+        open_deal = self.create_deal(gate, BIG_STOCK, 1)
+        warm_s = max(self.plan.warmup_s, RATIO_WARMUP_MIN_SECONDS)
+        # The warm-up verifies and caches every buyer's token in every worker and
+        # spends each buyer's one admission on the open deal: from then on every
+        # click there is refused by the per-user limiter.
+        for deal_id in (sold_deal, open_deal):
+            wrkrun.reserve_loop(
+                gate.url, deal_id, self.few_tokens, self.tag + "lw", c, warm_s, self.plan.threads
+            )
+        rounds = []
+        for i in range(self.plan.rounds):
+            runs: dict[str, Any] = {}
+            for name, deal_id, status in (
+                ("sold_out", sold_deal, 409),
+                ("limited", open_deal, 429),
+            ):
+                result, cores, cpu_s = self.timed(
+                    gate,
+                    wrkrun.reserve_loop,
+                    gate.url,
+                    deal_id,
+                    self.few_tokens,
+                    f"{self.tag}l{name[0]}{i}",
+                    c,
+                    self.plan.duration_s,
+                    self.plan.threads,
+                )
+                runs[name] = {
+                    **result.to_json(),
+                    "cpu_cores": cores,
+                    "cpu_us_per_request": self.per_request_us(cpu_s, result.requests),
+                    "rejections_per_s": round(result.count(status) / result.duration_s, 1),
+                    "rejected_share": round(result.count(status) / max(1, result.requests), 4),
+                }
+            rounds.append(runs)
+        sold_rps = _mean(r["sold_out"]["rejections_per_s"] for r in rounds)
+        limited_rps = _mean(r["limited"]["rejections_per_s"] for r in rounds)
+        out: dict[str, Any] = {
+            "connections": c,
+            "buyers": self.plan.limiter_users,
+            "limit_user": self.plan.limiter_spec,
+            "rounds": rounds,
+            "sold_out_per_s": sold_rps,
+            "limited_per_s": limited_rps,
+            "ratio": _ratio(limited_rps, sold_rps),
+            **_costs(rounds, "sold_out", "limited"),
+            "target": 0.9,
+        }
+        out["ratio_by_cpu"] = _ratio(out["sold_out_cpu_us"], out["limited_cpu_us"])
+        return out
 
     def phase_buckets(self) -> dict[str, Any]:
         assert self.gate is not None and self.baseline is not None
@@ -731,6 +885,8 @@ class Bench:
             buckets_result = None
             if "ratio" in plan.phases:
                 phases["ratio"] = self.phase_ratio()
+            if "limiter" in plan.phases:
+                phases["limiter"] = self.phase_limiter()
             if "buckets" in plan.phases:
                 buckets_result = phases["buckets"] = self.phase_buckets()
             if "sellout" in plan.phases:
@@ -748,7 +904,12 @@ class Bench:
         (self.results_dir / "results.json").write_bytes(
             orjson.dumps(self.results, option=orjson.OPT_INDENT_2, default=str)
         )
-        for path in (self.loop_tokens, self.once_tokens, self.baseline_once_tokens):
+        for path in (
+            self.loop_tokens,
+            self.once_tokens,
+            self.baseline_once_tokens,
+            getattr(self, "few_tokens", self.loop_tokens),
+        ):
             path.unlink(missing_ok=True)
         return self.results
 
@@ -765,6 +926,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, help="seconds of warm-up per deal (2; quick 1)")
     p.add_argument("--rounds", type=int, help="rounds of the healthz/sold-out pair (2; quick 1)")
     p.add_argument("--ratio-connections", type=int, default=64)
+    p.add_argument(
+        "--limiter-users", type=int, default=32, help="buyers hammering in the limiter phase"
+    )
+    p.add_argument(
+        "--limiter-spec",
+        default="1/m burst 1",
+        help="GATE_LIMIT_USER of the limiter phase's gate ('1/m burst 1')",
+    )
     p.add_argument("--connections", type=int, nargs="+", help="(16 64 256; quick 32)")
     p.add_argument("--buckets", type=int, nargs="+", help="(1 4 16 64; quick 1 16)")
     p.add_argument(

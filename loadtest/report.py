@@ -26,6 +26,13 @@ def _verdict(ok: bool | None) -> str:
     return "–" if ok is None else ("met" if ok else "**not met**")
 
 
+def _by_cpu(phase: dict[str, Any]) -> str:
+    """The same ratio from the gate's CPU per request (see benchmark._ratio)."""
+    if not phase.get("ratio_by_cpu"):
+        return ""
+    return f"; by gate CPU per request {phase['ratio_by_cpu']:.2f}"
+
+
 # -- verdicts -------------------------------------------------------------------------------
 
 
@@ -39,9 +46,23 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "target": "sold-out rejections/s ≥ 0.8 × /healthz of the same process",
                 "measured": f"{_n(r['rejections_per_s'])}/s vs {_n(r['healthz_per_s'])}/s"
-                f" ({r['connections']} connections)",
+                f" ({r['connections']} connections){_by_cpu(r)}",
                 "value": f"{r['ratio']:.2f}×",
                 "ok": r["ratio"] >= r["target"],
+                "kind": "speed",
+            }
+        )
+    if "limiter" in phases:
+        lim = phases["limiter"]
+        rows.append(
+            {
+                "target": "rate-limited rejections/s ≥ 0.9 × sold-out rejections/s of the same"
+                " process",
+                "measured": f"{_n(lim['limited_per_s'])}/s vs {_n(lim['sold_out_per_s'])}/s"
+                f" ({lim['buyers']} buyers, GATE_LIMIT_USER={lim['limit_user']!r},"
+                f" {lim['connections']} connections){_by_cpu(lim)}",
+                "value": f"{lim['ratio']:.2f}×",
+                "ok": lim["ratio"] >= lim["target"],
                 "kind": "speed",
             }
         )
@@ -333,6 +354,8 @@ def write_markdown(
     if "ratio" in phases and phases["ratio"]["rounds"]:
         rnd = phases["ratio"]["rounds"][0]
         examples += [rnd["healthz"]["command"], rnd["sold_out"]["command"]]
+    if "limiter" in phases and phases["limiter"]["rounds"]:
+        examples.append(phases["limiter"]["rounds"][0]["limited"]["command"])
     if "buckets" in phases:
         first = next(iter(phases["buckets"]["gate"].values()))
         examples.append(first["command"])
@@ -361,16 +384,47 @@ def write_markdown(
             " tokens), a fresh Idempotency-Key on every click.",
             "",
             "| round | /healthz per s | sold-out rejections per s | 409 share | ratio"
-            " | CPU (cores) healthz / sold-out |",
-            "|---:|---:|---:|---:|---:|---|",
+            " | gate CPU µs/request healthz / sold-out | CPU (cores) healthz / sold-out |",
+            "|---:|---:|---:|---:|---:|---|---|",
         ]
         for i, rnd in enumerate(r["rounds"], 1):
             ratio = rnd["rejections_per_s"] / rnd["healthz_per_s"] if rnd["healthz_per_s"] else 0
             lines.append(
                 f"| {i} | {_n(rnd['healthz_per_s'])} | {_n(rnd['rejections_per_s'])} |"
                 f" {rnd['rejected_share']:.1%} | {ratio:.2f} |"
+                f" {_n(rnd['healthz'].get('cpu_us_per_request'), 1)} /"
+                f" {_n(rnd['sold_out'].get('cpu_us_per_request'), 1)} |"
                 f" {_cpu(rnd['healthz'].get('cpu_cores'))} /"
                 f" {_cpu(rnd['sold_out'].get('cpu_cores'))} |"
+            )
+        lines.append("")
+
+    if "limiter" in phases:
+        lim = phases["limiter"]
+        lines += [
+            "## Rate-limited rejections against sold-out rejections",
+            "",
+            f"A second gate process, started for this phase with"
+            f" `GATE_LIMIT_USER={lim['limit_user']}` (command above), and"
+            f" {lim['buyers']} buyers clicking again and again at {lim['connections']}"
+            " connections with a fresh Idempotency-Key each time: on a deal with one unit,"
+            " sold before the measurement (409), and on a deal with plenty of stock where"
+            " each buyer's first click, during the warm-up, spent their limit (429)."
+            f" {plan['duration_s']:g} s each, alternating. CPU per request is the gate"
+            " processes' user + system time over the run divided by the answers.",
+            "",
+            "| round | sold-out per s | rate-limited per s | ratio"
+            " | gate CPU µs/request sold-out / limited | CPU (cores) sold-out / limited |",
+            "|---:|---:|---:|---:|---|---|",
+        ]
+        for i, rnd in enumerate(lim["rounds"], 1):
+            so, li = rnd["sold_out"], rnd["limited"]
+            ratio = li["rejections_per_s"] / so["rejections_per_s"] if so["rejections_per_s"] else 0
+            lines.append(
+                f"| {i} | {_n(so['rejections_per_s'])} | {_n(li['rejections_per_s'])} |"
+                f" {ratio:.2f} | {_n(so.get('cpu_us_per_request'), 1)} /"
+                f" {_n(li.get('cpu_us_per_request'), 1)} |"
+                f" {_cpu(so.get('cpu_cores'))} / {_cpu(li.get('cpu_cores'))} |"
             )
         lines.append("")
 
@@ -499,7 +553,8 @@ def write_markdown(
         "",
         "- Both servers: Starlette on uvicorn with uvloop and httptools, orjson, the gate's",
         "  aiomysql pool and session settings (READ COMMITTED, UTC, short lock wait), the gate's",
-        "  JWT verification with its token cache. Rate limits are off (`GATE_LIMIT_*=off`).",
+        "  JWT verification with its token cache. Rate limits are off (`GATE_LIMIT_*=off`)",
+        "  except in the limiter phase's own gate.",
         "- The load generator shares the machine's cores with the servers, MariaDB and Redis;",
         "  every ratio compares runs that paid the same client cost.",
         "- Raw results (every wrk run, CPU per component) are in the run's `results.json`.",

@@ -45,9 +45,10 @@
     7 IN_PROGRESS     an earlier request with this key is still running
     8 MISMATCH        this key was used with a different request
     9 RATE_LIMITED    detail = "scope|retry after (ms)"
-  Rejections 2, 3, 4, 5 and 9 carry a fourth element, 1 when the user is in the
+  Rejections 2, 3, 4 and 5 carry a fourth element, 1 when the user is in the
   buyers set: this request may then be a replay whose Redis record was lost (a
-  flush), and the caller asks the database before answering.
+  flush), and the caller asks the database before answering. Rejection 9 does not:
+  a 429 only says "later", and the retry finds the replay.
 ]]
 local meta = redis.call('HMGET', KEYS[1], 'nb', 'avail', 'start_ms', 'end_ms', 'max', 'limit',
   'buyers_ok')
@@ -119,7 +120,7 @@ for i = 1, 4 do
   end
 end
 if worst_scope then
-  return reject(9, worst_scope .. '|' .. worst_wait)
+  return {9, worst_scope .. '|' .. worst_wait}
 end
 for i, new_tat in pairs(tats) do
   redis.call('SET', KEYS[6 + i], new_tat, 'PX', new_tat - now_ms + 1000)

@@ -1,0 +1,295 @@
+"""CPU per request of the gate's hot paths, measured in process (docs/hotpath.md).
+
+    python -m loadtest.hotpath [--requests N] [--concurrency C] [--profile PATH]
+
+Builds the gate's ASGI application from the environment (GATE_MYSQL_URL,
+GATE_REDIS_URL, … as `gate serve` reads them; the database is migrated and the
+Redis logical database flushed first, so point both at throw-away ones), creates
+its deals through the admin API, then drives each path with N requests, C at a time,
+straight into the application (no socket, no HTTP parser: what the gate's own code
+costs) and prints the CPU time of this process per request (`time.process_time`,
+user + system), which a busy machine disturbs far less than requests per second:
+
+  healthz     GET /healthz
+  sold_out    a reservation on a sold-out deal (the near-cache answers)
+  limited     a reservation refused by the per-user limiter (GATE_LIMIT_USER,
+              "1/m burst 1" unless set; the buyers spent their limit first)
+  committed   a reservation that commits (one buyer per request)
+
+`--profile PATH` also writes a cProfile of the measured requests per path
+(PATH.<case>.prof) and prints the functions with the most time of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import functools
+import io
+import os
+import pstats
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+Scope = dict[str, Any]
+CASES = ("healthz", "sold_out", "limited", "committed")
+USER_BASE = 5 * 10**12
+BIG_STOCK = 50_000_000
+
+
+class Probe:
+    def __init__(self, app: Any, admin_token: str, mint: Any) -> None:
+        self.app = app
+        self.admin = f"Bearer {admin_token}".encode()
+        self.mint = mint
+        self.counter = 0
+        # Keys are per buyer and the database keeps them: every run its own.
+        self.tag = secrets.token_hex(4)
+
+    async def call(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes = b""
+    ) -> tuple[int, bytes]:
+        scope: Scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"host", b"gate"), *headers],
+            "client": ("127.0.0.1", 40000),
+            "server": ("127.0.0.1", 8000),
+        }
+        sent = False
+        status = 0
+        chunks: list[bytes] = []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                await asyncio.sleep(3600)
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, send)
+        return status, b"".join(chunks)
+
+    async def admin_json(self, method: str, path: str, body: Any) -> Any:
+        status, out = await self.call(
+            method,
+            path,
+            [(b"authorization", self.admin), (b"content-type", b"application/json")],
+            orjson.dumps(body),
+        )
+        if status >= 300:
+            raise RuntimeError(f"{method} {path} answered {status}: {out!r}")
+        return orjson.loads(out)
+
+    async def deal(self, stock: int) -> int:
+        body = await self.admin_json(
+            "POST",
+            "/v1/admin/deals",
+            {
+                "title": "hotpath probe",
+                "unit_price": 1000,
+                "currency": "EUR",
+                "stock": stock,
+                "buckets": 16,
+                "hold_seconds": 3600,
+                "max_per_order": 1,
+            },
+        )
+        return int(body["id"])
+
+    def reserve_call(self, deal_id: int, user: int) -> Callable[[], Awaitable[tuple[int, bytes]]]:
+        auth = f"Bearer {self.mint.token(user)}".encode()
+        path = f"/v1/deals/{deal_id}/reservations"
+
+        def call() -> Awaitable[tuple[int, bytes]]:
+            self.counter += 1
+            return self.call(
+                "POST",
+                path,
+                [
+                    (b"authorization", auth),
+                    (b"idempotency-key", f"probe-{self.tag}-{self.counter:09d}".encode()),
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"15"),
+                ],
+                b'{"quantity": 1}',
+            )
+
+        return call
+
+
+async def drive(
+    calls: list[Callable[[], Awaitable[tuple[int, bytes]]]], concurrency: int
+) -> dict[int, int]:
+    statuses: dict[int, int] = {}
+    for i in range(0, len(calls), concurrency):
+        done = await asyncio.gather(*(c() for c in calls[i : i + concurrency]))
+        for status, _ in done:
+            statuses[status] = statuses.get(status, 0) + 1
+    return statuses
+
+
+LEVERS = ("ulid", "encoded", "refusals", "route-order")
+
+
+def switch_off(lever: str) -> None:
+    """Put one lever back as it was before docs/hotpath.md, to measure what it gains
+    in the same build and run."""
+    if lever == "ulid":
+        from ulid import ULID
+
+        from gate import orders
+
+        orders.new_id = lambda: str(ULID())
+    elif lever == "encoded":
+        from gate import errors
+
+        # Every answer encoded again, as before the cache.
+        errors.Problem.encoded = lambda self, instance=None: self._encode(instance)  # type: ignore[method-assign]
+    elif lever == "refusals":
+        from gate import reservations
+
+        reservations.Refusals.check = lambda self, *request: None  # type: ignore[method-assign]
+    elif lever == "route-order":
+        from gate import app
+
+        first = app.routes
+
+        def reordered() -> list[Any]:
+            routes = first()
+            return routes[1:5] + routes[:1] + routes[5:]
+
+        app.routes = reordered
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from gate.app import build_app
+    from gate.logs import configure
+    from gate.migrate import migrate
+    from gate.settings import load_settings
+    from loadtest.tokens import TokenMint
+
+    env = dict(os.environ)
+    env.setdefault("GATE_LIMIT_USER", "1/m burst 1")
+    env.setdefault("GATE_ENV", "dev")
+    settings = load_settings(env)
+    configure("WARNING")
+    await migrate(settings.mysql)
+    import redis.asyncio as aioredis
+
+    rds = aioredis.Redis.from_url(settings.redis_url)
+    await rds.flushdb()
+    await rds.aclose()
+
+    for lever in args.off:
+        switch_off(lever)
+    app = build_app(settings, background=False)
+    mint = TokenMint(settings.jwt_secret.reveal())
+    probe = Probe(app, settings.admin_token.reveal(), mint)
+    n, c = args.requests, args.concurrency
+    results: dict[str, Any] = {}
+    async with app.router.lifespan_context(app):
+        sold = await probe.deal(1)
+        first = await probe.reserve_call(sold, USER_BASE - 1)()
+        assert first[0] == 201, first
+        open_deal = await probe.deal(BIG_STOCK)
+        few = [USER_BASE + i for i in range(32)]
+        reps = args.repeat
+        fresh = [USER_BASE + 1000 + i for i in range(n * reps)]
+        # Warm: every token verified once, every few-buyer's limit spent.
+        await drive([probe.reserve_call(sold, u) for u in few] * 4, c)
+        await drive([probe.reserve_call(open_deal, u) for u in few] * 4, c)
+        for u in fresh:
+            app.state.gate.buyer_auth.user_id(f"Bearer {mint.token(u)}")
+        health = [functools.partial(probe.call, "GET", "/healthz", []) for _ in range(n)]
+        cases: dict[str, list[Callable[[], Awaitable[tuple[int, bytes]]]]] = {
+            "healthz": health,
+            "sold_out": [probe.reserve_call(sold, few[i % len(few)]) for i in range(n)],
+            "limited": [probe.reserve_call(open_deal, few[i % len(few)]) for i in range(n)],
+            "committed": [probe.reserve_call(open_deal, u) for u in fresh],
+        }
+        # Committed: its buyers buy once (the per-user limit), so each run its own.
+        parts = {
+            "committed": [cases["committed"][r * n : (r + 1) * n] for r in range(reps)],
+        }
+        for name in args.cases:
+            # Once unmeasured to warm caches, except committed (its buyers buy once).
+            if name != "committed":
+                await drive(cases[name][: min(n, 2000)], c)
+            profiler = cProfile.Profile() if args.profile else None
+            samples = []
+            statuses: dict[int, int] = {}
+            for rep in range(reps):
+                # Each call makes a fresh Idempotency-Key: the list can be run again.
+                calls = parts[name][rep] if name in parts else cases[name]
+                started = time.process_time()
+                if profiler:
+                    profiler.enable()
+                got = await drive(calls, c)
+                if profiler:
+                    profiler.disable()
+                samples.append((time.process_time() - started) / n * 1e6)
+                for k, v in got.items():
+                    statuses[k] = statuses.get(k, 0) + v
+            samples.sort()
+            results[name] = {
+                "cpu_us_per_request": round(samples[0], 1),
+                "median_us": round(samples[len(samples) // 2], 1),
+                "samples_us": [round(x, 1) for x in samples],
+                "statuses": statuses,
+            }
+            print(
+                f"{name:>10}: {samples[0]:7.1f} µs/request (lowest of {len(samples)};"
+                f" median {samples[len(samples) // 2]:.1f})  {statuses}",
+                flush=True,
+            )
+            if profiler:
+                path = f"{args.profile}.{name}.prof"
+                profiler.dump_stats(path)
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
+                print(out.getvalue())
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.hotpath", description=__doc__)
+    p.add_argument("--requests", type=int, default=20_000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument(
+        "--repeat", type=int, default=5, help="measured runs per path; the lowest is reported"
+    )
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    p.add_argument("--profile", help="write cProfile files PATH.<case>.prof")
+    p.add_argument("--off", nargs="+", choices=LEVERS, default=[], help="switch these levers off")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    results = asyncio.run(measure(args))
+    if args.json:
+        with open(args.json, "wb") as f:
+            f.write(orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
