@@ -154,11 +154,23 @@ async def _state(db: Database, order_ids: list[str]) -> list[tuple[object, ...]]
     for order_id in order_ids:
         row = await order_row(db, order_id)
         c = await counts(db, order_id)
+        # Ledger rows are one per bucket part, and the two orders compared may have
+        # been allocated across buckets differently (random start bucket): compare
+        # the units each reason moved instead of the row count.
+        del c["ledger"]
+        moved = [
+            tuple(int(x) if i else str(x) for i, x in enumerate(r))
+            for r in await db.fetchall(
+                "SELECT reason, SUM(d_available), SUM(d_held), SUM(d_sold) FROM inventory_ledger"
+                " WHERE order_id = %s GROUP BY reason ORDER BY reason",
+                (order_id,),
+            )
+        ]
         payloads = await db.fetchall(
             "SELECT topic, payload FROM outbox WHERE aggregate_id = %s ORDER BY id", (order_id,)
         )
         shapes = [(t, sorted(orjson.loads(p))) for t, p in payloads]
-        out.append((row["status"], row["paid_amount"], c, shapes))
+        out.append((row["status"], row["paid_amount"], c, moved, shapes))
     return out
 
 
