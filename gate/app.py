@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -179,29 +180,41 @@ class Reserve:
         await send_answer(send, json_answer(result.body, 201))
 
 
-class ReserveLane:
-    """Hands POST /v1/deals/{id}/reservations straight to its endpoint, past
-    Starlette's exception middleware (which builds a Request for every request) and
-    router (a regex per route), setting what the router would have set (the route,
-    for the request metrics' label, and the path parameter). The innermost
-    middleware: the request middleware still wraps it, and an unexpected error
-    still reaches the server-error handler. Everything else, a mounted app
-    (root_path) included, goes the usual way."""
+# Route names taken by the fast lane when present (the webhook comes with payments).
+FAST_LANE_ROUTES = ("reserve", "webhook")
 
-    def __init__(self, app: ASGIApp, route: Route) -> None:
+
+class FastLane:
+    """Hands the hot POST routes (reservations, payment callbacks) straight to their
+    endpoints, plain ASGI applications, past Starlette's exception middleware (which
+    builds a Request for every request) and router (a regex per route), setting what
+    the router would have set (the route, for the request metrics' label, and the
+    path parameters). The innermost middleware: the request middleware still wraps
+    it, and an unexpected error still reaches the server-error handler; the
+    endpoints answer their own problems. Everything else, a mounted app (root_path)
+    included, goes the usual way."""
+
+    def __init__(self, app: ASGIApp, routes: Sequence[Route]) -> None:
         self.app = app
-        self.route = route
-        self.endpoint = route.endpoint
+        self.routes = tuple(routes)
+        for route in self.routes:
+            assert route.methods == {"POST"}, f"{route.path}: the fast lane is for POST routes"
+            assert not inspect.isfunction(route.endpoint), f"{route.path}: not an ASGI endpoint"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            match = self.route.path_regex.match(scope["path"])
-            if match is not None:
-                scope["route"] = self.route
-                scope["endpoint"] = self.endpoint
-                scope["path_params"] = {"deal_id": int(match["deal_id"])}
-                await self.endpoint(scope, receive, send)
-                return
+            path = scope["path"]
+            for route in self.routes:
+                match = route.path_regex.match(path)
+                if match is not None:
+                    convert = route.param_convertors
+                    scope["route"] = route
+                    scope["endpoint"] = route.endpoint
+                    scope["path_params"] = {
+                        k: convert[k].convert(v) for k, v in match.groupdict().items()
+                    }
+                    await route.endpoint(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 
@@ -351,8 +364,9 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     for ext in gate.extensions:
         all_routes.extend(ext.routes)
         middleware.extend(ext.middleware)
-    reserve_route = next(r for r in all_routes if isinstance(r, Route) and r.name == "reserve")
-    middleware.append(Middleware(ReserveLane, route=reserve_route))
+    lanes = [r for r in all_routes if isinstance(r, Route) and r.name in FAST_LANE_ROUTES]
+    assert any(r.name == "reserve" for r in lanes), "the reservation route is missing"
+    middleware.append(Middleware(FastLane, routes=lanes))
     app = Starlette(
         routes=all_routes,
         middleware=middleware,

@@ -86,7 +86,7 @@ def install(gate: Gate) -> Extension:
         name="payments",
         routes=[
             Route("/v1/orders/{order_id:str}/payment", create_payment, methods=["POST"]),
-            Route("/v1/payments/{provider:str}/webhook", webhook.handle, methods=["POST"]),
+            Route("/v1/payments/{provider:str}/webhook", webhook, methods=["POST"], name="webhook"),
         ],
         workers=workers,
         on_stop=on_stop,
