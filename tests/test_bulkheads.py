@@ -1,5 +1,6 @@
 """Bulkheads: slow reservations exhaust only their share of the pool; the rest of the
-gate keeps answering, and new reservations are refused at once, not queued."""
+gate (order reads, cancels, payment callbacks, readiness) keeps answering, and new
+reservations are refused at once, not queued."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.db import Database
+from gate.payments.signing import decode_secret
 from gate.settings import Settings
+from tests.payments_support import event_body, post_webhook, signed
 from tests.support import (
+    WEBHOOK_SECRET,
     Client,
     GateProcess,
     assert_invariants,
@@ -75,6 +79,18 @@ async def test_exhausted_reservation_pool_sheds_load_but_not_reads(
                 f"/v1/orders/{other.json()['order_id']}/cancel", headers=buyer(51_001)
             )
             assert cancel.status_code == 200 and cancel.json()["status"] == "CANCELLED"
+            # A payment callback is applied too: it uses the rest of the pool.
+            row = await db.fetchone(
+                "SELECT amount, currency FROM orders WHERE id = %s", (order_id,)
+            )
+            assert row is not None
+            body = event_body(
+                "payment.succeeded", order_id, "pi_bulkhead_1", int(row[0]), str(row[1])
+            )
+            paid = await post_webhook(client, body, signed(body, decode_secret(WEBHOOK_SECRET)))
+            assert paid.status_code == 200 and paid.json()["outcome"] == "applied", paid.text
+            status = await db.fetchone("SELECT status FROM orders WHERE id = %s", (order_id,))
+            assert status is not None and status[0] == "PAID"
             ready = await client.get("/readyz")
             assert ready.status_code == 200 and ready.json()["status"] == "degraded"
             assert ready.json()["db_pool"]["reservation_in_use"] == 2
