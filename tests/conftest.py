@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.migrate import migrate
+from gate.runtime import Gate
 from gate.settings import Settings, load_settings
 from tests.support import Client, GateProcess, base_env
 
@@ -56,6 +57,18 @@ def gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture
+async def local_gate(settings: Settings, gate: GateProcess) -> AsyncIterator[Gate]:
+    """An in-process gate without background loops, to drive its parts (mirror,
+    sweeper, invariant monitor) directly beside the shared gate process."""
+    g = Gate(settings)
+    await g.start(background=False)
+    try:
+        yield g
+    finally:
+        await g.stop()
 
 
 @pytest.fixture

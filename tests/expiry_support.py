@@ -4,16 +4,14 @@ hold traffic back, holds made through the HTTP API, and waiting for the database
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from gate.db import Database
-from tests.support import GATE_BIN, ROOT, Client, reserve
+from tests.support import GATE_BIN, Client, reserve
 
 
 async def make_holds(
@@ -75,45 +73,6 @@ async def holding(db: Database, deal_id: int) -> int:
         (deal_id,),
     )
     return int(row[0]) if row else 0
-
-
-class GateCommand:
-    """A real `gate <command>` process (e.g. `gate sweep`) with its own environment."""
-
-    def __init__(self, env: Mapping[str, str], *args: str) -> None:
-        name = "-".join(args)
-        self.log_path = ROOT / ".local" / f"test-{name}-{os.getpid()}-{time.monotonic_ns()}.log"
-        self.log_path.parent.mkdir(exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [GATE_BIN, *args],
-            env=dict(env),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies wherever it is, nothing runs on the way out."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
-        return int(self.proc.returncode)
 
 
 def run_gate(env: Mapping[str, str], *args: str, timeout_seconds: float = 60) -> str:

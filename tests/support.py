@@ -100,21 +100,64 @@ def buyer(user_id: int) -> dict[str, str]:
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-class GateProcess:
-    """A real `gate serve` process on its own port."""
+class GateCommand:
+    """A real `gate <command>` process (e.g. `gate sweep`) in its own process group,
+    with its own environment and its output in a log file under .local/."""
 
-    def __init__(self, env: Mapping[str, str], workers: int = 1, background: bool = True):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [GATE_BIN, "serve", "--port", str(self.port), "--workers", str(workers)]
-        if not background:
-            args.append("--no-background")
-        self.log_path = ROOT / ".local" / f"test-gate-{self.port}.log"
+    def __init__(self, env: Mapping[str, str], *args: str, log_name: str | None = None) -> None:
+        name = log_name or "-".join(args)
+        self.log_path = ROOT / ".local" / f"test-{name}-{os.getpid()}-{time.monotonic_ns()}.log"
         self.log_path.parent.mkdir(exist_ok=True)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            args, env=dict(env), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            [GATE_BIN, *args],
+            env=dict(env),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: it dies wherever it is (mid-request),
+        nothing runs on the way out."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 15 s; the exit status."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+class GateProcess(GateCommand):
+    """A real `gate serve` process on its own port."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        workers: int = 1,
+        background: bool = True,
+        port: int | None = None,
+    ):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = ["serve", "--port", str(self.port), "--workers", str(workers)]
+        if not background:
+            args.append("--no-background")
+        super().__init__(env, *args, log_name=f"gate-{self.port}")
 
     def wait_ready(self, timeout_seconds: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_seconds
@@ -129,21 +172,6 @@ class GateProcess:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"gate not ready: {self.log_path.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group: a gate dying mid-request."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
 
 
 @dataclass

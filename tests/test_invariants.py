@@ -4,7 +4,6 @@ and alerts against the seeds' thresholds."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,16 +21,6 @@ from tests.support import Client, assert_invariants, create_deal, locked_buckets
 
 def sample(name: str, **labels: str) -> float | None:
     return METRICS.registry.get_sample_value(name, labels)
-
-
-@pytest.fixture
-async def local_gate(settings: Settings, gate: object) -> AsyncIterator[Gate]:
-    g = Gate(settings)
-    await g.start(background=False)
-    try:
-        yield g
-    finally:
-        await g.stop()
 
 
 @pytest.fixture

@@ -60,19 +60,7 @@ def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProce
 
 def _start_on(env: dict[str, str], port: int) -> GateProcess:
     """A GateProcess on a port chosen beforehand (the callback URL names it)."""
-    proc = GateProcess.__new__(GateProcess)
-    proc.port = port
-    proc.url = f"http://127.0.0.1:{port}"
-    proc.log_path = ROOT / ".local" / f"test-gate-{port}.log"
-    proc._log = open(proc.log_path, "wb")  # closed by GateProcess.stop()
-    proc.proc = subprocess.Popen(
-        [GATE_BIN, "serve", "--port", str(port), "--workers", "1"],
-        env=dict(env),
-        stdout=proc._log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    return proc
+    return GateProcess(env, port=port)
 
 
 @pytest.mark.parametrize(

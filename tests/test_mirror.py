@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -12,7 +11,6 @@ from gate.codes import SyncCode
 from gate.db import Database
 from gate.keys import deal_keys
 from gate.runtime import Gate
-from gate.settings import Settings
 from tests.support import (
     Client,
     Traffic,
@@ -21,17 +19,6 @@ from tests.support import (
     db_available,
     reserve,
 )
-
-
-@pytest.fixture
-async def local_gate(settings: Settings, gate: object) -> AsyncIterator[Gate]:
-    """An in-process gate without background loops, to drive the mirror directly."""
-    g = Gate(settings)
-    await g.start(background=False)
-    try:
-        yield g
-    finally:
-        await g.stop()
 
 
 async def test_resync_is_exact_under_live_traffic(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import orjson
 import pymysql
@@ -16,7 +15,7 @@ from gate.keys import deal_keys
 from gate.metrics import METRICS
 from gate.orders import new_id
 from gate.runtime import Gate
-from gate.settings import Settings, SettingsError, load_settings
+from gate.settings import SettingsError, load_settings
 from gate.sweeper import NEXT_DUE_PAUSE_MIN_SECONDS, STATS, SweepConfig
 from tests.expiry_support import holding, make_holds, run_gate, statuses, wait_until
 from tests.support import (
@@ -28,17 +27,6 @@ from tests.support import (
     redis_available,
     reserve,
 )
-
-
-@pytest.fixture
-async def local_gate(settings: Settings, gate: object) -> AsyncIterator[Gate]:
-    """An in-process gate without background loops, to drive a sweeper directly."""
-    g = Gate(settings)
-    await g.start(background=False)
-    try:
-        yield g
-    finally:
-        await g.stop()
 
 
 def _failures() -> float:

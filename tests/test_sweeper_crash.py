@@ -22,7 +22,6 @@ from gate.db import Database
 from gate.keys import deal_keys
 from gate.settings import Settings
 from tests.expiry_support import (
-    GateCommand,
     TcpProxy,
     holding,
     make_holds,
@@ -32,6 +31,7 @@ from tests.expiry_support import (
 )
 from tests.support import (
     Client,
+    GateCommand,
     assert_invariants,
     create_deal,
     db_available,
