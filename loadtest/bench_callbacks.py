@@ -40,7 +40,6 @@ import platform
 import random
 import secrets
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -291,26 +290,8 @@ def write_requests(path: Path, key: bytes, mix: list[tuple[str, bytes]]) -> None
 
 def fire(url: str, path: str, requests: Path, connections: int, threads: int) -> wrkrun.WrkResult:
     """Send every line of `requests` once; ends when every answer is in."""
-    with tempfile.TemporaryDirectory(prefix="bench-cb-") as done_dir:
-        args = [str(requests), path, str(threads), done_dir]
-        cmd = wrkrun._command(url, SCRIPT, args, connections, RUN_MAX_SECONDS, threads)
-        started = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        finished = False
-        while proc.poll() is None:
-            if len(os.listdir(done_dir)) >= threads:
-                finished = True
-                break
-            time.sleep(0.01)
-        wall = time.monotonic() - started
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-    result = wrkrun.parse(out, shlex.join(cmd))
-    result.extra.update({"wall_s": round(wall, 3), "finished": finished})
-    if not finished:
-        result.extra["stderr"] = err[-2000:]
-    return result
+    args = [str(requests), path, str(threads)]
+    return wrkrun.run_until_done(url, SCRIPT, args, connections, RUN_MAX_SECONDS, threads)
 
 
 async def verify(settings: Any, deal_id: int, orders: int, distinct: int) -> dict[str, Any]:

@@ -145,10 +145,19 @@ def reserve_once(
     wrk is then interrupted (SIGINT ends its sleep and it prints its summary).
     `extra["wall_s"]` is the time from start until the last answer."""
     tag = unique(tag)
-    with tempfile.TemporaryDirectory(prefix="bench-once-") as done_dir:
-        args = [str(tokens), "once", f"/v1/deals/{deal_id}/reservations", "0", tag]
-        args += [str(threads), done_dir]
-        cmd = _command(url, RESERVE, args, connections, ONCE_MAX_SECONDS, threads)
+    args = [str(tokens), "once", f"/v1/deals/{deal_id}/reservations", "0", tag, str(threads)]
+    return run_until_done(url, RESERVE, args, connections, ONCE_MAX_SECONDS, threads)
+
+
+def run_until_done(
+    url: str, script: Path, args: list[str], connections: int, max_seconds: float, threads: int
+) -> WrkResult:
+    """Run a wrk script that sends a fixed set of requests and whose threads each
+    touch a file in a directory (its last argument, added here) when their share is
+    answered; wrk is then interrupted (SIGINT ends its sleep and it prints its
+    summary). `extra["wall_s"]` is the time from start until the last answer."""
+    with tempfile.TemporaryDirectory(prefix="bench-done-") as done_dir:
+        cmd = _command(url, script, [*args, done_dir], connections, max_seconds, threads)
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         finished = False
@@ -156,7 +165,7 @@ def reserve_once(
             if len(os.listdir(done_dir)) >= threads:
                 finished = True
                 break
-            time.sleep(0.02)
+            time.sleep(0.01)
         wall = time.monotonic() - started
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
