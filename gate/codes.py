@@ -42,7 +42,7 @@ class SyncCode(IntEnum):
 
 
 class DbCode(IntEnum):
-    """db/002_procedures.sql: gate_reserve and gate_release."""
+    """db/002_procedures.sql: gate_reserve and gate_release; db/006: gate_reserve_group."""
 
     OK = 0
     SOLD_OUT = 1
@@ -52,6 +52,7 @@ class DbCode(IntEnum):
     NOT_ACTIVE = 5
     BAD_QUANTITY = 6
     WRONG_STATE = 7
+    FALL_BACK = 8
 
 
 class OrderStatus:

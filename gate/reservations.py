@@ -5,7 +5,9 @@
         ├─ rejected (sold out, not active, replay, limits…) ──> answer, no database work
         └─ OK: units taken in Redis, admission token recorded
     CALL gate_reserve (one round trip, one short transaction, on the reservations'
-    share of the pool)
+    share of the pool), or, when several reservations of the deal are admitted while
+    the database is busy with the previous ones, CALL gate_reserve_group for all of
+    them in one transaction (gate/groups.py)
         ├─ committed ──────────> confirm token ──> 201
         ├─ refused (sold out in the database, quota, duplicate key…) ──> compensate
         ├─ failed (database busy or down, statement error) ──> compensate ──> 503
@@ -29,6 +31,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +42,9 @@ from gate.alloc import normalise_alloc
 from gate.breaker import Breaker
 from gate.clock import iso
 from gate.codes import AdmitCode, DbCode, LimitCode
-from gate.db import Database, DbUnavailable, OutcomeUnknown, is_connection_error
+from gate.db import Database, DbUnavailable, OutcomeUnknown
 from gate.errors import Problem, from_admit, from_db, not_found, overloaded
+from gate.groups import Item, ReservationGroups, reservation_call
 from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys
 from gate.limits import LimitSpec, rate_limited
 from gate.metrics import METRICS
@@ -52,7 +56,6 @@ log = logging.getLogger("gate.reservations")
 
 MAX_QUANTITY = 1_000_000
 
-TRANSACTION_SECONDS = METRICS.db_transaction_seconds
 
 
 def sold_out() -> Problem:
@@ -206,6 +209,17 @@ class Reservations:
         self._limited_answers: dict[tuple[str, int], Problem] = {}
         self._inflight = 0
         self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
+        self.groups = (
+            ReservationGroups(
+                db,
+                self._single,
+                settings.reservation_group_max,
+                settings.reservation_groups_in_flight_max,
+                settings.db_reservation_acquire_seconds,
+            )
+            if settings.reservation_group_max > 1
+            else None
+        )
 
     def refuse_if_sold_out(self, deal_id: int, user_id: int) -> None:
         """The near-cache's answer, asked by the endpoint as soon as the request is
@@ -280,8 +294,20 @@ class Reservations:
             raise self._limited("global", adm.global_retry_ms)
 
         alloc = normalise_alloc(adm.detail)
+        item = Item(
+            token,
+            req.user_id,
+            req.quantity,
+            int(alloc.split(":", 1)[0]),
+            req.idempotency_key,
+            fp,
+            asyncio.get_running_loop().time() + self.timeout_seconds,
+        )
         try:
-            row = await self._transaction(token, req, alloc, fp)
+            if self.groups is not None and "," not in alloc:
+                row = await self.groups.reserve(req.deal_id, item)
+            else:
+                row = await self._transaction(req.deal_id, item, alloc)
         except OutcomeUnknown as exc:
             row = await self._resolve_unknown(exc, keys, req, token, redis=True)
         except Exception as exc:
@@ -306,6 +332,12 @@ class Reservations:
         await self._compensate(keys, req, token)
         if db_code == DbCode.DUPLICATE:
             return await self._existing(req, fp)
+        # Redis admitted what the database refuses: Redis lost something, perhaps this
+        # key's record too, and gate_reserve checks stock and quota before it meets the
+        # key. A replay gets its first answer, whatever the deal's state now.
+        existing = await self._existing_or_none(req, fp)
+        if existing is not None:
+            return existing
         if db_code == DbCode.SOLD_OUT:
             log.info("deal %s: Redis admitted but the database is sold out", req.deal_id)
         raise from_db(db_code)
@@ -401,9 +433,18 @@ class Reservations:
             token = orders.new_id()
             # No Redis allocation: a random bucket, and the procedure falls over to
             # the others. The resync loop brings Redis back once it answers.
-            alloc = f"{random.getrandbits(16)}:{req.quantity}"
+            bucket = random.getrandbits(16)
+            item = Item(
+                token,
+                req.user_id,
+                req.quantity,
+                bucket,
+                req.idempotency_key,
+                fp,
+                asyncio.get_running_loop().time() + self.timeout_seconds,
+            )
             try:
-                row = await self._transaction(token, req, alloc, fp)
+                row = await self._transaction(req.deal_id, item, f"{bucket}:{req.quantity}")
             except OutcomeUnknown as exc:
                 row = await self._resolve_unknown(
                     exc, deal_keys(req.deal_id), req, token, redis=False
@@ -417,45 +458,28 @@ class Reservations:
                 return await self._existing(req, fp)
             raise from_db(db_code)
 
-    async def _transaction(
-        self, token: str, req: ReserveRequest, alloc: str, fp: str
-    ) -> tuple[Any, ...]:
-        thread: list[Any] = []
+    def _single(self, deal_id: int, item: Item) -> Awaitable[tuple[Any, ...]]:
+        """One grouped item on its own (a group of one, or a group that fell back)."""
+        return self._transaction(deal_id, item, f"{item.bucket}:{item.quantity}")
 
-        async def attempt() -> tuple[Any, ...]:
-            async with self.db.reservation_connection() as conn:
-                thread[:] = [conn.thread_id(), conn.connected_time]
-                try:
-                    with TRANSACTION_SECONDS.time():
-                        row = await self.db.call(
-                            conn,
-                            "CALL gate_reserve(%s, %s, %s, %s, %s, %s, %s, %s)",
-                            (
-                                token,
-                                req.deal_id,
-                                req.user_id,
-                                req.quantity,
-                                alloc,
-                                req.idempotency_key,
-                                fp,
-                                f"user:{req.user_id}",
-                            ),
-                        )
-                except Exception as exc:
-                    if is_connection_error(exc):
-                        raise OutcomeUnknown(thread[0], thread[1], exc) from exc
-                    raise
-                assert row is not None, "gate_reserve returned no row"
-                return row
-
-        try:
-            # asyncio.timeout rather than wait_for: no task made per reservation.
-            async with asyncio.timeout(self.timeout_seconds):
-                return await self.db.retrying(attempt)
-        except TimeoutError as exc:
-            if thread:
-                raise OutcomeUnknown(thread[0], thread[1], exc) from exc
-            raise DbUnavailable("timed out waiting for a database connection") from exc
+    async def _transaction(self, deal_id: int, item: Item, alloc: str) -> tuple[Any, ...]:
+        """CALL gate_reserve, retried after deadlocks, within the item's deadline."""
+        return await reservation_call(
+            self.db,
+            "CALL gate_reserve(%s, %s, %s, %s, %s, %s, %s, %s)",
+            (
+                item.token,
+                deal_id,
+                item.user_id,
+                item.quantity,
+                alloc,
+                item.idempotency_key,
+                item.fingerprint,
+                f"user:{item.user_id}",
+            ),
+            item.deadline,
+            1,
+        )
 
     async def _resolve_unknown(
         self,

@@ -168,6 +168,11 @@ class Settings:
     db_reservation_acquire_seconds: float = 1.0
     db_acquire_timeout_seconds: float = 2.0
     reservation_inflight_max: int = 1024
+    # Group commit (gate/groups.py): at most this many reservations of one deal in one
+    # transaction (1: no groups), at most this many groups of one deal per process in
+    # the database at once.
+    reservation_group_max: int = 64
+    reservation_groups_in_flight_max: int = 2
 
     # Reservation protocol bounds.
     idempotency_ttl_seconds: int = 86_400
@@ -285,6 +290,10 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         db_acquire_timeout_seconds=env_float(env, "GATE_DB_ACQUIRE_TIMEOUT_SECONDS", 2.0, 0.01, 60),
         reservation_inflight_max=env_int(env, "GATE_RESERVATION_INFLIGHT_MAX", 1024, 1, 1_000_000),
+        reservation_group_max=env_int(env, "GATE_RESERVATION_GROUP_MAX", 64, 1, 512),
+        reservation_groups_in_flight_max=env_int(
+            env, "GATE_RESERVATION_GROUPS_IN_FLIGHT_MAX", 2, 1, 64
+        ),
         redis_pipeline_max=env_int(env, "GATE_REDIS_PIPELINE_MAX", 512, 1, 100_000),
         idempotency_ttl_seconds=env_int(env, "GATE_IDEMPOTENCY_TTL_SECONDS", 86_400, 86_400, 10**8),
         inflight_max_seconds=env_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),

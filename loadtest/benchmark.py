@@ -407,6 +407,15 @@ class Bench:
         finally:
             conn.close()
 
+    def db_attempts(self, server: procs.Server) -> int:
+        """Reservations the gate has sent to the database (its own count, every worker:
+        each reservation of a group and every retry counts)."""
+        from gate.metrics import sample_values, value_of
+
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return int(value_of(sample_values(text), "gate_reservation_db_attempts_total"))
+
     def calls(self) -> int:
         """Stored-procedure calls the server has run, all clients together."""
         rows = self.sql(None, "SHOW GLOBAL STATUS LIKE 'Com_call_procedure'")
@@ -663,6 +672,7 @@ class Bench:
         noise_rate = (self.calls() - noise_before) / NOISE_SAMPLE_SECONDS
         db_start = self.sql(db, "SELECT NOW(6)")[0][0]
         calls_before = self.calls()
+        attempts_before = self.db_attempts(server) if server is self.gate else 0
         meter = self.meter(server)
         meter.start()
         result = wrkrun.reserve_once(
@@ -711,6 +721,9 @@ class Bench:
             "redis": verdict.get("redis"),
         }
         if server is self.gate:
+            attempts = self.db_attempts(server) - attempts_before
+            out["db_attempts"] = attempts
+            out["db_attempts_per_unit"] = round(attempts / self.plan.units, 4)
             out["db_calls"] = calls
             out["db_calls_per_unit"] = round(calls / self.plan.units, 4)
             wall = float(result.extra.get("wall_s") or 0)
@@ -718,8 +731,9 @@ class Bench:
             out["db_calls_less_noise"] = max(0, round(calls - noise_rate * wall))
         else:
             # Every attempt of the baseline is a database transaction.
-            out["db_calls"] = result.requests - result.fillers
-            out["db_calls_per_unit"] = round(out["db_calls"] / self.plan.units, 4)
+            out["db_attempts"] = out["db_calls"] = result.requests - result.fillers
+            out["db_attempts_per_unit"] = round(out["db_calls"] / self.plan.units, 4)
+            out["db_calls_per_unit"] = out["db_attempts_per_unit"]
         return out
 
     def verify(self, server: procs.Server, deal_id: int) -> dict[str, Any]:

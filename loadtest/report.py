@@ -104,10 +104,11 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "target": "… DB reservation attempts ≤ 1.05 × units",
-                "measured": f"{g['db_calls']:,} procedure calls for {g['units']:,} units"
-                f" (other clients' calls in that time ≈ {g.get('db_calls_noise_per_s', 0)}/s)",
-                "value": f"{g['db_calls_per_unit']:.3f}×",
-                "ok": g["db_calls_per_unit"] <= phases["sellout"]["target_calls_per_unit"],
+                "measured": f"{g.get('db_attempts', g['db_calls']):,} reservations sent to the"
+                f" database for {g['units']:,} units, in {g['db_calls']:,} procedure calls",
+                "value": f"{g.get('db_attempts_per_unit', g['db_calls_per_unit']):.3f}×",
+                "ok": g.get("db_attempts_per_unit", g["db_calls_per_unit"])
+                <= phases["sellout"]["target_calls_per_unit"],
                 "kind": "speed",
             }
         )
@@ -469,9 +470,12 @@ def write_markdown(
             "",
             "Every buyer makes exactly one attempt with its own token and key, as fast as"
             " the connections allow. Time to sell out is the database's time from the start"
-            " to the last order's `created_at`. DB reservation attempts are the server's"
-            " `Com_call_procedure` delta (every client of the server counts, so on a busy"
-            " server it is an upper bound); for the baseline every attempt is a transaction.",
+            " to the last order's `created_at`. DB reservation attempts are the reservations"
+            " the gate sent to the database (its `gate_reservation_db_attempts_total`: each"
+            " reservation of a group and every retry counts); procedure calls are the"
+            " server's `Com_call_procedure` delta (every client of the server counts, so on"
+            " a busy server it is an upper bound). For the baseline every attempt is a"
+            " transaction.",
             "",
             "| | gate | baseline |",
             "|---|---:|---:|",
@@ -490,8 +494,9 @@ def write_markdown(
             ("lost (invariant gap)", "lost"),
             ("ghost (left while buyers were told SOLD_OUT)", "ghost"),
             ("unsold", "unsold"),
-            ("DB reservation attempts", "db_calls"),
-            ("… per unit", "db_calls_per_unit"),
+            ("DB reservation attempts", "db_attempts"),
+            ("… per unit", "db_attempts_per_unit"),
+            ("procedure calls (round trips)", "db_calls"),
             ("… less other clients' calls (estimate)", "db_calls_less_noise"),
             ("invariant and Redis = DB", None),
             ("CPU (cores)", None),

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,18 +359,19 @@ async def locked_buckets(settings: Settings, deal_id: int) -> AsyncIterator[Any]
         locker.close()
 
 
-async def wait_for_reserve_statement(cur: Any, deal_id: int) -> int:
-    """The server thread of a reservation for this deal, once it waits on a bucket row.
-    (Inside the procedure the processlist shows the inner statement, not the CALL.)"""
+async def wait_for_reserve_statement(cur: Any, deal_id: int, exclude: Sequence[int] = ()) -> int:
+    """The server thread of a reservation (or a reservation group) for this deal, once
+    it works on a bucket row, other than the threads in `exclude`. (Inside the
+    procedure the processlist shows the inner statement, not the CALL.)"""
     for _ in range(200):
         await cur.execute(
             "SELECT ID FROM information_schema.PROCESSLIST"
             " WHERE ID <> CONNECTION_ID() AND INFO LIKE %s AND INFO LIKE %s",
-            ("%UPDATE deal_buckets%", f"%NAME_CONST('p_deal_id',{deal_id})%"),
+            ("%deal_buckets%", f"%NAME_CONST('p_deal_id',{deal_id})%"),
         )
-        row = await cur.fetchone()
-        if row:
-            return int(row[0])
+        found = [int(r[0]) for r in await cur.fetchall() if int(r[0]) not in exclude]
+        if found:
+            return found[0]
         await asyncio.sleep(0.02)
     raise AssertionError("the reservation never reached the database")
 

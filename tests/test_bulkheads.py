@@ -18,6 +18,7 @@ from tests.support import (
     WEBHOOK_SECRET,
     Client,
     GateProcess,
+    Resp,
     assert_invariants,
     buyer,
     create_deal,
@@ -50,12 +51,16 @@ async def test_exhausted_reservation_pool_sheds_load_but_not_reads(
         other = await reserve(client, calm, 51_001, "bulkhead-calm-002")
         assert held.status_code == other.status_code == 201
         async with locked_buckets(settings, hot) as cur:
-            # Two slow reservations take the reservations' whole share of the pool.
-            slow = [
-                asyncio.ensure_future(reserve(client, hot, 51_100 + i, f"bulkhead-slow-{i}"))
-                for i in range(2)
-            ]
-            await wait_for_reserve_statement(cur, hot)
+            # Two slow reservations take the reservations' whole share of the pool. One
+            # after the other: sent together, they would share one connection as a
+            # group (gate/groups.py).
+            slow: list[asyncio.Future[Resp]] = []
+            threads: list[int] = []
+            for i in range(2):
+                slow.append(
+                    asyncio.ensure_future(reserve(client, hot, 51_100 + i, f"bulkhead-slow-{i}"))
+                )
+                threads.append(await wait_for_reserve_statement(cur, hot, exclude=threads))
             await asyncio.sleep(0.2)
             # New reservations are refused at once: 503, not queued behind the lock.
             shed = await asyncio.gather(

@@ -1,0 +1,288 @@
+"""Group commit for reservations (DESIGN lever 5, docs/reservation-groups.md).
+
+A process gathers the admitted reservations of one deal that arrive while its
+previous groups of that deal are in the database, and applies them in one
+`CALL gate_reserve_group` (db/006): one transaction, one statement per step for the
+whole group, one COMMIT. No timer: a reservation that finds fewer than
+`in_flight_max` groups of its deal in the database starts one at once (an idle gate
+adds no wait; a group of one is a plain `gate_reserve`), the others queue and leave
+together with the next group. So a busy gate amortises the round trip, the
+procedure's work and the COMMIT's log flush over many reservations, and the bucket
+rows are locked once per group instead of once per reservation.
+
+The group is all or nothing and only for the common case. When the database would
+answer one item differently from the others (a bucket short, a per-user limit, a
+key it already holds), or the group fails with an error that is not a lost
+connection, every item runs again on its own through the single path, which gives
+each its exact answer. A lost connection or a deadline passed mid-call leaves the
+whole group's outcome unknown: every item gets OutcomeUnknown and resolves it as a
+single reservation would (the group committed all its orders or none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pymysql
+
+from gate.codes import DbCode
+from gate.db import POOL_REFUSED, Database, DbUnavailable, OutcomeUnknown, is_connection_error
+from gate.metrics import METRICS
+
+log = logging.getLogger("gate.groups")
+
+GROUP_SIZE = METRICS.histogram(
+    "gate_reservation_group_size",
+    "Reservations applied together in one database transaction (1: a single reservation).",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+GROUP_RERUNS = METRICS.counter(
+    "gate_reservation_group_reruns_total",
+    "Reservations of a group that could not commit whole, run again one at a time"
+    " (reason: differs, an item would be answered differently; error, the group failed).",
+    ["reason"],
+)
+DB_ATTEMPTS = METRICS.counter(
+    "gate_reservation_db_attempts_total",
+    "Reservations sent to the database: each reservation of a group counts, and so does"
+    " every retry.",
+)
+TRANSACTION_SECONDS = METRICS.db_transaction_seconds
+
+# Hard bounds on the settings (a group's JSON must stay far below max_allowed_packet).
+GROUP_MAX_LIMIT = 512
+IN_FLIGHT_MAX_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class Item:
+    """One admitted reservation whose Redis allocation names a single bucket."""
+
+    token: str
+    user_id: int
+    quantity: int
+    bucket: int
+    idempotency_key: str
+    fingerprint: str
+    deadline: float  # event-loop time by which its database part must be over
+
+    def as_json(self) -> list[Any]:
+        return [
+            self.token,
+            self.user_id,
+            self.quantity,
+            self.bucket,
+            self.idempotency_key,
+            self.fingerprint,
+        ]
+
+
+Row = tuple[Any, ...]
+# The single path: one reservation of a deal through gate_reserve, within its deadline.
+Single = Callable[[int, Item], Awaitable[Row]]
+
+
+class _Pending:
+    __slots__ = ("future", "item")
+
+    def __init__(self, item: Item, future: asyncio.Future[Row]) -> None:
+        self.item = item
+        self.future = future
+
+
+class ReservationGroups:
+    def __init__(
+        self,
+        db: Database,
+        single: Single,
+        group_max: int,
+        in_flight_max: int,
+        queue_wait_seconds: float,
+    ) -> None:
+        assert 1 <= group_max <= GROUP_MAX_LIMIT, "group_max out of bounds"
+        assert 1 <= in_flight_max <= IN_FLIGHT_MAX_LIMIT, "in_flight_max out of bounds"
+        self.db = db
+        self.single = single
+        self.group_max = group_max
+        self.in_flight_max = in_flight_max
+        # A queued reservation waits no longer for its group to leave than it would
+        # for a pooled connection: a saturated database answers 503 soon, as before.
+        self.queue_wait_seconds = queue_wait_seconds
+        self._queues: dict[int, list[_Pending]] = {}
+        self._in_flight: dict[int, int] = {}
+        self._kick_scheduled: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def reserve(self, deal_id: int, item: Item) -> Row:
+        """The reservation's database answer, as gate_reserve's row: (code, alloc,
+        expires_at, created_at, unit_price, currency). Raises what the single path
+        raises (OutcomeUnknown, DbUnavailable, MySQLError, TimeoutError)."""
+        loop = asyncio.get_running_loop()
+        pending = _Pending(item, loop.create_future())
+        self._queues.setdefault(deal_id, []).append(pending)
+        # Started at the end of this loop turn, so that every reservation admitted by
+        # the same Redis reply joins the same group.
+        if deal_id not in self._kick_scheduled:
+            self._kick_scheduled.add(deal_id)
+            loop.call_soon(self._kick, deal_id)
+        timer = loop.call_later(self.queue_wait_seconds, self._give_up, deal_id, pending)
+        try:
+            # Shielded: a caller that goes away does not cancel the group's other items.
+            return await asyncio.shield(pending.future)
+        finally:
+            timer.cancel()
+
+    def _give_up(self, deal_id: int, pending: _Pending) -> None:
+        """The reservation is still queued: its deal's groups are stuck in the database."""
+        queue = self._queues.get(deal_id)
+        if queue is None or pending not in queue:
+            return  # its group has left
+        queue.remove(pending)
+        POOL_REFUSED.labels("reservation").inc()
+        pending.future.set_exception(
+            DbUnavailable("the reservations' share of the database is busy")
+        )
+
+    def _kick(self, deal_id: int) -> None:
+        self._kick_scheduled.discard(deal_id)
+        queue = self._queues.get(deal_id)
+        while queue and self._in_flight.get(deal_id, 0) < self.in_flight_max:
+            group = queue[: self.group_max]
+            del queue[: self.group_max]
+            self._in_flight[deal_id] = self._in_flight.get(deal_id, 0) + 1
+            task = asyncio.get_running_loop().create_task(self._run(deal_id, group))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if not queue:
+            self._queues.pop(deal_id, None)
+
+    async def _run(self, deal_id: int, group: list[_Pending]) -> None:
+        try:
+            GROUP_SIZE.observe(len(group))
+            if len(group) == 1:
+                await self._settle(group[0], self.single(deal_id, group[0].item))
+            else:
+                await self._run_group(deal_id, group)
+        except BaseException as exc:  # never leave a caller waiting
+            for p in group:
+                if not p.future.done():
+                    p.future.set_exception(
+                        exc if isinstance(exc, Exception) else DbUnavailable("cancelled")
+                    )
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            left = self._in_flight.get(deal_id, 1) - 1
+            if left > 0:
+                self._in_flight[deal_id] = left
+            else:
+                self._in_flight.pop(deal_id, None)
+            if self._queues.get(deal_id):
+                self._kick(deal_id)
+
+    @staticmethod
+    async def _settle(p: _Pending, answer: Awaitable[Row]) -> None:
+        try:
+            row = await answer
+        except Exception as exc:
+            if not p.future.done():
+                p.future.set_exception(exc)
+            return
+        if not p.future.done():
+            p.future.set_result(row)
+
+    async def _run_group(self, deal_id: int, group: list[_Pending]) -> None:
+        try:
+            row = await self._call(deal_id, group)
+        except (OutcomeUnknown, DbUnavailable) as exc:
+            for p in group:
+                p.future.set_exception(exc)
+            return
+        except Exception as exc:
+            # The group rolled back whole (retries spent on deadlocks, a failed
+            # statement, a bug): each item on its own gets its exact answer.
+            if not isinstance(exc, pymysql.err.MySQLError | TimeoutError):
+                log.exception("reservation group of %d failed unexpectedly", len(group))
+            GROUP_RERUNS.labels("error").inc(len(group))
+            await self._one_by_one(deal_id, group)
+            return
+        code = DbCode(int(row[0]))
+        if code == DbCode.OK:
+            expires_at, created_at, unit_price, currency, buckets = row[1:6]
+            nb = int(buckets)
+            for p in group:
+                it = p.item
+                p.future.set_result(
+                    (
+                        int(DbCode.OK),
+                        f"{it.bucket % nb}:{it.quantity}",
+                        expires_at,
+                        created_at,
+                        unit_price,
+                        currency,
+                    )
+                )
+            return
+        if code in (DbCode.NOT_FOUND, DbCode.NOT_ACTIVE):
+            for p in group:
+                p.future.set_result((int(code), "", None, None))
+            return
+        assert code == DbCode.FALL_BACK, f"gate_reserve_group answered {code!r}"
+        GROUP_RERUNS.labels("differs").inc(len(group))
+        await self._one_by_one(deal_id, group)
+
+    async def _one_by_one(self, deal_id: int, group: list[_Pending]) -> None:
+        await asyncio.gather(*(self._settle(p, self.single(deal_id, p.item)) for p in group))
+
+    async def _call(self, deal_id: int, group: list[_Pending]) -> Row:
+        """One gate_reserve_group call within the deadline of the group's earliest item."""
+        items = orjson.dumps([p.item.as_json() for p in group]).decode()
+        return await reservation_call(
+            self.db,
+            "CALL gate_reserve_group(%s, %s)",
+            (deal_id, items),
+            min(p.item.deadline for p in group),
+            len(group),
+        )
+
+    async def aclose(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def reservation_call(
+    db: Database, sql: str, args: tuple[Any, ...], deadline: float, reservations: int
+) -> Row:
+    """A reservation procedure's CALL on the reservations' share of the pool, retried
+    after deadlocks, within `deadline` (event-loop time). Once the call may have
+    reached the server, a lost connection or the deadline leaves its outcome unknown
+    (OutcomeUnknown names the server thread, so the caller can make sure it ended)."""
+    thread: list[Any] = []
+
+    async def attempt() -> Row:
+        async with db.reservation_connection() as conn:
+            thread[:] = [conn.thread_id(), conn.connected_time]
+            DB_ATTEMPTS.inc(reservations)
+            try:
+                with TRANSACTION_SECONDS.time():
+                    row = await db.call(conn, sql, args)
+            except Exception as exc:
+                if is_connection_error(exc):
+                    raise OutcomeUnknown(thread[0], thread[1], exc) from exc
+                raise
+            assert row is not None, f"{sql.split('(')[0]} returned no row"
+            return row
+
+    try:
+        # asyncio.timeout_at rather than wait_for: no task made per call.
+        async with asyncio.timeout_at(deadline):
+            return await db.retrying(attempt)
+    except TimeoutError as exc:
+        if thread:
+            raise OutcomeUnknown(thread[0], thread[1], exc) from exc
+        raise DbUnavailable("timed out waiting for a database connection") from exc
