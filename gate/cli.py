@@ -22,9 +22,14 @@ def _settings() -> Settings:
         raise SystemExit(2) from None
 
 
+SERVE_BACKLOG = 4096
+SERVE_GRACE_SECONDS = 10
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from gate import supervisor
     from gate.logs import configure
     from gate.metrics import prepare_multiprocess
     from gate.migrate import migrate
@@ -43,19 +48,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
     # Several workers keep their metrics in files one scrape merges (gate/metrics.py).
     prepare_multiprocess(args.workers)
+    server: dict[str, Any] = {
+        "app": "gate.app:create_app",
+        "factory": True,
+        "loop": "uvloop",
+        "http": "httptools",
+        "access_log": False,
+        # The gate reads X-Forwarded-For itself, from GATE_TRUSTED_PROXIES only;
+        # uvicorn's own proxy-headers rewriting would believe any peer at 127.0.0.1.
+        "proxy_headers": False,
+        "log_config": None,
+        "lifespan": "on",
+        "timeout_graceful_shutdown": SERVE_GRACE_SECONDS,
+    }
+    if args.workers > 1 and supervisor.available():
+        # A socket per worker (gate/supervisor.py): connections spread over the workers.
+        return supervisor.Supervisor(
+            server, args.host, args.port, args.workers, SERVE_BACKLOG, SERVE_GRACE_SECONDS
+        ).run()
     uvicorn.run(
-        "gate.app:create_app",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-        log_config=None,
-        lifespan="on",
-        backlog=4096,
-        timeout_graceful_shutdown=10,
+        host=args.host, port=args.port, workers=args.workers, backlog=SERVE_BACKLOG, **server
     )
     return 0
 

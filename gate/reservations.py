@@ -43,7 +43,7 @@ from gate.breaker import Breaker
 from gate.clock import iso
 from gate.codes import AdmitCode, DbCode, LimitCode
 from gate.db import Database, DbUnavailable, OutcomeUnknown
-from gate.errors import Problem, from_admit, from_db, not_found, overloaded
+from gate.errors import Encoded, Problem, from_admit, from_db, not_found, overloaded
 from gate.groups import Item, ReservationGroups, reservation_call
 from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys
 from gate.limits import LimitSpec, rate_limited
@@ -60,6 +60,11 @@ MAX_QUANTITY = 1_000_000
 
 def sold_out() -> Problem:
     return Problem("SOLD_OUT", "The deal is sold out.", extra={"remaining_hint": 0}, cacheable=True)
+
+
+# Only ever encoded, never raised (raising one instance again and again would chain
+# its tracebacks).
+SOLD_OUT = sold_out()
 
 
 RATE_LIMITED = METRICS.rate_limited
@@ -221,24 +226,30 @@ class Reservations:
             else None
         )
 
-    def refuse_if_sold_out(self, deal_id: int, user_id: int) -> None:
-        """The near-cache's answer, asked by the endpoint as soon as the request is
-        valid, before anything else is built for it (most of a sale's requests end
-        here). `reserve` does not ask again."""
+    def sold_out_answer(self, deal_id: int, user_id: int, instance: str) -> Encoded | None:
+        """The near-cache's answer, ready for the wire, asked by the endpoint as soon as
+        the request is valid, before anything else is built for it (most of a sale's
+        requests end here; no exception is raised for them). `reserve` does not ask
+        again."""
         if self.soldout.sold_out_for(deal_id, user_id):
-            raise sold_out()
+            return SOLD_OUT.encoded(instance)
+        return None
 
-    def refuse_if_limited(self, deal_id: int, user_id: int, ip: str, device: str | None) -> None:
-        """A refusal of the limiters this process remembers (Refusals), asked by the
-        endpoint right after refuse_if_sold_out. `reserve` does not ask again."""
+    def limited_answer(
+        self, deal_id: int, user_id: int, ip: str, device: str | None, instance: str
+    ) -> Encoded | None:
+        """The answer of a limiter refusal this process remembers (Refusals), ready for
+        the wire, asked by the endpoint right after sold_out_answer. `reserve` does not
+        ask again."""
         if self._any_limit:
             refused = self.refusals.check(deal_id, user_id, ip, device)
             if refused is not None:
-                raise self._limited(*refused)
+                return self._limited_made(*refused).encoded(instance)
+        return None
 
     async def reserve(self, req: ReserveRequest) -> Reserved:
-        """A valid request the near-caches let through (refuse_if_sold_out,
-        refuse_if_limited)."""
+        """A valid request the near-caches let through (sold_out_answer,
+        limited_answer)."""
         assert 1 <= req.quantity <= MAX_QUANTITY, "quantity is validated before the gate"
         if self._inflight >= self.settings.reservation_inflight_max:
             raise overloaded("Too many reservations in progress; retry shortly.")
@@ -395,12 +406,13 @@ class Reservations:
             global_retry_ms=refused,
         )
 
-    def _limited(self, scope: str, wait_ms: int) -> Problem:
+    def _limited_made(self, scope: str, wait_ms: int) -> Problem:
+        """The refusal counted, and its answer: one per scope and whole second of wait,
+        made once and only ever encoded (`_limited` copies it to raise)."""
         counter = self._limited_counters.get(scope)
         if counter is None:
             counter = self._limited_counters[scope] = RATE_LIMITED.labels(scope)
         counter.inc()
-        # One answer per scope and whole second of wait: made once, then copied.
         key = (scope, math.ceil(wait_ms / 1000))
         made = self._limited_answers.get(key)
         if made is None:
@@ -408,8 +420,14 @@ class Reservations:
                 self._limited_answers.clear()
             spec = self._specs[scope]
             assert spec is not None, f"limiter {scope} refused while off"
-            made = self._limited_answers[key] = rate_limited(scope, spec, wait_ms)
-        # Its body and headers follow from the detail (scope, limit, wait): cacheable.
+            # Its body and headers follow from the detail (scope, limit, wait): cacheable.
+            made = rate_limited(scope, spec, wait_ms)
+            made.cacheable = True
+            self._limited_answers[key] = made
+        return made
+
+    def _limited(self, scope: str, wait_ms: int) -> Problem:
+        made = self._limited_made(scope, wait_ms)
         return Problem(
             made.code,
             made.detail,

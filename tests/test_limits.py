@@ -234,3 +234,28 @@ async def test_admin_and_reads_are_not_rate_limited(
     assert {v.status_code for v in views} == {200}
     admin = await client.get(f"/v1/admin/deals/{deal_id}", headers=ADMIN)
     assert admin.status_code == 200
+
+
+async def test_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy(
+    env: dict[str, str], db: Database, rds: aioredis.Redis
+) -> None:
+    """No GATE_TRUSTED_PROXIES: the address is the socket peer, whatever the request
+    says it came from (neither the gate nor its HTTP server may believe the header)."""
+    gate = GateProcess({**env, "GATE_LIMIT_IP": LIMIT})
+    await asyncio.to_thread(gate.wait_ready)
+    client = Client(gate.url)
+    try:
+        deal_id = await create_deal(client, stock=1000)
+        results = await burst(
+            [client, client],
+            deal_id,
+            20,
+            user=lambda i: 38_000 + i,
+            ip=lambda i: f"10.8.0.{i}",
+            device=lambda i: f"d-f-{i}",
+        )
+        check_refusals(results, "ip")
+        await assert_invariants(db, rds, deal_id)
+    finally:
+        await client.close()
+        gate.stop()

@@ -1,0 +1,157 @@
+"""The worker processes of `gate serve --workers N`, each with a listening socket of
+its own (SO_REUSEPORT).
+
+uvicorn's own supervisor binds one socket and shares it: every idle worker wakes on
+each new connection and the first to run accepts all that are queued. Connections
+that stay open (a load balancer's keep-alive pool, a load generator's) then pile up on
+whichever worker won a race, and the other idles while the first saturates: in the
+benchmark one run in three used 1.0 of the machine's 2 cores instead of 1.4. With a
+socket per worker in one SO_REUSEPORT group the kernel spreads connections over the
+workers by a hash of their addresses, so each gets its share however they arrive.
+
+The parent only supervises: it starts the workers (spawned, as uvicorn does),
+restarts one that dies (at most `RESTARTS_MAX` times in `RESTART_WINDOW_SECONDS`),
+stops them all when one cannot start, and on SIGTERM or SIGINT asks each to shut
+down gracefully, killing what is left after the grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+log = logging.getLogger("gate.supervisor")
+
+STARTUP_FAILURE = 3  # uvicorn's exit status for a worker that could not start
+RESTARTS_MAX = 10
+RESTART_WINDOW_SECONDS = 60.0
+POLL_SECONDS = 0.2
+
+
+def available() -> bool:
+    return hasattr(socket, "SO_REUSEPORT")
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A socket of the port's SO_REUSEPORT group."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _worker(uvicorn_kwargs: dict[str, Any], host: str, port: int, backlog: int) -> None:
+    import uvicorn
+
+    try:
+        sock = listening_socket(host, port, backlog)
+    except OSError as exc:
+        print(f"gate: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        sys.exit(STARTUP_FAILURE)
+    config = uvicorn.Config(host=host, port=port, backlog=backlog, **uvicorn_kwargs)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class Supervisor:
+    def __init__(
+        self,
+        uvicorn_kwargs: dict[str, Any],
+        host: str,
+        port: int,
+        workers: int,
+        backlog: int,
+        grace_seconds: float,
+    ) -> None:
+        assert workers >= 2, "one worker needs no supervisor"
+        self.uvicorn_kwargs = uvicorn_kwargs
+        self.host = host
+        self.port = port
+        self.workers = workers
+        self.backlog = backlog
+        self.grace_seconds = grace_seconds
+        self._context = multiprocessing.get_context("spawn")
+        self._procs: list[BaseProcess] = []
+        self._restarts: deque[float] = deque()
+        self._stop = threading.Event()
+        self.exit_code = 0
+
+    def _start(self) -> BaseProcess:
+        proc = self._context.Process(
+            target=_worker,
+            args=(self.uvicorn_kwargs, self.host, self.port, self.backlog),
+            name="gate-worker",
+        )
+        proc.start()
+        return proc
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        # The port is checked once here, without SO_REUSEPORT: a port in use, even by
+        # another gate's SO_REUSEPORT group, fails before any worker starts (two gates
+        # must never share a port unknowingly).
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((self.host, self.port))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        log.info("starting %d workers on %s:%d (SO_REUSEPORT)", self.workers, self.host, self.port)
+        self._procs = [self._start() for _ in range(self.workers)]
+        while not self._stop.wait(POLL_SECONDS):
+            self._keep_alive()
+        self._shut_down()
+        return self.exit_code
+
+    def _keep_alive(self) -> None:
+        for i, proc in enumerate(self._procs):
+            if proc.is_alive():
+                continue
+            proc.join()
+            if proc.exitcode == STARTUP_FAILURE:
+                log.error("worker %s could not start; stopping", proc.pid)
+                self.exit_code = STARTUP_FAILURE
+                self._stop.set()
+                return
+            now = time.monotonic()
+            while self._restarts and now - self._restarts[0] > RESTART_WINDOW_SECONDS:
+                self._restarts.popleft()
+            if len(self._restarts) >= RESTARTS_MAX:
+                log.error(
+                    "workers keep dying (%d restarts in %.0f s); stopping",
+                    RESTARTS_MAX,
+                    RESTART_WINDOW_SECONDS,
+                )
+                self.exit_code = 1
+                self._stop.set()
+                return
+            self._restarts.append(now)
+            log.warning("worker %s died (exit %s); starting another", proc.pid, proc.exitcode)
+            self._procs[i] = self._start()
+
+    def _shut_down(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds + 5
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                log.warning("worker %s did not stop in time; killing it", proc.pid)
+                proc.kill()
+                proc.join()
