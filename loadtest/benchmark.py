@@ -43,6 +43,9 @@ from loadtest.tokens import TokenMint, write_token_file
 ROOT = Path(__file__).resolve().parent.parent
 GATE_BIN = str(Path(sys.executable).with_name("gate"))
 BIG_STOCK = 50_000_000
+# Latency runs: short runs searching the pause that offers the wanted share of the peak.
+CALIBRATION_STEPS_MAX = 6
+CALIBRATION_TOLERANCE = 0.05
 TOKEN_TTL_SECONDS = 6 * 3600
 USER_BASE_LOOP = 10**12
 USER_BASE_ONCE = 2 * 10**12
@@ -789,17 +792,32 @@ class Bench:
         self, server: procs.Server, buckets: int, connections: int, peak: float, share: float
     ) -> dict[str, Any]:
         """Latency at `share` of `peak` committed/s: each connection pauses between
-        requests (exponential, mean d) so the offered rate is the target; d is found by
-        two short calibration runs."""
+        requests (exponential, mean d) so the offered rate is the target. d is found by
+        bisection over short calibration runs: the committed rate falls as d grows, but
+        not in proportion (a server's time per request changes with its load, a
+        grouping one's most of all), so a one-step estimate can land anywhere."""
         target = peak * share
         deal_id = self.create_deal(server, BIG_STOCK, buckets)
         calibrate_s = max(1.0, self.plan.latency_s / 4)
-        delay = max(0.0, connections / target * 1000.0)
-        for _ in range(2):
+        # With no time spent in the server this pause alone would give the target, so
+        # the rate it gives is at most the target: the upper end of the search.
+        delay = max(1.0, connections / target * 1000.0)
+        low, high = 0.0, None
+        best: tuple[float, float] | None = None
+        for _ in range(CALIBRATION_STEPS_MAX):
             probe = self.measured(server, deal_id, connections, calibrate_s, delay)
-            rate = max(1.0, probe["committed_per_s"])
-            service_ms = connections / rate * 1000.0 - delay
-            delay = max(0.0, connections / target * 1000.0 - service_ms)
+            error = probe["committed_per_s"] / target - 1.0
+            if best is None or abs(error) < abs(best[0]):
+                best = (error, delay)
+            if abs(error) <= CALIBRATION_TOLERANCE:
+                break
+            if error > 0:
+                low = delay
+            else:
+                high = delay
+            delay = (low + high) / 2 if high is not None else delay * 2
+        assert best is not None
+        delay = best[1]
         run = self.measured(server, deal_id, connections, self.plan.latency_s, delay)
         run.update(
             {

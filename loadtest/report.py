@@ -535,7 +535,8 @@ def write_markdown(
             "",
             "The peak is the best committed/s above (same buckets and connections). Each"
             " connection pauses between requests (exponentially distributed, the mean found by"
-            " two short calibration runs) so the offered rate is the share of the peak; wrk"
+            " bisection over up to six short calibration runs, until the rate is within 5 %"
+            " of the aim) so the offered rate is the share of the peak; wrk"
             " measures from sending a request to its answer. A closed loop like this hides"
             " queueing when the server stalls (coordinated omission), so p99 is a lower bound.",
             "",

@@ -20,6 +20,7 @@ from gate.runtime import Gate
 from gate.settings import Settings
 from tests.ops_support import scrape
 from tests.support import (
+    GATE_BIN,
     Client,
     GateProcess,
     Resp,
@@ -273,3 +274,72 @@ async def test_a_group_whose_connection_dies_leaves_nothing_behind(
         assert report["totals"]["held"] == len(buys)
     finally:
         await client.close()
+
+
+async def test_a_group_that_commits_after_its_gate_died_is_confirmed_by_the_janitor(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, settings: Settings
+) -> None:
+    """SIGKILL of the gate while its group waits on the bucket row: the server carries
+    on and commits the group once the lock goes; nobody confirms its tokens but the
+    janitor, which confirms every one of them (a group commits all or nothing)."""
+    victim_env = {
+        **env,
+        "GATE_RESERVATION_GROUPS_IN_FLIGHT_MAX": "1",
+        "GATE_INFLIGHT_MAX_SECONDS": "12",
+        "GATE_JANITOR_COMMITTED_AFTER_SECONDS": "1",
+    }
+    victim = GateProcess(victim_env, workers=1, background=False)
+    await asyncio.to_thread(victim.wait_ready)
+    client = Client(victim.url)
+    pending: list[asyncio.Future[Resp]] = []
+    try:
+        deal_id = await create_deal(client, stock=10, buckets=1)
+        before = await redis_available(rds, deal_id)
+        base = 7_700_000 + deal_id * 100
+        buys = [(base + i, f"orphan-{deal_id}-{i}", 1) for i in range(6)]
+        async with locked_buckets(settings, deal_id) as cur:
+            pending = _fire(client, deal_id, buys[:1])
+            alone = await wait_for_reserve_statement(cur, deal_id)
+            pending += _fire(client, deal_id, buys[1:])
+            await _wait_inflight(rds, deal_id, len(buys))
+            # The first one fails (its thread is killed); the five queued behind it
+            # leave as one group, and the gate dies while that group waits.
+            await cur.execute(f"KILL {alone}")
+            await wait_for_reserve_statement(cur, deal_id, exclude=[alone])
+            victim.kill()
+    finally:
+        for f in pending:
+            f.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await client.close()
+        victim.stop()
+    rows: list[tuple[object, ...]] = []
+    for _ in range(100):
+        rows = await db.fetchall("SELECT id, user_id FROM orders WHERE deal_id = %s", (deal_id,))
+        if len(rows) == 5:
+            break
+        await asyncio.sleep(0.05)
+    assert sorted(int(str(r[1])) for r in rows) == [u for u, _, _ in buys[1:]]
+    assert await _inflight(rds, deal_id) == 5
+    await asyncio.sleep(1.2)
+    done = await asyncio.create_subprocess_exec(
+        GATE_BIN, "janitor", "--once", env=victim_env, stdout=asyncio.subprocess.DEVNULL
+    )
+    assert await asyncio.wait_for(done.wait(), 60) == 0
+    assert await _inflight(rds, deal_id) == 0
+    assert await redis_available(rds, deal_id) == (before[0] - 5, {0: before[1][0] - 5})
+    # Every buyer of the group gets their order back on a retry; the first buys anew.
+    shared = GateProcess(env, workers=1, background=False)
+    await asyncio.to_thread(shared.wait_ready)
+    client = Client(shared.url)
+    try:
+        orders_by_user = {int(str(r[1])): str(r[0]) for r in rows}
+        retries = await asyncio.gather(*_fire(client, deal_id, buys))
+        assert retries[0].status_code == 201
+        for (user, _, _), r in zip(buys[1:], retries[1:], strict=True):
+            assert r.status_code == 200 and r.json()["order_id"] == orders_by_user[user], r.text
+        report = await assert_invariants(db, rds, deal_id)
+        assert report["totals"]["held"] == 6
+    finally:
+        await client.close()
+        shared.stop()
