@@ -17,10 +17,17 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.alloc import parse_alloc
-from gate.codes import OrderStatus
 from gate.db import Database
 from gate.keys import deal_keys
+
+# An order's allocation "b:q[,b:q…]" as rows (b, q), by the server: the string made a
+# JSON array of pairs.
+_PARTS = (
+    "JSON_TABLE(CONCAT('[[', REPLACE(REPLACE(o.alloc, ',', '],['), ':', ','), ']]'),"
+    " '$[*]' COLUMNS (b INT UNSIGNED PATH '$[0]', q INT UNSIGNED PATH '$[1]')) AS a"
+)
+_HOLDING = "('PENDING_PAYMENT', 'AUTHORIZED', 'PAID')"
+MISMATCHES_SHOWN_MAX = 20
 
 
 async def _redis_state(client: aioredis.Redis, deal_id: int) -> tuple[Any, ...] | None:
@@ -70,16 +77,37 @@ async def check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) 
         rows = {int(r[0]): tuple(int(x) for x in r[1:]) for r in await cur.fetchall()}
         await cur.execute(
             "SELECT bucket, SUM(d_total), SUM(d_available), SUM(d_held), SUM(d_sold)"
-            " FROM inventory_ledger WHERE deal_id = %s GROUP BY bucket",
+            # The deal's own rows through their index: for a deal with a large share of
+            # the table the optimizer picks a full scan, 2.5 times slower here.
+            " FROM inventory_ledger FORCE INDEX (ix_ledger_deal) WHERE deal_id = %s"
+            " GROUP BY bucket",
             (deal_id,),
         )
         ledger = {int(r[0]): tuple(int(x) for x in r[1:]) for r in await cur.fetchall()}
+        # What the orders hold and sold, per bucket of the current layout, summed by
+        # the server: a hot deal has tens of thousands of orders, and reading them
+        # into the gate blocked its event loop for tenths of a second on every pass
+        # of the continuous monitor.
         await cur.execute(
-            "SELECT status, alloc, quantity FROM orders WHERE deal_id = %s"
-            " AND status IN ('PENDING_PAYMENT', 'AUTHORIZED', 'PAID')",
+            f"SELECT MOD(a.b, %s), o.status = 'PAID', SUM(a.q) FROM orders AS o, {_PARTS}"
+            f" WHERE o.deal_id = %s AND o.status IN {_HOLDING} GROUP BY 1, 2",
+            (nb, deal_id),
+        )
+        by_bucket = await cur.fetchall()
+        await cur.execute(
+            f"SELECT status = 'PAID', COALESCE(SUM(quantity), 0) FROM orders"
+            f" WHERE deal_id = %s AND status IN {_HOLDING} GROUP BY 1",
             (deal_id,),
         )
-        order_rows = await cur.fetchall()
+        by_status = await cur.fetchall()
+        await cur.execute(
+            f"SELECT o.alloc, o.quantity FROM orders AS o, {_PARTS}"
+            f" WHERE o.deal_id = %s AND o.status IN {_HOLDING}"
+            " GROUP BY o.id HAVING COALESCE(SUM(a.q), 0) <> MAX(o.quantity)"
+            f" LIMIT {MISMATCHES_SHOWN_MAX}",
+            (deal_id,),
+        )
+        mismatched = await cur.fetchall()
         quota_units = None
         if limit is not None:
             await cur.execute(
@@ -90,20 +118,18 @@ async def check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) 
 
     held_by_orders: dict[int, int] = defaultdict(int)
     sold_by_orders: dict[int, int] = defaultdict(int)
+    for bucket, paid, units in by_bucket:
+        if bucket is None:
+            continue  # an allocation with no parts: reported as a mismatch below
+        (sold_by_orders if int(paid) else held_by_orders)[int(bucket)] += int(units or 0)
     held_total = sold_total = 0
-    for status, alloc, quantity in order_rows:
-        parts = parse_alloc(str(alloc))
-        if sum(q for _, q in parts) != int(quantity):
-            breaches.append(f"order allocation {alloc!r} does not add up to quantity {quantity}")
-        for b, q in parts:
-            if status == OrderStatus.PAID:
-                sold_by_orders[b % nb] += q
-            else:
-                held_by_orders[b % nb] += q
-        if status == OrderStatus.PAID:
-            sold_total += int(quantity)
+    for paid, units in by_status:
+        if int(paid):
+            sold_total += int(units)
         else:
-            held_total += int(quantity)
+            held_total += int(units)
+    for alloc, quantity in mismatched:
+        breaches.append(f"order allocation {alloc!r} does not add up to quantity {quantity}")
 
     buckets = []
     totals = {"total": 0, "available": 0, "held": 0, "sold": 0}

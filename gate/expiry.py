@@ -58,6 +58,7 @@ class ExpirySettings:
         monitor = MonitorConfig(
             interval_seconds=env_float(env, "GATE_INVARIANT_INTERVAL_SECONDS", 10.0, 0.1, 3600.0),
             deals_per_pass=env_int(env, "GATE_INVARIANT_DEALS_PER_PASS", 20, 1, 10_000),
+            duty_max=env_float(env, "GATE_INVARIANT_DUTY_MAX", 0.05, 0.001, 1.0),
             inconsistency_ratio_max=env_float(
                 env, "GATE_ALERT_INCONSISTENCY_RATIO", 0.005, 0.0, 1.0
             ),

@@ -101,6 +101,9 @@ ALERTS = METRICS.gauge(
 class MonitorConfig:
     interval_seconds: float = 10.0
     deals_per_pass: int = 20
+    # At most this share of the time is spent checking: a check reads every order and
+    # ledger row of its deal, so the pause after a pass grows with what the pass took.
+    duty_max: float = 0.05
     inconsistency_ratio_max: float = 0.005
     inconsistency_for_seconds: float = 600.0
     release_failure_ratio_max: float = 0.01
@@ -216,14 +219,22 @@ class InvariantMonitor:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            started = self.clock()
             try:
                 await self.run_once()
             except Exception as exc:
                 log.warning("invariant pass failed: %r", exc)
             try:
-                await asyncio.wait_for(stop.wait(), self.config.interval_seconds)
+                await asyncio.wait_for(stop.wait(), self.pause_seconds(self.clock() - started))
             except TimeoutError:
                 pass
+
+    def pause_seconds(self, spent_seconds: float) -> float:
+        """The pause after a pass that took `spent_seconds`: the interval, or longer
+        when the deals are so large that the interval would spend more than `duty_max`
+        of the time (and of a database connection) on checking them."""
+        duty = self.config.duty_max
+        return max(self.config.interval_seconds, spent_seconds * (1.0 - duty) / duty)
 
     async def run_once(self) -> int:
         """Check the next `deals_per_pass` deals and evaluate the alerts; returns how

@@ -164,3 +164,12 @@ def test_the_release_window_measures_failures_and_lag() -> None:
     # Later, what happened before the window (the failures at 0..60 s) drops out.
     ratio, lag = window.update(700, released=2990, failed=10, lag_sum=3990.0)
     assert ratio == 0.0 and lag == pytest.approx(3000 / 2000)
+
+
+def test_the_pause_between_passes_bounds_the_time_spent_checking() -> None:
+    monitor = InvariantMonitor(None, None, MonitorConfig(interval_seconds=10, duty_max=0.05))  # type: ignore[arg-type]
+    # Cheap passes: the interval.
+    assert monitor.pause_seconds(0.2) == 10
+    # A pass of 2 s over large deals: 38 s of pause, 5 % of the time spent checking.
+    assert monitor.pause_seconds(2.0) == pytest.approx(38.0)
+    assert 2.0 / (2.0 + monitor.pause_seconds(2.0)) == pytest.approx(0.05)
