@@ -43,6 +43,7 @@ from loadtest.tokens import TokenMint, write_token_file
 ROOT = Path(__file__).resolve().parent.parent
 GATE_BIN = str(Path(sys.executable).with_name("gate"))
 BIG_STOCK = 50_000_000
+BUFFER_POOL_BYTES = 1 << 30
 # Latency runs: short runs searching the pause that offers the wanted share of the peak.
 CALIBRATION_STEPS_MAX = 6
 CALIBRATION_TOLERANCE = 0.05
@@ -86,6 +87,7 @@ class Plan:
     latency_loads: list[float]
     phases: list[str]
     argv: list[str] = field(default_factory=list)
+    keep_buffer_pool: bool = False
 
 
 def plan_from(args: argparse.Namespace, argv: list[str]) -> Plan:
@@ -120,6 +122,7 @@ def plan_from(args: argparse.Namespace, argv: list[str]) -> Plan:
             key=PHASES.index,
         ),
         argv=argv,
+        keep_buffer_pool=bool(args.keep_buffer_pool),
     )
 
 
@@ -903,11 +906,32 @@ class Bench:
             "commit": run(["git", "rev-parse", "--short", "HEAD"]),
             "dirty": bool(run(["git", "status", "--porcelain", "--untracked-files=no"])),
             "load_before": os.getloadavg()[0],
+            "buffer_pool_mib": int(self.sql(None, "SELECT @@innodb_buffer_pool_size")[0][0]) >> 20,
         }
+
+    def raise_buffer_pool(self) -> int | None:
+        """MariaDB's buffer pool raised to hold what the run writes, for the run only;
+        returns the size to restore (None: nothing changed). Debian's default of 128 MiB
+        is smaller than the tables a whole run fills (about a million order and ledger
+        rows, gate and baseline), and once they outgrow it every phase after the first
+        few measures this machine's disk, not the servers."""
+        size = int(self.sql(None, "SELECT @@innodb_buffer_pool_size")[0][0])
+        if size >= BUFFER_POOL_BYTES or self.plan.keep_buffer_pool:
+            return None
+        try:
+            self.sql(None, f"SET GLOBAL innodb_buffer_pool_size = {BUFFER_POOL_BYTES}")
+        except Exception as exc:
+            say(f"could not raise innodb_buffer_pool_size ({exc}); numbers may suffer")
+            return None
+        say(
+            f"innodb_buffer_pool_size {size >> 20} MiB -> {BUFFER_POOL_BYTES >> 20} MiB for the run"
+        )
+        return size
 
     def run(self) -> dict[str, Any]:
         plan = self.plan
         say(f"results in {self.results_dir}")
+        restore_pool = self.raise_buffer_pool()
         self.reset_stores()
         self.mint_tokens()
         self.start_servers()
@@ -928,6 +952,8 @@ class Bench:
                 phases["latency"] = self.phase_latency(buckets_result)
         finally:
             self.stop_servers()
+            if restore_pool is not None:
+                self.sql(None, f"SET GLOBAL innodb_buffer_pool_size = {restore_pool}")
         self.results["environment"]["load_after"] = os.getloadavg()[0]
         self.results["commands"] = {
             **self.commands,
@@ -986,6 +1012,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--results", help="results directory (default loadtest/results/bench-TIME)")
     p.add_argument("--out", help="markdown report (default docs/benchmarks.md; quick: results dir)")
     p.add_argument("--no-docs", action="store_true", help="do not touch docs/ at all")
+    p.add_argument(
+        "--keep-buffer-pool",
+        action="store_true",
+        help="leave MariaDB's innodb_buffer_pool_size as it is (else raised to 1 GiB"
+        " for the run when smaller, then restored)",
+    )
     return p
 
 

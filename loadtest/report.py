@@ -334,7 +334,8 @@ def write_markdown(
         f"- CPU: {env.get('cpu', '?')}, {env.get('cpus', '?')} logical CPUs;"
         f" memory {env.get('memory', '?')};"
         f" kernel {env.get('kernel', '?')}",
-        f"- Python {env.get('python', '?')}, MariaDB {env.get('mariadb', '?')},"
+        f"- Python {env.get('python', '?')}, MariaDB {env.get('mariadb', '?')}"
+        f" (buffer pool {env.get('buffer_pool_mib', '?')} MiB during the run),"
         f" Redis {env.get('redis', '?')}, {env.get('wrk', 'wrk ?')}",
         f"- load average (1 min) before / after: {env.get('load_before', 0):.2f} /"
         f" {env.get('load_after', 0):.2f} (anything else running skews every number)",
