@@ -305,15 +305,9 @@ class Reservations:
             raise self._limited("global", adm.global_retry_ms)
 
         alloc = normalise_alloc(adm.detail)
-        item = Item(
-            token,
-            req.user_id,
-            req.quantity,
-            int(alloc.split(":", 1)[0]),
-            req.idempotency_key,
-            fp,
-            asyncio.get_running_loop().time() + self.timeout_seconds,
-        )
+        # An allocation over several buckets goes through gate_reserve with `alloc`;
+        # the item's bucket (its first) is used only when it names one.
+        item = self._item(token, req, fp, int(alloc.split(":", 1)[0]))
         try:
             if self.groups is not None and "," not in alloc:
                 row = await self.groups.reserve(req.deal_id, item)
@@ -452,15 +446,7 @@ class Reservations:
             # No Redis allocation: a random bucket, and the procedure falls over to
             # the others. The resync loop brings Redis back once it answers.
             bucket = random.getrandbits(16)
-            item = Item(
-                token,
-                req.user_id,
-                req.quantity,
-                bucket,
-                req.idempotency_key,
-                fp,
-                asyncio.get_running_loop().time() + self.timeout_seconds,
-            )
+            item = self._item(token, req, fp, bucket)
             try:
                 row = await self._transaction(req.deal_id, item, f"{bucket}:{req.quantity}")
             except OutcomeUnknown as exc:
@@ -475,6 +461,15 @@ class Reservations:
             if db_code == DbCode.DUPLICATE:
                 return await self._existing(req, fp)
             raise from_db(db_code)
+
+    def _item(self, token: str, req: ReserveRequest, fp: str, bucket: int) -> Item:
+        """The request's database part, due within the reservation's deadline from now."""
+        deadline = asyncio.get_running_loop().time() + self.timeout_seconds
+        return Item(token, req.user_id, req.quantity, bucket, req.idempotency_key, fp, deadline)
+
+    async def aclose(self) -> None:
+        if self.groups is not None:
+            await self.groups.aclose()
 
     def _single(self, deal_id: int, item: Item) -> Awaitable[tuple[Any, ...]]:
         """One grouped item on its own (a group of one, or a group that fell back)."""

@@ -94,6 +94,8 @@ class Gate:
                     await hook()
                 except Exception:
                     log.exception("stopping %s failed", ext.name)
+        # Groups still in the database finish before their pool closes.
+        await self.reservations.aclose()
         await self.soldout.aclose()
         await self.runner.aclose()
         await self.redis.aclose()

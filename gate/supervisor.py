@@ -49,7 +49,6 @@ def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(backlog)
-    sock.set_inheritable(True)
     return sock
 
 

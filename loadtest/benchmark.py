@@ -932,10 +932,10 @@ class Bench:
         plan = self.plan
         say(f"results in {self.results_dir}")
         restore_pool = self.raise_buffer_pool()
-        self.reset_stores()
-        self.mint_tokens()
-        self.start_servers()
         try:
+            self.reset_stores()
+            self.mint_tokens()
+            self.start_servers()
             self.results["environment"] = self.environment()
             phases = self.results["phases"]
             buckets_result = None
