@@ -47,6 +47,9 @@ BUFFER_POOL_BYTES = 1 << 30
 # Latency runs: short runs searching the pause that offers the wanted share of the peak.
 CALIBRATION_STEPS_MAX = 6
 CALIBRATION_TOLERANCE = 0.05
+# Within what one gate process admits at once (GATE_RESERVATION_INFLIGHT_MAX's default)
+# and what one wrk thread drives without becoming the bottleneck.
+LATENCY_CONNECTIONS_MAX = 1024
 TOKEN_TTL_SECONDS = 6 * 3600
 USER_BASE_LOOP = 10**12
 USER_BASE_ONCE = 2 * 10**12
@@ -202,7 +205,8 @@ class Bench:
                 **{name: "off" for name in LIMIT_VARS},
             }
         )
-        # Settings the operator passes through (pool sizes, …) win over ours.
+        # The operator's other settings (pool sizes, …) pass through; the ones above stay
+        # the runner's (every limiter off, the run's own secrets and stores).
         for key, value in os.environ.items():
             if key.startswith("GATE_") and key not in (
                 "GATE_MYSQL_URL",
@@ -795,32 +799,24 @@ class Bench:
         self, server: procs.Server, buckets: int, connections: int, peak: float, share: float
     ) -> dict[str, Any]:
         """Latency at `share` of `peak` committed/s: each connection pauses between
-        requests (exponential, mean d) so the offered rate is the target. d is found by
-        bisection over short calibration runs: the committed rate falls as d grows, but
-        not in proportion (a server's time per request changes with its load, a
-        grouping one's most of all), so a one-step estimate can land anywhere."""
+        requests (exponential, mean d) so the offered rate is the target. Paused
+        connections offer less than the peak's closed loop did (Little's law: connections
+        = rate x (answer time + pause)), so when the peak's connections cannot offer the
+        target even with short pauses, the run doubles them, up to
+        LATENCY_CONNECTIONS_MAX, and searches again: the fewest connections that offer
+        the rate."""
         target = peak * share
         deal_id = self.create_deal(server, BIG_STOCK, buckets)
-        calibrate_s = max(1.0, self.plan.latency_s / 4)
-        # With no time spent in the server this pause alone would give the target, so
-        # the rate it gives is at most the target: the upper end of the search.
-        delay = max(1.0, connections / target * 1000.0)
-        low, high = 0.0, None
-        best: tuple[float, float] | None = None
-        for _ in range(CALIBRATION_STEPS_MAX):
-            probe = self.measured(server, deal_id, connections, calibrate_s, delay)
-            error = probe["committed_per_s"] / target - 1.0
+        best: tuple[float, int, float] | None = None
+        while True:
+            grow = connections < LATENCY_CONNECTIONS_MAX
+            error, delay = self.calibrate(server, deal_id, connections, target, grow)
             if best is None or abs(error) < abs(best[0]):
-                best = (error, delay)
-            if abs(error) <= CALIBRATION_TOLERANCE:
+                best = (error, connections, delay)
+            if error >= -CALIBRATION_TOLERANCE or not grow:
                 break
-            if error > 0:
-                low = delay
-            else:
-                high = delay
-            delay = (low + high) / 2 if high is not None else delay * 2
-        assert best is not None
-        delay = best[1]
+            connections = min(LATENCY_CONNECTIONS_MAX, connections * 2)
+        _, connections, delay = best
         run = self.measured(server, deal_id, connections, self.plan.latency_s, delay)
         run.update(
             {
@@ -831,6 +827,38 @@ class Bench:
             }
         )
         return run
+
+    def calibrate(
+        self, server: procs.Server, deal_id: int, connections: int, target: float, grow: bool
+    ) -> tuple[float, float]:
+        """The pause that comes closest to `target` with these connections, and its
+        relative error. Found by bisection over short runs: the committed rate falls as
+        the pause grows, but not in proportion (a server's time per request changes
+        with its load, a grouping one's most of all), so a one-step estimate can land
+        anywhere. With `grow`, a search that is still short when the pause is a tenth
+        of its upper end gives up early: more connections are needed."""
+        calibrate_s = max(1.0, self.plan.latency_s / 4)
+        # With no time spent in the server this pause alone would give the target, so
+        # the rate it gives is at most the target: the upper end of the search.
+        upper = max(1.0, connections / target * 1000.0)
+        delay, low, high = upper, 0.0, None
+        best: tuple[float, float] | None = None
+        for _ in range(CALIBRATION_STEPS_MAX):
+            probe = self.measured(server, deal_id, connections, calibrate_s, delay)
+            error = probe["committed_per_s"] / target - 1.0
+            if best is None or abs(error) < abs(best[0]):
+                best = (error, delay)
+            if abs(error) <= CALIBRATION_TOLERANCE:
+                break
+            if error < 0 and grow and delay <= upper / 10:
+                break
+            if error > 0:
+                low = delay
+            else:
+                high = delay
+            delay = (low + high) / 2 if high is not None else delay * 2
+        assert best is not None
+        return best
 
     def phase_latency(self, buckets_result: dict[str, Any] | None) -> dict[str, Any]:
         assert self.gate is not None and self.baseline is not None

@@ -534,22 +534,25 @@ def write_markdown(
         lines += [
             "## Latency at 50 % and 90 % of peak",
             "",
-            "The peak is the best committed/s above (same buckets and connections). Each"
-            " connection pauses between requests (exponentially distributed, the mean found by"
-            " bisection over up to six short calibration runs, until the rate is within 5 %"
-            " of the aim) so the offered rate is the share of the peak; wrk"
+            "The peak is the best committed/s above (same buckets). Each connection pauses"
+            " between requests (exponentially distributed, the mean found by bisection over"
+            " up to six short calibration runs, until the rate is within 5 % of the aim) so"
+            " the offered rate is the share of the peak. Paused connections offer less than"
+            " the peak's closed loop, so where the peak's connections fall short even with"
+            " short pauses the run doubles them (up to 1,024) and searches again. wrk"
             " measures from sending a request to its answer. A closed loop like this hides"
             " queueing when the server stalls (coordinated omission), so p99 is a lower bound.",
             "",
-            "| server | target share | achieved | commits/s | p50 ms | p90 ms | p99 ms"
-            " | CPU (cores) |",
-            "|---|---:|---:|---:|---:|---:|---:|---|",
+            "| server | target share | achieved | commits/s | connections | mean pause ms"
+            " | p50 ms | p90 ms | p99 ms | CPU (cores) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for name in ("gate", "baseline"):
             for run in lat.get(name, []):
                 lines.append(
                     f"| {name} | {run['share']:.0%} | {run['achieved_share']:.0%} |"
-                    f" {_n(run['committed_per_s'])} | {_ms(run['latency_us']['p50'])} |"
+                    f" {_n(run['committed_per_s'])} | {_n(run['connections'])} |"
+                    f" {run['delay_ms']:.1f} | {_ms(run['latency_us']['p50'])} |"
                     f" {_ms(run['latency_us']['p90'])} | {_ms(run['latency_us']['p99'])} |"
                     f" {_cpu(run.get('cpu_cores'))} |"
                 )

@@ -77,6 +77,18 @@ def results(*, ratio: float = 0.9, best: float = 6000.0, oversold: int = 0) -> d
                 },
                 "target_calls_per_unit": 1.05,
             },
+            "latency": {
+                "gate": [
+                    {
+                        **run(64, 512, best * 0.9, 60_000),
+                        "share": 0.9,
+                        "achieved_share": 0.9,
+                        "target_per_s": best * 0.9,
+                        "delay_ms": 80.25,
+                    }
+                ],
+                "baseline": [],
+            },
         },
     }
 
@@ -103,6 +115,8 @@ def test_markdown_keeps_hand_written_notes_and_fills_the_bucket_guide(tmp_path: 
     assert "| committed reservations/s on one hot deal ≥ 3 × the DB-only baseline |" in text
     assert "3.33×" in text and "met" in text
     assert "<tokens>" in text and "/t/tokens-loop.txt" not in text
+    # The latency row names the connections and the pause that offered its load.
+    assert "| gate | 90% | 90% | 5,400 | 512 | 80.2 | 15.00 | 30.00 | 60.00 |" in text
     assert text.rstrip().endswith("## Profile\nkept by hand")
     assert text.count(report.END_MARK) == 1
 
