@@ -3,7 +3,7 @@
 Writes into the output directory: stats_*.csv (locust's CSV), report.html, locust.log,
 client.json (the client record) and verify.txt. Exit status: 0 when locust saw no
 failure and the verifier found no breach; 1 otherwise; 3 when the scenario needs an
-area the gate does not have yet (payments).
+area the gate does not have yet (payments); 4 when no gate answers at the host.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from loadtest.record import ClientRecord
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 SKIPPED = 3
+NO_GATE = 4
+HEALTH_TIMEOUT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -120,12 +124,34 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def gate_problem(host: str) -> str | None:
+    """Why the gate at `host` cannot be load-tested, or None when /healthz answers 200."""
+    try:
+        with urllib.request.urlopen(
+            host.rstrip("/") + "/healthz", timeout=HEALTH_TIMEOUT_SECONDS
+        ) as answer:
+            return None if answer.status == 200 else f"/healthz answered {answer.status}"
+    except urllib.error.HTTPError as exc:
+        return f"/healthz answered {exc.code}"
+    except (OSError, ValueError) as exc:
+        return str(getattr(exc, "reason", exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     # Arguments this command does not know go to locust (and its locustfile options,
     # e.g. --late-hold-seconds 1 or --loglevel DEBUG).
     args, locust_args = parser().parse_known_args(argv)
     locust_args = [a for a in locust_args if a != "--"]
     sc = SCENARIOS[args.scenario]
+    problem = gate_problem(args.host)
+    if problem is not None:
+        # Otherwise locust runs its whole time against nothing and reports zero requests.
+        print(
+            f"run: no gate answers at {args.host} ({problem}); start one first"
+            " (scripts/run, see loadtest/README.md) or pass --host",
+            file=sys.stderr,
+        )
+        return NO_GATE
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or ROOT / "loadtest" / "results" / f"{args.scenario}-{stamp}")
     out.mkdir(parents=True, exist_ok=True)

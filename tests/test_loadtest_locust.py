@@ -10,7 +10,7 @@ import pytest
 
 from loadtest.record import ClientRecord
 from tests.loadtest_support import run_module
-from tests.support import GateProcess
+from tests.support import GateProcess, free_port
 
 
 @pytest.mark.slow
@@ -64,3 +64,14 @@ def test_a_short_crowd_run_passes_the_verifier(
     assert line is not None, verdict
     available, in_db = int(line[1]), int(line[2])
     assert available + in_db == 40 and in_db >= ordered
+
+
+def test_a_run_against_no_gate_says_so_and_writes_nothing(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "nothing"
+    host = f"http://127.0.0.1:{free_port()}"
+    result = run_module(env, "loadtest.scenario", "ci", "--host", host, "--out", str(out))
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert f"no gate answers at {host}" in result.stderr
+    assert not out.exists()
