@@ -57,7 +57,6 @@ log = logging.getLogger("gate.reservations")
 MAX_QUANTITY = 1_000_000
 
 
-
 def sold_out() -> Problem:
     return Problem("SOLD_OUT", "The deal is sold out.", extra={"remaining_hint": 0}, cacheable=True)
 
