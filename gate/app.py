@@ -321,9 +321,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         return not_found("route").response(request.url.path)
     if exc.status_code == 405:
-        return Problem("METHOD_NOT_ALLOWED", "Method not allowed on this route.").response(
-            request.url.path
-        )
+        # RFC 9110 § 15.5.6: a 405 lists the route's methods (the router's Allow).
+        allow = {k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"}
+        return Problem(
+            "METHOD_NOT_ALLOWED", "Method not allowed on this route.", headers=allow
+        ).response(request.url.path)
     return Problem("INVALID_REQUEST", str(exc.detail), status=exc.status_code).response()
 
 

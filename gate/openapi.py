@@ -386,7 +386,12 @@ def _paths() -> dict[str, dict[str, Any]]:
                         "name": "after",
                         "in": "query",
                         "description": "Return rows with an id above this (paging).",
-                        "schema": {"type": "integer", "minimum": 0, "default": 0},
+                        "schema": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "maximum": 2**63 - 1,
+                            "default": 0,
+                        },
                     },
                     {
                         "name": "limit",
@@ -703,7 +708,9 @@ def document() -> dict[str, Any]:
                 "Redis-fronted admission gate for flash sales of limited stock. Every "
                 "non-2xx answer is `application/problem+json` with a `code`; 429 and 503 "
                 "carry `Retry-After`. Every answer carries `X-Request-Id` (the client's, "
-                "when it sent a sane one: 1–128 characters of `[A-Za-z0-9._:-]`)."
+                "when it sent a sane one: 1–128 characters of `[A-Za-z0-9._:-]`). "
+                "Integer fields take JSON integers only: `1.0` is refused (400), though "
+                "JSON Schema counts it as an integer."
             ),
         },
         "tags": [

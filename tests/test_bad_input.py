@@ -172,7 +172,12 @@ async def test_bad_reservation_requests_are_4xx_and_change_nothing(
         r = await client.post(bad, json={"quantity": 1}, headers={**auth, **ok_key})
         assert_problem(r, 404, "NOT_FOUND")
     assert_problem(await client.get("/v1/deals/424242424"), 404, "NOT_FOUND")
-    assert_problem(await client.get(path, headers=auth), 405, "METHOD_NOT_ALLOWED")
+    wrong = await client.get(path, headers=auth)
+    assert_problem(wrong, 405, "METHOD_NOT_ALLOWED")
+    assert wrong.headers["Allow"] == "POST"  # RFC 9110: a 405 names what is allowed
+    wrong = await client.request("TRACE", "/healthz")
+    assert_problem(wrong, 405, "METHOD_NOT_ALLOWED")
+    assert sorted(m.strip() for m in wrong.headers["Allow"].split(",")) == ["GET", "HEAD"]
     assert_problem(await client.get("/nope"), 404, "NOT_FOUND")
 
     # Orders: malformed, unknown.
