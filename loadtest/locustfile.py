@@ -71,6 +71,8 @@ ROLES = {
     "LatePayer": "late",
 }
 PAYMENT_CLASSES = ("PayingBuyer", "LatePayer")
+# The detail of the gate's 503 when GATE_PAYMENT_PROVIDER_URL is unset.
+NO_PROVIDER = "No payment provider is configured"
 
 
 class Run:
@@ -241,11 +243,16 @@ def _start(environment: Any, **_: Any) -> None:
                 },
             )
         if not RUN.payments:
-            RUN.record.notes.append(
-                "payments unavailable (no webhook secret or no callback endpoint):"
-                " payment scenarios skipped"
-            )
-            log.warning(RUN.record.notes[-1])
+            _payments_off("no webhook secret or no callback endpoint")
+
+
+def _payments_off(why: str) -> None:
+    """The payment scenarios stop (loadtest/run then reports SKIPPED); said once."""
+    RUN.payments = False
+    note = f"payments unavailable ({why}): payment scenarios skipped"
+    if note not in RUN.record.notes:
+        RUN.record.notes.append(note)
+        log.warning(note)
 
 
 @events.quitting.add_listener
@@ -455,6 +462,11 @@ class Payer(Buyer):
                 if resp.status_code in (200, 201) and body.get("session_id"):
                     resp.success()
                     sessions.append(body)
+                elif resp.status_code == 503 and NO_PROVIDER in str(body.get("detail")):
+                    # A gate without a provider: the payment scenarios cannot run there.
+                    resp.success()
+                    _payments_off("the gate has no payment provider configured")
+                    raise StopUser()
                 else:
                     resp.failure(f"{resp.status_code} {resp.text[:200]}")
                     return None

@@ -102,3 +102,29 @@ def test_payment_scenarios_pass_the_verifier(
     paid = record.late_paid if scenario == "late-pay" else record.paid
     assert paid, "no buyer got as far as paying"
     assert record.violations == []
+
+
+def test_a_gate_without_a_provider_skips_the_payment_scenarios(
+    gate: GateProcess, env: dict[str, str], tmp_path: Path
+) -> None:
+    """The shared gate has the callback endpoint but no GATE_PAYMENT_PROVIDER_URL: every
+    payment session would answer 503, so the run stops its payers and says SKIPPED."""
+    out = tmp_path / "pay"
+    result = run_module(
+        env,
+        "loadtest.scenario",
+        "pay",
+        "--host",
+        gate.url,
+        "--run-time",
+        "4s",
+        "--users",
+        "4",
+        "--out",
+        str(out),
+        timeout_seconds=120,
+    )
+    assert result.returncode == 3, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "SKIPPED" in result.stdout
+    record = ClientRecord.read(out / "client.json")
+    assert any("no payment provider configured" in note for note in record.notes), record.notes

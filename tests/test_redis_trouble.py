@@ -187,3 +187,48 @@ async def test_database_fallback_policy_sells_without_redis(
     finally:
         await client.close()
         gate.stop()
+
+
+@pytest.mark.parametrize("on_error", ["closed", "open"])
+async def test_limiters_fail_closed_or_open_by_configuration(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy, on_error: str
+) -> None:
+    """With the database fallback and a limiter on, Redis down: by default (closed) no
+    reservation passes unlimited, so none reaches the database; `open` sells from the
+    database without the limits."""
+    gate = await _gate_via(
+        env,
+        proxy,
+        GATE_REDIS_DOWN_POLICY="database",
+        GATE_REDIS_BREAKER_FAILURES="1",
+        GATE_REDIS_BREAKER_OPEN_SECONDS="30",
+        GATE_LIMIT_USER="100/m burst 100",
+        GATE_LIMITS_ON_REDIS_ERROR=on_error,
+    )
+    client = Client(gate.url)
+    try:
+        deal_id = await create_deal(client, stock=50)
+        proxy.cut()
+        first = await reserve(client, deal_id, 45_000, f"limits-{on_error}-first")
+        assert first.status_code == 503, first.text
+        answers = [
+            await reserve(client, deal_id, 45_001 + i, f"limits-{on_error}-{i:03d}")
+            for i in range(6)
+        ]
+        row = await db.fetchone("SELECT COUNT(*) FROM orders WHERE deal_id = %s", (deal_id,))
+        assert row is not None
+        if on_error == "closed":
+            for r in answers:
+                assert r.status_code == 503, r.text
+                assert r.json()["code"] == "OVERLOADED"
+                assert "Rate limits unavailable" in r.json()["detail"]
+                assert int(r.headers["Retry-After"]) >= 1
+            assert int(row[0]) == 0
+        else:
+            assert [r.status_code for r in answers] == [201] * 6, [r.text for r in answers]
+            assert int(row[0]) == 6
+        proxy.restore()
+        await assert_invariants(db, rds, deal_id, timeout_seconds=20)
+    finally:
+        await client.close()
+        gate.stop()
