@@ -152,16 +152,23 @@ async def test_a_timed_out_admission_is_never_re_run(
         gate.stop()
 
 
-async def test_database_fallback_policy_sells_without_redis(
-    env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy
-) -> None:
-    gate = await _gate_via(
+async def _fallback_gate(env: dict[str, str], proxy: TcpProxy, **extra: str) -> GateProcess:
+    """A gate with the database fallback whose breaker opens at the first Redis failure
+    and stays open for the test."""
+    return await _gate_via(
         env,
         proxy,
         GATE_REDIS_DOWN_POLICY="database",
         GATE_REDIS_BREAKER_FAILURES="1",
         GATE_REDIS_BREAKER_OPEN_SECONDS="30",
+        **extra,
     )
+
+
+async def test_database_fallback_policy_sells_without_redis(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy
+) -> None:
+    gate = await _fallback_gate(env, proxy)
     client = Client(gate.url)
     try:
         deal_id = await create_deal(client, stock=5)
@@ -196,14 +203,8 @@ async def test_limiters_fail_closed_or_open_by_configuration(
     """With the database fallback and a limiter on, Redis down: by default (closed) no
     reservation passes unlimited, so none reaches the database; `open` sells from the
     database without the limits."""
-    gate = await _gate_via(
-        env,
-        proxy,
-        GATE_REDIS_DOWN_POLICY="database",
-        GATE_REDIS_BREAKER_FAILURES="1",
-        GATE_REDIS_BREAKER_OPEN_SECONDS="30",
-        GATE_LIMIT_USER="100/m burst 100",
-        GATE_LIMITS_ON_REDIS_ERROR=on_error,
+    gate = await _fallback_gate(
+        env, proxy, GATE_LIMIT_USER="100/m burst 100", GATE_LIMITS_ON_REDIS_ERROR=on_error
     )
     client = Client(gate.url)
     try:
