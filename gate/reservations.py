@@ -70,6 +70,10 @@ RATE_LIMITED = METRICS.rate_limited
 SCOPED_LIMITS = ("deal", "user", "ip", "device")
 SCOPE_NAMES = (*SCOPED_LIMITS, "global")
 GLOBAL_INDEX = len(SCOPED_LIMITS)
+# A request without X-Device-Id is not device-limited (README): it has no device to
+# count against, and one shared "no device" bucket would limit all such buyers of a
+# deal together.
+DEVICE_INDEX = SCOPED_LIMITS.index("device")
 REFUSALS_MAX = 100_000
 LIMITED_ANSWERS_MAX = 4096
 
@@ -97,8 +101,10 @@ class Refusals:
     def _keys(
         self, deal_id: int, user_id: int, ip: str, device: str | None
     ) -> list[tuple[int, int, Any]]:
-        idents = (None, user_id, ip, device or "-")
-        keys = [(deal_id, i, idents[i]) for i in self.scopes]
+        idents = (None, user_id, ip, device)
+        keys = [
+            (deal_id, i, idents[i]) for i in self.scopes if i != DEVICE_INDEX or device is not None
+        ]
         if self.global_on:
             keys.append((0, GLOBAL_INDEX, None))
         return keys
@@ -112,7 +118,9 @@ class Refusals:
         if not until_of:
             return None
         for i in self.scopes:
-            key = (deal_id, i, (None, user_id, ip, device or "-")[i])
+            if i == DEVICE_INDEX and device is None:
+                continue
+            key = (deal_id, i, (None, user_id, ip, device)[i])
             until = until_of.get(key)
             if until is not None:
                 left = until - time.monotonic()
@@ -205,6 +213,9 @@ class Reservations:
             settings.limit_device,
         )
         self._scoped_args = _limiter_args(self._scoped)
+        self._scoped_args_no_device = _limiter_args(
+            tuple(None if i == DEVICE_INDEX else spec for i, spec in enumerate(self._scoped))
+        )
         self._any_limit = any(self._scoped) or settings.limit_global is not None
         self.refusals = Refusals(self._scoped, settings.limit_global is not None)
         self._specs = dict(zip(SCOPED_LIMITS, self._scoped, strict=True))
@@ -359,7 +370,7 @@ class Reservations:
             start,
             req.idempotency_key,
             keys.limiters(req.user_id, req.ip, req.device),
-            self._scoped_args,
+            self._scoped_args if req.device is not None else self._scoped_args_no_device,
         )
         spec = self.settings.limit_global
         limit = (
