@@ -33,6 +33,7 @@ log = logging.getLogger("gate.app")
 
 MAX_ID = 2**63 - 1
 READY_TIMEOUT_SECONDS = 1.0
+RESERVATION_FIELDS = {"quantity"}
 
 
 def _gate(request: Request) -> Gate:
@@ -157,9 +158,14 @@ class Reserve:
                     headers.get(b"content-length"),
                 )
             )
+            if len(body) != 1:
+                # The body is {"quantity": n} and nothing else (the OpenAPI schema's
+                # additionalProperties: false): a field the fingerprint would not
+                # cover must not ride along with an idempotency key.
+                validate.no_unknown(body, RESERVATION_FIELDS)
             quantity = validate.integer(body, "quantity", 1, MAX_QUANTITY)
             # The near-caches answer most of a sale's requests, without an exception.
-            early = gate.reservations.sold_out_answer(deal_id, user_id, scope["path"])
+            early = gate.reservations.sold_out_answer(deal_id, user_id, quantity, scope["path"])
             if early is not None:
                 _count("SOLD_OUT")
                 await send_answer(send, early)
@@ -295,7 +301,8 @@ def _query_int(request: Request, name: str, lo: int, hi: int, default: int) -> i
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not lo <= int(raw) <= hi:
+    # isdigit alone admits digits int() refuses (superscripts such as "²").
+    if not (raw.isascii() and raw.isdigit()) or not lo <= int(raw) <= hi:
         raise invalid(f"Query parameter '{name}' must be an integer between {lo} and {hi}.")
     return int(raw)
 

@@ -30,4 +30,8 @@ def parse_iso(text: str) -> datetime:
     value = datetime.fromisoformat(text.replace("z", "Z").replace("Z", "+00:00"))
     if value.tzinfo is None:
         raise ValueError("timestamp needs an offset, e.g. 2026-11-29T10:00:00Z")
-    return value.astimezone(UTC).replace(tzinfo=None)
+    try:
+        return value.astimezone(UTC).replace(tzinfo=None)
+    except OverflowError:
+        # 0001-01-01T00:00:00+01:00 is a valid text whose UTC time is before year 1.
+        raise ValueError("timestamp out of range") from None

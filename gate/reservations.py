@@ -236,12 +236,14 @@ class Reservations:
             else None
         )
 
-    def sold_out_answer(self, deal_id: int, user_id: int, instance: str) -> Encoded | None:
+    def sold_out_answer(
+        self, deal_id: int, user_id: int, quantity: int, instance: str
+    ) -> Encoded | None:
         """The near-cache's answer, ready for the wire, asked by the endpoint as soon as
         the request is valid, before anything else is built for it (most of a sale's
         requests end here; no exception is raised for them). `reserve` does not ask
         again."""
-        if self.soldout.sold_out_for(deal_id, user_id):
+        if self.soldout.sold_out_for(deal_id, user_id, quantity):
             return SOLD_OUT.encoded(instance)
         return None
 
@@ -282,8 +284,10 @@ class Reservations:
         if adm.code == AdmitCode.NOT_LOADED:
             try:
                 found = await self.mirror.load(req.deal_id)
-            except DbUnavailable:
-                raise overloaded("Database unavailable; retry shortly.") from None
+            except Exception as exc:
+                # The database or Redis failed while the deal was being loaded.
+                log.warning("deal %s not loaded into Redis: %r", req.deal_id, exc)
+                raise overloaded("Deal state unavailable; retry shortly.") from None
             if not found:
                 raise not_found("deal")
             adm = await self._admit(keys, req, fp, token, start)
@@ -470,6 +474,11 @@ class Reservations:
                 return Reserved(self._body(token, req, row), replayed=False)
             if db_code == DbCode.DUPLICATE:
                 return await self._existing(req, fp)
+            # gate_reserve checks the window, stock and quota before it meets the key:
+            # a replay (or a mismatch) gets its own answer, whatever the deal's state.
+            existing = await self._existing_or_none(req, fp)
+            if existing is not None:
+                return existing
             raise from_db(db_code)
 
     def _item(self, token: str, req: ReserveRequest, fp: str, bucket: int) -> Item:
@@ -570,8 +579,9 @@ class Reservations:
             existing = await orders.by_idempotency_key(self.db, req.user_id, req.idempotency_key)
         except Exception:
             raise overloaded("Database unavailable; retry shortly.") from None
-        if existing is None or existing.deal_id != req.deal_id:
+        if existing is None:
             return None
+        # The fingerprint names the deal: the key used on another deal is a mismatch.
         if existing.fingerprint != fp:
             raise Problem(
                 "IDEMPOTENCY_MISMATCH",
@@ -581,7 +591,10 @@ class Reservations:
 
     async def _existing(self, req: ReserveRequest, fp: str) -> Reserved:
         """The database already holds this buyer's key: a replay or a mismatch."""
-        existing = await orders.by_idempotency_key(self.db, req.user_id, req.idempotency_key)
+        try:
+            existing = await orders.by_idempotency_key(self.db, req.user_id, req.idempotency_key)
+        except Exception:
+            raise overloaded("Database unavailable; retry shortly.") from None
         if existing is None:
             raise Problem(
                 "IDEMPOTENCY_IN_PROGRESS",

@@ -2,9 +2,10 @@
 
 When the admission script says a deal is sold out, this process remembers it for at
 most `ttl_seconds` (100 ms by default) together with the set of users ever admitted
-to the deal. During that time a reservation from any *other* user is answered "sold
-out" straight away: such a user cannot have a successful or running reservation on
-the deal, so Redis would answer exactly the same. Users in the set go to Redis as
+to the deal. During that time a reservation from any *other* user, for a quantity
+the deal allows per order, is answered "sold out" straight away: such a user cannot
+have a successful or running reservation on the deal, so Redis would answer exactly
+the same (a larger quantity goes to Redis, which answers 400 first). Users in the set go to Redis as
 usual, so an idempotent replay of a successful reservation still gets its 200.
 
 What stays approximate: for up to `ttl_seconds` after units come back (a cancel or
@@ -43,13 +44,14 @@ class SoldOutCache:
     def __init__(self, client: aioredis.Redis, ttl_seconds: float) -> None:
         self.redis = client
         self.ttl_seconds = ttl_seconds
-        # deal -> (valid until (monotonic), size of the buyers set, the set)
-        self._entries: dict[int, tuple[float, int, frozenset[int]]] = {}
+        # deal -> (valid until (monotonic), size of the buyers set, the set, the
+        # deal's max_per_order)
+        self._entries: dict[int, tuple[float, int, frozenset[int], int]] = {}
         self._fetching: dict[int, asyncio.Task[None]] = {}
         self._renewing: dict[int, asyncio.Task[None]] = {}
 
-    def sold_out_for(self, deal_id: int, user_id: int) -> bool:
-        """True: answer "sold out" to this user now, without Redis."""
+    def sold_out_for(self, deal_id: int, user_id: int, quantity: int) -> bool:
+        """True: answer "sold out" to this user's request now, without Redis."""
         entry = self._entries.get(deal_id)
         if entry is None:
             return False
@@ -60,7 +62,7 @@ class SoldOutCache:
         if left < self.ttl_seconds / 2 and deal_id not in self._renewing:
             task = asyncio.get_running_loop().create_task(self._renew(deal_id))
             self._renewing[deal_id] = task
-        return user_id not in entry[2]
+        return quantity <= entry[3] and user_id not in entry[2]
 
     async def _renew(self, deal_id: int) -> None:
         """Extend the entry if the deal is still sold out to the same buyers."""
@@ -68,10 +70,14 @@ class SoldOutCache:
             keys = deal_keys(deal_id)
             sent = time.monotonic()
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hmget(keys.meta, "avail", "start_ms", "end_ms", "buyers_ok")
+                pipe.hmget(keys.meta, "avail", "start_ms", "end_ms", "buyers_ok", "max")
                 pipe.scard(keys.buyers)
                 pipe.time()
-                (avail, start_ms, end_ms, buyers_ok), buyers, (sec, usec) = await pipe.execute()
+                (
+                    (avail, start_ms, end_ms, buyers_ok, most),
+                    buyers,
+                    (sec, usec),
+                ) = await pipe.execute()
             now_ms = int(sec) * 1000 + int(usec) // 1000
             entry = self._entries.get(deal_id)
             still = (
@@ -85,7 +91,8 @@ class SoldOutCache:
                 and not 0 < int(end_ms or 0) <= now_ms
             )
             if entry is not None and still:
-                self._entries[deal_id] = (sent + self.ttl_seconds, entry[1], entry[2])
+                limit = int(most or 1)
+                self._entries[deal_id] = (sent + self.ttl_seconds, entry[1], entry[2], limit)
         except Exception as exc:
             log.info("sold-out near-cache: deal %s not renewed: %r", deal_id, exc)
         finally:
@@ -99,7 +106,7 @@ class SoldOutCache:
         entry = self._entries.get(deal_id)
         until = time.monotonic() + self.ttl_seconds
         if entry is not None and entry[1] == buyers:
-            self._entries[deal_id] = (until, buyers, entry[2])
+            self._entries[deal_id] = (until, buyers, entry[2], entry[3])
             return
         if deal_id not in self._fetching:
             task = asyncio.get_running_loop().create_task(self._fetch(deal_id))
@@ -107,13 +114,19 @@ class SoldOutCache:
 
     async def _fetch(self, deal_id: int) -> None:
         try:
-            members = await self.redis.smembers(deal_keys(deal_id).buyers)
+            keys = deal_keys(deal_id)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.smembers(keys.buyers)
+                # As admit.lua reads it: a quantity above it is a 400, not sold out.
+                pipe.hget(keys.meta, "max")
+                members, most = await pipe.execute()
             buyers = frozenset(int(m) for m in members)
             if len(self._entries) >= DEALS_MAX:
                 self._entries.clear()
             # The set may have grown since the size was read; its own size is what
             # the next observation compares with.
-            self._entries[deal_id] = (time.monotonic() + self.ttl_seconds, len(buyers), buyers)
+            until = time.monotonic() + self.ttl_seconds
+            self._entries[deal_id] = (until, len(buyers), buyers, int(most or 1))
         except Exception as exc:
             log.info("sold-out near-cache: buyers of deal %s not fetched: %r", deal_id, exc)
         finally:

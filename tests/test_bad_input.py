@@ -140,6 +140,8 @@ async def test_bad_reservation_requests_are_4xx_and_change_nothing(
         "text",
         5,
         {"qty": 1},
+        # Nothing rides along with the quantity: the fingerprint would not cover it.
+        {"quantity": 1, "note": "gift"},
     ):
         r = await client.post(path, json=body, headers={**auth, **ok_key})
         assert_problem(r, 400, "INVALID_REQUEST")
@@ -224,6 +226,9 @@ async def test_bad_admin_requests_are_4xx_and_change_nothing(
         {"per_user_limit": 1, "max_per_order": 2},
         {"starts_at": "tomorrow"},
         {"starts_at": "2026-01-01T00:00:00"},
+        # Valid texts whose UTC time falls outside the calendar.
+        {"starts_at": "0001-01-01T00:00:00+01:00"},
+        {"ends_at": "9999-12-31T23:59:59-01:00"},
         {"starts_at": "2026-01-02T00:00:00Z", "ends_at": "2026-01-01T00:00:00Z"},
         {"capture_mode": "later"},
         {"surprise": 1},
@@ -255,7 +260,8 @@ async def test_bad_admin_requests_are_4xx_and_change_nothing(
     buckets = f"/v1/admin/deals/{deal}/buckets"
     for body in ({"count": 0}, {"count": 2000}, {"count": "4"}, {}):
         assert_problem(await client.put(buckets, json=body, headers=ADMIN), 400, "INVALID_REQUEST")
-    for query in ("?limit=0", "?limit=1001", "?after=-1", "?limit=abc"):
+    # "²" is a digit to str.isdigit but not to int().
+    for query in ("?limit=0", "?limit=1001", "?after=-1", "?limit=abc", "?limit=%C2%B2"):
         r = await client.get(f"/v1/admin/deals/{deal}/ledger{query}", headers=ADMIN)
         assert_problem(r, 400, "INVALID_REQUEST")
     assert_problem(await client.get("/v1/admin/deals/987654321", headers=ADMIN), 404, "NOT_FOUND")

@@ -67,6 +67,16 @@ async def test_same_key_with_another_body_is_a_mismatch(
     report = await assert_invariants(db, rds, other_deal)
     assert report["totals"]["held"] == 0
 
+    # Also when that deal is sold out to a buyer it knows: the refusal of a known buyer
+    # asks the database, which finds the key on the first deal.
+    sold = await create_deal(client, stock=1)
+    assert (await reserve(client, sold, 601, "mismatch-key-02")).status_code == 201
+    reused = await reserve(client, sold, 601, "mismatch-key-01", quantity=1)
+    assert reused.status_code == 422, reused.text
+    assert reused.json()["code"] == "IDEMPOTENCY_MISMATCH"
+    report = await assert_invariants(db, rds, sold)
+    assert report["totals"]["held"] == 1
+
 
 async def test_replay_survives_a_redis_flush(
     client: Client, db: Database, rds: aioredis.Redis

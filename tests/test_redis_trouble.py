@@ -176,18 +176,26 @@ async def test_database_fallback_policy_sells_without_redis(
         # The first call fails and opens the breaker; later ones go to the database.
         first = await reserve(client, deal_id, 44_000, "fallback-00000")
         assert first.status_code == 503
-        created = 0
-        for i in range(8):
-            r = await reserve(client, deal_id, 44_001 + i, f"fallback-{i:05d}")
-            assert r.status_code in (201, 409, 503), r.text
-            created += r.status_code == 201
+        answers = [
+            await reserve(client, deal_id, 44_001 + i, f"fallback-{i:05d}") for i in range(8)
+        ]
+        assert {r.status_code for r in answers} <= {201, 409, 503}, [r.text for r in answers]
+        created = sum(r.status_code == 201 for r in answers)
         # Never more than the stock, even without Redis in front.
         row = await db.fetchone("SELECT COUNT(*) FROM orders WHERE deal_id = %s", (deal_id,))
         assert row is not None and int(row[0]) == created <= 5
         assert created >= 1
-        # Replays work from the database's unique key.
-        again = await reserve(client, deal_id, 44_001, "fallback-00000")
-        assert again.status_code in (200, 409, 503)
+        # Replays work from the database's unique key, also now that the deal is sold
+        # out (gate_reserve refuses on stock before it meets the key).
+        assert (await reserve(client, deal_id, 44_100, "fallback-late")).status_code == 409
+        i = next(i for i, r in enumerate(answers) if r.status_code == 201)
+        again = await reserve(client, deal_id, 44_001 + i, f"fallback-{i:05d}")
+        assert again.status_code == 200, again.text
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.json() == answers[i].json()
+        changed = await reserve(client, deal_id, 44_001 + i, f"fallback-{i:05d}", quantity=2)
+        assert changed.status_code == 422, changed.text
+        assert changed.json()["code"] == "IDEMPOTENCY_MISMATCH"
         proxy.restore()
         # Redis learns what was sold while it was away.
         await assert_invariants(db, rds, deal_id, timeout_seconds=20)

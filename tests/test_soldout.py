@@ -58,6 +58,19 @@ async def test_replays_survive_a_hot_sold_out_cache(
         assert replay.status_code == 200, replay.text
         assert replay.json() == winners[i].json()
     assert results[2] == Counter({409: 300})
+    # A quantity the deal does not allow is a 400, as Redis answers it, not "sold
+    # out" from the near-cache (max_per_order is 1 here).
+    too_many = await asyncio.gather(
+        *(
+            client.post(
+                f"/v1/deals/{deal_id}/reservations",
+                json={"quantity": 2},
+                headers={**buyer(66_000 + i), "Idempotency-Key": f"two-{deal_id}-{i}"},
+            )
+            for i in range(20)
+        )
+    )
+    assert Counter(r.status_code for r in too_many) == Counter({400: 20})
     # A winner's new request is answered by Redis: sold out, as for anyone.
     fresh = await reserve(client, deal_id, 61_000, f"winner-{deal_id}-new")
     assert fresh.status_code == 409
