@@ -151,6 +151,15 @@ async def test_genuine_but_unreadable_bodies_are_400(pay_client: Client, db: Dat
             }
         ),
         orjson.dumps({"id": "evt_no_payment", "type": "payment.succeeded", "data": {}}),
+        # Signed and well formed, but from after the year 9999 (was a 500).
+        orjson.dumps(
+            {
+                "id": "evt_far_future",
+                "type": "payment.succeeded",
+                "created": 2**39,
+                "data": {"payment_id": "pi_x", "amount": 500},
+            }
+        ),
     ):
         r = await post_webhook(pay_client, body, signed(body, msg_id="evt_unreadable"))
         assert r.status_code == 400, (body, r.text)

@@ -16,7 +16,6 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
-import pymysql
 
 from gate.db import Database
 from gate.mirror import Mirror
@@ -278,7 +277,10 @@ class GroupCommitter:
                     results = [await self.machine.record(self.provider, events[0])]
                 else:
                     results = await self.machine.record_group(self.provider, events)
-            except (pymysql.err.MySQLError, RuntimeError) as exc:
+            except Exception as exc:
+                # Whatever failed the group (a conflict, a lost connection, one event
+                # the procedure could not take), each event is recorded on its own:
+                # event ids make a re-run safe, and one bad event fails only itself.
                 if len(group) == 1:
                     raise
                 log.info("callback group of %d failed (%r); one at a time", len(group), exc)

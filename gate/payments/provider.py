@@ -23,6 +23,8 @@ ORDER_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
 CURRENCY_RE = re.compile(r"^[A-Z]{3}$")
 PROVIDER_ID_RE = re.compile(r"^[\x21-\x7e]{1,191}$")
 AMOUNT_MAX = 2**63 - 1
+# 9999-12-31T23:59:59Z: the last second a DATETIME (and datetime) can hold.
+CREATED_MAX_SECONDS = 253_402_300_799
 
 
 class ProviderError(Exception):
@@ -179,9 +181,11 @@ def parse_event(body: bytes) -> ProviderEvent:
     if not isinstance(data, dict):
         raise EventInvalid("data must be an object")
     if created is not None and (
-        isinstance(created, bool) or not isinstance(created, int) or not 0 <= created < 2**40
+        isinstance(created, bool)
+        or not isinstance(created, int)
+        or not 0 <= created <= CREATED_MAX_SECONDS
     ):
-        raise EventInvalid("created must be unix seconds")
+        raise EventInvalid("created must be unix seconds before the year 10000")
     if not event_type.isascii() or not event_type.isprintable():
         raise EventInvalid("type must be printable ASCII")
     amount = data.get("amount")
