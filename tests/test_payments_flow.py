@@ -3,6 +3,8 @@ callback -> PAID; authorize -> capture -> PAID; authorize -> hold ends -> void."
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 
 from gate.db import Database
@@ -70,9 +72,25 @@ async def test_full_flow_reserve_pay_callback_paid(
     report = await assert_invariants(db, rds, deal)
     assert report["invariant"]["ok"]
 
-    # A paid order cannot get a new session; cancelling it is a conflict.
+    # A paid order cannot get its session again (nothing is left to pay); cancelling
+    # it is a conflict.
+    after = await pay_client.post(f"/v1/orders/{order_id}/payment", headers=buyer(4001))
+    assert after.status_code == 409, after.text
+    assert after.json()["code"] == "CONFLICT" and after.json()["status"] == "PAID"
     cancel = await pay_client.post(f"/v1/orders/{order_id}/cancel", headers=buyer(4001))
     assert cancel.status_code == 409
+
+
+async def test_concurrent_first_session_requests_share_one_session_and_one_201(
+    pay_client: Client,
+) -> None:
+    deal = await create_deal(pay_client, stock=2)
+    order_id = await new_order(pay_client, deal, 4091)
+    answers = await asyncio.gather(
+        *(pay_client.post(f"/v1/orders/{order_id}/payment", headers=buyer(4091)) for _ in range(6))
+    )
+    assert sorted(r.status_code for r in answers) == [200] * 5 + [201], [a.text for a in answers]
+    assert len({r.json()["session_id"] for r in answers}) == 1
 
 
 async def test_payment_session_refused_outside_the_hold(

@@ -64,9 +64,11 @@ class PaymentSessions:
         if not valid_order_id(order_id):
             raise not_found("order")
         row = await self._stored(order_id, user_id)
-        if row[10] is not None:
-            return _body(str(row[9]), str(row[10]), str(row[11]), row[12]), False
         status, hold_valid = str(row[1]), bool(row[2])
+        # Checked before a stored session is handed out again: an order that is paid,
+        # expired or cancelled has nothing left to pay.
+        if status == OrderStatus.PENDING_PAYMENT and hold_valid and row[10] is not None:
+            return _body(str(row[9]), str(row[10]), str(row[11]), row[12]), False
         if status != OrderStatus.PENDING_PAYMENT or not hold_valid:
             shown = status if status != OrderStatus.PENDING_PAYMENT else "past its hold"
             raise Problem(
@@ -96,7 +98,8 @@ class PaymentSessions:
             raise overloaded("The payment provider refused the session; retry later.", 30) from None
         if session.order_id != order_id:
             raise AssertionError("the provider returned a session for another order")
-        await self.db.execute(
+        # 1 row when this call stored it, 0 when a concurrent call was first.
+        stored = await self.db.execute(
             "INSERT INTO payment_sessions (order_id, provider, session_id, redirect_url,"
             " expires_at) VALUES (%s, %s, %s, %s, FROM_UNIXTIME(%s))"
             " ON DUPLICATE KEY UPDATE order_id = order_id",
@@ -114,4 +117,4 @@ class PaymentSessions:
             (self.provider.name, session.session_id, order_id),
         )
         row = await self._stored(order_id, user_id)
-        return _body(str(row[9]), str(row[10]), str(row[11]), row[12]), True
+        return _body(str(row[9]), str(row[10]), str(row[11]), row[12]), stored == 1
