@@ -248,3 +248,57 @@ async def test_several_relays_publish_every_row_once(
     # The publication order follows the commit order within each batch.
     assert len(set(published)) == len(published)
     await rds.delete(stream)
+
+
+async def test_a_consumer_skips_nothing_after_a_handler_error_or_a_dead_peer(
+    rds: aioredis.Redis,
+) -> None:
+    stream = f"gate:test-consumer-{new_id()}"
+    ids = [new_id() for _ in range(4)]
+    for i, event_id in enumerate(ids):
+        await rds.xadd(stream, {"event_id": event_id, "topic": "order.paid", "n": str(i)})
+    handled: list[str] = []
+    fail_once = {ids[0]}
+
+    async def handler(event_id: str, topic: str, fields: dict[str, str]) -> None:
+        if event_id in fail_once:
+            fail_once.discard(event_id)
+            raise RuntimeError("mail server down")
+        handled.append(event_id)
+
+    # The handler fails on the first event: the pass raises, and the next pass takes
+    # the unacknowledged entries first.
+    c1 = Consumer(rds, stream, "mailer", "c1", handler, batch_max=2)
+    await c1.ensure_group()
+    with pytest.raises(RuntimeError):
+        await c1.run_once(block_ms=100)
+    assert await c1.run_once(block_ms=100) == 2
+    assert handled == ids[:2]
+
+    # c2 reads the next two and dies before acknowledging them.
+    read: Any = await rds.xreadgroup("mailer", "c2", {stream: ">"}, count=2)
+    assert [e[1]["event_id"] for e in read[0][1]] == ids[2:]
+    # c3 claims what c2 left once it has been idle long enough (0 ms here).
+    c3 = Consumer(rds, stream, "mailer", "c3", handler, claim_idle_ms=0)
+    assert await c3.run_once(block_ms=100) == 2
+    assert handled == ids
+    pending: Any = await rds.xpending(stream, "mailer")
+    assert pending["pending"] == 0
+
+    # A poison event: after attempts_max failures it is acknowledged and the group
+    # moves on; it stays in the stream.
+    poison = new_id()
+    await rds.xadd(stream, {"event_id": poison, "topic": "order.paid"})
+
+    async def broken(event_id: str, topic: str, fields: dict[str, str]) -> None:
+        raise RuntimeError("cannot render this mail")
+
+    c4 = Consumer(rds, stream, "mailer", "c4", broken, attempts_max=3)
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            await c4.run_once(block_ms=100)
+    assert await c4.run_once(block_ms=100) == 0
+    pending = await rds.xpending(stream, "mailer")
+    assert pending["pending"] == 0
+    assert await rds.xlen(stream) == 5
+    await rds.delete(stream)

@@ -104,6 +104,9 @@ class OutboxRelay:
 
 
 Handler = Callable[[str, str, dict[str, Any]], Awaitable[None]]
+# Entries whose failures a consumer counts at once (each fails the batch it is in, so
+# only a few are ever counted; the bound is for a handler that fails on everything).
+FAILURES_TRACKED_MAX = 10_000
 
 
 class Consumer:
@@ -112,6 +115,14 @@ class Consumer:
     Delivery is at least once; a handler must tolerate seeing an event id again.
     A key per handled event id (kept `seen_ttl_seconds`) makes that the rare case:
     an event id already handled is acknowledged without calling the handler.
+
+    Nothing read is skipped: each pass first takes the entries delivered to this
+    consumer but never acknowledged (its handler raised, or the process died before
+    the acknowledgement and came back under the same name), then those another
+    consumer of the group left unacknowledged for `claim_idle_ms` (it died for good;
+    XAUTOCLAIM), and only then new ones. An entry whose handler has failed
+    `attempts_max` times in this process is logged as an error and acknowledged, so
+    one poison event cannot stop the group; it stays in the stream for an operator.
     """
 
     def __init__(
@@ -123,6 +134,8 @@ class Consumer:
         handler: Handler,
         batch_max: int = 100,
         seen_ttl_seconds: int = 7 * 86_400,
+        claim_idle_ms: int = 60_000,
+        attempts_max: int = 5,
     ) -> None:
         self.redis = client
         self.stream = stream
@@ -131,6 +144,9 @@ class Consumer:
         self.handler = handler
         self.batch_max = batch_max
         self.seen_ttl_seconds = seen_ttl_seconds
+        self.claim_idle_ms = claim_idle_ms
+        self.attempts_max = attempts_max
+        self._failures: dict[str, int] = {}
 
     async def ensure_group(self) -> None:
         try:
@@ -140,24 +156,69 @@ class Consumer:
                 raise
 
     async def run_once(self, block_ms: int = 1000) -> int:
-        result: Any = await self.redis.xreadgroup(
-            self.group, self.name, {self.stream: ">"}, count=self.batch_max, block=block_ms
-        )
+        """Handle one batch; the number of events handed to the handler."""
+        entries = await self._read("0", None)
+        if not entries:
+            claimed: Any = await self.redis.xautoclaim(
+                self.stream,
+                self.group,
+                self.name,
+                self.claim_idle_ms,
+                start_id="0-0",
+                count=self.batch_max,
+            )
+            entries = list(claimed[1]) if claimed else []
+        if not entries:
+            entries = await self._read(">", block_ms)
         handled = 0
-        for _, entries in result or []:
-            for entry_id, fields in entries:
-                f = {
-                    (k.decode() if isinstance(k, bytes) else str(k)): (
-                        v.decode() if isinstance(v, bytes) else str(v)
-                    )
-                    for k, v in fields.items()
-                }
-                seen = f"{self.stream}:seen:{self.group}:{f['event_id']}"
-                if not await self.redis.exists(seen):
-                    # Handled first, remembered after: a crash in between means the
-                    # event is handled again (at least once), never skipped.
-                    await self.handler(f["event_id"], f["topic"], f)
-                    await self.redis.set(seen, "1", ex=self.seen_ttl_seconds)
-                    handled += 1
+        for entry_id, fields in entries:
+            if fields:
+                handled += await self._handle(entry_id, fields)
+            else:
+                # Trimmed from the stream while pending: nothing left to handle.
                 await self.redis.xack(self.stream, self.group, entry_id)
+        return handled
+
+    async def _read(self, start: str, block_ms: int | None) -> list[Any]:
+        result: Any = await self.redis.xreadgroup(
+            self.group, self.name, {self.stream: start}, count=self.batch_max, block=block_ms
+        )
+        return [entry for _, entries in result or [] for entry in entries]
+
+    async def _handle(self, entry_id: Any, fields: dict[Any, Any]) -> int:
+        f = {
+            (k.decode() if isinstance(k, bytes) else str(k)): (
+                v.decode() if isinstance(v, bytes) else str(v)
+            )
+            for k, v in fields.items()
+        }
+        key = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        seen = f"{self.stream}:seen:{self.group}:{f['event_id']}"
+        handled = 0
+        if not await self.redis.exists(seen):
+            try:
+                # Handled first, remembered after: a crash in between means the event
+                # is handled again (at least once), never skipped.
+                await self.handler(f["event_id"], f["topic"], f)
+            except Exception:
+                failures = self._failures.get(key, 0) + 1
+                if failures < self.attempts_max:
+                    if len(self._failures) >= FAILURES_TRACKED_MAX:
+                        self._failures.clear()
+                    self._failures[key] = failures
+                    raise
+                log.error(
+                    "outbox consumer %s/%s: event %s failed %d times; acknowledged, left"
+                    " in the stream",
+                    self.group,
+                    self.name,
+                    f["event_id"],
+                    failures,
+                    exc_info=True,
+                )
+            else:
+                await self.redis.set(seen, "1", ex=self.seen_ttl_seconds)
+                handled = 1
+        self._failures.pop(key, None)
+        await self.redis.xack(self.stream, self.group, entry_id)
         return handled
