@@ -473,3 +473,28 @@ async def test_the_periodic_pass_repairs_a_dropped_callback(
             await metrics.close()
     finally:
         periodic.stop()
+
+
+async def test_a_pass_over_its_action_budget_defers_the_rest_and_exits_2(
+    pay_stack: PayStack, pay_client: Client, sandbox: SandboxClient, db: Database
+) -> None:
+    client, sb = pay_client, sandbox
+    deal = await create_deal(client, stock=5, unit_price=500)
+    orders = []
+    for user in (6301, 6302, 6303):
+        order_id = await new_order(client, deal, user)
+        orders.append((order_id, await dropped(client, sb, order_id, user)))
+    await quiet(sb)
+    # One repair allowed: the other dropped callbacks wait for the next pass, which
+    # the report and the exit status must say (exit 0 would read "all repaired").
+    code, report = await reconcile({**pay_stack.env, "GATE_RECONCILE_ACTIONS_MAX": "1"})
+    assert code == 2, report
+    assert report["result"] == "incomplete"
+    mine = [f for f in report["findings"] if f["order_id"] in {o for o, _ in orders}]
+    assert sorted(f["outcome"] for f in mine) == ["deferred", "deferred", "repaired"], mine
+    # The next pass, with room, repairs what was deferred.
+    code, report = await reconcile(pay_stack.env)
+    assert report["result"] != "incomplete", report
+    for order_id, payment_id in orders:
+        row = await order_row(db, order_id)
+        assert (row["status"], row["payment_id"]) == ("PAID", payment_id)

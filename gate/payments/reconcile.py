@@ -150,6 +150,8 @@ class Report:
     refunds_checked: int = 0
     actions: int = 0
     complete: bool = True
+    # The action budget ran out with work left: deferred to the next pass.
+    budget_spent: bool = False
     error: str | None = None
     findings: list[Finding] = field(default_factory=list)
     # Payments whose refund this pass scheduled: not "stuck", they just started.
@@ -159,7 +161,7 @@ class Report:
     def result(self) -> str:
         if self.error is not None:
             return "unavailable"
-        if not self.complete:
+        if not self.complete or self.budget_spent:
             return "incomplete"
         return "flagged" if any(f.needs_operator for f in self.findings) else "ok"
 
@@ -227,6 +229,11 @@ def render(report: Report) -> str:
         verdict = (
             "INCOMPLETE: the window holds more transactions than GATE_RECONCILE_PAGES_MAX"
             " pages; shorten GATE_RECONCILE_WINDOW_SECONDS or raise the bound"
+        )
+    elif report.budget_spent:
+        verdict = (
+            "INCOMPLETE: GATE_RECONCILE_ACTIONS_MAX was spent; what is left is deferred to"
+            " the next pass (run again, or raise the bound)"
         )
     elif open_:
         verdict = f"FLAGGED: {open_} finding(s) need an operator"
@@ -393,6 +400,7 @@ class Reconciler:
     def _budget(self, report: Report) -> bool:
         """Count one action; False once the pass has used its share."""
         if report.actions >= self.settings.actions_max:
+            report.budget_spent = True
             return False
         report.actions += 1
         return True
@@ -681,6 +689,18 @@ class Reconciler:
                 # Created before the window (an old authorization captured lately):
                 # ask for it directly.
                 if not self._budget(report):
+                    report.findings.append(
+                        Finding(
+                            "paid_without_payment",
+                            "deferred",
+                            str(order_id),
+                            pid,
+                            None,
+                            int(paid),
+                            currency,
+                            "not looked up: the pass's action budget is spent",
+                        )
+                    )
                     continue
                 try:
                     found = await self.provider.get_payment(pid)
@@ -713,10 +733,15 @@ class Reconciler:
             (
                 self.name,
                 self.settings.refund_stuck_seconds,
-                max(0, self.settings.actions_max - report.actions),
+                # One more than the budget allows: whether any is left over.
+                max(0, self.settings.actions_max - report.actions) + 1,
             ),
         )
         rows = [r for r in rows if str(r[1]) not in report.scheduled]
+        room = max(0, self.settings.actions_max - report.actions)
+        if len(rows) > room:
+            report.budget_spent = True
+            rows = rows[:room]
         if not rows:
             return
         report.refunds_checked += len(rows)
