@@ -79,6 +79,33 @@ async def test_late_payment_retakes_stock_when_some_is_left(
     assert (await order_row(db, order_id))["paid_amount"] == 600
 
 
+async def test_late_payment_over_the_per_user_limit_is_refunded(
+    pay_client: Client, sandbox: SandboxClient, db: Database, rds: aioredis.Redis
+) -> None:
+    """Limit 1: the buyer's order ends, they reserve again, then the first payment
+    arrives. Stock is left, but a re-take would give them 2 units: refunded instead."""
+    deal = await create_deal(pay_client, stock=5, unit_price=350, per_user_limit=1)
+    order_id, _, event = await _held_success(pay_client, sandbox, deal, 4221)
+    await _cancel(pay_client, order_id, 4221)  # the quota comes back with the unit
+    again = await reserve(pay_client, deal, 4221, "late-over-limit-again")
+    assert again.status_code == 201, again.text
+    await sandbox.configure(mode="auto")
+    assert await sandbox.deliver([event["id"]]) == [[200]]
+
+    row = await wait_status(db, order_id, "REFUNDED")
+    assert row["paid_amount"] == 350 and row["refunded_amount"] == 350
+    stored = await db.fetchone(
+        "SELECT reason FROM payment_refunds WHERE order_id = %s", (order_id,)
+    )
+    assert stored is not None and stored[0] == "late_over_limit"
+    quota = await db.fetchone(
+        "SELECT units FROM user_quota WHERE deal_id = %s AND user_id = %s", (deal, 4221)
+    )
+    assert quota is not None and int(quota[0]) == 1
+    report = await assert_invariants(db, rds, deal)
+    assert report["totals"]["held"] == 1 and report["totals"]["sold"] == 0
+
+
 async def test_late_payment_without_stock_is_refunded_once(
     pay_client: Client, sandbox: SandboxClient, db: Database, rds: aioredis.Redis
 ) -> None:

@@ -141,6 +141,18 @@ async def settle_late(
             deal = await cur.fetchone()
             assert deal is not None
             nb, epoch, limit = int(deal[0]), int(deal[1]), deal[2]
+            # The per-user limit holds for a re-take as for a reservation (the buyer may
+            # have reserved again once this order expired and gave its quota back):
+            # over it, the money goes back. Read before the bucket rows, in the order
+            # gate_reserve locks them.
+            over_limit = False
+            if limit is not None:
+                await cur.execute(
+                    "SELECT units FROM user_quota WHERE deal_id = %s AND user_id = %s FOR UPDATE",
+                    (deal_id, user_id),
+                )
+                quota = await cur.fetchone()
+                over_limit = (int(quota[0]) if quota else 0) + quantity > int(limit)
             await cur.execute(
                 "SELECT bucket, available FROM deal_buckets WHERE deal_id = %s AND epoch = %s"
                 " ORDER BY bucket FOR UPDATE",
@@ -148,9 +160,10 @@ async def settle_late(
             )
             available = {int(b): int(a) for b, a in await cur.fetchall()}
             preferred = [b % nb for b, _ in parse_alloc(alloc)]
-            plan = plan_retake(available, quantity, preferred)
+            plan = None if over_limit else plan_retake(available, quantity, preferred)
 
             if plan is None:
+                why = "late_over_limit" if over_limit else "late_no_stock"
                 await cur.execute(
                     "UPDATE orders SET status = 'REFUND_PENDING', paid_amount = paid_amount + %s,"
                     " provider_payment_id = %s, paid_at = %s, updated_at = %s,"
@@ -158,9 +171,7 @@ async def settle_late(
                     (amount, payment_id, now, now, order_id),
                 )
                 assert cur.rowcount == 1, "the order row is locked in this transaction"
-                await _refund_row(
-                    cur, provider, payment_id, order_id, amount, currency, now, "late_no_stock"
-                )
+                await _refund_row(cur, provider, payment_id, order_id, amount, currency, now, why)
                 await _outbox(
                     cur,
                     tx,
