@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gate import orders, validate
+from gate import logs, orders, validate
 from gate.db import DbUnavailable
 from gate.errors import Problem, invalid, not_found, overloaded
 from gate.http import json_answer, json_response, read_json, receive_json, send_answer
@@ -342,7 +342,11 @@ async def _db_unavailable(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return Problem("INTERNAL", "Internal error.").response(request.url.path)
+    # Starlette answers from outside the request middleware, which adds X-Request-Id
+    # to every other answer; the request's log context is still set here.
+    ctx = logs.current.get()
+    headers = {"X-Request-Id": ctx.request_id} if ctx is not None else None
+    return Problem("INTERNAL", "Internal error.", headers=headers).response(request.url.path)
 
 
 Handler = Callable[[Request], Awaitable[Response]]

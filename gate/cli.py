@@ -15,11 +15,23 @@ from gate.settings import Settings, SettingsError, load_settings
 
 
 def _settings() -> Settings:
+    """Every setting, the areas' too (payments, expiry, operations), or exit 2 with the
+    message. The areas read theirs when the gate is built, which for `gate serve` is
+    inside each worker: too late for a clear message (a worker's traceback, restarted
+    by the supervisor), so the gate is built once here to check them (no I/O)."""
+    from gate.runtime import Gate
+    from gate.scripts import ScriptMissing
+
     try:
-        return load_settings()
+        settings = load_settings()
+        Gate(settings)
     except SettingsError as exc:
         print(f"gate: configuration error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except ScriptMissing as exc:
+        print(f"gate: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return settings
 
 
 SERVE_BACKLOG = 4096
@@ -83,9 +95,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True) -> int:
     """Run `fn(gate)` with the database and Redis started but no background loops."""
+    from gate.logs import configure
     from gate.runtime import Gate
 
-    gate = Gate(_settings())
+    settings = _settings()
+    # JSON lines at GATE_LOG_LEVEL, with the secrets' redaction, as in `gate serve`.
+    configure(settings.log_level)
+    gate = Gate(settings)
     await gate.db.start()
     if scripts:
         await gate.runner.load()

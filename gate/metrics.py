@@ -165,7 +165,7 @@ def prepare_multiprocess(
 
 def forget_dead_processes(path: str | None = None) -> list[int]:
     """Drop the live-gauge files of processes that no longer run (a worker killed
-    and restarted by uvicorn), so their pool sizes and flags leave the sums.
+    and restarted by the supervisor), so their pool sizes and flags leave the sums.
     Counters and histograms of dead processes stay: their totals remain true."""
     path = path or os.environ.get(MULTIPROC_ENV)
     if not path:

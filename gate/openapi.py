@@ -140,7 +140,7 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "summary": "Readiness: Redis and the database answer.",
                 "operationId": "readyz",
                 "responses": {
-                    "200": _json(_ref("Ready"), "Ready to serve."),
+                    "200": _json(_ref("Ready"), "Ready to serve (or serving, degraded)."),
                     **_problems("OVERLOADED"),
                 },
             }
@@ -488,10 +488,29 @@ def _schemas() -> dict[str, Any]:
         "Health": _object({"status": {"type": "string", "enum": ["ok"]}}, ["status"]),
         "Ready": _object(
             {
-                "status": {"type": "string", "enum": ["ready"]},
+                "status": {
+                    "type": "string",
+                    "enum": ["ready", "degraded"],
+                    "description": "degraded: serving, but the Redis circuit is not closed"
+                    " or the reservations' share of the database pool is in use.",
+                },
                 "checks": _object({"redis": {"type": "string"}, "database": {"type": "string"}}),
+                "redis_circuit": {"type": "string", "enum": ["closed", "open", "half_open"]},
+                "db_pool": _object(
+                    {
+                        name: {"type": "integer", "minimum": 0}
+                        for name in (
+                            "size",
+                            "free",
+                            "max",
+                            "reservation_in_use",
+                            "reservation_max",
+                            "reservation_waiting",
+                        )
+                    }
+                ),
             },
-            ["status", "checks"],
+            ["status", "checks", "redis_circuit", "db_pool"],
         ),
         "Deal": _object(
             {

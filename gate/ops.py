@@ -15,10 +15,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from prometheus_client import Counter, Histogram
 from starlette.middleware import Middleware
@@ -182,7 +183,11 @@ def _secrets(settings: Settings) -> list[str]:
     found.append(settings.mysql.password.reveal())
     redis_password = urlsplit(settings.redis_url).password
     if redis_password:
-        found.append(redis_password)
+        # As written in the URL and as redis-py uses it (percent-decoded).
+        found.extend({redis_password, unquote(redis_password)})
+    api_key = os.environ.get("GATE_PAYMENT_API_KEY", "").strip()
+    if api_key:
+        found.append(api_key)
     return found
 
 

@@ -77,9 +77,13 @@ class MysqlTarget:
         if not database.replace("_", "").isalnum():
             raise SettingsError("GATE_MYSQL_URL database name must be [A-Za-z0-9_]+")
         query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
+        try:
+            port = parts.port or 3306
+        except ValueError:
+            raise SettingsError("GATE_MYSQL_URL has a port that is not 1-65535") from None
         return cls(
             host=parts.hostname or "127.0.0.1",
-            port=parts.port or 3306,
+            port=port,
             user=unquote(parts.username or "root"),
             password=Secret(unquote(parts.password or "")),
             database=database,
@@ -124,10 +128,14 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise SettingsError(f"{name} must be a boolean (1/0, true/false, on/off), got {raw!r}")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 @dataclass(frozen=True)
 class Settings:
     env: str
-    redis_url: str
+    # May carry a password: kept out of the repr.
+    redis_url: str = field(repr=False)
     mysql: MysqlTarget
     jwt_secret: Secret
     admin_token: Secret
@@ -248,6 +256,14 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     redis_url = env.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise SettingsError("GATE_REDIS_URL must start with redis://, rediss:// or unix://")
+    try:
+        if urlsplit(redis_url).port == 0:
+            raise ValueError("port 0")
+    except ValueError:
+        raise SettingsError("GATE_REDIS_URL has a port that is not 1-65535") from None
+    log_level = env.get("GATE_LOG_LEVEL", "INFO").strip().upper() or "INFO"
+    if log_level not in LOG_LEVELS:
+        raise SettingsError(f"GATE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
     mysql = MysqlTarget.parse(env.get("GATE_MYSQL_URL", "mysql://root@127.0.0.1:3306/gate"))
 
     settings = Settings(
@@ -308,7 +324,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         body_max_bytes=4096,
         run_background=env_bool(env, "GATE_BACKGROUND", True),
         auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),
-        log_level=env.get("GATE_LOG_LEVEL", "INFO").upper(),
+        log_level=log_level,
         environ=MappingProxyType(dict(env)),
     )
     # The janitor treats a token older than inflight_max_seconds as orphaned; a live

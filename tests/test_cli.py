@@ -98,10 +98,20 @@ def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: objec
         ("GATE_LIMIT_IP", "0/s", "count and burst must be between 1"),
         ("GATE_TRUSTED_PROXIES", "10.0.0.0/8 nonsense", "'nonsense' is not an IP address"),
         ("GATE_REDIS_DOWN_POLICY", "maybe", "GATE_REDIS_DOWN_POLICY must be"),
+        ("GATE_LOG_LEVEL", "verbose", "GATE_LOG_LEVEL must be one of"),
+        ("GATE_MYSQL_URL", "mysql://root@127.0.0.1:99999/gate", "GATE_MYSQL_URL has a port"),
+        ("GATE_REDIS_URL", "redis://127.0.0.1:http/0", "GATE_REDIS_URL has a port"),
+        # The areas' settings are checked before any worker starts (they used to fail
+        # inside each worker, with a traceback, restarted over and over).
+        ("GATE_SWEEP_BATCH_MAX", "banana", "GATE_SWEEP_BATCH_MAX must be an integer"),
+        ("GATE_PAYMENT_PROVIDER_URL", "ftp://x", "GATE_PAYMENT_PROVIDER_URL must be"),
+        ("GATE_WEBHOOK_SECRET", "whsec_not*base64", "GATE_WEBHOOK_SECRET"),
     ):
-        out = run({**env, name: value}, "serve", "--port", "1")
-        assert out.returncode == 2, (name, out.stderr)
-        assert message in out.stderr, (name, out.stderr)
+        for args in (("serve", "--port", "1", "--workers", "2"), ("check",)):
+            out = run({**env, name: value}, *args)
+            assert out.returncode == 2, (name, args, out.stderr)
+            assert message in out.stderr, (name, args, out.stderr)
+            assert "Traceback" not in out.stderr, (name, args, out.stderr)
 
     lua = tmp_path / "lua"  # type: ignore[operator]
     lua.mkdir()

@@ -243,3 +243,32 @@ async def test_an_unhandled_error_is_counted_and_logged_with_its_request_id(
         status="500",
     )
     assert after == before + 1
+
+
+async def test_the_gate_500_answer_carries_the_request_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The gate's handler of unexpected errors answers from outside the request
+    middleware; its 500 still names the request, as every other answer does."""
+    from starlette.requests import Request
+
+    from gate.app import _unexpected
+
+    logs.begin_request("unit-500-gate")
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/deals/1",
+        "raw_path": b"/v1/deals/1",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [],
+        "scheme": "http",
+        "server": ("127.0.0.1", 80),
+    }
+    with caplog.at_level(logging.ERROR):
+        answer = await _unexpected(Request(scope), RuntimeError("boom"))
+    assert answer.status_code == 500
+    assert answer.headers["x-request-id"] == "unit-500-gate"
+    assert answer.headers["content-type"] == "application/problem+json"
+    assert orjson.loads(answer.body)["code"] == "INTERNAL"

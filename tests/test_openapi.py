@@ -156,3 +156,8 @@ async def test_served_document_and_real_bodies_match(client: Client) -> None:
     assert set(ledger) == fields("Ledger")
     item_fields = set(schemas["Ledger"]["properties"]["items"]["items"]["properties"])
     assert set(ledger["items"][0]) == item_fields
+    ready = (await client.get("/readyz")).json()
+    assert set(ready) == fields("Ready")
+    assert ready["status"] in schemas["Ready"]["properties"]["status"]["enum"]
+    assert ready["redis_circuit"] in schemas["Ready"]["properties"]["redis_circuit"]["enum"]
+    assert set(ready["db_pool"]) == set(schemas["Ready"]["properties"]["db_pool"]["properties"])

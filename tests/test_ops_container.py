@@ -144,6 +144,10 @@ def test_compose_runs_the_whole_local_stack() -> None:
     assert gate["build"] == "." and sandbox["build"] == "."
     assert gate["command"][0] == "serve" and "--workers" in gate["command"]
     assert sandbox["command"][0] == "sandbox"
+    # Both listen beyond their container's loopback, or nothing else can reach them.
+    for service in (gate, sandbox):
+        command = service["command"]
+        assert command[command.index("--host") + 1] == "0.0.0.0", command
     assert any(str(p).endswith(":8000") for p in gate["ports"])
 
     # The gate waits for healthy dependencies, and each dependency says when it is.

@@ -40,12 +40,18 @@ class WebhookRejected(Exception):
 
 def decode_secret(secret: str) -> bytes:
     if not secret.startswith("whsec_"):
-        raise SettingsError("webhook secrets must look like whsec_<base64>")
+        raise SettingsError(
+            "webhook secrets (GATE_WEBHOOK_SECRET, GATE_SANDBOX_WEBHOOK_SECRET) must look like"
+            " whsec_<base64>"
+        )
     body = secret[len("whsec_") :]
     try:
         key = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
     except (binascii.Error, ValueError):
-        raise SettingsError("a webhook secret is not valid base64 after whsec_") from None
+        raise SettingsError(
+            "a webhook secret (GATE_WEBHOOK_SECRET, GATE_SANDBOX_WEBHOOK_SECRET) is not valid"
+            " base64 after whsec_"
+        ) from None
     if len(key) < 16:
         raise SettingsError("a webhook secret must decode to at least 16 bytes")
     return key
