@@ -239,7 +239,7 @@ class Sweeper:
         Raises when the batch failed (its holds stay for the next batch)."""
         for attempt in range(BATCH_ATTEMPTS_MAX):
             try:
-                return await self._batch()
+                return await self._batch(last_attempt=attempt == BATCH_ATTEMPTS_MAX - 1)
             except pymysql.err.MySQLError as exc:
                 if not is_retryable(exc) or attempt == BATCH_ATTEMPTS_MAX - 1:
                     raise
@@ -248,7 +248,7 @@ class Sweeper:
                 await asyncio.sleep(random.uniform(0.002, 0.02) * (2**attempt))
         raise AssertionError("unreachable")
 
-    async def _batch(self) -> int:
+    async def _batch(self, *, last_attempt: bool) -> int:
         batch: Batch | None = None
         thread: list[Any] = []
         try:
@@ -274,7 +274,7 @@ class Sweeper:
             assert batch is not None
             log.warning("expiry batch of %d: outcome unknown (%r)", len(batch.orders), exc.cause)
             committed = await self._resolve(exc, batch)
-            return await self._decided(batch, committed, exc)
+            return await self._decided(batch, committed, exc, last_attempt)
         except Exception as exc:
             if batch is None:
                 raise
@@ -282,7 +282,7 @@ class Sweeper:
             # or the connection context rolled it back): the ledger tells whether it
             # had committed all the same.
             committed = await self._committed_or_none(batch)
-            return await self._decided(batch, committed, exc)
+            return await self._decided(batch, committed, exc, last_attempt)
         assert row is not None and int(row[0]) == 0, f"gate_expire_batch returned {row!r}"
         released = int(row[1])
         assert released == len(batch.orders), "a batch releases all its orders or none"
@@ -290,8 +290,13 @@ class Sweeper:
         self._released(batch)
         return released
 
-    async def _decided(self, batch: Batch, committed: bool | None, exc: BaseException) -> int:
-        """Finish a batch whose CALL did not answer normally; re-raise unless it committed."""
+    async def _decided(
+        self, batch: Batch, committed: bool | None, exc: BaseException, last_attempt: bool
+    ) -> int:
+        """Finish a batch whose CALL did not answer normally; re-raise unless it committed.
+        A deadlock or lock-wait timeout is retried at once and counts as a failure only
+        on the last attempt (a long transaction holding the rows must show in
+        gate_expiry_release_failures_total, which the release-failure alert reads)."""
         if committed is None:
             STATS.unresolved += len(batch.orders)
             self._failed(batch, exc)
@@ -301,7 +306,7 @@ class Sweeper:
             log.warning("expiry batch committed although the call failed: %r", exc)
             self._released(batch)
             return len(batch.orders)
-        if not (isinstance(exc, pymysql.err.MySQLError) and is_retryable(exc)):
+        if last_attempt or not (isinstance(exc, pymysql.err.MySQLError) and is_retryable(exc)):
             self._failed(batch, exc)
         raise exc
 

@@ -12,18 +12,20 @@ import redis.asyncio as aioredis
 from gate.db import Database
 from gate.expiry import ExpirySettings, make_sweeper
 from gate.keys import deal_keys
-from gate.metrics import METRICS
+from gate.metrics import METRICS, sample_values, value_of
 from gate.orders import new_id
 from gate.runtime import Gate
-from gate.settings import SettingsError, load_settings
+from gate.settings import Settings, SettingsError, load_settings
 from gate.sweeper import NEXT_DUE_PAUSE_MIN_SECONDS, STATS, SweepConfig
 from tests.expiry_support import holding, make_holds, run_gate, statuses, wait_until
 from tests.support import (
     ADMIN,
     Client,
+    GateProcess,
     assert_invariants,
     create_deal,
     db_available,
+    locked_buckets,
     redis_available,
     reserve,
 )
@@ -229,6 +231,38 @@ async def test_a_failed_release_changes_nothing_and_is_counted(
     await wait_until(done, 10, "the holds to expire once the fault is gone")
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 3, "available": 3, "held": 0, "sold": 0}
+
+
+async def test_a_batch_stuck_behind_a_long_transaction_counts_as_failed(
+    client: Client, db: Database, rds: aioredis.Redis, gate: GateProcess, settings: Settings
+) -> None:
+    """Lock-wait timeouts are retried at once; when the last attempt times out too,
+    the batch counts as failed, so the release-failure alert sees a long transaction
+    holding the bucket rows (nothing was counted before). The shared gate's own
+    sweepers meet the lock; its metric is read from its /metrics."""
+    deal_id = await create_deal(client, stock=2, buckets=1)
+    orders = await make_holds(client, deal_id, 2, user_base=841_000, concurrency=2)
+
+    async def failures() -> float:
+        text = (await client.get("/metrics")).text
+        return value_of(sample_values(text), "gate_expiry_release_failures_total")
+
+    before = await failures()
+    async with locked_buckets(settings, deal_id):
+        await db.execute("UPDATE orders SET expires_at = NOW(6) WHERE deal_id = %s", (deal_id,))
+
+        async def counted() -> bool:
+            return await failures() >= before + 2
+
+        # Three attempts of GATE_DB_LOCK_WAIT_SECONDS (2 s in the tests) each.
+        await wait_until(counted, 30, "the stuck batch to count as failed")
+        assert set((await statuses(db, orders)).values()) == {"PENDING_PAYMENT"}
+
+    async def done() -> bool:
+        return await holding(db, deal_id) == 0
+
+    await wait_until(done, 20, "the holds to expire once the lock is gone")
+    await assert_invariants(db, rds, deal_id)
 
 
 async def test_rebucketing_while_holds_expire_keeps_every_invariant(
