@@ -49,7 +49,21 @@ async def _redis_state(client: aioredis.Redis, deal_id: int) -> tuple[Any, ...] 
 
 
 async def check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) -> dict[str, Any]:
-    """The whole report for one deal; `invariant.ok` is the verdict."""
+    """The whole report for one deal; `invariant.ok` is the verdict.
+
+    Redis disagreeing with the database is listed among the breaches (for `gate
+    check`) and on its own under `redis.mismatches` (the monitor pages on the others
+    only: drift is the resync loop's to repair). A mismatch is confirmed by a second
+    check before it is reported: with nothing in flight at both Redis reads, a
+    reservation confirmed before the snapshot and a release applied after it can
+    still leave Redis equal at both reads and the snapshot different."""
+    report = await _check_deal(db, client, deal_id)
+    if report.get("redis", {}).get("mismatches"):
+        report = await _check_deal(db, client, deal_id)
+    return report
+
+
+async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) -> dict[str, Any]:
     before = None
     if client is not None:
         try:
@@ -193,16 +207,21 @@ async def check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) 
                 entry["redis_available"] = r_buckets.get(entry["bucket"])
             if inflight == 0 and before == after:
                 redis_report["compared"] = True
+                mismatches: list[str] = []
                 if r_nb != nb:
-                    breaches.append(f"redis: {r_nb} bucket(s), database {nb}")
+                    mismatches.append(f"redis: {r_nb} bucket(s), database {nb}")
                 for entry in buckets:
-                    if entry["bucket"] < nb and entry["redis_available"] != entry["available"]:
-                        breaches.append(
+                    # An absent bucket field is 0 to the scripts (tonumber(nil) or 0).
+                    held = entry["redis_available"] or 0
+                    if entry["bucket"] < nb and held != entry["available"]:
+                        mismatches.append(
                             f"redis: bucket {entry['bucket']} has {entry['redis_available']},"
                             f" database {entry['available']}"
                         )
                 if r_avail != totals["available"]:
-                    breaches.append(f"redis: total {r_avail}, database {totals['available']}")
+                    mismatches.append(f"redis: total {r_avail}, database {totals['available']}")
+                redis_report["mismatches"] = mismatches
+                breaches.extend(mismatches)
             else:
                 redis_report["reason"] = "requests in flight; compared by the resync loop instead"
 

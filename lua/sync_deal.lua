@@ -47,7 +47,8 @@
   Returns {code, detail}:
     0 ""   load: the state already existed, nothing changed
     1 ""   built (load, layout), or resync found Redis exact
-    2 sig  resync repaired drift "bucket:delta,…,a:delta"
+    2 sig  resync repaired drift "bucket:delta,…,a:delta", or "layout" when Redis had
+           another bucket count and was rebuilt to the database's
     4 ""   the pass took too long; nothing changed
     5 ""   resync: the deal's state is absent; nothing changed
 ]]
@@ -151,6 +152,9 @@ if mode ~= 'resync' or tonumber(redis.call('HGET', KEYS[1], 'nb')) ~= nb then
         end
       end
     end
+  end
+  if mode == 'resync' then
+    return {2, 'layout'}
   end
   return {1, ''}
 end

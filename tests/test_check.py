@@ -78,3 +78,20 @@ async def test_held_and_sold_per_bucket_follow_the_orders(
     assert expected in breaches, breaches
     assert any(b.startswith(f"bucket {bucket}: held ") for b in breaches), breaches
     assert (await check_deal(db, rds, deal_id))["invariant"]["ok"]
+
+
+async def test_an_absent_empty_bucket_is_not_drift(
+    client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    """The scripts read an absent bucket field as 0, and the resync loop writes only
+    buckets that differ: a bucket hash lost at the end of a sale must not read as a
+    breach forever."""
+    from gate.keys import deal_keys
+
+    deal_id = await create_deal(client, stock=2, buckets=2)
+    for user in (9_310_001, 9_310_002):
+        assert (await reserve(client, deal_id, user, f"absent-{user}")).status_code == 201
+    await rds.hdel(deal_keys(deal_id).buckets, "0")
+    report = await check_deal(db, rds, deal_id)
+    assert report["redis"]["compared"], report["redis"]
+    assert report["redis"]["mismatches"] == [] and report["invariant"]["ok"], report

@@ -59,6 +59,27 @@ async def test_lost_write_is_repaired_by_the_resync_loop(
     await assert_invariants(db, rds, deal_id, timeout_seconds=5)
 
 
+async def test_a_stale_bucket_layout_is_rebuilt_and_counted_as_a_repair(
+    client: Client, db: Database, rds: aioredis.Redis, local_gate: Gate
+) -> None:
+    """Redis holds another bucket count (a rebucketing whose Redis refresh failed):
+    the resync rebuilds the layout and says it repaired something."""
+    deal_id = await create_deal(client, stock=12, buckets=4)
+    assert (await reserve(client, deal_id, 715_000, f"layout-{deal_id}")).status_code == 201
+    keys = deal_keys(deal_id)
+    results = []
+    # The shared gate's own resync loop may get there first: then try again.
+    for _ in range(5):
+        await rds.hset(keys.meta, "nb", "3")
+        await rds.hdel(keys.buckets, "3")
+        results.append(await local_gate.mirror.resync(deal_id))
+        if results[-1] == (SyncCode.APPLIED, "layout"):
+            break
+    assert results[-1] == (SyncCode.APPLIED, "layout"), results
+    assert await rds.hget(keys.meta, "nb") == "4"
+    await assert_invariants(db, rds, deal_id)
+
+
 async def test_failover_to_a_stale_replica_converges(
     client: Client, db: Database, rds: aioredis.Redis
 ) -> None:
