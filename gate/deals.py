@@ -386,6 +386,8 @@ class Deals:
                 for b in sorted(set(old) | set(new)):
                     o = old.get(b, (0, 0, 0, 0))
                     n = new.get(b, (0, 0, 0, 0))
+                    if n == o:
+                        continue  # a bucket whose numbers did not change has no row
                     ledger.append(
                         (
                             deal_id,
@@ -400,12 +402,13 @@ class Deals:
                             f"buckets {len(old)} -> {count}",
                         )
                     )
-                await cur.executemany(
-                    "INSERT INTO inventory_ledger (deal_id, bucket, d_total, d_available, d_held,"
-                    " d_sold, available_before, available_after, reason, actor, note)"
-                    " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'rebucket', %s, %s)",
-                    ledger,
-                )
+                if ledger:
+                    await cur.executemany(
+                        "INSERT INTO inventory_ledger (deal_id, bucket, d_total, d_available,"
+                        " d_held, d_sold, available_before, available_after, reason, actor,"
+                        " note) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'rebucket', %s, %s)",
+                        ledger,
+                    )
                 await cur.execute(
                     "UPDATE deals SET bucket_count = %s, layout_epoch = %s, updated_at = NOW(6),"
                     " version = version + 1 WHERE id = %s",
