@@ -39,9 +39,6 @@ SERVE_GRACE_SECONDS = 10
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from gate import supervisor
     from gate.logs import configure
     from gate.metrics import prepare_multiprocess
     from gate.migrate import migrate
@@ -60,8 +57,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
     # Several workers keep their metrics in files one scrape merges (gate/metrics.py).
     prepare_multiprocess(args.workers)
+    return run_server("gate.app:create_app", args.host, args.port, args.workers)
+
+
+def run_server(app: str, host: str, port: int, workers: int) -> int:
+    """Serve the ASGI app factory `app` the way `gate serve` does (also the peer
+    baseline's server, so that only the application differs between them)."""
+    import uvicorn
+
+    from gate import supervisor
+
     server: dict[str, Any] = {
-        "app": "gate.app:create_app",
+        "app": app,
         "factory": True,
         "loop": "uvloop",
         "http": "httptools",
@@ -73,14 +80,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "lifespan": "on",
         "timeout_graceful_shutdown": SERVE_GRACE_SECONDS,
     }
-    if args.workers > 1 and supervisor.available():
+    if workers > 1 and supervisor.available():
         # A socket per worker (gate/supervisor.py): connections spread over the workers.
         return supervisor.Supervisor(
-            server, args.host, args.port, args.workers, SERVE_BACKLOG, SERVE_GRACE_SECONDS
+            server, host, port, workers, SERVE_BACKLOG, SERVE_GRACE_SECONDS
         ).run()
-    uvicorn.run(
-        host=args.host, port=args.port, workers=args.workers, backlog=SERVE_BACKLOG, **server
-    )
+    uvicorn.run(host=host, port=port, workers=workers, backlog=SERVE_BACKLOG, **server)
     return 0
 
 

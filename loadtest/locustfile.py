@@ -221,10 +221,10 @@ def _start(environment: Any, **_: Any) -> None:
         elif not opts.admin_token:
             log.error("no --%s-deal and no admin token to create one", role)
         else:
-            created = _admin_post(
-                RUN.record.host, opts.admin_token, "/v1/admin/deals", _deal_body(role, opts, users)
-            )
+            body = _deal_body(role, opts, users)
+            created = _admin_post(RUN.record.host, opts.admin_token, "/v1/admin/deals", body)
             RUN.record.deals[role] = int(created["id"])
+            RUN.record.stocks[int(created["id"])] = int(body["stock"])
             log.info("created %s deal %s", role, created["id"])
     if classes & set(PAYMENT_CLASSES):
         RUN.pay_via = opts.pay_via

@@ -27,6 +27,9 @@ OrderRef = tuple[str, int, int]  # order id, user id, deal id
 class ClientRecord:
     host: str = ""
     deals: dict[str, int] = field(default_factory=dict)
+    # deal id -> the stock it was created with (deals this run created): the verifier
+    # holds the orders against it, not only against the counters.
+    stocks: dict[int, int] = field(default_factory=dict)
     created: list[OrderRef] = field(default_factory=list)
     paid: list[OrderRef] = field(default_factory=list)
     late_paid: list[OrderRef] = field(default_factory=list)
@@ -57,6 +60,7 @@ class ClientRecord:
             "version": VERSION,
             "host": self.host,
             "deals": self.deals,
+            "stocks": {str(d): n for d, n in self.stocks.items()},
             "created": self.created,
             "paid": self.paid,
             "late_paid": self.late_paid,
@@ -78,6 +82,7 @@ class ClientRecord:
         record = cls(
             host=str(data.get("host", "")),
             deals={str(k): int(v) for k, v in data.get("deals", {}).items()},
+            stocks={int(k): int(v) for k, v in data.get("stocks", {}).items()},
             created=[_ref(r) for r in data.get("created", [])],
             paid=[_ref(r) for r in data.get("paid", [])],
             late_paid=[_ref(r) for r in data.get("late_paid", [])],

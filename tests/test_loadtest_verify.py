@@ -14,7 +14,7 @@ from gate.keys import deal_keys
 from loadtest.record import ClientRecord
 from loadtest.verify import verify_gate_deal
 from tests.loadtest_support import created, crowd, run_module, write_record
-from tests.support import Client, create_deal, settled_report
+from tests.support import ADMIN, Client, create_deal, free_port, settled_report
 
 
 async def sold_out_deal(client: Client, stock: int, buckets: int, base: int) -> tuple[int, list]:
@@ -134,6 +134,33 @@ async def test_the_record_catches_lost_orders_and_ghost_stock(
     verdict = await verify_gate_deal(db, rds, deal_id, ghost, settle_seconds=1)
     assert not verdict["ok"]
     assert any(b.startswith("ghost stock: clients were told SOLD_OUT") for b in verdict["breaches"])
+    # One shed buyer (503) explains one unit coming back late, not two.
+    shed = ClientRecord(created=orders)
+    shed.outcomes[deal_id].update({"201": 3, "SOLD_OUT": 7, "OVERLOADED": 1})
+    verdict = await verify_gate_deal(db, rds, deal_id, shed, settle_seconds=1)
+    assert any(b.startswith("ghost stock: clients were told SOLD_OUT") for b in verdict["breaches"])
+    shed.outcomes[deal_id]["OVERLOADED"] = 2
+    verdict = await verify_gate_deal(db, rds, deal_id, shed, settle_seconds=1)
+    assert verdict["ok"], verdict["breaches"]
+
+    # An unreachable Redis is a failed check, not "nothing to compare".
+    nowhere = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", decode_responses=True)
+    try:
+        verdict = await verify_gate_deal(db, nowhere, deal_id, None, settle_seconds=0.5)
+    finally:
+        await nowhere.aclose()
+    assert any(b.startswith("redis: unreachable") for b in verdict["breaches"])
+
+    # Units raised with their ledger rows (as a bug in an adjustment path would):
+    # every counter agrees, only the stock the run created the deal with tells.
+    raised = await client.post(
+        f"/v1/admin/deals/{deal_id}/stock", json={"delta": 2, "reason": "test"}, headers=ADMIN
+    )
+    assert raised.status_code == 200, raised.text
+    inflated = ClientRecord(created=orders, stocks={deal_id: 5})
+    verdict = await verify_gate_deal(db, rds, deal_id, inflated, settle_seconds=1)
+    changed = "stock changed: the deal was created with 5"
+    assert any(b.startswith(changed) for b in verdict["breaches"]), verdict["breaches"]
 
     # A violation a client saw (two orders for one key) fails the run as a whole.
     out_record = ClientRecord(created=orders, violations=["key k: 2 answers 201"])

@@ -26,27 +26,13 @@ def _target() -> MysqlTarget:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from gate.cli import run_server
     from loadtest.baseline.store import migrate
 
     asyncio.run(migrate(_target()))
-    # The gate's own server settings, so only the reservation path differs.
-    uvicorn.run(
-        "loadtest.baseline.app:create_app",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-        log_config=None,
-        lifespan="on",
-        backlog=4096,
-        timeout_graceful_shutdown=10,
-    )
-    return 0
+    # The gate's own server (uvloop, httptools, a listening socket per worker, no
+    # proxy-header rewriting), so only the reservation path differs.
+    return run_server("loadtest.baseline.app:create_app", args.host, args.port, args.workers)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
