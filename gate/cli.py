@@ -42,17 +42,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gate.logs import configure
     from gate.metrics import prepare_multiprocess
     from gate.migrate import migrate
-    from gate.scripts import ScriptMissing, read_scripts
 
     if args.no_background:
         os.environ["GATE_BACKGROUND"] = "0"
+    # Also reads the Lua scripts: a missing one exits 2 here.
     settings = _settings()
     configure(settings.log_level)
-    try:
-        read_scripts()
-    except ScriptMissing as exc:
-        print(f"gate: {exc}", file=sys.stderr)
-        return 2
     if settings.auto_migrate:
         asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
     # Several workers keep their metrics in files one scrape merges (gate/metrics.py).

@@ -591,21 +591,13 @@ class Reservations:
 
     async def _existing(self, req: ReserveRequest, fp: str) -> Reserved:
         """The database already holds this buyer's key: a replay or a mismatch."""
-        try:
-            existing = await orders.by_idempotency_key(self.db, req.user_id, req.idempotency_key)
-        except Exception:
-            raise overloaded("Database unavailable; retry shortly.") from None
+        existing = await self._existing_or_none(req, fp)
         if existing is None:
             raise Problem(
                 "IDEMPOTENCY_IN_PROGRESS",
                 "A request with this Idempotency-Key is still in progress.",
             )
-        if existing.fingerprint != fp:
-            raise Problem(
-                "IDEMPOTENCY_MISMATCH",
-                "This Idempotency-Key was used with a different request.",
-            )
-        return Reserved(existing.reservation_body(), replayed=True)
+        return existing
 
     async def _replay(self, order_id: str, user_id: int, fp: str) -> Reserved:
         try:
