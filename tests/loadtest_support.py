@@ -19,7 +19,7 @@ def baseline_env(env: Mapping[str, str]) -> dict[str, str]:
     return {**env, "BASELINE_MYSQL_URL": test_db + "_baseline", "PYTHONPATH": str(ROOT)}
 
 
-def start_baseline(env: Mapping[str, str], workers: int = 1) -> Server:
+def start_baseline(env: Mapping[str, str], workers: int = 1, *, lean: bool = False) -> Server:
     port = free_port()
     server = Server(
         "baseline",
@@ -32,6 +32,7 @@ def start_baseline(env: Mapping[str, str], workers: int = 1) -> Server:
             str(port),
             "--workers",
             str(workers),
+            *(["--lean"] if lean else []),
         ],
         env,
         port,

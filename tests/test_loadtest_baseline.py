@@ -189,3 +189,47 @@ async def test_wrk_once_mode_gives_every_buyer_one_attempt(
     )
     assert rows[0] == (10, 10)
     assert (await verify_baseline_deal(bdb, deal_id))["ok"]
+
+
+async def test_the_lean_peer_sells_exactly_the_stock(
+    benv: dict[str, str], bdb: Database, baseline: Server
+) -> None:
+    """The lean peer (no auth, no idempotency look-up) shares the schema and the checker:
+    a crowd gets exactly the stock, a reused key is refused, bad input is a 4xx."""
+    lean = start_baseline(benv, workers=1, lean=True)
+    c = Client(lean.url)
+    try:
+        deal_id = await create_deal(c, stock=25)
+        answers = await crowd(c, deal_id, range(1, 121), f"lean{deal_id}")
+        for _ in range(5):
+            shed = [u for u, r in answers if r.status_code == 503]
+            if not shed:
+                break
+            again = await asyncio.gather(
+                *(reserve(c, deal_id, u, f"lean{deal_id}-{u:08d}") for u in shed)
+            )
+            retried = dict(zip(shed, again, strict=True))
+            answers = [(u, retried.get(u, r)) for u, r in answers]
+        assert codes(answers) == {201: 25, "SOLD_OUT": 95}
+        report = await check_deal(bdb, deal_id)
+        assert report["invariant"]["ok"], report
+        assert report["totals"]["available"] == 0
+        # The buyer is the token's sub; the order carries it.
+        order_id, user_id = created(answers)[0]
+        row = await bdb.fetchone("SELECT user_id FROM orders WHERE id = %s", (order_id,))
+        assert row is not None and int(row[0]) == user_id
+        refill = await create_deal(c, stock=5)
+        first = await reserve(c, refill, 7, "lean-same-key")
+        again = await reserve(c, refill, 7, "lean-same-key")
+        assert (first.status_code, again.status_code) == (201, 409)
+        bad = await c.post(
+            f"/v1/deals/{refill}/reservations",
+            json={"quantity": "1"},
+            headers={**buyer(7), "Idempotency-Key": "lean-bad"},
+        )
+        assert bad.status_code == 400
+        assert bad.headers["content-type"].startswith("application/problem+json")
+        assert (await check_deal(bdb, refill))["totals"]["available"] == 4
+    finally:
+        await c.close()
+        lean.stop()

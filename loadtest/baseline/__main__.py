@@ -32,7 +32,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     asyncio.run(migrate(_target()))
     # The gate's own server (uvloop, httptools, a listening socket per worker, no
     # proxy-header rewriting), so only the reservation path differs.
-    return run_server("loadtest.baseline.app:create_app", args.host, args.port, args.workers)
+    app = "loadtest.baseline.lean:create_app" if args.lean else "loadtest.baseline.app:create_app"
+    return run_server(app, args.host, args.port, args.workers)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -91,6 +92,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8100)
     s.add_argument("--workers", type=int, default=1)
+    s.add_argument(
+        "--lean",
+        action="store_true",
+        help="the lean peer: UPDATE the stock row, INSERT the order, COMMIT; no auth, no"
+        " idempotency look-up (loadtest/baseline/lean.py)",
+    )
     s.set_defaults(fn=cmd_serve)
     s = sub.add_parser("migrate", help="create the baseline's database and tables")
     s.add_argument("--drop", action="store_true", help="drop the baseline database first")

@@ -240,7 +240,11 @@ async def _db_unavailable(request: Request, exc: Exception) -> Response:
     return overloaded("Database unavailable; retry shortly.").response(request.url.path)
 
 
-def build_app(settings: Settings) -> Starlette:
+def build_app(
+    settings: Settings, reserve_handler: Callable[[Request], Awaitable[Response]] | None = None
+) -> Starlette:
+    """The article's baseline, or another peer's reservation handler (the lean peer's)
+    over the same schema, admin routes and error handling."""
     baseline = Baseline(settings)
 
     @contextlib.asynccontextmanager
@@ -260,7 +264,7 @@ def build_app(settings: Settings) -> Starlette:
     app = Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
-            Route(deal + "/reservations", reserve, methods=["POST"]),
+            Route(deal + "/reservations", reserve_handler or reserve, methods=["POST"]),
             Route("/v1/admin/deals", admin_create_deal, methods=["POST"]),
             Route("/v1/admin/deals/{deal_id:int}", admin_deal, methods=["GET"]),
         ],
