@@ -11,6 +11,9 @@ Phases (all by default; `--only` picks some):
   sellout   10,000 units to 100,000 buyers making one attempt each: time to sell
             out, oversold 0, lost 0, DB reservation attempts ≤ 1.05 × units
   latency   p50/p99 at 50 % and 90 % of the peak found by `buckets`
+  peer      committed reservations/s as users run it: a 16-bucket deal against the lean
+            DB-only peer (loadtest/baseline/lean.py), both with --workers (2) at 64 and
+            256 connections (≥ 3×), and both with 1 worker at 64 connections (≥ 1.5×)
 
 It owns two databases (gate_bench and gate_bench_baseline, renamed with --db-prefix)
 and one Redis logical database (--redis-url): it drops and flushes them first.
@@ -62,7 +65,13 @@ LIMIT_VARS = (
     "GATE_LIMIT_DEAL",
     "GATE_LIMIT_GLOBAL",
 )
-PHASES = ("ratio", "limiter", "buckets", "sellout", "latency")
+PHASES = ("ratio", "limiter", "buckets", "sellout", "latency", "peer")
+# The peer phase: the settings users run (issue #16), not the ones that flatter the gate.
+PEER_BUCKETS = 16
+PEER_CONNECTIONS = (64, 256)
+PEER_ONE_WORKER_CONNECTIONS = 64
+PEER_TARGET = 3.0
+PEER_ONE_WORKER_TARGET = 1.5
 NOISE_SAMPLE_SECONDS = 2.0
 RATIO_WARMUP_MIN_SECONDS = 3.0
 
@@ -289,7 +298,7 @@ class Bench:
         pool = int(self.env.get("GATE_DB_POOL_MAX", "32"))
         # The limiter phase's own gate runs while the other two are idle and opens
         # few connections (its buyers reach the database once each): not counted.
-        servers = 2
+        servers = 3 if "peer" in self.plan.phases else 2
         need = servers * self.plan.workers * pool + 10
         limit = int(self.sql(None, "SELECT @@max_connections")[0][0])
         used = int(self.sql(None, "SHOW GLOBAL STATUS LIKE 'Threads_connected'")[0][1])
@@ -431,11 +440,16 @@ class Bench:
         rows = self.sql(None, "SHOW GLOBAL STATUS LIKE 'Com_call_procedure'")
         return int(rows[0][1])
 
+    def database_of(self, server: procs.Server) -> str:
+        """The gates (every one this run starts is named "gate") write the gate's database;
+        the article's baseline and the lean peer share the baseline's."""
+        return self.gate_mysql if server.name == "gate" else self.baseline_mysql
+
     def measured(
         self, server: procs.Server, deal_id: int, connections: int, seconds: float, delay_ms: float
     ) -> dict[str, Any]:
         """One measured loop run: DB-side committed/s, latency, CPU per component."""
-        db = self.gate_mysql if server is self.gate else self.baseline_mysql
+        db = self.database_of(server)
         before = self.orders_of(db, deal_id)["count"]
         result, cpu, cpu_s = self.timed(
             server,
@@ -892,6 +906,68 @@ class Bench:
             out["baseline"].append(brun)
         return out
 
+    def start_lean(self, workers: int) -> procs.Server:
+        args = [sys.executable, "-m", "loadtest.baseline", "serve", "--lean"]
+        args += ["--port", str(procs.free_port()), "--workers", str(workers)]
+        self.commands[f"lean_{workers}"] = shlex.join(["python", *args[1:]])
+        server = procs.Server(
+            "lean", args, self.env, int(args[6]), self.results_dir / f"lean-{workers}.log", ROOT
+        )
+        server.wait_ready("/healthz")
+        return server
+
+    def peer_row(
+        self, gate: procs.Server, lean: procs.Server, workers: int, c: int, target: float
+    ) -> dict[str, Any]:
+        runs: dict[str, Any] = {}
+        for name, server, buckets in (("gate", gate, PEER_BUCKETS), ("lean", lean, 1)):
+            deal_id = self.create_deal(server, BIG_STOCK, buckets)
+            self.warm(server, deal_id, c)
+            runs[name] = self.measured(server, deal_id, c, self.plan.duration_s, 0.0)
+        g, p = runs["gate"]["committed_per_s"], runs["lean"]["committed_per_s"]
+        row = {
+            "workers": workers,
+            "connections": c,
+            "buckets": PEER_BUCKETS,
+            **runs,
+            "ratio": _ratio(g, p),
+            "target": target,
+        }
+        say(
+            f"  {workers} worker(s), {c:>4} connections: gate {g}/s"
+            f" ({runs['gate']['cpu_us_per_commit']} µs CPU per commit), lean peer {p}/s"
+            f" → {row['ratio']}×"
+        )
+        return row
+
+    def phase_peer(self) -> dict[str, Any]:
+        """Committed reservations at the settings users run, against the lean peer: the
+        run's gate (--workers) at 64 and 256 connections, then a 1-worker gate and peer."""
+        assert self.gate is not None
+        say(f"peer: committed reservations/s, {PEER_BUCKETS}-bucket deal, against the lean peer")
+        rows = []
+        lean = self.start_lean(self.plan.workers)
+        try:
+            for c in PEER_CONNECTIONS:
+                rows.append(self.peer_row(self.gate, lean, self.plan.workers, c, PEER_TARGET))
+        finally:
+            lean.stop()
+        if self.plan.workers != 1:
+            args = [*self.gate_args()[:-1], "1"]
+            self.commands["gate_1"] = shlex.join(["gate", *args[1:]])
+            gate = procs.Server(
+                "gate", args, self.env, int(args[3]), self.results_dir / "gate-1.log", ROOT
+            )
+            lean = self.start_lean(1)
+            try:
+                gate.wait_ready("/readyz")
+                c = PEER_ONE_WORKER_CONNECTIONS
+                rows.append(self.peer_row(gate, lean, 1, c, PEER_ONE_WORKER_TARGET))
+            finally:
+                gate.stop()
+                lean.stop()
+        return {"rows": rows}
+
     # -- the whole run --------------------------------------------------------------------
 
     def environment(self) -> dict[str, Any]:
@@ -978,6 +1054,8 @@ class Bench:
                 phases["sellout"] = self.phase_sellout(best)
             if "latency" in plan.phases:
                 phases["latency"] = self.phase_latency(buckets_result)
+            if "peer" in plan.phases:
+                phases["peer"] = self.phase_peer()
         finally:
             self.stop_servers()
             if restore_pool is not None:

@@ -139,6 +139,20 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "kind": "info",
                 }
             )
+    for row in phases.get("peer", {}).get("rows", []):
+        g, lean = row["gate"], row["lean"]
+        rows.append(
+            {
+                "target": f"committed reservations/s, {row['buckets']}-bucket deal,"
+                f" {row['workers']} worker(s) each, {row['connections']} connections"
+                f" ≥ {row['target']:g} × the lean DB-only peer",
+                "measured": f"{_n(g['committed_per_s'])}/s vs {_n(lean['committed_per_s'])}/s"
+                f" (gate CPU {_n(g['cpu_us_per_commit'])} µs per commit)",
+                "value": f"{row['ratio']:.2f}×",
+                "ok": row["ratio"] >= row["target"],
+                "kind": "speed",
+            }
+        )
     return rows
 
 
