@@ -2,7 +2,8 @@
 side, in one run, on one machine, every target reported as a ratio of that run.
 
 Phases (all by default; `--only` picks some):
-  ratio     sold-out rejections/s against the same gate process's /healthz (≥ 0.8)
+  ratio     sold-out rejections/s against the same gate process's /healthz (≥ 0.9 in
+            every round)
   limiter   rate-limited rejections/s against sold-out rejections/s of one gate
             started with a per-user limit (GATE_LIMIT_USER, default 1/m burst 1),
             a few buyers hammering (≥ 0.9, issue #3)
@@ -11,6 +12,10 @@ Phases (all by default; `--only` picks some):
   sellout   10,000 units to 100,000 buyers making one attempt each: time to sell
             out, oversold 0, lost 0, DB reservation attempts ≤ 1.05 × units
   latency   p50/p99 at 50 % and 90 % of the peak found by `buckets`
+  expiry    holds released/s as a user sees it: `--expiry-holds` (50,000) holds made
+            through the API (distinct buyers, per-user limit 1, 8 buckets), every
+            deadline moved to one instant, only the sweepers inside the run's
+            `gate serve`, until the public deal view shows every unit (≥ 10,000/s)
   peer      committed reservations/s as users run it: a 16-bucket deal against the lean
             DB-only peer (loadtest/baseline/lean.py), both with --workers (2) at 64 and
             256 connections (≥ 3×), and both with 1 worker at 64 connections (≥ 1.5×)
@@ -65,7 +70,12 @@ LIMIT_VARS = (
     "GATE_LIMIT_DEAL",
     "GATE_LIMIT_GLOBAL",
 )
-PHASES = ("ratio", "limiter", "buckets", "sellout", "latency", "peer")
+PHASES = ("ratio", "limiter", "buckets", "sellout", "latency", "peer", "expiry")
+EXPIRY_BUCKETS = 8
+EXPIRY_TARGET_PER_S = 10_000
+EXPIRY_LEAD_SECONDS = 3.0
+EXPIRY_TIMEOUT_SECONDS = 120.0
+USER_BASE_EXPIRY = 5 * 10**12
 # The peer phase: the settings users run (issue #16), not the ones that flatter the gate.
 PEER_BUCKETS = 16
 PEER_CONNECTIONS = (64, 256)
@@ -100,6 +110,7 @@ class Plan:
     phases: list[str]
     argv: list[str] = field(default_factory=list)
     keep_buffer_pool: bool = False
+    expiry_holds: int = 50_000
 
 
 def plan_from(args: argparse.Namespace, argv: list[str]) -> Plan:
@@ -135,6 +146,7 @@ def plan_from(args: argparse.Namespace, argv: list[str]) -> Plan:
         ),
         argv=argv,
         keep_buffer_pool=bool(args.keep_buffer_pool),
+        expiry_holds=pick(args.expiry_holds, 50_000, 5_000),
     )
 
 
@@ -566,7 +578,8 @@ class Bench:
             "rejections_per_s": round(reject_rps, 1),
             "ratio": _ratio(reject_rps, health_rps),
             **_costs(rounds, "healthz", "sold_out"),
-            "target": 0.8,
+            # 0.8 in issue #6; issue #16 raised it to 0.9 in every round.
+            "target": 0.9,
         }
         out["ratio_by_cpu"] = _ratio(out["healthz_cpu_us"], out["sold_out_cpu_us"])
         return out
@@ -968,6 +981,93 @@ class Bench:
                 lean.stop()
         return {"rows": rows}
 
+    def phase_expiry(self) -> dict[str, Any]:
+        """Expiry as a user sees it: holds made through the API, every deadline moved to
+        one instant T (database clock), then only the run's `gate serve` sweepers; the
+        measurement is T → the public deal view showing every unit available."""
+        assert self.gate is not None
+        n = self.plan.expiry_holds
+        say(f"expiry: {n:,} holds made through the API, released by gate serve's sweepers")
+        tokens = self.results_dir / "tokens-expiry.txt"
+        first = USER_BASE_EXPIRY
+        write_token_file(tokens, self.jwt_secret, range(first, first + n), TOKEN_TTL_SECONDS)
+        status, body = http_json(
+            "POST",
+            self.gate.url + "/v1/admin/deals",
+            {
+                "title": "bench expiry",
+                "unit_price": 1000,
+                "currency": "EUR",
+                "stock": n,
+                "buckets": EXPIRY_BUCKETS,
+                "hold_seconds": 3600,
+                "max_per_order": 1,
+                "per_user_limit": 1,
+            },
+            self.admin,
+        )
+        if status != 201:
+            raise RuntimeError(f"creating the expiry deal answered {status}: {body}")
+        deal_id = int(body["id"])
+        try:
+            made = wrkrun.reserve_once(
+                self.gate.url, deal_id, tokens, self.tag + "e", 256, self.plan.threads
+            )
+        finally:
+            tokens.unlink(missing_ok=True)
+        holds = self.orders_of(self.gate_mysql, deal_id)["count"]
+        say(f"  {holds:,} holds made ({made.count(201):,} answered 201)")
+        lead_us = int(EXPIRY_LEAD_SECONDS * 1e6)
+        self.sql(
+            self.gate_mysql,
+            "UPDATE orders SET expires_at = NOW(6) + INTERVAL %s MICROSECOND"
+            " WHERE deal_id = %s AND status = 'PENDING_PAYMENT'",
+            (lead_us, deal_id),
+        )
+        left = self.sql(
+            self.gate_mysql,
+            "SELECT TIMESTAMPDIFF(MICROSECOND, NOW(6), MIN(expires_at)) FROM orders"
+            " WHERE deal_id = %s",
+            (deal_id,),
+        )[0][0]
+        due_at = time.monotonic() + int(left) / 1e6
+        if due_at < time.monotonic() + 0.5:
+            raise RuntimeError("the holds fell due before the measurement could start")
+        time.sleep(max(0.0, due_at - time.monotonic()))
+        meter = self.meter(self.gate)
+        meter.start()
+        cpu_before = procs.cpu_seconds(self.gate.pids())
+        available = 0
+        while True:
+            _, view = http_json("GET", f"{self.gate.url}/v1/deals/{deal_id}")
+            available = int((view or {}).get("remaining_hint", 0))
+            now = time.monotonic()
+            if available >= n or now - due_at > EXPIRY_TIMEOUT_SECONDS:
+                break
+            time.sleep(0.005)
+        cores = meter.stop()
+        cpu_s = procs.cpu_seconds(self.gate.pids()) - cpu_before
+        elapsed = now - due_at
+        verdict = self.verify(self.gate, deal_id)
+        out = {
+            "deal_id": deal_id,
+            "holds": holds,
+            "buckets": EXPIRY_BUCKETS,
+            "released_all": available >= n,
+            "elapsed_s": round(elapsed, 3),
+            "holds_per_s": round(holds / elapsed, 1) if elapsed > 0 else 0.0,
+            "cpu_cores": cores,
+            "cpu_us_per_hold": self.per_request_us(cpu_s, holds),
+            "invariant_ok": verdict.get("ok"),
+            "breaches": verdict.get("breaches", []),
+            "target": EXPIRY_TARGET_PER_S,
+        }
+        say(
+            f"  every unit back in {out['elapsed_s']} s: {out['holds_per_s']:,} holds/s"
+            f" (gate CPU {out['cpu_us_per_hold']} µs per hold)"
+        )
+        return out
+
     # -- the whole run --------------------------------------------------------------------
 
     def environment(self) -> dict[str, Any]:
@@ -1056,6 +1156,8 @@ class Bench:
                 phases["latency"] = self.phase_latency(buckets_result)
             if "peer" in plan.phases:
                 phases["peer"] = self.phase_peer()
+            if "expiry" in plan.phases:
+                phases["expiry"] = self.phase_expiry()
         finally:
             self.stop_servers()
             if restore_pool is not None:
@@ -1110,6 +1212,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sellout-baseline", action="store_true")
     p.add_argument("--latency-duration", type=float, help="seconds per latency run (8; quick 2)")
     p.add_argument("--only", nargs="+", choices=PHASES)
+    p.add_argument("--expiry-holds", type=int, help="holds of the expiry phase (50000; quick 5000)")
     p.add_argument("--mysql-url", help="server to use (default GATE_MYSQL_URL's server)")
     p.add_argument(
         "--db-prefix", default="gate_bench", help="database names (gate_bench[_baseline])"

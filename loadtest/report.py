@@ -42,13 +42,20 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     if "ratio" in phases:
         r = phases["ratio"]
+        # Issue #16: the target holds in every round of the run, not on average.
+        per_round = [
+            x["rejections_per_s"] / x["healthz_per_s"] for x in r["rounds"] if x["healthz_per_s"]
+        ]
+        worst = min(per_round, default=r["ratio"])
         rows.append(
             {
-                "target": "sold-out rejections/s ≥ 0.8 × /healthz of the same process",
+                "target": f"sold-out rejections/s ≥ {r['target']:g} × /healthz of the same"
+                " process, in every round",
                 "measured": f"{_n(r['rejections_per_s'])}/s vs {_n(r['healthz_per_s'])}/s"
-                f" ({r['connections']} connections){_by_cpu(r)}",
-                "value": f"{r['ratio']:.2f}×",
-                "ok": r["ratio"] >= r["target"],
+                f" ({r['connections']} connections; rounds"
+                f" {', '.join(f'{x:.2f}' for x in per_round)}){_by_cpu(r)}",
+                "value": f"{worst:.2f}× (worst round)",
+                "ok": worst >= r["target"],
                 "kind": "speed",
             }
         )
@@ -151,6 +158,27 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "value": f"{row['ratio']:.2f}×",
                 "ok": row["ratio"] >= row["target"],
                 "kind": "speed",
+            }
+        )
+    if "expiry" in phases:
+        e = phases["expiry"]
+        rows.append(
+            {
+                "target": f"expiry inside gate serve: {e['holds']:,} API-made holds released"
+                f" until the deal view shows every unit ≥ {e['target']:,}/s",
+                "measured": f"{e['elapsed_s']} s (gate CPU {_n(e['cpu_us_per_hold'])} µs per hold)",
+                "value": f"{_n(e['holds_per_s'])}/s",
+                "ok": bool(e["released_all"]) and e["holds_per_s"] >= e["target"],
+                "kind": "speed",
+            }
+        )
+        rows.append(
+            {
+                "target": "… every invariant after the releases",
+                "measured": "; ".join(e["breaches"]) or "invariant, Redis = DB",
+                "value": "holds" if e["invariant_ok"] else "BREACH",
+                "ok": e["invariant_ok"],
+                "kind": "correctness",
             }
         )
     return rows

@@ -142,3 +142,55 @@ def test_wrk_output_is_parsed() -> None:
     assert result.count(201, 409) == 100
     with pytest.raises(wrkrun.WrkError):
         wrkrun.parse("no result here", "wrk …")
+
+
+def test_the_ratio_target_holds_in_every_round_and_peer_and_expiry_rows_are_judged() -> None:
+    r = results()
+    r["phases"]["ratio"]["rounds"] = [
+        {"healthz_per_s": 10_000.0, "rejections_per_s": 9_500.0},
+        {"healthz_per_s": 10_000.0, "rejections_per_s": 8_800.0},
+    ]
+    r["phases"]["ratio"]["ratio"] = 0.915
+    r["phases"]["ratio"]["target"] = 0.9
+    rows = report.verdicts(r)
+    ratio = next(x for x in rows if x["target"].startswith("sold-out rejections/s"))
+    # The mean (0.915) passes; the worst round (0.88) does not.
+    assert ratio["ok"] is False and ratio["value"].startswith("0.88")
+    peer = {"committed_per_s": 1_000.0, "cpu_us_per_commit": 100.0}
+    r["phases"]["peer"] = {
+        "rows": [
+            {
+                "workers": 2,
+                "connections": 64,
+                "buckets": 16,
+                "target": 3.0,
+                "ratio": 3.2,
+                "gate": {"committed_per_s": 3_200.0, "cpu_us_per_commit": 120.0},
+                "lean": peer,
+            },
+            {
+                "workers": 1,
+                "connections": 64,
+                "buckets": 16,
+                "target": 1.5,
+                "ratio": 1.4,
+                "gate": {"committed_per_s": 1_400.0, "cpu_us_per_commit": 130.0},
+                "lean": peer,
+            },
+        ]
+    }
+    r["phases"]["expiry"] = {
+        "holds": 50_000,
+        "elapsed_s": 4.0,
+        "holds_per_s": 12_500.0,
+        "cpu_us_per_hold": 40.0,
+        "released_all": True,
+        "invariant_ok": True,
+        "breaches": [],
+        "target": 10_000,
+    }
+    verdicts = {x["target"]: x["ok"] for x in report.verdicts(r)}
+    peer_rows = [ok for target, ok in verdicts.items() if "lean DB-only peer" in target]
+    assert peer_rows == [True, False]
+    expiry = [ok for target, ok in verdicts.items() if target.startswith("expiry inside")]
+    assert expiry == [True]
