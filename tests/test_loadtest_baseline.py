@@ -9,6 +9,7 @@ import asyncio
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,20 +64,28 @@ async def bdb(
         await database.close()
 
 
-async def test_a_crowd_sells_exactly_the_stock(bclient: Client, bdb: Database) -> None:
-    deal_id = await create_deal(bclient, stock=30)
-    answers = await crowd(bclient, deal_id, range(1, 201), f"bl{deal_id}")
-    # 200 transactions queue on one row: some may wait past the lock-wait timeout or
-    # the pool's wait and be shed (503). Their buyers retry with the same key.
+async def crowd_with_retries(
+    client: Client, deal_id: int, users: range, prefix: str
+) -> list[tuple[int, Any]]:
+    """One attempt per buyer, all at once. Transactions queue on one row: some may wait
+    past the lock-wait timeout or the pool's wait and be shed (503); their buyers retry
+    with the same key."""
+    answers = await crowd(client, deal_id, users, prefix)
     for _ in range(5):
         shed = [u for u, r in answers if r.status_code == 503]
         if not shed:
             break
         again = await asyncio.gather(
-            *(reserve(bclient, deal_id, u, f"bl{deal_id}-{u:08d}") for u in shed)
+            *(reserve(client, deal_id, u, f"{prefix}-{u:08d}") for u in shed)
         )
         retried = dict(zip(shed, again, strict=True))
         answers = [(u, retried.get(u, r)) for u, r in answers]
+    return answers
+
+
+async def test_a_crowd_sells_exactly_the_stock(bclient: Client, bdb: Database) -> None:
+    deal_id = await create_deal(bclient, stock=30)
+    answers = await crowd_with_retries(bclient, deal_id, range(1, 201), f"bl{deal_id}")
     assert codes(answers) == {201: 30, "SOLD_OUT": 170}
     sold_out = next(r for _, r in answers if r.status_code == 409)
     assert sold_out.headers["content-type"] == "application/problem+json"
@@ -200,16 +209,7 @@ async def test_the_lean_peer_sells_exactly_the_stock(
     c = Client(lean.url)
     try:
         deal_id = await create_deal(c, stock=25)
-        answers = await crowd(c, deal_id, range(1, 121), f"lean{deal_id}")
-        for _ in range(5):
-            shed = [u for u, r in answers if r.status_code == 503]
-            if not shed:
-                break
-            again = await asyncio.gather(
-                *(reserve(c, deal_id, u, f"lean{deal_id}-{u:08d}") for u in shed)
-            )
-            retried = dict(zip(shed, again, strict=True))
-            answers = [(u, retried.get(u, r)) for u, r in answers]
+        answers = await crowd_with_retries(c, deal_id, range(1, 121), f"lean{deal_id}")
         assert codes(answers) == {201: 25, "SOLD_OUT": 95}
         report = await check_deal(bdb, deal_id)
         assert report["invariant"]["ok"], report

@@ -42,6 +42,28 @@ class DealMeta:
     max_per_order: int
 
 
+async def insert_order(
+    cur: Any, order_id: str, user_id: int, deal_id: int, quantity: int, key: str, meta: DealMeta
+) -> None:
+    """The order row of a reservation (the article's INSERT; the lean peer's too)."""
+    await cur.execute(
+        "INSERT INTO orders (id, user_id, deal_id, quantity, amount, currency,"
+        " status, idempotency_key, expires_at, created_at, updated_at) VALUES"
+        " (%s, %s, %s, %s, %s, %s, 'PENDING_PAYMENT', %s,"
+        " DATE_ADD(NOW(), INTERVAL %s SECOND), NOW(6), NOW(6))",
+        (
+            order_id,
+            user_id,
+            deal_id,
+            quantity,
+            meta.unit_price * quantity,
+            meta.currency,
+            key,
+            meta.hold_seconds,
+        ),
+    )
+
+
 class Baseline:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -100,22 +122,7 @@ class Baseline:
                     return "sold_out", None
                 order_id = new_id()
                 try:
-                    await cur.execute(
-                        "INSERT INTO orders (id, user_id, deal_id, quantity, amount, currency,"
-                        " status, idempotency_key, expires_at, created_at, updated_at) VALUES"
-                        " (%s, %s, %s, %s, %s, %s, 'PENDING_PAYMENT', %s,"
-                        " DATE_ADD(NOW(), INTERVAL %s SECOND), NOW(6), NOW(6))",
-                        (
-                            order_id,
-                            user_id,
-                            deal_id,
-                            quantity,
-                            meta.unit_price * quantity,
-                            meta.currency,
-                            key,
-                            meta.hold_seconds,
-                        ),
-                    )
+                    await insert_order(cur, order_id, user_id, deal_id, quantity, key, meta)
                 except pymysql.err.IntegrityError as exc:
                     if not (exc.args and exc.args[0] == 1062):
                         raise

@@ -38,6 +38,7 @@ from loadtest.baseline.app import (
     Baseline,
     baseline_settings,
     build_app,
+    insert_order,
 )
 
 BODY_MAX_BYTES = 1024
@@ -99,22 +100,7 @@ async def reserve(request: Request) -> Response:
                 await cur.execute("ROLLBACK")
                 return _problem(409, "SOLD_OUT", "This deal is sold out.")
             try:
-                await cur.execute(
-                    "INSERT INTO orders (id, user_id, deal_id, quantity, amount, currency,"
-                    " status, idempotency_key, expires_at, created_at, updated_at) VALUES"
-                    " (%s, %s, %s, %s, %s, %s, 'PENDING_PAYMENT', %s,"
-                    " DATE_ADD(NOW(), INTERVAL %s SECOND), NOW(6), NOW(6))",
-                    (
-                        order_id,
-                        user_id,
-                        deal_id,
-                        quantity,
-                        meta.unit_price * quantity,
-                        meta.currency,
-                        key,
-                        meta.hold_seconds,
-                    ),
-                )
+                await insert_order(cur, order_id, user_id, deal_id, quantity, key, meta)
             except pymysql.err.IntegrityError:
                 await cur.execute("ROLLBACK")
                 return _problem(409, "DUPLICATE", "This Idempotency-Key was used already.")
