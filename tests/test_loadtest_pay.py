@@ -33,7 +33,8 @@ def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProce
     sandbox = Server(
         "sandbox",
         [GATE_BIN, "sandbox", "--port", str(port)],
-        env,
+        # The sandbox runs only in dev and signs with its own secret: the gate's.
+        {**env, "GATE_ENV": "dev", "GATE_SANDBOX_WEBHOOK_SECRET": env["GATE_WEBHOOK_SECRET"]},
         port,
         ROOT / ".local" / f"test-sandbox-{port}.log",
         ROOT,
@@ -46,6 +47,8 @@ def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProce
         genv = {
             **env,
             "GATE_PAYMENT_PROVIDER_URL": sandbox_url,
+            # Required outside dev; this sandbox has no key of its own and ignores it.
+            "GATE_PAYMENT_API_KEY": "test-loadtest-provider-key-01",
             "GATE_PAYMENT_CALLBACK_URL": f"http://127.0.0.1:{gate_port}/v1/payments/sandbox/webhook",
             "GATE_PAYMENT_RETURN_URL": f"http://127.0.0.1:{gate_port}/paid",
         }
