@@ -296,6 +296,11 @@ async def test_controls_of_the_wrong_type_are_refused_and_change_nothing(
             assert r.status_code in (400, 404), (path, doc, r.status_code, r.text)
             if r.status_code == 400:
                 assert r.headers["content-type"] == "application/problem+json"
+        # Unknown routes and methods answer problem+json too.
+        for method, path in (("GET", "/nope"), ("DELETE", "/sandbox/config")):
+            r = await client.request(method, path, headers=AUTH)
+            assert r.status_code in (404, 405), (method, path, r.status_code)
+            assert r.headers["content-type"] == "application/problem+json"
         # The right types work.
         good = {"mode": "hold", "duplicates": 2, "drop_rate": 0, "delay_seconds": 0.5}
         r = await client.post("/sandbox/config", json=good, headers=AUTH)

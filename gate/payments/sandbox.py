@@ -67,6 +67,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
@@ -1010,6 +1011,13 @@ async def _bad_request(request: Request, exc: Exception) -> Response:
     return exc.response
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 as problem+json, like every other refusal."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+    return _error(exc.status_code, code, str(exc.detail))
+
+
 def load_config(env: Mapping[str, str], host: str, port: int) -> SandboxConfig:
     """The sandbox's settings; SettingsError (exit 2) outside GATE_ENV=dev or on a bad
     value. It fakes payments and signs callbacks: it never runs in production."""
@@ -1086,7 +1094,7 @@ def build_sandbox_app(config: SandboxConfig) -> Starlette:
             Route("/sandbox/refunds/{refund_id}/settle", settle_refund, methods=["POST"]),
             Route("/sandbox/stats", stats, methods=["GET"]),
         ],
-        exception_handlers={BadRequest: _bad_request},
+        exception_handlers={BadRequest: _bad_request, HTTPException: _http_error},
         middleware=[Middleware(ApiKeyGuard, api_key=config.api_key)],
         lifespan=lifespan,
     )
