@@ -5,8 +5,10 @@
 #   docker run -p 8000:8000 -e GATE_REDIS_URL=redis://… -e GATE_MYSQL_URL=mysql://… \
 #     -e GATE_JWT_SECRET=… -e GATE_ADMIN_TOKEN=… -e GATE_WEBHOOK_SECRET=whsec_… gate
 #
-# The whole local stack (Redis, MariaDB, sandbox provider, Prometheus, Grafana) is
-# docker-compose.yml; docs/operations.md describes both.
+# Outside GATE_ENV=dev the built-in development secrets are refused. The whole stack
+# (Redis, MariaDB, a one-shot migrate, Prometheus, Grafana) is docker-compose.yml; the
+# local demo with the sandbox provider is docker-compose.dev.yml; docs/operations.md
+# ("Deploying safely") describes them.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

@@ -41,7 +41,7 @@ SERVE_GRACE_SECONDS = 10
 def cmd_serve(args: argparse.Namespace) -> int:
     from gate.logs import configure
     from gate.metrics import prepare_multiprocess
-    from gate.migrate import migrate
+    from gate.migrate import MigrationError, migrate
 
     if args.no_background:
         os.environ["GATE_BACKGROUND"] = "0"
@@ -49,7 +49,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings()
     configure(settings.log_level)
     if settings.auto_migrate:
-        asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
+        # A current schema is only read, so the least-privilege app user may do this.
+        try:
+            asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
+        except MigrationError as exc:
+            print(f"gate: {exc}", file=sys.stderr)
+            return 2
     # Several workers keep their metrics in files one scrape merges (gate/metrics.py).
     prepare_multiprocess(args.workers)
     return run_server("gate.app:create_app", args.host, args.port, args.workers)
@@ -85,11 +90,29 @@ def run_server(app: str, host: str, port: int, workers: int) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from gate.migrate import migrate
+    """Apply pending migrations; with GATE_MYSQL_APP_USER, also create the gate's
+    least-privilege database user (docs/operations.md, "Database users")."""
+    from gate.migrate import APP_PRIVILEGES, MigrationError, ensure_app_user, load_app_user, migrate
 
     settings = _settings()
-    applied = asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
-    print("applied: " + ", ".join(applied) if applied else "schema is current")
+    try:
+        app_user = load_app_user(settings.environ, settings.mysql)
+    except SettingsError as exc:
+        print(f"gate: configuration error: {exc}", file=sys.stderr)
+        return 2
+    timeout = settings.db_connect_timeout_seconds
+    try:
+        applied = asyncio.run(migrate(settings.mysql, timeout))
+        print("applied: " + ", ".join(applied) if applied else "schema is current")
+        if app_user is not None:
+            asyncio.run(ensure_app_user(settings.mysql, app_user, timeout))
+            print(
+                f"database user {app_user.name}@{app_user.host}:"
+                f" {', '.join(APP_PRIVILEGES)} on {settings.mysql.database}"
+            )
+    except MigrationError as exc:
+        print(f"gate migrate: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

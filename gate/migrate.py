@@ -4,6 +4,16 @@ Files are named NNN_name.sql and applied in order. DDL is not transactional in
 MySQL/MariaDB, so concurrency safety comes from a named lock (GET_LOCK) held for
 the whole run: a second `gate migrate` waits, then finds nothing left to do.
 A recorded file whose checksum changed stops the run: migrations are append-only.
+
+    migrate(target) ──> schema current? (reads only) ──yes──> done, no DDL: so
+          │                                          `gate serve` may auto-migrate as
+          no                                         the least-privilege app user
+          └──> CREATE DATABASE, GET_LOCK, apply pending, record; a user that may not
+               (the app user) gets a MigrationError saying to migrate as an admin
+
+    ensure_app_user(target, GATE_MYSQL_APP_USER…) ──> CREATE USER IF NOT EXISTS /
+          ALTER USER (password), GRANT APP_PRIVILEGES ON `<database>`.*, then refuse a
+          user that holds anything more (docs/operations.md, "Database users")
 """
 
 from __future__ import annotations
@@ -12,13 +22,15 @@ import hashlib
 import logging
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiomysql
+import pymysql
 
 from gate.db import connect_kwargs
-from gate.settings import MysqlTarget
+from gate.settings import MysqlTarget, Secret, SettingsError
 
 log = logging.getLogger("gate.migrate")
 
@@ -26,6 +38,16 @@ DB_DIR = Path(__file__).resolve().parent.parent / "db"
 LOCK_NAME = "gate.migrate"
 LOCK_WAIT_SECONDS = 60
 _FILE_RE = re.compile(r"^(\d{3,})_([a-z0-9_]+)\.sql$")
+# What the gate needs at run time, its background loops included: rows, the stored
+# procedures, and the connection-private scratch tables of the batch procedures
+# (SQL SECURITY INVOKER: gate_expire_scratch, gate_cb_scratch, gate_reserve_scratch), which
+# is not the right to create or change any real table. No DDL, no GRANT, nothing global.
+APP_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "EXECUTE", "CREATE TEMPORARY TABLES")
+_APP_USER_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
+_APP_HOST_RE = re.compile(r"^[A-Za-z0-9.%_:-]{1,255}$")
+APP_PASSWORD_MIN_CHARS = 16
+# Access denied: to a database, a command, a table; "you need the X privilege".
+_DENIED_ERRNOS = (1044, 1142, 1227, 1370)
 
 
 class MigrationError(RuntimeError):
@@ -91,9 +113,64 @@ def read_migrations(directory: Path | None = None) -> list[Migration]:
     return migrations
 
 
+async def _recorded(cur: aiomysql.Cursor, database: str) -> dict[int, str] | None:
+    """The recorded migrations (version → checksum), read-only; None when there is no
+    schema_migrations table (or the user cannot see it)."""
+    await cur.execute(
+        "SELECT COUNT(*) FROM information_schema.TABLES "
+        "WHERE TABLE_SCHEMA = %s AND TABLE_NAME = 'schema_migrations'",
+        (database,),
+    )
+    row = await cur.fetchone()
+    if not row or int(row[0]) == 0:
+        return None
+    await cur.execute(f"SELECT version, checksum FROM `{database}`.schema_migrations")
+    return {int(v): str(c) for v, c in await cur.fetchall()}
+
+
+def _check_recorded(migrations: list[Migration], done: dict[int, str]) -> list[Migration]:
+    """The migrations still to apply; a recorded one whose file changed stops the run."""
+    left = []
+    for m in migrations:
+        if m.version not in done:
+            left.append(m)
+        elif done[m.version] != m.checksum:
+            raise MigrationError(
+                f"migration {m.version:03d}_{m.name} changed after it was "
+                "applied; add a new migration instead"
+            )
+    return left
+
+
 async def migrate(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str]:
-    """Create the database if needed and apply pending migrations. Returns applied names."""
+    """Create the database if needed and apply pending migrations. Returns applied names.
+
+    A current schema is only read (no DDL, no lock): the least-privilege app user may
+    run this, which is what `gate serve` does at start with GATE_AUTO_MIGRATE on."""
     migrations = read_migrations()
+    conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
+    try:
+        async with conn.cursor() as cur:
+            done = await _recorded(cur, target.database)
+            if done is not None and not _check_recorded(migrations, done):
+                return []
+    finally:
+        conn.close()
+    try:
+        return await _apply(target, migrations, timeout_seconds)
+    except pymysql.err.MySQLError as exc:
+        if exc.args and exc.args[0] in _DENIED_ERRNOS:
+            raise MigrationError(
+                f"the schema of `{target.database}` is not current and the database user"
+                f" {target.user!r} may not change it ({exc.args[1]}); run `gate migrate`"
+                " with an administrative GATE_MYSQL_URL"
+            ) from None
+        raise
+
+
+async def _apply(
+    target: MysqlTarget, migrations: list[Migration], timeout_seconds: float
+) -> list[str]:
     conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
     applied: list[str] = []
     try:
@@ -120,14 +197,7 @@ async def migrate(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str
                 )
                 await cur.execute("SELECT version, checksum FROM schema_migrations")
                 done = {int(v): str(c) for v, c in await cur.fetchall()}
-                for m in migrations:
-                    if m.version in done:
-                        if done[m.version] != m.checksum:
-                            raise MigrationError(
-                                f"migration {m.version:03d}_{m.name} changed after it was "
-                                "applied; add a new migration instead"
-                            )
-                        continue
+                for m in _check_recorded(migrations, done):
                     log.info("applying migration %03d_%s", m.version, m.name)
                     for statement in m.statements:
                         await cur.execute(statement)
@@ -164,3 +234,109 @@ async def pending(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str
             return [f"{m.version:03d}_{m.name}" for m in migrations if m.version not in done]
     finally:
         conn.close()
+
+
+@dataclass(frozen=True)
+class AppUser:
+    """The database account `gate serve` should connect as (GATE_MYSQL_APP_*)."""
+
+    name: str
+    host: str
+    password: Secret
+
+
+def load_app_user(env: Mapping[str, str], admin: MysqlTarget) -> AppUser | None:
+    """GATE_MYSQL_APP_USER/_PASSWORD/_HOST, read by `gate migrate` only; None when no
+    app user is asked for. SettingsError (exit 2) names the variable at fault."""
+    name = env.get("GATE_MYSQL_APP_USER", "").strip()
+    if not name:
+        return None
+    if not _APP_USER_RE.match(name):
+        raise SettingsError("GATE_MYSQL_APP_USER must be 1-80 characters of [A-Za-z0-9_]")
+    if name == admin.user:
+        raise SettingsError(
+            "GATE_MYSQL_APP_USER must differ from the GATE_MYSQL_URL user (the admin that"
+            " migrates): the app user gets only " + ", ".join(APP_PRIVILEGES)
+        )
+    host = env.get("GATE_MYSQL_APP_HOST", "%").strip() or "%"
+    if not _APP_HOST_RE.match(host):
+        raise SettingsError("GATE_MYSQL_APP_HOST must be a MariaDB host pattern such as % or 10.%")
+    password = env.get("GATE_MYSQL_APP_PASSWORD", "")
+    if len(password) < APP_PASSWORD_MIN_CHARS:
+        raise SettingsError(
+            f"GATE_MYSQL_APP_PASSWORD is required with GATE_MYSQL_APP_USER"
+            f" (at least {APP_PASSWORD_MIN_CHARS} characters)"
+        )
+    return AppUser(name, host, Secret(password))
+
+
+def _granted(grants: list[str], database: str) -> tuple[set[str], list[str]]:
+    """The privileges SHOW GRANTS lists on `database`.*, and every other grant line
+    (global privileges other than USAGE, other databases, tables, GRANT OPTION)."""
+    on_db: set[str] = set()
+    other: list[str] = []
+    pattern = re.compile(r"^GRANT (.+) ON (\S+) TO .*$")
+    for line in grants:
+        m = pattern.match(line)
+        if m is None:
+            other.append(line)
+            continue
+        # Database-level grants read `_` as a wildcard, hence the escaped form.
+        privileges, where = m.group(1), m.group(2).replace("`", "").replace("\\_", "_")
+        names = {p.strip().upper() for p in privileges.split(",")}
+        if "WITH GRANT OPTION" in line.upper():
+            other.append(line)
+        elif where == "*.*" and names == {"USAGE"}:
+            continue
+        elif where == f"{database}.*":
+            on_db |= names
+        else:
+            other.append(line)
+    return on_db, other
+
+
+def _db_pattern(database: str) -> str:
+    """The database name as a GRANT pattern that matches it alone (`_` is a wildcard
+    there; `%` cannot occur: names are [A-Za-z0-9_])."""
+    return database.replace("_", "\\_")
+
+
+async def ensure_app_user(target: MysqlTarget, user: AppUser, timeout_seconds: float = 5.0) -> None:
+    """Create (or re-password) the app user and grant it APP_PRIVILEGES on the gate's
+    database. A user that already holds more is refused, never silently kept."""
+    conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
+    account = (user.name, user.host)
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute("SET SESSION sql_notes = 0")
+            await cur.execute(
+                "CREATE USER IF NOT EXISTS %s@%s IDENTIFIED BY %s",
+                (*account, user.password.reveal()),
+            )
+            # Also the rotation path: a new GATE_MYSQL_APP_PASSWORD takes effect here.
+            await cur.execute(
+                "ALTER USER %s@%s IDENTIFIED BY %s", (*account, user.password.reveal())
+            )
+            await cur.execute(
+                f"GRANT {', '.join(APP_PRIVILEGES)} ON `{_db_pattern(target.database)}`.* TO %s@%s",
+                account,
+            )
+            await cur.execute("SHOW GRANTS FOR %s@%s", account)
+            lines = [str(r[0]) for r in await cur.fetchall()]
+    finally:
+        conn.close()
+    on_db, other = _granted(lines, target.database)
+    extra = sorted(on_db - set(APP_PRIVILEGES)) + other
+    if extra:
+        raise MigrationError(
+            f"database user {user.name!r}@{user.host!r} holds more than the gate needs"
+            f" ({'; '.join(x.split(' IDENTIFIED BY')[0] for x in extra)}); revoke it or"
+            " choose another GATE_MYSQL_APP_USER"
+        )
+    log.info(
+        "database user %s@%s may %s on %s",
+        user.name,
+        user.host,
+        ", ".join(APP_PRIVILEGES),
+        target.database,
+    )

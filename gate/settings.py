@@ -215,6 +215,13 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     def secret(name: str, dev_value: str) -> str:
         value = env.get(name, "").strip()
         if value:
+            # The development values are public (they are in this file): outside dev
+            # they would let anyone mint tokens, act as admin or forge callbacks.
+            if not dev and dev_value in value.split():
+                raise SettingsError(
+                    f"{name} is the public development value; set a secret of your own"
+                    " (the built-in one is accepted only with GATE_ENV=dev)"
+                )
             return value
         if dev:
             dev_used.append(name)

@@ -138,6 +138,12 @@ def _options(parser: Any) -> None:
         help="with --pay-via sandbox: set its delivery controls (duplicates, reorder window)",
     )
     g.add_argument(
+        "--sandbox-api-key",
+        env_var="GATE_SANDBOX_API_KEY",
+        default="",
+        help="with --sandbox-url: the sandbox's API key (its /sandbox/* controls need it)",
+    )
+    g.add_argument(
         "--sandbox-duplicates", type=int, env_var="LOADTEST_SANDBOX_DUPLICATES", default=2
     )
     g.add_argument(
@@ -235,7 +241,7 @@ def _start(environment: Any, **_: Any) -> None:
             # the provider's own at-least-once, out-of-order delivery.
             _admin_post(
                 opts.sandbox_url,
-                "",
+                opts.sandbox_api_key,
                 "/sandbox/config",
                 {
                     "duplicates": opts.sandbox_duplicates,

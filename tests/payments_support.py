@@ -14,7 +14,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,7 @@ from tests.support import (
     WEBHOOK_SECRET,
     Client,
     GateProcess,
+    Resp,
     base_env,
     buyer,
     free_port,
@@ -46,6 +47,10 @@ OLD_KEY = decode_secret(OLD_SECRET)
 NEW_KEY = decode_secret(NEW_SECRET)
 OTHER_KEY = decode_secret(OTHER_SECRET)
 WEBHOOK_PATH = "/v1/payments/sandbox/webhook"
+# The sandbox requires it on every route (but /pay and /healthz); the gate sends it as
+# its provider API key, which it must have outside GATE_ENV=dev.
+SANDBOX_API_KEY = "test-sandbox-api-key-0123456789"
+SANDBOX_AUTH = {"Authorization": f"Bearer {SANDBOX_API_KEY}"}
 
 
 def pay_env(sandbox_url: str) -> dict[str, str]:
@@ -56,6 +61,7 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
             # The database server is shared by parallel suites (max_connections).
             "GATE_DB_POOL_MAX": "16",
             "GATE_PAYMENT_PROVIDER_URL": sandbox_url,
+            "GATE_PAYMENT_API_KEY": SANDBOX_API_KEY,
             "GATE_PAYMENT_TIMEOUT_SECONDS": "1",
             "GATE_PAYMENT_RETRY_MAX": "2",
             "GATE_PAYMENT_CAPTURE_MARGIN_SECONDS": "5",
@@ -73,7 +79,9 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
 
 
 class SandboxProcess:
-    """A real `gate sandbox` process."""
+    """A real `gate sandbox` process: GATE_ENV=dev (it refuses anything else), its own
+    webhook secret (NEW_SECRET, which the gate's GATE_WEBHOOK_SECRET lists) and an API
+    key on every route."""
 
     def __init__(self, port: int, webhook_url: str, extra_env: dict[str, str] | None = None):
         self.port = port
@@ -81,6 +89,8 @@ class SandboxProcess:
         env = base_env()
         env.update(
             {
+                "GATE_ENV": "dev",
+                "GATE_SANDBOX_API_KEY": SANDBOX_API_KEY,
                 "GATE_SANDBOX_WEBHOOK_SECRET": NEW_SECRET,
                 "GATE_SANDBOX_WEBHOOK_URL": webhook_url,
                 "GATE_SANDBOX_BACKOFF_BASE_SECONDS": "0.1",
@@ -165,9 +175,21 @@ async def pay_client(pay_stack: PayStack) -> AsyncIterator[Client]:
         await c.close()
 
 
+class KeyedClient(Client):
+    """A Client that sends the sandbox's API key unless the call names its own
+    Authorization header."""
+
+    async def request(
+        self, method: str, path: str, *, headers: Mapping[str, str] | None = None, **kw: Any
+    ) -> Resp:
+        return await super().request(
+            method, path, headers={**SANDBOX_AUTH, **(headers or {})}, **kw
+        )
+
+
 class SandboxClient:
     def __init__(self, url: str) -> None:
-        self.http = Client(url)
+        self.http = KeyedClient(url)
 
     async def close(self) -> None:
         await self.http.close()

@@ -17,6 +17,8 @@ from tests.support import GATE_BIN, ROOT, GateProcess
 
 pytestmark = pytest.mark.slow
 
+SANDBOX_KEY = "test-loadtest-sandbox-key-0123456789"
+
 
 def has_sandbox(env: dict[str, str]) -> bool:
     """Whether `gate sandbox` is the provider, not the core's "not available" stand-in."""
@@ -33,7 +35,14 @@ def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProce
     sandbox = Server(
         "sandbox",
         [GATE_BIN, "sandbox", "--port", str(port)],
-        env,
+        # The sandbox runs only in dev, signs with its own secret (the gate's) and wants
+        # its key on its controls, which the locust users set (GATE_SANDBOX_API_KEY).
+        {
+            **env,
+            "GATE_ENV": "dev",
+            "GATE_SANDBOX_WEBHOOK_SECRET": env["GATE_WEBHOOK_SECRET"],
+            "GATE_SANDBOX_API_KEY": SANDBOX_KEY,
+        },
         port,
         ROOT / ".local" / f"test-sandbox-{port}.log",
         ROOT,
@@ -46,6 +55,8 @@ def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProce
         genv = {
             **env,
             "GATE_PAYMENT_PROVIDER_URL": sandbox_url,
+            "GATE_PAYMENT_API_KEY": SANDBOX_KEY,
+            "GATE_SANDBOX_API_KEY": SANDBOX_KEY,
             "GATE_PAYMENT_CALLBACK_URL": f"http://127.0.0.1:{gate_port}/v1/payments/sandbox/webhook",
             "GATE_PAYMENT_RETURN_URL": f"http://127.0.0.1:{gate_port}/paid",
         }

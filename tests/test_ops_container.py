@@ -7,17 +7,22 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
-from gate.settings import load_settings
+from gate.payments.config import load_payment_settings
+from gate.payments.sandbox import load_config as load_sandbox_config
+from gate.payments.signing import decode_secrets
+from gate.settings import SettingsError, load_settings
 from tests.support import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_DEV = ROOT / "docker-compose.dev.yml"
 SECRET_NAMES = ("GATE_JWT_SECRET", "GATE_ADMIN_TOKEN", "GATE_WEBHOOK_SECRET")
 
 
@@ -112,18 +117,33 @@ def test_dockerfile_copies_only_what_exists_and_is_not_ignored() -> None:
             assert src.rstrip("/") not in ignored, f"{src} is excluded by .dockerignore"
 
 
+class MissingVariable(Exception):
+    """Compose's ${VAR:?message} with VAR unset or empty: `docker compose up` stops."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name
+        self.message = message
+
+
 def _interpolate(value: Any, environ: dict[str, str]) -> str:
-    """Compose's ${VAR:-default} / ${VAR} interpolation, enough for this file."""
+    """Compose's ${VAR:-default} / ${VAR:?message} / ${VAR} interpolation."""
 
     def repl(m: re.Match[str]) -> str:
-        name, _, default = m.group(1).partition(":-")
+        expr = m.group(1)
+        if ":?" in expr:
+            name, _, message = expr.partition(":?")
+            if not environ.get(name):
+                raise MissingVariable(name, message)
+            return environ[name]
+        name, _, default = expr.partition(":-")
         return environ.get(name) or default
 
     return re.sub(r"\$\{([^}]+)\}", repl, str(value))
 
 
-def compose() -> dict[str, Any]:
-    data = yaml.safe_load(COMPOSE.read_text())
+def compose(path: Path = COMPOSE) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
     assert isinstance(data, dict)
     return data
 
@@ -135,64 +155,174 @@ def service_env(service: dict[str, Any], environ: dict[str, str]) -> dict[str, s
     return {k: _interpolate(v, environ) for k, v in raw.items()}
 
 
-def test_compose_runs_the_whole_local_stack() -> None:
+def strings(node: Any) -> list[str]:
+    """Every string in a parsed compose file (where interpolation applies)."""
+    if isinstance(node, dict):
+        return [s for v in node.values() for s in strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in strings(v)]
+    return [node] if isinstance(node, str) else []
+
+
+# What docker-compose.yml must be given; none has a default.
+PROD_SECRETS = {
+    "GATE_JWT_SECRET": "j" * 40,
+    "GATE_ADMIN_TOKEN": "a" * 24,
+    "GATE_WEBHOOK_SECRET": "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQ=",
+    "REDIS_PASSWORD": "r" * 32,
+    "MARIADB_ROOT_PASSWORD": "m" * 32,
+    "GATE_MYSQL_APP_PASSWORD": "p" * 32,
+    "GRAFANA_ADMIN_PASSWORD": "g" * 20,
+}
+
+
+def test_compose_runs_the_whole_stack() -> None:
+    for path, extra in ((COMPOSE, set()), (COMPOSE_DEV, {"sandbox"})):
+        services = compose(path)["services"]
+        expected = {"gate", "migrate", "redis", "mariadb", "prometheus", "grafana"} | extra
+        assert set(services) == expected, (path.name, set(services))
+        gate, migrate = services["gate"], services["migrate"]
+        assert gate["build"] == "." and migrate["build"] == "."
+        assert gate["command"][0] == "serve" and "--workers" in gate["command"]
+        assert migrate["command"] == ["migrate"]
+        # Listens beyond its container's loopback, or nothing else can reach it.
+        assert gate["command"][gate["command"].index("--host") + 1] == "0.0.0.0"
+        # The gate starts once the schema and its database user exist.
+        assert gate["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+        for dep in ("redis", "mariadb"):
+            assert gate["depends_on"][dep]["condition"] == "service_healthy"
+            assert services[dep]["healthcheck"]["test"]
+        assert migrate["depends_on"]["mariadb"]["condition"] == "service_healthy"
+        assert "noeviction" in services["redis"]["command"]
+        if "sandbox" in services:
+            sandbox = services["sandbox"]
+            assert sandbox["command"][0] == "sandbox" and "healthcheck" in sandbox
+        # Files mounted into Prometheus and Grafana exist in the repository.
+        for name in ("prometheus", "grafana"):
+            for volume in services[name].get("volumes", []):
+                source = str(volume).split(":", 1)[0]
+                if source.startswith("./"):
+                    assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+    # The two stacks never share volumes (a dev root password on production data).
+    assert compose(COMPOSE_DEV)["name"] != compose(COMPOSE).get("name", ROOT.name)
+
+
+def test_compose_refuses_to_start_without_each_secret() -> None:
     data = compose()
-    services = data["services"]
-    assert {"gate", "sandbox", "redis", "mariadb", "prometheus"} <= set(services)
-
-    gate, sandbox = services["gate"], services["sandbox"]
-    assert gate["build"] == "." and sandbox["build"] == "."
-    assert gate["command"][0] == "serve" and "--workers" in gate["command"]
-    assert sandbox["command"][0] == "sandbox"
-    # Both listen beyond their container's loopback, or nothing else can reach them.
-    for service in (gate, sandbox):
-        command = service["command"]
-        assert command[command.index("--host") + 1] == "0.0.0.0", command
-    assert any(str(p).endswith(":8000") for p in gate["ports"])
-
-    # The gate waits for healthy dependencies, and each dependency says when it is.
-    for dep in ("redis", "mariadb"):
-        assert gate["depends_on"][dep]["condition"] == "service_healthy"
-        assert services[dep]["healthcheck"]["test"]
-    assert "noeviction" in services["redis"]["command"]
-    assert "healthcheck" in sandbox
-
-    # Files mounted into Prometheus and Grafana exist in the repository.
-    for name in ("prometheus", "grafana"):
-        for volume in services.get(name, {}).get("volumes", []):
-            source = str(volume).split(":", 1)[0]
-            if source.startswith("./"):
-                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+    text = " ".join(strings(data))
+    for name in PROD_SECRETS:
+        # Every use of a secret stops the run when it is missing, with a message.
+        uses = re.findall(r"\$\{" + name + r"([^}]*)\}", text)
+        assert uses, name
+        for use in uses:
+            assert use.startswith(":?") and len(use) > 3, (name, use)
+        given = {k: v for k, v in PROD_SECRETS.items() if k != name}
+        with pytest.raises(MissingVariable) as missing:
+            for value in strings(data):
+                _interpolate(value, given)
+        assert missing.value.name == name and missing.value.message
+        with pytest.raises(MissingVariable):
+            for value in strings(data):
+                _interpolate(value, {**given, name: ""})
+    # With all of them, everything interpolates.
+    for value in strings(data):
+        _interpolate(value, PROD_SECRETS)
 
 
-def test_compose_gives_the_gate_a_valid_environment() -> None:
+def test_compose_publishes_only_the_gate_and_runs_in_production() -> None:
     services = compose()["services"]
-    env = service_env(services["gate"], {})
-    for name in ("GATE_ENV", "GATE_REDIS_URL", "GATE_MYSQL_URL", *SECRET_NAMES):
-        assert name in env, name
+    published = {name: [str(p) for p in s.get("ports", [])] for name, s in services.items()}
+    assert published["gate"] == ["8000:8000"]
+    for name in ("prometheus", "grafana"):
+        assert published[name] and all(p.startswith("127.0.0.1:") for p in published[name])
+    for name in ("redis", "mariadb", "migrate"):
+        assert published[name] == [], name
+    # The dev stack: everything on loopback.
+    for name, service in compose(COMPOSE_DEV)["services"].items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+
+    env = service_env(services["gate"], PROD_SECRETS)
+    assert env["GATE_ENV"] == "production"
+    settings = load_settings(env)
+    assert not settings.is_dev and settings.dev_secrets_used == ()
+    assert settings.jwt_secret.reveal() == PROD_SECRETS["GATE_JWT_SECRET"]
+    # Payments off until a provider is configured, and then only https with a key.
+    assert load_payment_settings(env).provider_url is None
+    with pytest.raises(SettingsError, match="GATE_PAYMENT_API_KEY is required"):
+        load_payment_settings({**env, "GATE_PAYMENT_PROVIDER_URL": "https://psp.example"})
+    # Redis asks for its password, and the gate has it.
+    redis_cmd = [_interpolate(c, PROD_SECRETS) for c in services["redis"]["command"]]
+    password = redis_cmd[redis_cmd.index("--requirepass") + 1]
+    assert password == PROD_SECRETS["REDIS_PASSWORD"]
+    assert urlsplit(env["GATE_REDIS_URL"]).password == password
     assert urlsplit(env["GATE_REDIS_URL"]).hostname == "redis"
-    mysql = urlsplit(env["GATE_MYSQL_URL"])
-    assert mysql.hostname == "mariadb" and mysql.path == "/gate"
-    mariadb_env = service_env(services["mariadb"], {})
-    assert mysql.password == mariadb_env["MARIADB_ROOT_PASSWORD"]
-    # The defaults start in dev mode, which the gate accepts (and says so) ...
+
+
+def test_compose_gate_connects_as_the_app_user_and_only_migrate_as_root() -> None:
+    for path, given in ((COMPOSE, PROD_SECRETS), (COMPOSE_DEV, {})):
+        services = compose(path)["services"]
+        gate_env = service_env(services["gate"], given)
+        migrate_env = service_env(services["migrate"], given)
+        gate_db = urlsplit(gate_env["GATE_MYSQL_URL"])
+        admin_db = urlsplit(migrate_env["GATE_MYSQL_URL"])
+        assert gate_db.hostname == "mariadb" and gate_db.path == "/gate"
+        assert gate_db.username == migrate_env["GATE_MYSQL_APP_USER"] != "root"
+        assert gate_db.password == migrate_env["GATE_MYSQL_APP_PASSWORD"]
+        assert admin_db.username == "root" and admin_db.path == "/gate"
+        assert admin_db.password == service_env(services["mariadb"], given)["MARIADB_ROOT_PASSWORD"]
+        # Only the one-shot migrate job holds the root password.
+        for name, service in services.items():
+            if name in ("migrate", "mariadb"):
+                continue
+            values = " ".join(service_env(service, given).values())
+            assert admin_db.password not in values, name
+            assert "mysql://root" not in values, name
+        # The app user may not migrate: the gate only checks the schema at start.
+        assert gate_env["GATE_AUTO_MIGRATE"] == "0"
+
+
+def test_compose_grafana_and_prometheus_are_locked_down() -> None:
+    for path, given in ((COMPOSE, PROD_SECRETS), (COMPOSE_DEV, {})):
+        services = compose(path)["services"]
+        prometheus = services["prometheus"]["command"]
+        assert not any("enable-lifecycle" in str(flag) for flag in prometheus), path.name
+        assert not any("enable-admin-api" in str(flag) for flag in prometheus), path.name
+        grafana = service_env(services["grafana"], given)
+        assert grafana.get("GF_SECURITY_ADMIN_PASSWORD", "admin") != "admin"
+        assert grafana.get("GF_USERS_ALLOW_SIGN_UP") == "false"
+        if grafana.get("GF_AUTH_ANONYMOUS_ENABLED", "false") == "true":
+            # Only in the loopback-bound dev stack, and only to look.
+            assert path == COMPOSE_DEV
+            assert grafana["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    prod = compose()["services"]["grafana"]["environment"]
+    assert str(prod["GF_SECURITY_ADMIN_PASSWORD"]).startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    assert prod["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+def test_compose_dev_stack_is_a_working_development_demo() -> None:
+    services = compose(COMPOSE_DEV)["services"]
+    env = service_env(services["gate"], {})
+    assert env["GATE_ENV"] == "dev"
     settings = load_settings(env)
     assert settings.is_dev and set(settings.dev_secrets_used) == set(SECRET_NAMES)
-    # ... and real secrets given to compose reach the gate, with production checks.
-    given = {
-        "GATE_ENV": "production",
-        "GATE_JWT_SECRET": "j" * 40,
-        "GATE_ADMIN_TOKEN": "a" * 20,
-        "GATE_WEBHOOK_SECRET": "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQ=",
-    }
-    prod = load_settings(service_env(services["gate"], given))
-    assert not prod.is_dev and prod.jwt_secret.reveal() == "j" * 40
-    # The gate and the sandbox sign and verify with the same secret.
-    sandbox_env = service_env(services["sandbox"], given)
-    assert sandbox_env["GATE_WEBHOOK_SECRET"] == given["GATE_WEBHOOK_SECRET"]
-    assert urlsplit(sandbox_env["GATE_SANDBOX_WEBHOOK_URL"]).hostname == "gate"
-    # Several workers share the metric files in a directory that starts empty.
-    assert env["PROMETHEUS_MULTIPROC_DIR"] in " ".join(services["gate"]["tmpfs"])
+    payments = load_payment_settings(env)
+    assert payments.provider_url is not None
+    assert urlsplit(payments.provider_url).hostname == "sandbox"
+    # The sandbox starts (dev only), accepts the gate's callback URL on its allow-list,
+    # signs with the secret the gate verifies with, and wants the key the gate sends.
+    sandbox_env = service_env(services["sandbox"], {})
+    assert "GATE_WEBHOOK_SECRET" not in sandbox_env
+    config = load_sandbox_config(sandbox_env, "0.0.0.0", 8090)
+    assert config.signing_keys == decode_secrets(settings.webhook_secrets)
+    assert config.api_key == env["GATE_PAYMENT_API_KEY"]
+    assert payments.callback_url is not None
+    assert config.notify_allow.allows(payments.callback_url)
+    assert urlsplit(config.webhook_url).hostname == "gate"
+    # The production file has no sandbox, and the sandbox refuses production anyway.
+    assert "sandbox" not in compose()["services"]
+    with pytest.raises(SettingsError, match="GATE_ENV=dev"):
+        load_sandbox_config({**sandbox_env, "GATE_ENV": "production"}, "0.0.0.0", 8090)
 
 
 def _engine() -> tuple[str | None, str]:

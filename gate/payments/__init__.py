@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import socket
 import sys
@@ -105,6 +106,13 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
         print(f"gate sandbox: configuration error: {exc}", file=sys.stderr)
         return 2
     configure(os.environ.get("GATE_LOG_LEVEL", "INFO").upper())
+    if not os.environ.get("GATE_SANDBOX_WEBHOOK_SECRET", "").strip():
+        # Said out loud: the gate verifies with GATE_WEBHOOK_SECRET, which the sandbox
+        # never borrows; a gate that should trust this sandbox must be given this one.
+        logging.getLogger("gate.sandbox").warning(
+            "GATE_SANDBOX_WEBHOOK_SECRET is unset: signing callbacks with the built-in"
+            " development secret (GATE_WEBHOOK_SECRET is never used by the sandbox)"
+        )
     os.environ["GATE_SANDBOX_HOST"] = args.host
     os.environ["GATE_SANDBOX_PORT"] = str(args.port)
     uvicorn.run(

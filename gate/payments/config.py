@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -19,6 +20,37 @@ def _url(env: Mapping[str, str], name: str) -> str | None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise SettingsError(f"{name} must be an http(s) URL, got {raw!r}")
     return raw.rstrip("/")
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether `host` is a loopback IP literal (names are not trusted: they resolve)."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_provider_security(env: Mapping[str, str], url: str | None, api_key: str) -> None:
+    """Outside GATE_ENV=dev the gate talks to its provider over TLS and with a key.
+
+    Plain http stays allowed to a loopback address only (a sidecar or a local test
+    provider): that traffic never leaves the machine, so TLS would protect nothing.
+    """
+    if url is None or env.get("GATE_ENV", "production").strip().lower() == "dev":
+        return
+    parts = urlsplit(url)
+    if parts.scheme != "https" and not is_loopback_host(parts.hostname):
+        raise SettingsError(
+            "GATE_PAYMENT_PROVIDER_URL must be https:// outside GATE_ENV=dev"
+            " (plain http only to a loopback address such as 127.0.0.1)"
+        )
+    if not api_key:
+        raise SettingsError(
+            "GATE_PAYMENT_API_KEY is required when GATE_PAYMENT_PROVIDER_URL is set"
+            " (outside GATE_ENV=dev)"
+        )
 
 
 @dataclass(frozen=True)
@@ -71,9 +103,11 @@ def load_payment_settings(env: Mapping[str, str]) -> PaymentSettings:
     stream = env.get("GATE_OUTBOX_STREAM", "gate:events").strip() or "gate:events"
     if len(stream) > 200:
         raise SettingsError("GATE_OUTBOX_STREAM must be at most 200 characters")
+    provider_url = _url(env, "GATE_PAYMENT_PROVIDER_URL")
+    _check_provider_security(env, provider_url, api_key)
     settings = PaymentSettings(
         provider=provider,
-        provider_url=_url(env, "GATE_PAYMENT_PROVIDER_URL"),
+        provider_url=provider_url,
         provider_api_key=Secret(api_key) if api_key else None,
         callback_url=_url(env, "GATE_PAYMENT_CALLBACK_URL"),
         return_url=_url(env, "GATE_PAYMENT_RETURN_URL"),

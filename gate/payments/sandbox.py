@@ -28,6 +28,18 @@ Test controls (what a provider's test mode dashboard offers):
 Events are signed with Standard Webhooks and delivered with retries and
 exponential backoff until a 2xx (bounded attempts). State is in memory and bounded:
 a restart forgets everything, as a test mode may.
+
+It is a development tool, fenced in (docs/payments.md, "The sandbox provider"):
+
+  gate sandbox ──> GATE_ENV=dev?  no ──> exit 2
+                   signs with GATE_SANDBOX_WEBHOOK_SECRET (never GATE_WEBHOOK_SECRET;
+                   the built-in dev secret when unset)
+  request ──> GATE_SANDBOX_API_KEY set? ──> Bearer key required on every route but
+              /healthz and the buyer's /pay/{session_id} (the unguessable session id
+              is the buyer's capability, as on a provider's hosted page)
+  callback ──> target host in GATE_SANDBOX_NOTIFY_ALLOW (loopback by default)? else 400
+              at the control that named it (exit 2 for GATE_SANDBOX_WEBHOOK_URL);
+              redirects are not followed
 """
 
 from __future__ import annotations
@@ -38,22 +50,29 @@ import contextlib
 import hashlib
 import hmac
 import html
+import ipaddress
 import logging
 import os
 import random
+import re
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
+from http import HTTPStatus
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gate.payments.signing import decode_secret, sign_headers
 from gate.settings import (
@@ -66,6 +85,12 @@ from gate.settings import (
 log = logging.getLogger("gate.sandbox")
 
 BODY_MAX_BYTES = 16_384
+URL_MAX_CHARS = 2048
+NOTIFY_ALLOW_DEFAULT = "127.0.0.0/8 ::1 localhost"
+NOTIFY_ALLOW_ENTRIES_MAX = 64
+_HOST_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,62})(\.[a-z0-9]([a-z0-9-]{0,62}))*$")
+# What a test mode may be told to wait, at most.
+CONTROL_SECONDS_MAX = 3600.0
 ID_RE_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-:.")
 
 
@@ -78,7 +103,22 @@ def _json(doc: Any, status: int = 200) -> Response:
 
 
 def _error(status: int, code: str, detail: str, **extra: Any) -> Response:
-    return _json({"code": code, "detail": detail, **extra}, status)
+    """An RFC 9457 problem; `code` and `detail` are what the gate's client reads."""
+    doc = {
+        "type": "about:blank",
+        "title": HTTPStatus(status).phrase,
+        "status": status,
+        "code": code,
+        "detail": detail,
+        **extra,
+    }
+    headers = {"WWW-Authenticate": 'Bearer realm="sandbox"'} if status == 401 else None
+    return Response(
+        orjson.dumps(doc),
+        status_code=status,
+        media_type="application/problem+json",
+        headers=headers,
+    )
 
 
 class BadRequest(Exception):
@@ -87,12 +127,57 @@ class BadRequest(Exception):
         self.response = _error(status, code, detail, **extra)
 
 
+@dataclass(frozen=True)
+class NotifyAllow:
+    """Where the sandbox may send callbacks: host names (exact) and IP networks.
+    Names are compared as written, never resolved here."""
+
+    names: frozenset[str]
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+    @classmethod
+    def parse(cls, name: str, raw: str) -> NotifyAllow:
+        entries = raw.replace(",", " ").split()
+        if len(entries) > NOTIFY_ALLOW_ENTRIES_MAX:
+            raise SettingsError(f"{name} has more than {NOTIFY_ALLOW_ENTRIES_MAX} entries")
+        names: set[str] = set()
+        networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in entries:
+            try:
+                networks.append(ipaddress.ip_network(entry, strict=False))
+                continue
+            except ValueError:
+                pass
+            host = entry.lower().rstrip(".")
+            if len(host) > 253 or not _HOST_NAME.match(host) or host.replace(".", "").isdigit():
+                raise SettingsError(f"{name}: {entry!r} is neither a host name nor an IP network")
+            names.add(host)
+        return cls(frozenset(names), tuple(networks))
+
+    def allows(self, url: str) -> bool:
+        try:
+            parts = urlsplit(url)
+            host = parts.hostname
+        except ValueError:
+            return False
+        if parts.scheme not in ("http", "https") or not host or parts.username is not None:
+            return False
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return host.rstrip(".") in self.names
+        return any(address in net for net in self.networks if net.version == address.version)
+
+
 @dataclass
 class SandboxConfig:
     webhook_url: str
     public_url: str
     signing_keys: tuple[bytes, ...]
     api_key: str | None
+    notify_allow: NotifyAllow = field(
+        default_factory=lambda: NotifyAllow.parse("GATE_SANDBOX_NOTIFY_ALLOW", NOTIFY_ALLOW_DEFAULT)
+    )
     retry_max: int = 12
     backoff_base_seconds: float = 0.5
     backoff_max_seconds: float = 60.0
@@ -305,7 +390,11 @@ class Sandbox:
         event.attempts += 1
         self.stats["attempts"] += 1
         try:
-            async with self.client().post(event.url, data=event.body, headers=headers) as resp:
+            # No redirects: a target on the allow-list must not bounce the callback
+            # somewhere that is not.
+            async with self.client().post(
+                event.url, data=event.body, headers=headers, allow_redirects=False
+            ) as resp:
                 await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError, OSError):
@@ -457,20 +546,69 @@ def _sandbox(request: Request) -> Sandbox:
     return sb
 
 
-def _check_key(request: Request) -> None:
-    key = _sandbox(request).config.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise BadRequest(401, "unauthorized", "Invalid API key.")
+# Open without the key: the health probe, and the buyer's page, which a browser opens
+# from the session's URL (its unguessable id is the capability, as with a provider's
+# hosted payment page).
+OPEN_PATHS = ("/healthz", "/pay/")
+
+
+class ApiKeyGuard:
+    """With GATE_SANDBOX_API_KEY set, every route but OPEN_PATHS needs
+    `Authorization: Bearer <key>`, the /sandbox/* controls included."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is None or scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if path == OPEN_PATHS[0] or path.startswith(OPEN_PATHS[1]):
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        if not hmac.compare_digest(given, self.expected):
+            await _error(401, "unauthorized", "Missing or invalid API key.")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _url_field(sb: Sandbox, doc: Mapping[str, Any], name: str, *, notify: bool) -> str | None:
+    """An optional URL in a request: absent/null/"" is None; a notify target must be
+    on the allow-list (GATE_SANDBOX_NOTIFY_ALLOW)."""
+    value = doc.get(name)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or len(value) > URL_MAX_CHARS:
+        raise BadRequest(
+            400, "invalid_request", f"'{name}' must be a URL of at most {URL_MAX_CHARS} characters."
+        )
+    if notify and not sb.config.notify_allow.allows(value):
+        raise BadRequest(
+            400,
+            "notify_url_not_allowed",
+            f"'{name}' must be an http(s) URL whose host is in GATE_SANDBOX_NOTIFY_ALLOW.",
+        )
+    return value
+
+
+def _flag(doc: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = doc.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(400, "invalid_request", f"'{name}' must be true or false.")
+    return value
 
 
 # -- provider API ----------------------------------------------------------------------
 
 
 async def create_session(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     doc = await _body(request)
     order_id = _str(doc, "order_id", 64)
@@ -480,9 +618,12 @@ async def create_session(request: Request) -> Response:
     if capture not in ("automatic", "manual"):
         raise BadRequest(400, "invalid_request", "capture_method: automatic or manual.")
     expires_at = _int(doc, "expires_at", 0, 2**40)
-    notify_url = doc.get("notify_url") or None
-    return_url = doc.get("return_url") or None
-    description = str(doc.get("description") or "")[:200]
+    notify_url = _url_field(sb, doc, "notify_url", notify=True)
+    return_url = _url_field(sb, doc, "return_url", notify=False)
+    description = doc.get("description") or ""
+    if not isinstance(description, str):
+        raise BadRequest(400, "invalid_request", "'description' must be a string.")
+    description = description[:200]
 
     def make() -> tuple[int, dict[str, Any]]:
         sb._room()
@@ -494,8 +635,8 @@ async def create_session(request: Request) -> Response:
             currency,
             str(capture),
             expires_at,
-            notify_url if isinstance(notify_url, str) else None,
-            return_url if isinstance(return_url, str) else None,
+            notify_url,
+            return_url,
             description,
             f"{sb.config.public_url}/pay/{sid}",
         )
@@ -512,7 +653,6 @@ async def create_session(request: Request) -> Response:
 
 
 async def list_sessions(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     order_id = request.query_params.get("order_id", "")
     items = [sb.session_view(sb.sessions[s]) for s in sb.sessions_by_order.get(order_id, [])]
@@ -520,7 +660,6 @@ async def list_sessions(request: Request) -> Response:
 
 
 async def list_payments(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     order_id = request.query_params.get("order_id", "")
     items = [sb.payment_view(sb.payments[p]) for p in sb.payments_by_order.get(order_id, [])]
@@ -528,7 +667,6 @@ async def list_payments(request: Request) -> Response:
 
 
 async def get_payment(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     p = sb.payments.get(request.path_params["payment_id"])
     if p is None:
@@ -537,7 +675,6 @@ async def get_payment(request: Request) -> Response:
 
 
 async def capture(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     pid = request.path_params["payment_id"]
     doc = await _body(request)
@@ -566,7 +703,6 @@ async def capture(request: Request) -> Response:
 
 
 async def void(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     pid = request.path_params["payment_id"]
     p = sb.payments.get(pid)
@@ -588,7 +724,6 @@ async def void(request: Request) -> Response:
 
 
 async def create_refund(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     doc = await _body(request)
     pid = _str(doc, "payment_id")
@@ -606,7 +741,6 @@ async def create_refund(request: Request) -> Response:
 
 
 async def get_refund(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     r = sb.refunds.get(request.path_params["refund_id"])
     if r is None:
@@ -615,7 +749,6 @@ async def get_refund(request: Request) -> Response:
 
 
 async def transactions(request: Request) -> Response:
-    _check_key(request)
     sb = _sandbox(request)
     after = request.query_params.get("after", "0")
     limit = request.query_params.get("limit", "100")
@@ -714,23 +847,57 @@ async def pay(request: Request) -> Response:
 # -- test controls ----------------------------------------------------------------------
 
 
+def _choice(*allowed: str) -> Any:
+    def check(name: str, value: Any) -> Any:
+        if not isinstance(value, str) or value not in allowed:
+            raise BadRequest(
+                400, "invalid_request", f"'{name}' must be one of {', '.join(allowed)}."
+            )
+        return value
+
+    return check
+
+
+def _number(lo: float, hi: float, *, integer: bool = False) -> Any:
+    def check(name: str, value: Any) -> Any:
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
+            kind = "an integer" if integer else "a number"
+            raise BadRequest(400, "invalid_request", f"'{name}' must be {kind} in {lo:g}..{hi:g}.")
+        return value if integer else float(value)
+
+    return check
+
+
+# Each control's check: a value of the wrong type or range is refused, never stored.
+CONTROL_CHECKS: dict[str, Any] = {
+    "mode": _choice("auto", "hold"),
+    "duplicates": _number(0, 100, integer=True),
+    "delay_seconds": _number(0, CONTROL_SECONDS_MAX),
+    "reorder_window_seconds": _number(0, CONTROL_SECONDS_MAX),
+    "drop_rate": _number(0, 1),
+    "refund_mode": _choice("succeed", "fail", "pending"),
+    "session_delay_seconds": _number(0, CONTROL_SECONDS_MAX),
+}
+
+
 async def controls(request: Request) -> Response:
+    """Read or change the delivery controls; a request with any bad control changes
+    nothing (400 problem+json)."""
     sb = _sandbox(request)
     if request.method == "POST":
         doc = await _body(request)
-        c = sb.controls
+        changes: dict[str, Any] = {}
         for name, value in doc.items():
-            if not hasattr(c, name):
+            if name == "webhook_url":
+                changes[name] = _url_field(sb, doc, name, notify=True)
+                continue
+            check = CONTROL_CHECKS.get(name)
+            if check is None:
                 return _error(400, "invalid_request", f"Unknown control {name!r}.")
-            setattr(c, name, value)
-        if c.mode not in ("auto", "hold") or c.refund_mode not in ("succeed", "fail", "pending"):
-            sb.controls = DeliveryControls()
-            return _error(
-                400, "invalid_request", "mode: auto|hold; refund_mode: succeed|fail|pending"
-            )
-        if not 0 <= int(c.duplicates) <= 100 or not 0 <= float(c.drop_rate) <= 1:
-            sb.controls = DeliveryControls()
-            return _error(400, "invalid_request", "duplicates 0..100, drop_rate 0..1")
+            changes[name] = check(name, value)
+        for name, value in changes.items():
+            setattr(sb.controls, name, value)
     return _json(asdict(sb.controls))
 
 
@@ -754,14 +921,22 @@ async def deliver(request: Request) -> Response:
     doc = await _body(request)
     ids = doc.get("event_ids")
     copies = doc.get("copies", 1)
-    if not isinstance(ids, list) or not isinstance(copies, int) or not 1 <= copies <= 200:
-        return _error(400, "invalid_request", "event_ids: a list; copies: 1..200")
+    concurrent = _flag(doc, "concurrent", False)
+    if (
+        not isinstance(ids, list)
+        or not 1 <= len(ids) <= 1000
+        or not all(isinstance(i, str) for i in ids)
+        or isinstance(copies, bool)
+        or not isinstance(copies, int)
+        or not 1 <= copies <= 200
+    ):
+        return _error(400, "invalid_request", "event_ids: a list of 1-1000 ids; copies: 1..200")
     results: list[list[int]] = []
     for eid in ids:
-        event = sb.events.get(str(eid))
+        event = sb.events.get(eid)
         if event is None:
             return _error(404, "not_found", f"No such event {eid}.")
-        if doc.get("concurrent"):
+        if concurrent:
             statuses = list(await asyncio.gather(*(sb._send(event) for _ in range(copies))))
         else:
             statuses = [await sb._send(event) for _ in range(copies)]
@@ -775,17 +950,15 @@ async def seed_payment(request: Request) -> Response:
     sb = _sandbox(request)
     doc = await _body(request)
     status = doc.get("status", "succeeded")
-    if status not in ("succeeded", "authorized", "failed"):
+    if not isinstance(status, str) or status not in ("succeeded", "authorized", "failed"):
         return _error(400, "invalid_request", "status: succeeded, authorized or failed")
-    p = sb.new_payment(
-        _str(doc, "order_id", 64),
-        None,
-        _int(doc, "amount"),
-        _str(doc, "currency", 3),
-        str(status),
-        doc.get("notify_url") or None,
-    )
-    event = sb.emit_payment(p) if doc.get("emit", True) else None
+    order_id = _str(doc, "order_id", 64)
+    amount = _int(doc, "amount")
+    currency = _str(doc, "currency", 3)
+    notify_url = _url_field(sb, doc, "notify_url", notify=True)
+    emit = _flag(doc, "emit", True)
+    p = sb.new_payment(order_id, None, amount, currency, status, notify_url)
+    event = sb.emit_payment(p) if emit else None
     return _json({**sb.payment_view(p), "event_id": event.id if event else None})
 
 
@@ -795,7 +968,7 @@ async def seed_refund(request: Request) -> Response:
     p = sb.payments.get(_str(doc, "payment_id"))
     if p is None:
         return _error(404, "not_found", "No such payment.")
-    r = sb.new_refund(p, _int(doc, "amount", 1), force=bool(doc.get("force")))
+    r = sb.new_refund(p, _int(doc, "amount", 1), force=_flag(doc, "force", False))
     return _json(asdict(r))
 
 
@@ -838,29 +1011,46 @@ async def _bad_request(request: Request, exc: Exception) -> Response:
     return exc.response
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 as problem+json, like every other refusal."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+    return _error(exc.status_code, code, str(exc.detail))
+
+
 def load_config(env: Mapping[str, str], host: str, port: int) -> SandboxConfig:
-    raw = (
-        env.get("GATE_SANDBOX_WEBHOOK_SECRET", "").strip()
-        or env.get("GATE_WEBHOOK_SECRET", "").strip()
-    )
-    if not raw:
-        if env.get("GATE_ENV", "").strip().lower() != "dev":
-            raise SettingsError(
-                "GATE_SANDBOX_WEBHOOK_SECRET or GATE_WEBHOOK_SECRET is required"
-                " (or GATE_ENV=dev for the built-in development secret)"
-            )
-        raw = DEV_WEBHOOK_SECRET
+    """The sandbox's settings; SettingsError (exit 2) outside GATE_ENV=dev or on a bad
+    value. It fakes payments and signs callbacks: it never runs in production."""
+    gate_env = env.get("GATE_ENV", "production").strip().lower() or "production"
+    if gate_env != "dev":
+        raise SettingsError(
+            f"gate sandbox runs only with GATE_ENV=dev (got GATE_ENV={gate_env!r}): it is a"
+            " fake payment provider for development and tests"
+        )
+    # Its own secret, never the gate's GATE_WEBHOOK_SECRET: the gate is told to trust
+    # the sandbox's secret explicitly, not by sharing a variable.
+    raw = env.get("GATE_SANDBOX_WEBHOOK_SECRET", "").strip() or DEV_WEBHOOK_SECRET
     keys = tuple(decode_secret(s) for s in raw.split())
+    allow = NotifyAllow.parse(
+        "GATE_SANDBOX_NOTIFY_ALLOW",
+        env.get("GATE_SANDBOX_NOTIFY_ALLOW", "").strip() or NOTIFY_ALLOW_DEFAULT,
+    )
     public = env.get("GATE_SANDBOX_PUBLIC_URL", "").strip() or f"http://{host}:{port}"
     webhook = (
         env.get("GATE_SANDBOX_WEBHOOK_URL", "").strip()
         or "http://127.0.0.1:8000/v1/payments/sandbox/webhook"
     )
+    if not allow.allows(webhook):
+        raise SettingsError(
+            f"GATE_SANDBOX_WEBHOOK_URL {webhook!r} is not an http(s) URL on a host in"
+            " GATE_SANDBOX_NOTIFY_ALLOW"
+        )
     return SandboxConfig(
         webhook_url=webhook,
         public_url=public.rstrip("/"),
         signing_keys=keys,
         api_key=env.get("GATE_SANDBOX_API_KEY", "").strip() or None,
+        notify_allow=allow,
         retry_max=env_int(env, "GATE_SANDBOX_RETRY_MAX", 12, 1, 100),
         backoff_base_seconds=env_float(env, "GATE_SANDBOX_BACKOFF_BASE_SECONDS", 0.5, 0.01, 60),
         backoff_max_seconds=env_float(env, "GATE_SANDBOX_BACKOFF_MAX_SECONDS", 60.0, 0.1, 3600),
@@ -904,7 +1094,8 @@ def build_sandbox_app(config: SandboxConfig) -> Starlette:
             Route("/sandbox/refunds/{refund_id}/settle", settle_refund, methods=["POST"]),
             Route("/sandbox/stats", stats, methods=["GET"]),
         ],
-        exception_handlers={BadRequest: _bad_request},
+        exception_handlers={BadRequest: _bad_request, HTTPException: _http_error},
+        middleware=[Middleware(ApiKeyGuard, api_key=config.api_key)],
         lifespan=lifespan,
     )
     app.state.sandbox = sandbox
