@@ -85,6 +85,7 @@ class Run:
         self.payments = False
         self.provider = "sandbox"
         self.pay_via = "direct"
+        self.sandbox_api_key: str | None = None
         self.run_tag = format(int(time.time() * 1000) % 36**8, "x")
         self.users = itertools.count(1)
         self.user_base = 0
@@ -234,6 +235,7 @@ def _start(environment: Any, **_: Any) -> None:
             log.info("created %s deal %s", role, created["id"])
     if classes & set(PAYMENT_CLASSES):
         RUN.pay_via = opts.pay_via
+        RUN.sandbox_api_key = opts.sandbox_api_key or None
         signer = RUN.webhook_key is not None or RUN.pay_via == "sandbox"
         RUN.payments = signer and _payments_available(RUN.record.host, RUN.provider)
         if RUN.payments and RUN.pay_via == "sandbox" and opts.sandbox_url:
@@ -501,6 +503,10 @@ class Payer(Buyer):
             with self.client.post(
                 str(session["redirect_url"]),
                 json={"outcome": outcome},
+                # The pay step moves money: a keyed sandbox wants its key there too.
+                headers={"Authorization": f"Bearer {RUN.sandbox_api_key}"}
+                if RUN.sandbox_api_key
+                else {},
                 name=f"sandbox pay ({outcome})",
                 catch_response=True,
             ) as resp:

@@ -142,7 +142,7 @@ def route_probes() -> list[tuple[str, str]]:
     return probes
 
 
-async def test_with_an_api_key_every_route_but_health_and_pay_needs_it(
+async def test_with_an_api_key_every_route_but_health_needs_it(
     keyed_sandbox: SandboxProcess, receiver: Receiver
 ) -> None:
     client = Client(keyed_sandbox.url)
@@ -152,7 +152,7 @@ async def test_with_an_api_key_every_route_but_health_and_pay_needs_it(
         for method, path in probes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 r = await client.request(method, path, json={}, headers=headers)
-                if path == "/healthz" or path.startswith("/pay/"):
+                if path == "/healthz":
                     assert r.status_code != 401, (method, path)
                     continue
                 assert r.status_code == 401, (method, path, headers, r.text)
@@ -162,14 +162,18 @@ async def test_with_an_api_key_every_route_but_health_and_pay_needs_it(
         r = await client.get("/sandbox/stats", headers=AUTH)
         assert r.status_code == 200 and r.json()["sessions"] == 0
 
-        # With the key, the flow works; the buyer pays on /pay without it.
+        # With the key, the flow works; the pay step moves money, so it wants the key too.
         session = await client.post(
             "/v1/sessions",
             json={"order_id": "o-1", "amount": 100, "currency": "EUR", "expires_at": 2**31},
             headers={**AUTH, "Idempotency-Key": "s-1"},
         )
         assert session.status_code == 200, session.text
-        paid = await client.post(f"/pay/{session.json()['id']}", json={"outcome": "succeed"})
+        unpaid = await client.post(f"/pay/{session.json()['id']}", json={"outcome": "succeed"})
+        assert unpaid.status_code == 401
+        paid = await client.post(
+            f"/pay/{session.json()['id']}", json={"outcome": "succeed"}, headers=AUTH
+        )
         assert paid.status_code == 200 and paid.json()["status"] == "succeeded"
         await wait_hits(receiver, 1)
         assert len(receiver.hits) == 1

@@ -18,6 +18,7 @@ from loadtest.benchmark import http_json as http
 from tests.support import ROOT, buyer, free_port
 
 START_SECONDS_MAX = 90.0
+SANDBOX_KEY = "scripts-run-sandbox-key-0123456789"
 
 
 def answers(port: int) -> bool:
@@ -37,7 +38,10 @@ def test_the_demo_sells_and_takes_a_payment_then_stops_on_ctrl_c(
         proc = subprocess.Popen(
             ["bash", "scripts/run", "--port", str(port), "--sandbox-port", str(sandbox_port)],
             cwd=ROOT,
-            env={k: v for k, v in env.items() if k != "GATE_PAYMENT_PROVIDER_URL"},
+            env={
+                **{k: v for k, v in env.items() if k != "GATE_PAYMENT_PROVIDER_URL"},
+                "GATE_SANDBOX_API_KEY": SANDBOX_KEY,
+            },
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -71,7 +75,14 @@ def test_the_demo_sells_and_takes_a_payment_then_stops_on_ctrl_c(
         )
         assert status == 201, session
         assert session["redirect_url"].startswith(f"http://127.0.0.1:{sandbox_port}/pay/")
-        status, paid = http("POST", session["redirect_url"], {"outcome": "succeed"})
+        # The pay step moves money: the sandbox wants its key there too.
+        status, paid = http(
+            "POST",
+            session["redirect_url"],
+            {"outcome": "succeed"},
+            {"Authorization": f"Bearer {SANDBOX_KEY}"},
+        )
+        assert "Authorization: Bearer " + SANDBOX_KEY in log.read_text()
         assert status == 200 and paid["status"] == "succeeded", paid
         # The sandbox delivers the signed callback to the gate it was started beside.
         deadline = time.monotonic() + 20

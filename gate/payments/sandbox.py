@@ -35,8 +35,9 @@ It is a development tool, fenced in (docs/payments.md, "The sandbox provider"):
                    signs with GATE_SANDBOX_WEBHOOK_SECRET (never GATE_WEBHOOK_SECRET;
                    the built-in dev secret when unset)
   request ──> GATE_SANDBOX_API_KEY set? ──> Bearer key required on every route but
-              /healthz and the buyer's /pay/{session_id} (the unguessable session id
-              is the buyer's capability, as on a provider's hosted page)
+              /healthz, the buyer's /pay/{session_id} included (it moves money; with a
+              key set, pay with the key, e.g. curl; leave the key unset to click the
+              page in a browser)
   callback ──> target host in GATE_SANDBOX_NOTIFY_ALLOW (loopback by default)? else 400
               at the control that named it (exit 2 for GATE_SANDBOX_WEBHOOK_URL);
               redirects are not followed
@@ -546,10 +547,10 @@ def _sandbox(request: Request) -> Sandbox:
     return sb
 
 
-# Open without the key: the health probe, and the buyer's page, which a browser opens
-# from the session's URL (its unguessable id is the capability, as with a provider's
-# hosted payment page).
-OPEN_PATHS = ("/healthz", "/pay/")
+# Open without the key: the health probe only. The buyer's /pay step moves money, so it
+# needs the key too (an unguessable session id is a capability only until it leaks in
+# a log or a referrer).
+OPEN_PATHS = ("/healthz",)
 
 
 class ApiKeyGuard:
@@ -565,7 +566,7 @@ class ApiKeyGuard:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        if path == OPEN_PATHS[0] or path.startswith(OPEN_PATHS[1]):
+        if path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = b""
