@@ -2,7 +2,8 @@
   admit: one reservation attempt's whole Redis part, in one call.
 
   Checks, in order of cost: the deal is loaded, the idempotency fast path, the sale
-  window, the quantity bound, the sold-out state (losers are answered before any
+  window, the quantity bound (a buyer of the deal passes the rate limiters first),
+  the sold-out state (losers are answered before any
   limiter runs), the rate limiters of this deal's slot (GCRA on Redis TIME, all or
   nothing: a refused request consumes no limiter), the per-user quota; then takes
   the quantity from the buckets (random start, falling over to the others; a
@@ -48,7 +49,9 @@
   Rejections 2, 3, 4 and 5 carry a fourth element, 1 when the user is in the
   buyers set: this request may then be a replay whose Redis record was lost (a
   flush), and the caller asks the database before answering. Rejection 9 does not:
-  a 429 only says "later", and the retry finds the replay.
+  a 429 only says "later", and the retry finds the replay. The rate limiters judge
+  every request that may reach the database that way (5 comes after them; 4 is
+  answered before them only to users not in the buyers set).
 ]]
 local meta = redis.call('HMGET', KEYS[1], 'nb', 'avail', 'start_ms', 'end_ms', 'max', 'limit',
   'buyers_ok')
@@ -86,10 +89,48 @@ if end_ms > 0 and now_ms >= end_ms then
   return reject(3, 'ended')
 end
 
+-- Rate limiters: judge every enabled scope first, write only if all admit. Returns
+-- the refusal, or nil once the admitting limiters are written.
+local function limited()
+  local scopes = {'deal', 'user', 'ip', 'device'}
+  local tats = {}
+  local worst_scope, worst_wait = nil, 0
+  for i = 1, 4 do
+    local interval = tonumber(ARGV[6 + 2 * i])
+    if interval > 0 then
+      local burst = tonumber(ARGV[7 + 2 * i])
+      local tat = tonumber(redis.call('GET', KEYS[6 + i]) or '0')
+      if tat < now_ms then tat = now_ms end
+      local new_tat = tat + interval
+      local wait = new_tat - burst * interval - now_ms
+      if wait > 0 then
+        if wait > worst_wait then worst_scope, worst_wait = scopes[i], wait end
+      else
+        tats[i] = new_tat
+      end
+    end
+  end
+  if worst_scope then
+    return {9, worst_scope .. '|' .. worst_wait}
+  end
+  for i, new_tat in pairs(tats) do
+    redis.call('SET', KEYS[6 + i], new_tat, 'PX', new_tat - now_ms + 1000)
+  end
+  return nil
+end
+
 local qty = tonumber(ARGV[2])
 local max = tonumber(meta[5]) or 1
 if qty > max then
-  return reject(4, tostring(max))
+  -- A known buyer's refusal makes the caller ask the database: the limiters judge
+  -- such a request first (issue #12), as they do before the quota. Anyone else is
+  -- answered at once, before the sold-out state (the near-cache relies on it).
+  local known = redis.call('SISMEMBER', KEYS[11], ARGV[1])
+  if known == 1 then
+    local refusal = limited()
+    if refusal then return refusal end
+  end
+  return {4, tostring(max), -1, known}
 end
 
 local avail = tonumber(meta[2]) or 0
@@ -100,31 +141,8 @@ if avail < qty then
   return reject(2, tostring(avail), buyers)
 end
 
--- Rate limiters: judge every enabled scope first, write only if all admit.
-local scopes = {'deal', 'user', 'ip', 'device'}
-local tats = {}
-local worst_scope, worst_wait = nil, 0
-for i = 1, 4 do
-  local interval = tonumber(ARGV[6 + 2 * i])
-  if interval > 0 then
-    local burst = tonumber(ARGV[7 + 2 * i])
-    local tat = tonumber(redis.call('GET', KEYS[6 + i]) or '0')
-    if tat < now_ms then tat = now_ms end
-    local new_tat = tat + interval
-    local wait = new_tat - burst * interval - now_ms
-    if wait > 0 then
-      if wait > worst_wait then worst_scope, worst_wait = scopes[i], wait end
-    else
-      tats[i] = new_tat
-    end
-  end
-end
-if worst_scope then
-  return {9, worst_scope .. '|' .. worst_wait}
-end
-for i, new_tat in pairs(tats) do
-  redis.call('SET', KEYS[6 + i], new_tat, 'PX', new_tat - now_ms + 1000)
-end
+local refusal = limited()
+if refusal then return refusal end
 
 local user = ARGV[1]
 local limit = tonumber(meta[6]) or 0
