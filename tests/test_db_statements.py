@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import aiomysql
 import pytest
 
-from gate.db import connect_kwargs
+from gate.db import Database, connect_kwargs
 from gate.settings import Settings
 from tests.support import ADMIN, Client, GateProcess, Resp, buyer, create_deal, reserve
 
@@ -259,3 +259,33 @@ async def test_a_deal_created_after_its_id_was_unknown_is_found_at_once_everywhe
             await c.close()
         for g in gates:
             g.stop()
+
+
+async def test_the_user_limiter_judges_a_known_buyer_before_the_quantity_refusal(
+    env: dict[str, str], prepared: None, db: Database
+) -> None:
+    """A buyer of the deal asking above the maximum makes the gate look their keys
+    up: the per-user limiter judges that request first (it did only before the
+    quota). Anyone else still gets the 400 before any limiter."""
+    gate = GateProcess({**env, "GATE_LIMIT_USER": "3/m burst 3"}, background=False)
+    client = Client(gate.url)
+    try:
+        gate.wait_ready()
+        deal_id = await create_deal(client, stock=50, max_per_order=1)
+        assert (await reserve(client, deal_id, 7101, "known-buyer-01")).status_code == 201
+        answers = [
+            (await reserve(client, deal_id, 7101, f"above-max-{i:04d}", quantity=2)).status_code
+            for i in range(6)
+        ]
+        # One admission of three was spent on the purchase.
+        assert answers == [400, 400, 429, 429, 429, 429], answers
+        strangers = [
+            (await reserve(client, deal_id, 7102, f"stranger-{i:04d}", quantity=2)).status_code
+            for i in range(6)
+        ]
+        assert strangers == [400] * 6, strangers
+        row = await db.fetchone("SELECT COUNT(*) FROM orders WHERE deal_id = %s", (deal_id,))
+        assert row == (1,)
+    finally:
+        await client.close()
+        gate.stop()
