@@ -42,6 +42,10 @@ class StatementCounter:
         conn = await aiomysql.connect(**connect_kwargs(self.settings.mysql, 5, with_db=False))
         try:
             async with conn.cursor() as cur:
+                # Counting off would make every bound hold without measuring anything.
+                await cur.execute("SELECT @@GLOBAL.userstat")
+                row = await cur.fetchone()
+                assert row is not None and row[0] in (1, "1", "ON"), "userstat was turned off"
                 await cur.execute(
                     "SELECT SELECT_COMMANDS + UPDATE_COMMANDS + OTHER_COMMANDS"
                     " FROM information_schema.USER_STATISTICS WHERE USER = %s",
