@@ -89,60 +89,55 @@ if end_ms > 0 and now_ms >= end_ms then
   return reject(3, 'ended')
 end
 
--- Rate limiters: judge every enabled scope first, write only if all admit. Returns
--- the refusal, or nil once the admitting limiters are written.
-local function limited()
-  local scopes = {'deal', 'user', 'ip', 'device'}
-  local tats = {}
-  local worst_scope, worst_wait = nil, 0
-  for i = 1, 4 do
-    local interval = tonumber(ARGV[6 + 2 * i])
-    if interval > 0 then
-      local burst = tonumber(ARGV[7 + 2 * i])
-      local tat = tonumber(redis.call('GET', KEYS[6 + i]) or '0')
-      if tat < now_ms then tat = now_ms end
-      local new_tat = tat + interval
-      local wait = new_tat - burst * interval - now_ms
-      if wait > 0 then
-        if wait > worst_wait then worst_scope, worst_wait = scopes[i], wait end
-      else
-        tats[i] = new_tat
-      end
-    end
-  end
-  if worst_scope then
-    return {9, worst_scope .. '|' .. worst_wait}
-  end
-  for i, new_tat in pairs(tats) do
-    redis.call('SET', KEYS[6 + i], new_tat, 'PX', new_tat - now_ms + 1000)
-  end
-  return nil
-end
-
 local qty = tonumber(ARGV[2])
 local max = tonumber(meta[5]) or 1
-if qty > max then
-  -- A known buyer's refusal makes the caller ask the database: the limiters judge
-  -- such a request first (issue #12), as they do before the quota. Anyone else is
-  -- answered at once, before the sold-out state (the near-cache relies on it).
-  local known = redis.call('SISMEMBER', KEYS[11], ARGV[1])
-  if known == 1 then
-    local refusal = limited()
-    if refusal then return refusal end
+-- A quantity above the maximum: anyone not in the buyers set is answered at once,
+-- before the sold-out state (the near-cache relies on it). A buyer of the deal makes
+-- the caller ask the database (a lost replay?), so the limiters judge that request
+-- first (issue #12), as they do before the quota.
+local too_many = qty > max
+if too_many then
+  if redis.call('SISMEMBER', KEYS[11], ARGV[1]) == 0 then
+    return {4, tostring(max), -1, 0}
   end
-  return {4, tostring(max), -1, known}
+else
+  local avail = tonumber(meta[2]) or 0
+  if avail < qty then
+    if avail < 0 then avail = 0 end
+    local buyers = -1
+    if meta[7] then buyers = redis.call('SCARD', KEYS[11]) end
+    return reject(2, tostring(avail), buyers)
+  end
 end
 
-local avail = tonumber(meta[2]) or 0
-if avail < qty then
-  if avail < 0 then avail = 0 end
-  local buyers = -1
-  if meta[7] then buyers = redis.call('SCARD', KEYS[11]) end
-  return reject(2, tostring(avail), buyers)
+-- Rate limiters: judge every enabled scope first, write only if all admit.
+local scopes = {'deal', 'user', 'ip', 'device'}
+local tats = {}
+local worst_scope, worst_wait = nil, 0
+for i = 1, 4 do
+  local interval = tonumber(ARGV[6 + 2 * i])
+  if interval > 0 then
+    local burst = tonumber(ARGV[7 + 2 * i])
+    local tat = tonumber(redis.call('GET', KEYS[6 + i]) or '0')
+    if tat < now_ms then tat = now_ms end
+    local new_tat = tat + interval
+    local wait = new_tat - burst * interval - now_ms
+    if wait > 0 then
+      if wait > worst_wait then worst_scope, worst_wait = scopes[i], wait end
+    else
+      tats[i] = new_tat
+    end
+  end
 end
-
-local refusal = limited()
-if refusal then return refusal end
+if worst_scope then
+  return {9, worst_scope .. '|' .. worst_wait}
+end
+for i, new_tat in pairs(tats) do
+  redis.call('SET', KEYS[6 + i], new_tat, 'PX', new_tat - now_ms + 1000)
+end
+if too_many then
+  return {4, tostring(max), -1, 1}
+end
 
 local user = ARGV[1]
 local limit = tonumber(meta[6]) or 0
