@@ -21,7 +21,16 @@ import pytest
 
 from gate.db import Database, connect_kwargs
 from gate.settings import Settings
-from tests.support import ADMIN, Client, GateProcess, Resp, buyer, create_deal, reserve
+from tests.support import (
+    ADMIN,
+    Client,
+    GateProcess,
+    Resp,
+    TcpProxy,
+    buyer,
+    create_deal,
+    reserve,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -293,3 +302,47 @@ async def test_the_user_limiter_judges_a_known_buyer_before_the_quantity_refusal
     finally:
         await client.close()
         gate.stop()
+
+
+async def _ready(client: Client) -> Resp:
+    return await client.get("/readyz")
+
+
+async def test_readiness_still_sees_the_database_fail_and_recover(
+    env: dict[str, str], prepared: None, settings: Settings
+) -> None:
+    """The kept database verdict lapses: a database cut is reported (503) and its
+    return seen (200) without a restart."""
+    proxy = TcpProxy(settings.mysql.host, settings.mysql.port)
+    await proxy.start()
+    target = settings.mysql
+    password = target.password.reveal()
+    login = f"{target.user}:{password}" if password else target.user
+    url = f"mysql://{login}@127.0.0.1:{proxy.port}/{target.database}"
+    gate = GateProcess({**env, "GATE_MYSQL_URL": url}, background=False)
+    client = Client(gate.url)
+    try:
+        await asyncio.to_thread(gate.wait_ready)
+        ready = await _ready(client)
+        assert ready.status_code == 200 and ready.json()["checks"]["database"] == "ok"
+        proxy.cut()
+        for _ in range(300):
+            ready = await _ready(client)
+            if ready.status_code != 200:
+                break
+            await asyncio.sleep(0.1)
+        assert ready.status_code == 503, ready.text
+        assert ready.json()["checks"]["database"].startswith("unavailable")
+        assert ready.json()["checks"]["redis"] == "ok"
+        proxy.restore()
+        for _ in range(300):
+            ready = await _ready(client)
+            if ready.status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["checks"]["database"] == "ok"
+    finally:
+        await client.close()
+        gate.stop()
+        await proxy.close()
