@@ -15,8 +15,11 @@ Exactness: an order committed after the read is found in Redis (its key's record
 written by the admission, answers the replay before any refusal), except when it
 was committed without Redis (the "database" Redis-down policy) or its record was
 lost (a flush) within ttl_seconds of the read; then this process may answer the
-refusal instead of the replay for up to ttl_seconds. The reservation path forgets a
-buyer's entry when it commits an order for them.
+refusal instead of the replay for up to ttl_seconds. Likewise a key first used on
+another deal (its record is in that deal's slot) through another process within
+ttl_seconds gets the refusal here rather than the 422 mismatch; either answer
+changes nothing. The reservation path forgets a buyer's entry when it commits an
+order for them.
 """
 
 from __future__ import annotations
