@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gate import logs, orders, validate
-from gate.db import DbUnavailable
+from gate.db import Database, DbUnavailable
 from gate.errors import Problem, invalid, not_found, overloaded
 from gate.http import json_answer, json_response, read_json, receive_json, send_answer
 from gate.limits import client_ip, device_id
@@ -33,6 +33,9 @@ log = logging.getLogger("gate.app")
 
 MAX_ID = 2**63 - 1
 READY_TIMEOUT_SECONDS = 1.0
+# /readyz answers from a database probe at most this old: a flood of readiness checks
+# costs the database one statement a second per process (issue #12).
+READY_DB_PROBE_SECONDS = 1.0
 RESERVATION_FIELDS = {"quantity"}
 
 
@@ -55,24 +58,53 @@ async def healthz(request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
+class DatabaseProbe:
+    """The database part of /readyz: one `SELECT 1`, its verdict ("ok" or why not)
+    kept for `ttl_seconds` and shared by every readiness check meanwhile (those that
+    arrive while it runs wait for it), so that readiness checks cannot put load on
+    the database."""
+
+    def __init__(self, db: Database, ttl_seconds: float = READY_DB_PROBE_SECONDS) -> None:
+        self.db = db
+        self.ttl_seconds = ttl_seconds
+        self._verdict: tuple[float, str] | None = None  # (valid until, verdict)
+        self._running: asyncio.Task[str] | None = None
+
+    async def verdict(self) -> str:
+        kept = self._verdict
+        if kept is not None and kept[0] > time.monotonic():
+            return kept[1]
+        if self._running is None:
+            self._running = asyncio.get_running_loop().create_task(self._probe())
+        return await asyncio.shield(self._running)
+
+    async def _probe(self) -> str:
+        sent = time.monotonic()
+        try:
+            await asyncio.wait_for(self.db.fetchone("SELECT 1"), READY_TIMEOUT_SECONDS)
+            verdict = "ok"
+        except Exception as exc:
+            verdict = f"unavailable: {type(exc).__name__}"
+        finally:
+            self._running = None
+        self._verdict = (sent + self.ttl_seconds, verdict)
+        return verdict
+
+
 async def readyz(request: Request) -> Response:
     """Ready when Redis and the database answer; the body also reports degraded
-    states (an open circuit, a saturated pool) that do not stop the gate serving."""
+    states (an open circuit, a saturated pool) that do not stop the gate serving.
+    Redis is pinged on every call; the database verdict is at most a second old
+    (DatabaseProbe)."""
     gate = _gate(request)
     checks: dict[str, str] = {}
-
-    async def redis_ok() -> None:
-        await gate.redis.ping()
-
-    async def db_ok() -> None:
-        await gate.db.fetchone("SELECT 1")
-
-    for name, probe in (("redis", redis_ok), ("database", db_ok)):
-        try:
-            await asyncio.wait_for(probe(), READY_TIMEOUT_SECONDS)
-            checks[name] = "ok"
-        except Exception as exc:
-            checks[name] = f"unavailable: {type(exc).__name__}"
+    try:
+        await asyncio.wait_for(gate.redis.ping(), READY_TIMEOUT_SECONDS)
+        checks["redis"] = "ok"
+    except Exception as exc:
+        checks["redis"] = f"unavailable: {type(exc).__name__}"
+    probe: DatabaseProbe = request.app.state.db_probe
+    checks["database"] = await probe.verdict()
     pool = gate.db.pool_stats()
     details = {
         "redis_circuit": gate.reservations.breaker.state,
@@ -406,6 +438,7 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
         exception_handlers=handlers,
     )
     app.state.gate = gate
+    app.state.db_probe = DatabaseProbe(gate.db)
     return app
 
 

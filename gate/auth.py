@@ -4,11 +4,18 @@ Buyers: `Authorization: Bearer <JWT>`, HS256 only (the algorithm is pinned, neve
 read from the token), `exp` and `sub` required, `sub` a string of digits.
 Verification costs ≈ 29 µs, half of a trivial request's budget (DESIGN lever 3), so
 verified tokens are kept in a bounded cache that still honours `exp` on every use.
+
+The cache cannot be inflated by one buyer (issue #12): a token is verified (and so
+cached) only when each of its three segments is canonical base64url (no padding,
+the last character's unused bits zero), so the bytes a token stands for have one
+spelling only and the cache key, the token, cannot be varied for a token the buyer
+holds (a variant is a 401). Tokens are at most MAX_TOKEN_BYTES long.
 """
 
 from __future__ import annotations
 
 import hmac
+import re
 import time
 
 import jwt
@@ -18,7 +25,10 @@ from gate.logs import set_user
 from gate.settings import Secret
 
 ALGORITHM = "HS256"
-MAX_TOKEN_BYTES = 4096
+# A gate token is ≈ 150 bytes; a kilobyte leaves room for a few claims more.
+MAX_TOKEN_BYTES = 1024
+_B64URL_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+_B64URL_SEGMENT = re.compile(r"[A-Za-z0-9_-]+")
 MAX_USER_ID = 2**63 - 1
 
 
@@ -36,6 +46,25 @@ def bearer(header: str | None) -> str:
     if len(token) > MAX_TOKEN_BYTES:
         raise _unauthorized("Token too long.")
     return token
+
+
+def canonical_jws(token: str) -> bool:
+    """Three segments, each in the one spelling strict base64url decoding accepts:
+    only the URL-safe alphabet, no padding, no impossible length, and the unused
+    low bits of the last character zero (otherwise up to 16 spellings decode to the
+    same bytes)."""
+    segments = token.split(".")
+    if len(segments) != 3:
+        return False
+    for segment in segments:
+        if not _B64URL_SEGMENT.fullmatch(segment):
+            return False
+        left = len(segment) % 4
+        if left == 1:
+            return False
+        if left and _B64URL_ALPHABET.index(segment[-1]) & (0x0F if left == 2 else 0x03):
+            return False
+    return True
 
 
 class BuyerAuth:
@@ -56,6 +85,8 @@ class BuyerAuth:
                 return hit[0]
             del self._cache[token]
             raise _unauthorized("Token expired.")
+        if not canonical_jws(token):
+            raise _unauthorized("Invalid token: not canonical base64url.")
         try:
             claims = jwt.decode(
                 token,
@@ -81,6 +112,11 @@ class BuyerAuth:
             self._cache[token] = (user, exp)
         set_user(user)
         return user
+
+    @property
+    def cached(self) -> int:
+        """How many verified tokens are kept."""
+        return len(self._cache)
 
 
 class AdminAuth:

@@ -26,6 +26,7 @@ from gate.errors import Problem, invalid, not_found
 from gate.keys import deal_keys
 from gate.mirror import Intent, Mirror
 from gate.orders import new_id
+from gate.unknown_deals import UnknownDeals
 
 log = logging.getLogger("gate.deals")
 
@@ -155,9 +156,10 @@ CREATE_FIELDS = {
 
 
 class Deals:
-    def __init__(self, db: Database, mirror: Mirror) -> None:
+    def __init__(self, db: Database, mirror: Mirror, unknown: UnknownDeals | None = None) -> None:
         self.db = db
         self.mirror = mirror
+        self.unknown = unknown or UnknownDeals(mirror.redis, db)
         self._public: dict[int, tuple[float, Deal]] = {}
 
     async def create(self, body: Any, actor: str = "admin") -> dict[str, Any]:
@@ -214,6 +216,8 @@ class Deals:
                 [(deal_id, b, n, n, n, actor) for b, n in enumerate(shares)],
             )
             await cur.execute("COMMIT")
+        # Before the 201: from now on no gate process may answer 404 for this id.
+        await self.unknown.created()
         await self._refresh_redis(deal_id)
         deal = await get_deal(self.db, deal_id)
         assert deal is not None
@@ -242,8 +246,13 @@ class Deals:
         hit = self._public.get(deal_id)
         if hit and hit[0] > now:
             return hit[1]
+        # Unknown ids (a flood of random ones, say) are answered without the database.
+        generation = await self.unknown.generation()
+        if self.unknown.unknown(deal_id, generation):
+            raise not_found("deal")
         deal = await get_deal(self.db, deal_id)
         if deal is None:
+            await self.unknown.learn(deal_id, generation)
             raise not_found("deal")
         if len(self._public) >= PUBLIC_CACHE_MAX:
             self._public.clear()

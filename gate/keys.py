@@ -14,6 +14,9 @@ from dataclasses import dataclass
 ACTIVE_DEALS = "gate:deals"
 # The global limiter of the reservation endpoint, in a slot of its own.
 GLOBAL_LIMIT = "{gate}:rl:global"
+# A fresh random value written after every deal creation: gate processes drop what
+# they remember about unknown deal ids when it changes (gate/deals.py UnknownDeals).
+DEALS_GENERATION = "gate:deals:generation"
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ import pymysql
 from gate import orders
 from gate.alloc import normalise_alloc
 from gate.breaker import Breaker
+from gate.buyer_keys import BuyerKeys
 from gate.clock import iso
 from gate.codes import AdmitCode, DbCode, LimitCode
 from gate.db import Database, DbUnavailable, OutcomeUnknown
@@ -51,6 +52,7 @@ from gate.metrics import METRICS
 from gate.mirror import Mirror
 from gate.settings import Settings
 from gate.soldout import SoldOutCache
+from gate.unknown_deals import UnknownDeals
 
 log = logging.getLogger("gate.reservations")
 
@@ -196,12 +198,19 @@ def _limiter_args(specs: tuple[LimitSpec | None, ...]) -> list[int]:
 
 class Reservations:
     def __init__(
-        self, settings: Settings, db: Database, mirror: Mirror, soldout: SoldOutCache
+        self,
+        settings: Settings,
+        db: Database,
+        mirror: Mirror,
+        soldout: SoldOutCache,
+        unknown_deals: UnknownDeals | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
         self.mirror = mirror
         self.soldout = soldout
+        self.unknown_deals = unknown_deals or UnknownDeals(mirror.redis, db)
+        self.buyer_keys = BuyerKeys(db)
         self.timeout_seconds = settings.reservation_db_timeout_seconds
         self.breaker = Breaker(
             "redis", settings.redis_breaker_failures_max, settings.redis_breaker_open_seconds
@@ -282,6 +291,11 @@ class Reservations:
         sent = time.monotonic()
         adm = await self._admit(keys, req, fp, token, start)
         if adm.code == AdmitCode.NOT_LOADED:
+            # An unknown deal id (a flood of random ones, say) is answered before any
+            # snapshot or load.
+            generation = await self.unknown_deals.generation()
+            if self.unknown_deals.unknown(req.deal_id, generation):
+                raise not_found("deal")
             try:
                 found = await self.mirror.load(req.deal_id)
             except Exception as exc:
@@ -289,6 +303,7 @@ class Reservations:
                 log.warning("deal %s not loaded into Redis: %r", req.deal_id, exc)
                 raise overloaded("Deal state unavailable; retry shortly.") from None
             if not found:
+                await self.unknown_deals.learn(req.deal_id, generation)
                 raise not_found("deal")
             adm = await self._admit(keys, req, fp, token, start)
             if adm.code == AdmitCode.NOT_LOADED:
@@ -300,7 +315,13 @@ class Reservations:
             # the database is asked. Not for a rate limit: a 429 is a "later", never a
             # final answer, and asking the database there would put a query behind every
             # click of a buyer hammering over their limit.
-            if adm.known_buyer and adm.code != AdmitCode.RATE_LIMITED:
+            # The buyer's keys are remembered briefly (BuyerKeys): a buyer re-clicking
+            # with fresh keys at their limit does not cost a query each time.
+            if (
+                adm.known_buyer
+                and adm.code != AdmitCode.RATE_LIMITED
+                and await self.buyer_keys.may_hold(req.user_id, req.idempotency_key)
+            ):
                 existing = await self._existing_or_none(req, fp)
                 if existing is not None:
                     return existing
@@ -337,6 +358,7 @@ class Reservations:
 
         db_code = DbCode(int(row[0]))
         if db_code == DbCode.OK:
+            self.buyer_keys.forget(req.user_id)
             try:
                 await self.mirror.confirm(
                     keys, req.user_id, req.idempotency_key, token, fp, str(row[1])
@@ -471,6 +493,7 @@ class Reservations:
                 raise overloaded("Database unavailable; retry shortly.") from None
             db_code = DbCode(int(row[0]))
             if db_code == DbCode.OK:
+                self.buyer_keys.forget(req.user_id)
                 return Reserved(self._body(token, req, row), replayed=False)
             if db_code == DbCode.DUPLICATE:
                 return await self._existing(req, fp)
@@ -487,6 +510,7 @@ class Reservations:
         return Item(token, req.user_id, req.quantity, bucket, req.idempotency_key, fp, deadline)
 
     async def aclose(self) -> None:
+        await self.buyer_keys.aclose()
         if self.groups is not None:
             await self.groups.aclose()
 

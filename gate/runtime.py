@@ -19,6 +19,7 @@ from gate.resync import Resync
 from gate.scripts import ScriptRunner, make_redis, read_scripts
 from gate.settings import Settings
 from gate.soldout import SoldOutCache
+from gate.unknown_deals import UnknownDeals
 
 log = logging.getLogger("gate")
 
@@ -45,8 +46,12 @@ class Gate:
         )
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
         self.soldout = SoldOutCache(self.redis, settings.sold_out_cache_seconds)
-        self.reservations = Reservations(settings, self.db, self.mirror, self.soldout)
-        self.deals = Deals(self.db, self.mirror)
+        # One memory of unknown deal ids for the deal views and the reservations.
+        self.unknown_deals = UnknownDeals(self.redis, self.db)
+        self.reservations = Reservations(
+            settings, self.db, self.mirror, self.soldout, self.unknown_deals
+        )
+        self.deals = Deals(self.db, self.mirror, self.unknown_deals)
         self.buyer_auth = BuyerAuth(settings.jwt_secret, settings.jwt_cache_max)
         self.admin_auth = AdminAuth(settings.admin_token)
         self.janitor = Janitor(settings, self.db, self.redis, self.mirror)
@@ -97,6 +102,7 @@ class Gate:
         # Groups still in the database finish before their pool closes.
         await self.reservations.aclose()
         await self.soldout.aclose()
+        await self.unknown_deals.aclose()
         await self.runner.aclose()
         await self.redis.aclose()
         await self.db.close()

@@ -2,7 +2,8 @@
   admit: one reservation attempt's whole Redis part, in one call.
 
   Checks, in order of cost: the deal is loaded, the idempotency fast path, the sale
-  window, the quantity bound, the sold-out state (losers are answered before any
+  window, the quantity bound (a buyer of the deal passes the rate limiters first),
+  the sold-out state (losers are answered before any
   limiter runs), the rate limiters of this deal's slot (GCRA on Redis TIME, all or
   nothing: a refused request consumes no limiter), the per-user quota; then takes
   the quantity from the buckets (random start, falling over to the others; a
@@ -48,7 +49,9 @@
   Rejections 2, 3, 4 and 5 carry a fourth element, 1 when the user is in the
   buyers set: this request may then be a replay whose Redis record was lost (a
   flush), and the caller asks the database before answering. Rejection 9 does not:
-  a 429 only says "later", and the retry finds the replay.
+  a 429 only says "later", and the retry finds the replay. The rate limiters judge
+  every request that may reach the database that way (5 comes after them; 4 is
+  answered before them only to users not in the buyers set).
 ]]
 local meta = redis.call('HMGET', KEYS[1], 'nb', 'avail', 'start_ms', 'end_ms', 'max', 'limit',
   'buyers_ok')
@@ -88,16 +91,23 @@ end
 
 local qty = tonumber(ARGV[2])
 local max = tonumber(meta[5]) or 1
-if qty > max then
-  return reject(4, tostring(max))
-end
-
-local avail = tonumber(meta[2]) or 0
-if avail < qty then
-  if avail < 0 then avail = 0 end
-  local buyers = -1
-  if meta[7] then buyers = redis.call('SCARD', KEYS[11]) end
-  return reject(2, tostring(avail), buyers)
+-- A quantity above the maximum: anyone not in the buyers set is answered at once,
+-- before the sold-out state (the near-cache relies on it). A buyer of the deal makes
+-- the caller ask the database (a lost replay?), so the limiters judge that request
+-- first (issue #12), as they do before the quota.
+local too_many = qty > max
+if too_many then
+  if redis.call('SISMEMBER', KEYS[11], ARGV[1]) == 0 then
+    return {4, tostring(max), -1, 0}
+  end
+else
+  local avail = tonumber(meta[2]) or 0
+  if avail < qty then
+    if avail < 0 then avail = 0 end
+    local buyers = -1
+    if meta[7] then buyers = redis.call('SCARD', KEYS[11]) end
+    return reject(2, tostring(avail), buyers)
+  end
 end
 
 -- Rate limiters: judge every enabled scope first, write only if all admit.
@@ -124,6 +134,9 @@ if worst_scope then
 end
 for i, new_tat in pairs(tats) do
   redis.call('SET', KEYS[6 + i], new_tat, 'PX', new_tat - now_ms + 1000)
+end
+if too_many then
+  return {4, tostring(max), -1, 1}
 end
 
 local user = ARGV[1]

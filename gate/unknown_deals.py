@@ -1,0 +1,155 @@
+"""Unknown deal ids, remembered briefly, so that a flood of them stays off the
+database (issue #12): `GET /v1/deals/{id}` and a reservation on a deal Redis holds
+no state for both ask the database only about ids it may hold.
+
+    request for deal D
+      read the deals generation from Redis (one GET; Redis failing: nothing is
+      remembered, the database is asked as before)
+      ├─ generation changed since this process last read it ──> forget everything
+      ├─ D above the ceiling (the highest deal id the database held when last read),
+      │  or D itself remembered unknown ──────────────────────────> 404, no database
+      └─ otherwise the caller asks the database; "no such deal" ──> remember D (the
+         ceiling is read once, then renewed in the background before it lapses)
+
+Deal ids are AUTO_INCREMENT and deals are never deleted, so almost every unknown id
+is above the ceiling (a random id is); the rare gap below it (a creation rolled
+back) is remembered by id, in a bounded map.
+
+Exactness: `Deals.create` writes a fresh random generation to Redis after its COMMIT
+and before it answers 201, and every check reads the generation first and any
+database answer it remembers was read after that same generation. So once a
+creation has answered, the next request for the new id, in any gate process, sees a
+new generation and asks the database. Only when that write fails (Redis failing
+during the creation) may a process answer 404 for a created deal, for at most
+`ttl_seconds` (entries and the ceiling are dropped when that old).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from gate.db import Database
+from gate.keys import DEALS_GENERATION
+from gate.orders import new_id
+
+log = logging.getLogger("gate.deals")
+
+UNKNOWN_DEALS_SECONDS = 2.0
+UNKNOWN_DEALS_MAX = 10_000
+
+
+class UnknownDeals:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        db: Database,
+        ttl_seconds: float = UNKNOWN_DEALS_SECONDS,
+        ids_max: int = UNKNOWN_DEALS_MAX,
+    ) -> None:
+        self.redis = client
+        self.db = db
+        self.ttl_seconds = ttl_seconds
+        self.ids_max = ids_max
+        # The generation everything below belongs to ("": none written yet).
+        self._generation: str | None = None
+        # (valid until (monotonic), highest deal id the database held)
+        self._ceiling: tuple[float, int] | None = None
+        self._ids: dict[int, float] = {}  # unknown id below the ceiling -> valid until
+        self._renewing: asyncio.Task[None] | None = None
+
+    async def generation(self) -> str | None:
+        """The current generation (None: Redis failed; remember nothing)."""
+        try:
+            value = await self.redis.get(DEALS_GENERATION)
+        except Exception as exc:
+            log.info("deals generation unreadable: %r", exc)
+            return None
+        if value is None:
+            generation = ""
+        else:
+            generation = value.decode() if isinstance(value, bytes) else str(value)
+        if generation != self._generation:
+            self._generation = generation
+            self._ceiling = None
+            self._ids.clear()
+        return generation
+
+    def unknown(self, deal_id: int, generation: str | None) -> bool:
+        """True: the database held no deal `deal_id` at this generation; answer 404."""
+        if generation is None or generation != self._generation:
+            return False
+        now = time.monotonic()
+        ceiling = self._ceiling
+        if ceiling is not None and ceiling[0] > now:
+            if ceiling[0] - now < self.ttl_seconds / 2 and self._renewing is None:
+                self._renewing = asyncio.get_running_loop().create_task(self._renew())
+            if deal_id > ceiling[1]:
+                return True
+        until = self._ids.get(deal_id)
+        if until is not None:
+            if until > now:
+                return True
+            del self._ids[deal_id]
+        return False
+
+    async def learn(self, deal_id: int, generation: str | None) -> None:
+        """The database, asked after `generation` was read, holds no deal `deal_id`."""
+        if generation is None:
+            return
+        now = time.monotonic()
+        ceiling = self._ceiling
+        if ceiling is None or ceiling[0] <= now:
+            await self._read_ceiling(generation)
+            ceiling = self._ceiling
+        if generation != self._generation:
+            return
+        if ceiling is not None and deal_id > ceiling[1]:
+            return  # the ceiling covers it
+        if len(self._ids) >= self.ids_max:
+            self._ids.clear()
+        self._ids[deal_id] = now + self.ttl_seconds
+
+    async def created(self) -> None:
+        """A deal was just committed: every process must forget its unknown ids."""
+        self._generation = None
+        self._ceiling = None
+        self._ids.clear()
+        try:
+            await self.redis.set(DEALS_GENERATION, new_id())
+        except Exception as exc:
+            log.warning(
+                "deals generation not written (other gate processes may answer 404 for"
+                " the new deal for up to %.1f s): %r",
+                self.ttl_seconds,
+                exc,
+            )
+
+    async def _read_ceiling(self, generation: str) -> None:
+        sent = time.monotonic()
+        try:
+            row = await self.db.fetchone("SELECT COALESCE(MAX(id), 0) FROM deals")
+        except Exception as exc:
+            log.info("highest deal id unreadable: %r", exc)
+            return
+        if row is not None and generation == self._generation:
+            self._ceiling = (sent + self.ttl_seconds, int(row[0]))
+
+    async def _renew(self) -> None:
+        """Read the ceiling again before it lapses, so that a flood of unknown ids
+        never finds it lapsed (every request in flight would then ask the database)."""
+        try:
+            generation = await self.generation()
+            if generation is not None:
+                await self._read_ceiling(generation)
+        finally:
+            self._renewing = None
+
+    async def aclose(self) -> None:
+        task = self._renewing
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
