@@ -4,7 +4,8 @@
         gate mode (default): the gate's database and Redis (GATE_MYSQL_URL,
         GATE_REDIS_URL); every check of `gate check` once nothing is in flight,
         plus oversold / lost units from the order rows, the order-state counts,
-        and the record's orders held against the database.
+        and the record's orders held against the database; every callback the
+        gate answered 2xx must have its payment_events row ("payment lost").
     python -m loadtest.verify --baseline …
         the peer baseline's database (BASELINE_MYSQL_URL, see loadtest.baseline).
     python -m loadtest.verify --api URL --admin-token T …
