@@ -9,7 +9,7 @@ the admin API (GATE_ADMIN_TOKEN) at the start of the run unless their ids are gi
 
 User classes (each a scenario; mix them by naming several):
   FlashSaleBuyer    a crowd of new buyers, one click each with a fresh key, retrying the
-                    same key after 429/503, until the deal sells out and after
+                    same key after 429/503 or no answer, until the deal sells out and after
   DuplicateClicker  double and triple clicks sent concurrently with one key, then a
                     retry: at most one 201 and one order id per key
   Reader            buyers polling their own order and the deal; peeking at another
@@ -22,6 +22,19 @@ User classes (each a scenario; mix them by naming several):
                     (stock re-taken) or REFUND_PENDING/REFUNDED
 
 A run writes the client record (--record) that `python -m loadtest.verify` checks.
+
+Callbacks are delivered as a provider delivers them, at least once: every delivery and
+the answer it got (its HTTP status, 0 for none) go into the record, and an event no
+copy of which got a 2xx is delivered again (same webhook-id, signed afresh), at most
+DELIVERY_ATTEMPTS_MAX times. A keep-alive connection the gate closes as a request
+leaves on it (uvicorn closes one idle for 5 s) answers nothing: that request never
+reached the gate, and a provider would send it again. Only a payment the gate answered
+2xx counts as paid; one that never got a 2xx is recorded as unpaid, not as paid.
+
+    reserve -> session x2 -> [late: sleep past the hold] -> deliver copies at once
+        -> any 2xx? yes: paid / late_paid
+                    no:  pause, deliver again (<= DELIVERY_ATTEMPTS_MAX rounds)
+                         -> still none: unpaid (a locust failure)
 """
 
 from __future__ import annotations
@@ -29,9 +42,11 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import secrets
 import time
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +58,7 @@ from locust.exception import StopUser
 from locust.runners import WorkerRunner
 
 from loadtest import webhooks
-from loadtest.record import ORDERS_MAX, ClientRecord, OrderRef
+from loadtest.record import NO_ANSWER, ORDERS_MAX, ClientRecord, OrderRef, acknowledged
 from loadtest.tokens import TokenMint
 
 log = logging.getLogger("loadtest")
@@ -51,6 +66,10 @@ log = logging.getLogger("loadtest")
 RETRIES_MAX = 3
 RETRY_PAUSE_MAX_SECONDS = 2.0
 PAID_WAIT_SECONDS = 8.0
+# Rounds of delivery of one event until a copy gets a 2xx, and the pause before the
+# next round (times the round number): what a provider's redelivery does, bounded.
+DELIVERY_ATTEMPTS_MAX = 4
+REDELIVERY_PAUSE_SECONDS = 0.5
 LATE_END_WAIT_SECONDS = 15.0
 STATES = (
     "PENDING_PAYMENT",
@@ -277,6 +296,31 @@ def _quit(environment: Any, **_: Any) -> None:
 # -- users ------------------------------------------------------------------------------------
 
 
+def _text(resp: Any) -> str:
+    """The start of an answer's body for a failure message; a request that got no
+    answer at all has no text (geventhttpclient gives None)."""
+    text = resp.text
+    return text[:200] if text else f"no answer ({resp.error!r})"
+
+
+def _hold_over(expires_at: str | None) -> bool:
+    """Whether a hold that ends at `expires_at` (the gate's ISO time) has ended by
+    this machine's clock (the load generator runs beside the gate)."""
+    if not expires_at:
+        return False
+    try:
+        end = datetime.fromisoformat(expires_at)
+    except ValueError:
+        return False
+    return datetime.now(UTC) >= end
+
+
+def _redeliverable(status: int) -> bool:
+    """Answers a provider delivers the event again after: none at all, a timeout, a
+    shed request, a server error. Any other 4xx is the sender's bug."""
+    return status in (NO_ANSWER, 408, 429) or status >= 500
+
+
 def _json(resp: Any) -> dict[str, Any]:
     try:
         data = orjson.loads(resp.content or b"{}")
@@ -307,8 +351,10 @@ class Buyer(FastHttpUser):
             catch_response=True,
         ) as resp:
             body = _json(resp)
-            status = resp.status_code
+            status = int(resp.status_code or NO_ANSWER)
             code = str(body.get("code", "")) if status >= 400 else ""
+            if status == NO_ANSWER:
+                code = "NO_ANSWER"
             RUN.record.outcome(deal_id, code or str(status))
             if status in (200, 201):
                 if body.get("deal_id") != deal_id or not body.get("order_id"):
@@ -323,10 +369,15 @@ class Buyer(FastHttpUser):
             elif status in (429, 503):
                 # Load shedding is an answer the crowd must expect, not an error.
                 resp.success()
+            elif status == NO_ANSWER:
+                # No answer at all: most often a keep-alive connection the gate closed
+                # as the request left on it (the request never reached the gate). A
+                # browser sends it again with the same key, as after a 503.
+                resp.success()
             else:
-                resp.failure(f"{status} {code or resp.text[:200]}")
-            retry_after = resp.headers.get("Retry-After") or "1"
-        if status in (429, 503):
+                resp.failure(f"{status} {code or _text(resp)}")
+            retry_after = (resp.headers.get("Retry-After") if resp.headers else None) or "1"
+        if status in (429, 503, NO_ANSWER):
             pause = min(RETRY_PAUSE_MAX_SECONDS, float(retry_after) if retry_after.isdigit() else 1)
             gevent.sleep(random.uniform(0.1, 1.0) * pause)
         return status, code, body
@@ -334,10 +385,11 @@ class Buyer(FastHttpUser):
     def reserve_until_answered(
         self, deal_id: int, user: int, key: str, name: str = "reserve"
     ) -> tuple[int, str, dict[str, Any]]:
-        """A browser that retries the same key after 429/503, a bounded number of times."""
+        """A browser that retries the same key after 429/503 or no answer at all, a
+        bounded number of times."""
         answer = self.reserve(deal_id, user, key, name)
         for _ in range(RETRIES_MAX - 1):
-            if answer[0] not in (429, 503):
+            if answer[0] not in (429, 503, NO_ANSWER):
                 break
             answer = self.reserve(deal_id, user, key, name + " (retry)")
         return answer
@@ -350,7 +402,7 @@ class Buyer(FastHttpUser):
             if resp.status_code == 200 and body.get("status") in STATES:
                 resp.success()
                 return body
-            resp.failure(f"{resp.status_code} {resp.text[:200]}")
+            resp.failure(f"{resp.status_code} {_text(resp)}")
             return None
 
 
@@ -417,7 +469,7 @@ class Reader(Buyer):
             if resp.status_code == 200 and body.get("id") == deal_id and "sold_out" in body:
                 resp.success()
             else:
-                resp.failure(f"{resp.status_code} {resp.text[:200]}")
+                resp.failure(f"{resp.status_code} {_text(resp)}")
 
     @task(2)
     def poll_order(self) -> None:
@@ -456,9 +508,15 @@ class Payer(Buyer):
         if not RUN.payments:
             raise StopUser()
 
-    def session(self, user: int, order_id: str) -> dict[str, Any] | None:
-        """Open the payment session twice: the second answer must be the same session."""
-        sessions = []
+    def session(
+        self, user: int, order_id: str, expires_at: str | None = None
+    ) -> dict[str, Any] | None:
+        """Open the payment session twice: the second answer must be the same session.
+        Given the hold's end (`expires_at`, the late payers' holds last 2 s), a 409
+        once it has passed is the gate's right answer (a slow moment of the machine
+        can put the end between the two requests): the buyer pays on the session it
+        has, if any."""
+        sessions: list[dict[str, Any]] = []
         for name in ("payment session", "payment session (again)"):
             with self.client.post(
                 f"/v1/orders/{order_id}/payment",
@@ -475,14 +533,22 @@ class Payer(Buyer):
                     resp.success()
                     _payments_off("the gate has no payment provider configured")
                     raise StopUser()
+                elif resp.status_code == 409 and _hold_over(expires_at):
+                    resp.success()
+                    return sessions[0] if sessions else None
                 else:
-                    resp.failure(f"{resp.status_code} {resp.text[:200]}")
+                    resp.failure(f"{resp.status_code} {_text(resp)}")
                     return None
         if sessions[0]["session_id"] != sessions[1]["session_id"]:
             RUN.record.violation(f"order {order_id}: two payment sessions {sessions}")
         return sessions[0]
 
-    def deliver(self, delivery: webhooks.Delivery, name: str) -> None:
+    def deliver(
+        self, delivery: webhooks.Delivery, name: str, order_id: str, deal_id: int, last: bool
+    ) -> int:
+        """One HTTP delivery; returns its status (NO_ANSWER when none came back) and
+        records it. An answer worth a redelivery is a locust failure only when no
+        redelivery follows (`last`)."""
         with self.client.post(
             f"/v1/payments/{RUN.provider}/webhook",
             data=delivery.body,
@@ -490,15 +556,21 @@ class Payer(Buyer):
             name=name,
             catch_response=True,
         ) as resp:
-            if 200 <= resp.status_code < 300:
+            status = int(resp.status_code or NO_ANSWER)
+            if acknowledged(status) or (_redeliverable(status) and not last):
                 resp.success()
             else:
-                resp.failure(f"{resp.status_code} {resp.text[:200]}")
+                resp.failure(f"{status} {_text(resp)}")
+        event_type = str(orjson.loads(delivery.body).get("type", ""))
+        RUN.record.delivery((order_id, deal_id, delivery.event_id, event_type, status))
+        return status
 
-    def pay_in_sandbox(self, session: dict[str, Any], reorder: bool) -> None:
+    def pay_in_sandbox(self, session: dict[str, Any], reorder: bool) -> bool:
         """Pay on the sandbox's pay step; with `reorder`, a failed attempt first (its
-        payment.failed and the success then reach the gate in any order)."""
+        payment.failed and the success then reach the gate in any order). True when
+        the sandbox took the successful payment (2xx): it delivers the callbacks."""
         outcomes = ["fail", "succeed"] if reorder else ["succeed"]
+        taken = False
         for outcome in outcomes:
             with self.client.post(
                 str(session["redirect_url"]),
@@ -512,8 +584,10 @@ class Payer(Buyer):
             ) as resp:
                 if 200 <= resp.status_code < 300:
                     resp.success()
+                    taken = outcome == "succeed"
                 else:
-                    resp.failure(f"{resp.status_code} {resp.text[:200]}")
+                    resp.failure(f"{resp.status_code} {_text(resp)}")
+        return taken
 
     def pay(
         self,
@@ -521,33 +595,63 @@ class Payer(Buyer):
         session: dict[str, Any],
         duplicates: int,
         reorder: bool,
-    ) -> None:
+        deal_id: int,
+    ) -> bool:
         """Deliver payment.succeeded `duplicates` times (concurrently) and, when
-        `reorder`, an earlier failed attempt's event, in a shuffled order."""
+        `reorder`, an earlier failed attempt's event, in a shuffled order; then once
+        more each event no copy of which got a 2xx, in rounds. True when the
+        payment.succeeded got a 2xx: the gate took the payment."""
         if RUN.pay_via == "sandbox":
-            self.pay_in_sandbox(session, reorder)
-            return
+            return self.pay_in_sandbox(session, reorder)
         assert RUN.webhook_key is not None
+        key = RUN.webhook_key
         order_id = str(order["order_id"])
         amount, currency = int(order["amount"]), str(order["currency"])
         succeeded = webhooks.event(
             "payment.succeeded", order_id, f"pay_{order_id}_2", amount, currency
         )
-        first = webhooks.sign(RUN.webhook_key, succeeded)
-        deliveries = [(first, "webhook succeeded")]
-        for _ in range(duplicates - 1):
-            again = webhooks.sign(RUN.webhook_key, succeeded, msg_id=first.headers["webhook-id"])
-            deliveries.append((again, "webhook duplicate"))
+        # event payload, webhook-id, copies at once, locust name
+        events_out = [(succeeded, "msg_" + secrets.token_hex(12), duplicates, "webhook succeeded")]
         if reorder:
             failed = webhooks.event(
                 "payment.failed", order_id, f"pay_{order_id}_1", amount, currency
             )
-            deliveries.append((webhooks.sign(RUN.webhook_key, failed), "webhook failed (stale)"))
-        random.shuffle(deliveries)
-        group = Group()
-        for delivery, name in deliveries:
-            group.spawn(self.deliver, delivery, name)
-        group.join()
+            events_out.append((failed, "msg_" + secrets.token_hex(12), 1, "webhook failed (stale)"))
+        taken: set[str] = set()  # event ids answered for good (2xx or a final 4xx)
+        acked: set[str] = set()  # event ids a copy of which got a 2xx
+        for attempt in range(DELIVERY_ATTEMPTS_MAX):
+            last = attempt == DELIVERY_ATTEMPTS_MAX - 1
+            if attempt:
+                gevent.sleep(REDELIVERY_PAUSE_SECONDS * attempt)
+            deliveries = []
+            for payload, msg_id, copies, name in events_out:
+                if str(payload["id"]) in taken:
+                    continue
+                for copy in range(copies if attempt == 0 else 1):
+                    if attempt:
+                        label = "webhook redelivery"
+                    else:
+                        label = "webhook duplicate" if copy else name
+                    deliveries.append((webhooks.sign(key, payload, msg_id=msg_id), label))
+            if not deliveries:
+                break
+            random.shuffle(deliveries)
+            group = Group()
+            sent = [
+                (d.event_id, group.spawn(self.deliver, d, n, order_id, deal_id, last))
+                for d, n in deliveries
+            ]
+            group.join()
+            for event_id, greenlet in sent:
+                # A delivery that raised (a bug here) counts as no answer.
+                status = int(greenlet.value) if greenlet.successful() else NO_ANSWER
+                if acknowledged(status):
+                    acked.add(event_id)
+                if acknowledged(status) or not _redeliverable(status):
+                    # Taken, or refused for good (a 4xx other than 408/429: no
+                    # redelivery changes that).
+                    taken.add(event_id)
+        return str(succeeded["id"]) in acked
 
     def wait_status(self, user: int, order_id: str, wanted: tuple[str, ...], seconds: float) -> str:
         deadline = time.monotonic() + seconds
@@ -577,8 +681,12 @@ class PayingBuyer(Payer):
         session = self.session(user, str(order["order_id"]))
         if session is None:
             return
-        self.pay(order, session, duplicates=random.randint(1, 3), reorder=random.random() < 0.5)
+        paid = self.pay(order, session, random.randint(1, 3), random.random() < 0.5, deal_id)
         ref: OrderRef = (str(order["order_id"]), user, deal_id)
+        if not paid:
+            # The gate never said it took the payment: not one to expect PAID.
+            RUN.record.add(RUN.record.unpaid, ref)
+            return
         RUN.record.add(RUN.record.paid, ref)
         if self.wait_status(user, ref[0], ("PAID",), PAID_WAIT_SECONDS) != "PAID":
             log.warning("order %s not PAID after %s s", ref[0], PAID_WAIT_SECONDS)
@@ -597,13 +705,16 @@ class LatePayer(Payer):
         status, _, order = self.reserve_until_answered(deal_id, user, f"late-{RUN.run_tag}-{user}")
         if status not in (200, 201):
             return
-        session = self.session(user, str(order["order_id"]))
+        session = self.session(user, str(order["order_id"]), str(order.get("expires_at") or ""))
         if session is None:
             return
         hold = int(RUN.options.late_hold_seconds) if RUN.options else 2
         # Past the deadline, and usually past the sweeper's release too (≤ 2 s).
         gevent.sleep(hold + random.uniform(0.5, 3.5))
-        self.pay(order, session, duplicates=random.randint(1, 2), reorder=False)
+        paid = self.pay(order, session, random.randint(1, 2), False, deal_id)
         ref: OrderRef = (str(order["order_id"]), user, deal_id)
+        if not paid:
+            RUN.record.add(RUN.record.unpaid, ref)
+            return
         RUN.record.add(RUN.record.late_paid, ref)
         self.wait_status(user, ref[0], LATE_ENDS, LATE_END_WAIT_SECONDS)

@@ -2,8 +2,9 @@
 database.
 
 A headless run writes one JSON file. The verifier reads it to check that every order a
-client was told about (201) exists, that paid orders ended paid, and that no client saw
-two different orders for one idempotency key.
+client was told about (201) exists, that paid orders ended paid, that every callback
+the gate answered 2xx is recorded there, and that no client saw two different orders
+for one idempotency key.
 """
 
 from __future__ import annotations
@@ -18,9 +19,20 @@ import orjson
 VERSION = 1
 # Bounds on what one record keeps; a run past them is still verified by counts.
 ORDERS_MAX = 1_000_000
+DELIVERIES_MAX = 1_000_000
 VIOLATIONS_MAX = 1_000
+# The status of a delivery that got no HTTP answer at all (reset, closed, timed out).
+NO_ANSWER = 0
 
 OrderRef = tuple[str, int, int]  # order id, user id, deal id
+# One HTTP delivery of a payment callback and the answer it got: order id, deal id,
+# event id, event type, HTTP status (NO_ANSWER when none came back).
+DeliveryRef = tuple[str, int, str, str, int]
+
+
+def acknowledged(status: int) -> bool:
+    """Whether a delivery's answer tells the provider the event was taken (2xx)."""
+    return 200 <= status < 300
 
 
 @dataclass
@@ -33,6 +45,11 @@ class ClientRecord:
     created: list[OrderRef] = field(default_factory=list)
     paid: list[OrderRef] = field(default_factory=list)
     late_paid: list[OrderRef] = field(default_factory=list)
+    # Every callback delivery and its answer. `paid`/`late_paid` hold only orders whose
+    # payment.succeeded got a 2xx; a payment no delivery got a 2xx for is in `unpaid`
+    # (the gate never said it took it: not a payment the verifier may expect).
+    deliveries: list[DeliveryRef] = field(default_factory=list)
+    unpaid: list[OrderRef] = field(default_factory=list)
     truncated: bool = False
     violations: list[str] = field(default_factory=list)
     # deal id -> outcome (HTTP status or problem code) -> count
@@ -45,6 +62,12 @@ class ClientRecord:
     def add(self, bucket: list[OrderRef], ref: OrderRef) -> None:
         if len(bucket) < ORDERS_MAX:
             bucket.append(ref)
+        else:
+            self.truncated = True
+
+    def delivery(self, ref: DeliveryRef) -> None:
+        if len(self.deliveries) < DELIVERIES_MAX:
+            self.deliveries.append(ref)
         else:
             self.truncated = True
 
@@ -64,6 +87,8 @@ class ClientRecord:
             "created": self.created,
             "paid": self.paid,
             "late_paid": self.late_paid,
+            "deliveries": self.deliveries,
+            "unpaid": self.unpaid,
             "truncated": self.truncated,
             "violations": self.violations,
             "outcomes": {str(d): dict(c) for d, c in self.outcomes.items()},
@@ -86,6 +111,8 @@ class ClientRecord:
             created=[_ref(r) for r in data.get("created", [])],
             paid=[_ref(r) for r in data.get("paid", [])],
             late_paid=[_ref(r) for r in data.get("late_paid", [])],
+            deliveries=[_delivery(r) for r in data.get("deliveries", [])],
+            unpaid=[_ref(r) for r in data.get("unpaid", [])],
             truncated=bool(data.get("truncated", False)),
             violations=[str(v) for v in data.get("violations", [])],
             notes=[str(n) for n in data.get("notes", [])],
@@ -98,3 +125,8 @@ class ClientRecord:
 def _ref(raw: Any) -> OrderRef:
     order_id, user_id, deal_id = raw
     return str(order_id), int(user_id), int(deal_id)
+
+
+def _delivery(raw: Any) -> DeliveryRef:
+    order_id, deal_id, event_id, event_type, status = raw
+    return str(order_id), int(deal_id), str(event_id), str(event_type), int(status)

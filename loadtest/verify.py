@@ -4,7 +4,8 @@
         gate mode (default): the gate's database and Redis (GATE_MYSQL_URL,
         GATE_REDIS_URL); every check of `gate check` once nothing is in flight,
         plus oversold / lost units from the order rows, the order-state counts,
-        and the record's orders held against the database.
+        and the record's orders held against the database; every callback the
+        gate answered 2xx must have its payment_events row ("payment lost").
     python -m loadtest.verify --baseline …
         the peer baseline's database (BASELINE_MYSQL_URL, see loadtest.baseline).
     python -m loadtest.verify --api URL --admin-token T …
@@ -28,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from loadtest.record import ClientRecord, OrderRef
+from loadtest.record import NO_ANSWER, ClientRecord, OrderRef, acknowledged
 
 HOLDING = ("PENDING_PAYMENT", "AUTHORIZED")
 KEEPING = (*HOLDING, "PAID")
@@ -93,9 +94,17 @@ def record_breaches(
         status = found.get(order_id, (0, 0, "missing"))[2]
         if status not in LATE_ENDS:
             breaches.append(f"order {order_id}: paid late but {status} (expected {LATE_ENDS})")
+    answers: dict[str, int] = {}
+    for d in record.deliveries:
+        if d[1] == deal_id:
+            label = "none" if d[4] == NO_ANSWER else str(d[4])
+            answers[label] = answers.get(label, 0) + 1
+    unpaid = [r for r in record.unpaid if r[2] == deal_id]
     outcomes = record.outcomes.get(deal_id, {})
     released = sum(states.get(s, {}).get("count", 0) for s in RELEASED)
-    transient = sum(v for k, v in outcomes.items() if k.startswith("5") or k == "OVERLOADED")
+    transient = sum(
+        v for k, v in outcomes.items() if k.startswith("5") or k in ("OVERLOADED", "NO_ANSWER")
+    )
     warnings = []
     if outcomes.get("SOLD_OUT") and numbers["available"] > 0 and released == 0:
         text = (
@@ -106,10 +115,19 @@ def record_breaches(
         # back after the crowd stopped clicking: one per such answer (the scenarios
         # reserve one unit at a time), no more.
         (warnings if numbers["available"] <= transient else breaches).append(text)
+    if unpaid:
+        # The gate never answered 2xx to any delivery of these payments: it did not
+        # take them, and nothing may be expected of them (not a breach of the gate's).
+        warnings.append(
+            f"{len(unpaid)} payment(s) got no 2xx on any delivery, not counted as paid:"
+            f" {', '.join(r[0] for r in unpaid[:3])}"
+        )
     summary = {
         "client_201": len(created),
         "client_missing": len(missing),
         "outcomes": dict(outcomes),
+        "deliveries": answers,
+        "unpaid": len(unpaid),
         "warnings": warnings,
     }
     return breaches, summary
@@ -138,6 +156,32 @@ async def _lookup(db: Any, refs: list[OrderRef]) -> dict[str, tuple[int, int, st
         for order_id, user, deal, status in rows:
             found[str(order_id)] = (int(user), int(deal), str(status))
     return found
+
+
+async def lost_payments(db: Any, record: ClientRecord | None, deal_id: int) -> list[str]:
+    """Callbacks of this deal the gate answered 2xx that it has no payment_events row
+    for: an acknowledged payment it did not record (a lost payment)."""
+    if record is None:
+        return []
+    acked = {d[2]: d for d in record.deliveries if d[1] == deal_id and acknowledged(d[4])}
+    ids = sorted(acked)
+    known: set[str] = set()
+    for i in range(0, len(ids), LOOKUP_CHUNK):
+        chunk = ids[i : i + LOOKUP_CHUNK]
+        marks = ", ".join(["%s"] * len(chunk))
+        rows = await db.fetchall(
+            f"SELECT event_id FROM payment_events WHERE event_id IN ({marks})", chunk
+        )
+        known.update(str(r[0]) for r in rows)
+    lost = [acked[e] for e in ids if e not in known]
+    breaches = [
+        f"payment lost: the gate answered {d[4]} to event {d[2]} ({d[3]}) of order {d[0]}"
+        " and has no payment_events row for it"
+        for d in lost[:5]
+    ]
+    if len(lost) > 5:
+        breaches.append(f"… {len(lost) - 5} more acknowledged events not recorded")
+    return breaches
 
 
 def _expected_done(
@@ -213,6 +257,7 @@ async def verify_gate_deal(
             )
     extra, client = record_breaches(record, deal_id, found, numbers, states)
     breaches.extend(extra)
+    breaches.extend(await lost_payments(db, record, deal_id))
     if redis.get("compared"):
         redis_text = "equal" if not any(b.startswith("redis") for b in breaches) else "DRIFT"
     elif redis.get("loaded"):
@@ -384,6 +429,11 @@ def render(report: Mapping[str, Any], roles: Mapping[int, str] | None = None) ->
                     f"    client: 201s={client['client_201']}"
                     f" missing={client['client_missing']}  answers: {outcomes or 'none'}"
                 )
+                if client.get("deliveries"):
+                    answers = " ".join(f"{k}={v}" for k, v in sorted(client["deliveries"].items()))
+                    lines.append(
+                        f"    callbacks: answers: {answers}  unpaid: {client.get('unpaid', 0)}"
+                    )
                 for warning in client.get("warnings", []):
                     lines.append(f"    ~ {warning}")
         for breach in deal["breaches"]:

@@ -94,3 +94,34 @@ async def test_replay_survives_a_redis_flush(
     assert order.json()["status"] == "PENDING_PAYMENT"
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"]["held"] == 1
+
+
+async def test_keys_differing_only_by_case_are_two_keys(
+    client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    """Issue #12, point 8: Redis compares keys byte for byte, and so does the database
+    now (db/007). Before, the second key passed Redis, met the first order's unique key
+    (ascii_general_ci) and was answered with the first buyer click's order."""
+    deal_id = await create_deal(client, stock=5)
+    user, keys = 801, ("Case-Key-AbC-01", "case-key-abc-01", "CASE-KEY-ABC-01")
+    answers = [await reserve(client, deal_id, user, k) for k in keys]
+    assert [r.status_code for r in answers] == [201, 201, 201], [r.text for r in answers]
+    orders = [r.json()["order_id"] for r in answers]
+    assert len(set(orders)) == 3
+    rows = await db.fetchall(
+        "SELECT idempotency_key, id FROM orders WHERE user_id = %s AND deal_id = %s",
+        (user, deal_id),
+    )
+    assert dict((str(k), str(o)) for k, o in rows) == dict(zip(keys, orders, strict=True))
+
+    # Replays answer each key with its own order, from Redis and, with Redis's record
+    # gone, from the database's unique key.
+    for flush_first in (False, True):
+        if flush_first:
+            await rds.flushdb()
+        for key, order_id in zip(keys, orders, strict=True):
+            again = await reserve(client, deal_id, user, key)
+            assert again.status_code == 200, again.text
+            assert again.json()["order_id"] == order_id
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"]["held"] == 3

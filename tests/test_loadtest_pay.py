@@ -12,7 +12,7 @@ import pytest
 
 from loadtest.procs import Server, free_port
 from loadtest.record import ClientRecord
-from tests.loadtest_support import run_module
+from tests.loadtest_support import UnansweredCallbacks, run_module
 from tests.support import GATE_BIN, ROOT, GateProcess
 
 pytestmark = pytest.mark.slow
@@ -113,6 +113,57 @@ def test_payment_scenarios_pass_the_verifier(
     paid = record.late_paid if scenario == "late-pay" else record.paid
     assert paid, "no buyer got as far as paying"
     assert record.violations == []
+
+
+def test_a_callback_that_got_no_answer_is_delivered_again_not_counted_as_paid(
+    paying_gate: tuple[GateProcess, str, dict], tmp_path: Path
+) -> None:
+    """The mixed run's BREACH (issue #12, point 10): a late payment recorded as paid
+    while its order ended EXPIRED with no payment event. The delivery never reached the
+    gate: uvicorn closed the idle keep-alive connection it was sent on (the late payer
+    waits 2.5-5.5 s, the keep-alive timeout is 5 s), the client got no answer, and the
+    load test counted it as paid. Here every first delivery gets no answer (a proxy
+    closes the connection without forwarding it): the payers deliver each event again,
+    as a provider does, the record keeps every delivery's answer, and the verifier
+    passes. Before, every such order was recorded as paid late and the verifier
+    reported it EXPIRED."""
+    gate, _, genv = paying_gate
+    proxy = UnansweredCallbacks(gate.port)
+    out = tmp_path / "late-pay"
+    try:
+        result = run_module(
+            genv,
+            "loadtest.scenario",
+            "late-pay",
+            "--host",
+            proxy.url,
+            "--run-time",
+            "5s",
+            "--users",
+            "4",
+            "--out",
+            str(out),
+            "--",
+            "--late-hold-seconds",
+            "1",
+            timeout_seconds=240,
+        )
+    finally:
+        proxy.close()
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "verifier: all checks hold" in result.stdout
+    assert proxy.dropped > 0
+    record = ClientRecord.read(out / "client.json")
+    assert record.late_paid, "no buyer got as far as paying"
+    assert record.unpaid == []
+    by_event: dict[str, list[int]] = {}
+    for _, _, event_id, _, status in record.deliveries:
+        by_event.setdefault(event_id, []).append(status)
+    # Every event's first copies got no answer (0); a later delivery got its 2xx.
+    assert by_event and all(0 in s and any(200 <= x < 300 for x in s) for s in by_event.values())
+    late = {r[0] for r in record.late_paid}
+    assert late <= {d[0] for d in record.deliveries if 200 <= d[4] < 300}
+    assert "callbacks: answers:" in result.stdout and "none=" in result.stdout
 
 
 def test_a_gate_without_a_provider_skips_the_payment_scenarios(

@@ -169,3 +169,41 @@ async def test_the_record_catches_lost_orders_and_ghost_stock(
     from loadtest.verify import finish
 
     assert finish([verdict], out_record)["ok"] is False
+
+
+async def test_callback_answers_tell_a_lost_payment_from_an_undelivered_one(
+    client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    """The record keeps each callback delivery's answer: a 2xx for an event the gate
+    has no payment_events row for is a lost payment (a breach); a payment no delivery
+    got a 2xx for is only reported (the gate never took it)."""
+    deal_id = await create_deal(client, stock=5, buckets=1)
+    answers = await crowd(client, deal_id, range(941_000, 941_002), f"lost{deal_id}")
+    orders = [(o, u, deal_id) for o, u in created(answers)]
+    assert len(orders) == 2
+    (acked_order, _, _), (unanswered_order, _, _) = orders
+
+    lost = ClientRecord(
+        created=orders,
+        deliveries=[(acked_order, deal_id, f"evt_lost_{deal_id}", "payment.succeeded", 200)],
+    )
+    verdict = await verify_gate_deal(db, rds, deal_id, lost, settle_seconds=1)
+    assert not verdict["ok"]
+    assert any(
+        b.startswith(f"payment lost: the gate answered 200 to event evt_lost_{deal_id}")
+        for b in verdict["breaches"]
+    ), verdict["breaches"]
+
+    undelivered = ClientRecord(
+        created=orders,
+        deliveries=[
+            (unanswered_order, deal_id, f"evt_none_{deal_id}", "payment.succeeded", 0),
+            (unanswered_order, deal_id, f"evt_none_{deal_id}", "payment.succeeded", 503),
+        ],
+        unpaid=[orders[1]],
+    )
+    verdict = await verify_gate_deal(db, rds, deal_id, undelivered, settle_seconds=1)
+    assert verdict["ok"], verdict["breaches"]
+    assert verdict["client"]["deliveries"] == {"none": 1, "503": 1}
+    assert verdict["client"]["unpaid"] == 1
+    assert any("got no 2xx on any delivery" in w for w in verdict["client"]["warnings"])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 
 from gate.db import Database
@@ -322,4 +324,137 @@ async def test_declined_refunds_are_retried_until_settled(
         "SELECT status, generation FROM payment_refunds WHERE order_id = %s", (order_id,)
     )
     assert stored is not None and stored[0] == "succeeded" and int(stored[1]) >= 1
+    await assert_invariants(db, rds, deal)
+
+
+async def _webhook(client: Client, body: bytes) -> dict[str, Any]:
+    r = await post_webhook(client, body, signed(body))
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+async def _event_row(db: Database, event_id: str) -> tuple[str, str | None]:
+    row = await db.fetchone(
+        "SELECT outcome, detail FROM payment_events WHERE provider = 'sandbox' AND event_id = %s",
+        (event_id,),
+    )
+    assert row is not None, event_id
+    return str(row[0]), row[1]
+
+
+async def test_event_payment_and_session_ids_differing_only_by_case_are_distinct(
+    pay_client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    """Issue #12, point 8: provider ids compare exactly, as at the provider. Before
+    db/007 an event id differing only by case was taken for a duplicate (the payment
+    it carried was lost), and a payment id for another payment's row."""
+    deal = await create_deal(pay_client, stock=3, unit_price=700)
+    order_id = await new_order(pay_client, deal, 4901)
+    tag = os.urandom(4).hex()
+    # A failed attempt, then the success: event and payment ids differ only by case.
+    failed = event_body(
+        "payment.failed", order_id, f"pay_Case{tag}", 700, event_id=f"evt_Case{tag}"
+    )
+    assert (await _webhook(pay_client, failed))["outcome"] == "ignored"
+    succeeded = event_body(
+        "payment.succeeded", order_id, f"pay_case{tag}", 700, event_id=f"evt_case{tag}"
+    )
+    assert (await _webhook(pay_client, succeeded))["outcome"] == "applied"
+    assert await _event_row(db, f"evt_Case{tag}") == ("ignored", "failed")
+    assert await _event_row(db, f"evt_case{tag}") == ("applied", None)
+    payments = await db.fetchall(
+        "SELECT payment_id, status FROM payments WHERE order_id = %s ORDER BY status", (order_id,)
+    )
+    assert [tuple(r) for r in payments] == [
+        (f"pay_Case{tag}", "failed"),
+        (f"pay_case{tag}", "succeeded"),
+    ]
+    row = await order_row(db, order_id)
+    assert (row["status"], row["paid_amount"]) == ("PAID", 700)
+    assert row["payment_id"] == f"pay_case{tag}"
+    # Looked up exactly: the other case finds nothing.
+    assert (
+        await db.fetchone("SELECT 1 FROM payment_events WHERE event_id = %s", (f"EVT_CASE{tag}",))
+        is None
+    )
+
+    # Two sessions whose ids differ only by case are two sessions.
+    other = await new_order(pay_client, deal, 4902)
+    for oid, sid in ((order_id, f"cs_Sess{tag}"), (other, f"cs_sess{tag}")):
+        await db.execute(
+            "INSERT INTO payment_sessions (order_id, provider, session_id, redirect_url)"
+            " VALUES (%s, 'sandbox', %s, 'http://127.0.0.1/pay')",
+            (oid, sid),
+        )
+    found = await db.fetchall(
+        "SELECT order_id FROM payment_sessions WHERE provider = 'sandbox' AND session_id = %s",
+        (f"cs_sess{tag}",),
+    )
+    assert [str(r[0]) for r in found] == [other]
+    await assert_invariants(db, rds, deal)
+
+
+async def test_an_event_cannot_repoint_a_known_payment_or_change_its_amount(
+    pay_client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    """Issue #12, point 11: a signed event naming a payment the gate holds with another
+    order or another amount is quarantined, and nothing changes. Before db/008, the
+    success of order A's failed attempt named for order B paid B."""
+    deal = await create_deal(pay_client, stock=4, unit_price=800)
+    a = await new_order(pay_client, deal, 4911)
+    b = await new_order(pay_client, deal, 4912)
+    tag = os.urandom(4).hex()
+    paid, attempt = f"pay_a{tag}", f"pay_f{tag}"
+    assert (await _webhook(pay_client, event_body("payment.succeeded", a, paid, 800)))[
+        "outcome"
+    ] == "applied"
+    # A failed attempt of A, with its amount (799: the provider's word for it).
+    assert (await _webhook(pay_client, event_body("payment.failed", a, attempt, 799)))[
+        "outcome"
+    ] == "ignored"
+
+    async def state() -> Any:
+        orders = await db.fetchall(
+            "SELECT id, status, paid_amount, refunded_amount, provider_payment_id, version"
+            " FROM orders WHERE id IN (%s, %s) ORDER BY id",
+            (a, b),
+        )
+        payments = await db.fetchall(
+            "SELECT payment_id, order_id, amount, status, refunded_amount FROM payments"
+            " WHERE payment_id IN (%s, %s) ORDER BY payment_id",
+            (paid, attempt),
+        )
+        refunds = await db.fetchone(
+            "SELECT COUNT(*) FROM payment_refunds WHERE order_id IN (%s, %s)", (a, b)
+        )
+        return [tuple(r) for r in orders], [tuple(r) for r in payments], refunds
+
+    before = await state()
+    cases = [
+        # the paid payment named for another order: a second payment of B, or its capture
+        ("payment.succeeded", b, paid, 800, "payment_order_changed"),
+        ("payment.authorized", b, paid, 800, "payment_order_changed"),
+        ("refund.succeeded", b, paid, 800, "payment_order_changed"),
+        # A's failed attempt succeeding as B's payment
+        ("payment.succeeded", b, attempt, 800, "payment_order_changed"),
+        # A's failed attempt succeeding for A with another amount than it had
+        ("payment.succeeded", a, attempt, 800, "payment_amount_changed"),
+        # the paid payment with another amount (also not the order's)
+        ("payment.succeeded", a, paid, 900, "payment_amount_changed"),
+    ]
+    for event_type, order_id, payment_id, amount, detail in cases:
+        extra = {"refund_id": f"re_{tag}"} if event_type.startswith("refund") else {}
+        body = event_body(event_type, order_id, payment_id, amount, **extra)
+        answer = await _webhook(pay_client, body)
+        assert answer["outcome"] == "quarantined", (event_type, order_id, payment_id, answer)
+        event_id = str(orjson.loads(body)["id"])
+        assert await _event_row(db, event_id) == ("quarantined", detail), event_type
+        alerts = await db.fetchone(
+            "SELECT COUNT(*) FROM outbox WHERE topic = 'payment.quarantined' AND payload LIKE %s",
+            (f"%{event_id}%",),
+        )
+        assert alerts is not None and int(alerts[0]) == 1
+    assert await state() == before
+    assert (await order_row(db, b))["status"] == "PENDING_PAYMENT"
     await assert_invariants(db, rds, deal)

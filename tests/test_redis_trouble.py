@@ -204,6 +204,39 @@ async def test_database_fallback_policy_sells_without_redis(
         gate.stop()
 
 
+async def test_database_fallback_keeps_keys_differing_only_by_case_apart(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy
+) -> None:
+    """Issue #12, point 8, on the database fallback: without Redis the database alone
+    tells keys apart, byte for byte (db/007); before, the second key was answered
+    with the first key's order."""
+    gate = await _fallback_gate(env, proxy)
+    client = Client(gate.url)
+    try:
+        deal_id = await create_deal(client, stock=5)
+        proxy.cut()
+        # The first call fails and opens the breaker; later ones go to the database.
+        assert (await reserve(client, deal_id, 45_000, "fb-case-opener")).status_code == 503
+        keys = ("Fallback-Case-Key", "fallback-case-key")
+        answers = [await reserve(client, deal_id, 45_001, k) for k in keys]
+        assert [r.status_code for r in answers] == [201, 201], [r.text for r in answers]
+        orders = [r.json()["order_id"] for r in answers]
+        assert orders[0] != orders[1]
+        for key, order_id in zip(keys, orders, strict=True):
+            again = await reserve(client, deal_id, 45_001, key)
+            assert again.status_code == 200, again.text
+            assert again.json()["order_id"] == order_id
+        row = await db.fetchone(
+            "SELECT COUNT(*) FROM orders WHERE deal_id = %s AND user_id = 45001", (deal_id,)
+        )
+        assert row is not None and int(row[0]) == 2
+        proxy.restore()
+        await assert_invariants(db, rds, deal_id, timeout_seconds=20)
+    finally:
+        await client.close()
+        gate.stop()
+
+
 @pytest.mark.parametrize("on_error", ["closed", "open"])
 async def test_limiters_fail_closed_or_open_by_configuration(
     env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy, on_error: str

@@ -91,6 +91,9 @@ QUARANTINE_KINDS = {
     "amount_mismatch": "amount_mismatch",
     "currency_mismatch": "amount_mismatch",
     "payment_changed": "amount_mismatch",
+    "payment_amount_changed": "amount_mismatch",
+    # A known payment named for another order (db/008): flagged like an unknown order.
+    "payment_order_changed": "unknown_order",
     "unknown_order": "unknown_order",
     "no_payment_id": "unknown_order",
 }
