@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gate import logs, orders, validate
 from gate.db import DbUnavailable
 from gate.errors import Problem, invalid, not_found, overloaded
+from gate.guard import Guard
 from gate.http import json_answer, json_response, read_json, receive_json, send_answer
 from gate.limits import client_ip, device_id
 from gate.logs import configure
@@ -418,6 +419,15 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
         middleware.extend(ext.middleware)
     lanes = [r for r in all_routes if isinstance(r, Route) and r.name in FAST_LANE_ROUTES]
     assert any(r.name == "reserve" for r in lanes), "the reservation route is missing"
+    # Inside the request middleware (its metrics and X-Request-Id cover the guard's
+    # answers), outside the fast lane (the hot path is guarded too).
+    middleware.append(
+        Middleware(
+            Guard,
+            concurrency_max=settings.http_concurrency_max,
+            body_timeout_seconds=settings.body_timeout_seconds,
+        )
+    )
     middleware.append(Middleware(FastLane, routes=lanes))
     app = Starlette(
         routes=all_routes,

@@ -28,6 +28,7 @@ PROBLEM_CODES: dict[str, int] = {
     "UNAUTHORIZED": 401,
     "NOT_FOUND": 404,
     "METHOD_NOT_ALLOWED": 405,
+    "REQUEST_TIMEOUT": 408,
     "SOLD_OUT": 409,
     "NOT_ACTIVE": 409,
     "IDEMPOTENCY_IN_PROGRESS": 409,
@@ -46,6 +47,7 @@ _REASONS = {
     401: "Missing or invalid credentials",
     404: "Not found",
     405: "Method not allowed",
+    408: "The body did not arrive within GATE_BODY_TIMEOUT_SECONDS; the connection is closed",
     409: "Conflict with the current state",
     413: "Body over 4 KiB",
     415: "Body is not JSON",
@@ -121,6 +123,7 @@ ADMIN_BODY_PROBLEMS = (
     "UNAUTHORIZED",
     "PAYLOAD_TOO_LARGE",
     "UNSUPPORTED_MEDIA_TYPE",
+    "REQUEST_TIMEOUT",
 )
 
 
@@ -216,6 +219,7 @@ def _paths() -> dict[str, dict[str, Any]]:
                         "IDEMPOTENCY_IN_PROGRESS",
                         "PAYLOAD_TOO_LARGE",
                         "UNSUPPORTED_MEDIA_TYPE",
+                        "REQUEST_TIMEOUT",
                         "IDEMPOTENCY_MISMATCH",
                         "LIMIT_EXCEEDED",
                         "RATE_LIMITED",
@@ -317,6 +321,7 @@ def _paths() -> dict[str, dict[str, Any]]:
                         "NOT_FOUND",
                         "PAYLOAD_TOO_LARGE",
                         "UNSUPPORTED_MEDIA_TYPE",
+                        "REQUEST_TIMEOUT",
                         "OVERLOADED",
                     ),
                 },
