@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -251,7 +252,7 @@ class FastLane:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             path = scope["path"]
             for route in self.routes:
-                match = route.path_regex.match(path)
+                match = route.path_regex.fullmatch(path)
                 if match is not None:
                     convert = route.param_convertors
                     scope["route"] = route
@@ -417,6 +418,11 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     for ext in gate.extensions:
         all_routes.extend(ext.routes)
         middleware.extend(ext.middleware)
+    for route in all_routes:
+        if isinstance(route, Route) and route.path_regex.pattern.endswith("$"):
+            # Python's $ also matches before a final newline: "/v1/deals/1%0A" (the
+            # path is percent-decoded) was the deal's route. \Z is the very end.
+            route.path_regex = re.compile(route.path_regex.pattern[:-1] + r"\Z")
     lanes = [r for r in all_routes if isinstance(r, Route) and r.name in FAST_LANE_ROUTES]
     assert any(r.name == "reserve" for r in lanes), "the reservation route is missing"
     # Inside the request middleware (its metrics and X-Request-Id cover the guard's

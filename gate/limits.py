@@ -27,8 +27,8 @@ from gate.errors import Problem, invalid
 
 SCOPES = ("deal", "user", "ip", "device", "global")
 _PERIOD_SECONDS = {"s": 1, "m": 60, "h": 3600}
-_SPEC_RE = re.compile(r"^\s*(\d+)\s*/\s*([smh])\s*(?:burst\s+(\d+)\s*)?$", re.IGNORECASE)
-DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_SPEC_RE = re.compile(r"\s*(\d+)\s*/\s*([smh])\s*(?:burst\s+(\d+)\s*)?", re.IGNORECASE)
+DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 MAX_COUNT = 1_000_000
 
 
@@ -58,7 +58,7 @@ def parse_limit(name: str, raw: str | None, default: str) -> LimitSpec | None:
     text = (raw if raw is not None and raw.strip() else default).strip()
     if text.lower() == "off":
         return None
-    match = _SPEC_RE.match(text)
+    match = _SPEC_RE.fullmatch(text)
     if not match:
         raise LimitError(
             f"{name} must be '<count>/<s|m|h>' with an optional ' burst <n>', or 'off'"
@@ -113,7 +113,7 @@ def client_ip(peer: str | None, forwarded_for: str | None, trusted: tuple[Networ
 def device_id(header: str | None) -> str | None:
     if header is None:
         return None
-    if not DEVICE_ID_RE.match(header):
+    if not DEVICE_ID_RE.fullmatch(header):
         raise invalid("X-Device-Id must be 1-128 characters of [A-Za-z0-9_.:-].")
     return header
 

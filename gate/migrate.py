@@ -25,7 +25,7 @@ log = logging.getLogger("gate.migrate")
 DB_DIR = Path(__file__).resolve().parent.parent / "db"
 LOCK_NAME = "gate.migrate"
 LOCK_WAIT_SECONDS = 60
-_FILE_RE = re.compile(r"^(\d{3,})_([a-z0-9_]+)\.sql$")
+_FILE_RE = re.compile(r"(\d{3,})_([a-z0-9_]+)\.sql")
 
 
 class MigrationError(RuntimeError):
@@ -73,7 +73,7 @@ def read_migrations(directory: Path | None = None) -> list[Migration]:
     base = directory or db_dir()
     migrations: list[Migration] = []
     for path in sorted(base.glob("*.sql")):
-        match = _FILE_RE.match(path.name)
+        match = _FILE_RE.fullmatch(path.name)
         if not match:
             raise MigrationError(f"migration file {path.name} is not named NNN_name.sql")
         text = path.read_text(encoding="utf-8")
