@@ -197,6 +197,7 @@ class Reserve:
                 client[0] if client else None,
                 headers.get(b"x-forwarded-for"),
                 gate.settings.trusted_proxies,
+                gate.settings.limit_ip_v6_prefix,
             )
             early = gate.reservations.limited_answer(deal_id, user_id, ip, device, scope["path"])
             if early is not None:

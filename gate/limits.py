@@ -94,9 +94,22 @@ def _trusted(address: str, trusted: Iterable[Network]) -> bool:
     return any(ip in net for net in trusted)
 
 
-def client_ip(peer: str | None, forwarded_for: str | None, trusted: tuple[Network, ...]) -> str:
-    """The socket peer, unless the peer is a trusted proxy: then the right-most
-    address in X-Forwarded-For that is not itself a trusted proxy."""
+def client_ip(
+    peer: str | None,
+    forwarded_for: str | None,
+    trusted: tuple[Network, ...],
+    v6_prefix: int = 128,
+) -> str:
+    """The client address the IP limiter counts: the socket peer, unless the peer is
+    a trusted proxy: then the right-most address in X-Forwarded-For that is not
+    itself a trusted proxy. An IPv6 client counts as its /v6_prefix network
+    (`limit_address`)."""
+    return limit_address(_client_address(peer, forwarded_for, trusted), v6_prefix)
+
+
+def _client_address(
+    peer: str | None, forwarded_for: str | None, trusted: tuple[Network, ...]
+) -> str:
     address = peer or "unknown"
     if not trusted or not forwarded_for or not _trusted(address, trusted):
         return address
@@ -108,6 +121,24 @@ def client_ip(peer: str | None, forwarded_for: str | None, trusted: tuple[Networ
             except ValueError:
                 return address
     return hops[0] if hops else address
+
+
+def limit_address(address: str, v6_prefix: int) -> str:
+    """An IPv6 address as its /v6_prefix network ("2001:db8:1:2::/64"): one
+    subscriber is usually given a whole /64 and may use any address in it, so per
+    address an IPv6 client could have as many IP limits as it likes. IPv4 (and an
+    IPv4-mapped IPv6 address, as IPv4) is counted as is."""
+    if ":" not in address:
+        return address  # IPv4, or "unknown": no parsing on the common path
+    try:
+        ip = ipaddress.IPv6Address(address)
+    except ValueError:
+        return address
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if v6_prefix >= 128:
+        return str(ip)
+    return str(ipaddress.IPv6Network((int(ip), v6_prefix), strict=False))
 
 
 def device_id(header: str | None) -> str | None:

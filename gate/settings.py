@@ -169,6 +169,8 @@ class Settings:
     limit_device: LimitSpec | None = None
     limit_global: LimitSpec | None = None
     trusted_proxies: tuple[Network, ...] = ()
+    # The IP limiter counts an IPv6 client as its network of this prefix length.
+    limit_ip_v6_prefix: int = 64
 
     # Bulkheads: reservations may use only part of the pool and wait only briefly
     # for it, so callbacks, cancels and reads always find a connection.
@@ -303,6 +305,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         limit_device=limits["device"],
         limit_global=limits["global"],
         trusted_proxies=trusted,
+        limit_ip_v6_prefix=env_int(env, "GATE_LIMIT_IP_V6_PREFIX", 64, 32, 128),
         db_reservation_pool_max=env_int(
             env, "GATE_DB_RESERVATION_POOL_MAX", max(1, pool_max * 3 // 4), 1, pool_max
         ),
