@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -21,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gate import logs, orders, validate
 from gate.db import Database, DbUnavailable
 from gate.errors import Problem, invalid, not_found, overloaded
+from gate.guard import Guard
 from gate.http import json_answer, json_response, read_json, receive_json, send_answer
 from gate.limits import client_ip, device_id
 from gate.logs import configure
@@ -31,7 +34,7 @@ from gate.settings import Settings, load_settings
 
 log = logging.getLogger("gate.app")
 
-MAX_ID = 2**63 - 1
+MAX_ID = validate.MAX_ID
 READY_TIMEOUT_SECONDS = 1.0
 # /readyz answers from a database probe at most this old: a flood of readiness checks
 # costs the database one statement a second per process (issue #12).
@@ -44,8 +47,27 @@ def _gate(request: Request) -> Gate:
     return gate
 
 
+class IdConvertor(Convertor[int]):
+    """A path id: digits, converted without int() ever seeing more than 19 of them
+    (4,400 digits made Starlette's int convertor raise ValueError: a 500, or on the
+    fast lane a reset connection). An id past MAX_ID converts to 0, which no row
+    has: the endpoint answers 404 as for any unknown id."""
+
+    regex = "[0-9]+"
+
+    def convert(self, value: str) -> int:
+        return validate.digits(value, MAX_ID) or 0
+
+    def to_string(self, value: int) -> str:
+        assert 0 <= value <= MAX_ID
+        return str(value)
+
+
+register_url_convertor("id", IdConvertor())
+
+
 def _deal_id(request: Request) -> int:
-    deal_id = int(request.path_params["deal_id"])
+    deal_id: int = request.path_params["deal_id"]
     if not 1 <= deal_id <= MAX_ID:
         raise not_found("deal")
     return deal_id
@@ -207,6 +229,7 @@ class Reserve:
                 client[0] if client else None,
                 headers.get(b"x-forwarded-for"),
                 gate.settings.trusted_proxies,
+                gate.settings.limit_ip_v6_prefix,
             )
             early = gate.reservations.limited_answer(deal_id, user_id, ip, device, scope["path"])
             if early is not None:
@@ -262,7 +285,7 @@ class FastLane:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             path = scope["path"]
             for route in self.routes:
-                match = route.path_regex.match(path)
+                match = route.path_regex.fullmatch(path)
                 if match is not None:
                     convert = route.param_convertors
                     scope["route"] = route
@@ -333,10 +356,10 @@ def _query_int(request: Request, name: str, lo: int, hi: int, default: int) -> i
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    # isdigit alone admits digits int() refuses (superscripts such as "²").
-    if not (raw.isascii() and raw.isdigit()) or not lo <= int(raw) <= hi:
+    value = validate.digits(raw, hi)
+    if value is None or value < lo:
         raise invalid(f"Query parameter '{name}' must be an integer between {lo} and {hi}.")
-    return int(raw)
+    return value
 
 
 async def admin_ledger(request: Request) -> Response:
@@ -385,9 +408,9 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def routes() -> list[BaseRoute]:
-    deal = "/v1/deals/{deal_id:int}"
+    deal = "/v1/deals/{deal_id:id}"
     order = "/v1/orders/{order_id:str}"
-    admin_deal_path = "/v1/admin/deals/{deal_id:int}"
+    admin_deal_path = "/v1/admin/deals/{deal_id:id}"
     # The router tries routes in order: the hot path first.
     return [
         Route(deal + "/reservations", Reserve(), methods=["POST"], name="reserve"),
@@ -428,8 +451,22 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     for ext in gate.extensions:
         all_routes.extend(ext.routes)
         middleware.extend(ext.middleware)
+    for route in all_routes:
+        if isinstance(route, Route) and route.path_regex.pattern.endswith("$"):
+            # Python's $ also matches before a final newline: "/v1/deals/1%0A" (the
+            # path is percent-decoded) was the deal's route. \Z is the very end.
+            route.path_regex = re.compile(route.path_regex.pattern[:-1] + r"\Z")
     lanes = [r for r in all_routes if isinstance(r, Route) and r.name in FAST_LANE_ROUTES]
     assert any(r.name == "reserve" for r in lanes), "the reservation route is missing"
+    # Inside the request middleware (its metrics and X-Request-Id cover the guard's
+    # answers), outside the fast lane (the hot path is guarded too).
+    middleware.append(
+        Middleware(
+            Guard,
+            concurrency_max=settings.http_concurrency_max,
+            body_timeout_seconds=settings.body_timeout_seconds,
+        )
+    )
     middleware.append(Middleware(FastLane, routes=lanes))
     app = Starlette(
         routes=all_routes,

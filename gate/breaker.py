@@ -4,13 +4,25 @@ Closed: calls go through; `failures_max` consecutive failures open it. Open: cal
 are refused at once for `open_seconds` (the caller answers 503 or takes its
 fallback). Then half-open: one probe call goes through; success closes the
 breaker, failure opens it again. Per process: each gate process learns on its own.
+
+    allow() ──▶ CLOSED: yes ─────────────────────────▶ the call ─▶ success() / failure()
+           ──▶ OPEN, within open_seconds: no
+           ──▶ HALF_OPEN: yes to one probe at a time ─▶ the call ─▶ success() / failure()
+                                                         └─ neither (cancelled, or it
+                                                            ended before the dependency):
+                                                            call() gives the turn back
+
+A probe that is judged neither way must give its turn back: otherwise no call would
+ever probe again and the breaker would stay half-open, refusing every call, for good.
+Callers therefore go through `call()`, which does so however the call ends.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from gate.metrics import METRICS
 
@@ -36,6 +48,8 @@ class Breaker:
         self._failures = 0
         self._opened_at = 0.0
         self._probing = False
+        # Which probe is out: a probe released late must not release a later one.
+        self._probe_number = 0
         CIRCUIT_OPEN.labels(name).set(0)
 
     def allow(self) -> bool:
@@ -50,7 +64,20 @@ class Breaker:
         if self._probing:
             return False
         self._probing = True
+        self._probe_number += 1
         return True
+
+    @contextmanager
+    def call(self) -> Iterator[bool]:
+        """allow(), with a half-open probe's turn given back if the call ends (by
+        cancellation, or any exception) without success() or failure()."""
+        allowed = self.allow()
+        probe = self._probe_number if allowed and self.state == HALF_OPEN else None
+        try:
+            yield allowed
+        finally:
+            if probe is not None and self._probing and self._probe_number == probe:
+                self._probing = False
 
     def success(self) -> None:
         if self.state != CLOSED:

@@ -30,7 +30,7 @@ from gate.unknown_deals import UnknownDeals
 
 log = logging.getLogger("gate.deals")
 
-CURRENCY_RE = re.compile(r"^[A-Z]{3}$")
+CURRENCY_RE = re.compile(r"[A-Z]{3}")
 MAX_STOCK = 1_000_000_000
 MAX_BUCKETS = 1024
 MAX_PRICE = 10**15

@@ -17,6 +17,7 @@ _PROBLEMS: dict[str, tuple[int, str]] = {
     "UNAUTHORIZED": (401, "Unauthorized"),
     "NOT_FOUND": (404, "Not found"),
     "METHOD_NOT_ALLOWED": (405, "Method not allowed"),
+    "REQUEST_TIMEOUT": (408, "Request timeout"),
     "SOLD_OUT": (409, "Sold out"),
     "NOT_ACTIVE": (409, "Sale not active"),
     "IDEMPOTENCY_IN_PROGRESS": (409, "Request with this idempotency key in progress"),

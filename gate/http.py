@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Send
 
 from gate.errors import Encoded, Problem, RawResponse, encode_answer, invalid, raw_headers
+from gate.validate import digits
 
 JSON_CONTENT_TYPE = b"application/json"
 
@@ -37,9 +38,10 @@ def _too_large(max_bytes: int) -> Problem:
 def check_json_headers(max_bytes: int, content_type: str, content_length: str | None) -> None:
     """Refuse, before reading anything, a body that is not JSON or announced too long."""
     if content_length is not None:
-        if not content_length.isdigit():
+        if not (content_length.isascii() and content_length.isdigit()):
             raise invalid("Invalid Content-Length header.")
-        if int(content_length) > max_bytes:
+        # Digits past the bound, however many, without int() of them all.
+        if digits(content_length, max_bytes) is None:
             raise _too_large(max_bytes)
     media = content_type.split(";", 1)[0].strip().lower()
     if media != "application/json" and not (

@@ -27,8 +27,8 @@ from gate.errors import Problem, invalid
 
 SCOPES = ("deal", "user", "ip", "device", "global")
 _PERIOD_SECONDS = {"s": 1, "m": 60, "h": 3600}
-_SPEC_RE = re.compile(r"^\s*(\d+)\s*/\s*([smh])\s*(?:burst\s+(\d+)\s*)?$", re.IGNORECASE)
-DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_SPEC_RE = re.compile(r"\s*(\d+)\s*/\s*([smh])\s*(?:burst\s+(\d+)\s*)?", re.IGNORECASE)
+DEVICE_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 MAX_COUNT = 1_000_000
 
 
@@ -58,7 +58,7 @@ def parse_limit(name: str, raw: str | None, default: str) -> LimitSpec | None:
     text = (raw if raw is not None and raw.strip() else default).strip()
     if text.lower() == "off":
         return None
-    match = _SPEC_RE.match(text)
+    match = _SPEC_RE.fullmatch(text)
     if not match:
         raise LimitError(
             f"{name} must be '<count>/<s|m|h>' with an optional ' burst <n>', or 'off'"
@@ -94,9 +94,22 @@ def _trusted(address: str, trusted: Iterable[Network]) -> bool:
     return any(ip in net for net in trusted)
 
 
-def client_ip(peer: str | None, forwarded_for: str | None, trusted: tuple[Network, ...]) -> str:
-    """The socket peer, unless the peer is a trusted proxy: then the right-most
-    address in X-Forwarded-For that is not itself a trusted proxy."""
+def client_ip(
+    peer: str | None,
+    forwarded_for: str | None,
+    trusted: tuple[Network, ...],
+    v6_prefix: int = 128,
+) -> str:
+    """The client address the IP limiter counts: the socket peer, unless the peer is
+    a trusted proxy: then the right-most address in X-Forwarded-For that is not
+    itself a trusted proxy. An IPv6 client counts as its /v6_prefix network
+    (`limit_address`)."""
+    return limit_address(_client_address(peer, forwarded_for, trusted), v6_prefix)
+
+
+def _client_address(
+    peer: str | None, forwarded_for: str | None, trusted: tuple[Network, ...]
+) -> str:
     address = peer or "unknown"
     if not trusted or not forwarded_for or not _trusted(address, trusted):
         return address
@@ -110,10 +123,28 @@ def client_ip(peer: str | None, forwarded_for: str | None, trusted: tuple[Networ
     return hops[0] if hops else address
 
 
+def limit_address(address: str, v6_prefix: int) -> str:
+    """An IPv6 address as its /v6_prefix network ("2001:db8:1:2::/64"): one
+    subscriber is usually given a whole /64 and may use any address in it, so per
+    address an IPv6 client could have as many IP limits as it likes. IPv4 (and an
+    IPv4-mapped IPv6 address, as IPv4) is counted as is."""
+    if ":" not in address:
+        return address  # IPv4, or "unknown": no parsing on the common path
+    try:
+        ip = ipaddress.IPv6Address(address)
+    except ValueError:
+        return address
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if v6_prefix >= 128:
+        return str(ip)
+    return str(ipaddress.IPv6Network((int(ip), v6_prefix), strict=False))
+
+
 def device_id(header: str | None) -> str | None:
     if header is None:
         return None
-    if not DEVICE_ID_RE.match(header):
+    if not DEVICE_ID_RE.fullmatch(header):
         raise invalid("X-Device-Id must be 1-128 characters of [A-Za-z0-9_.:-].")
     return header
 

@@ -124,7 +124,7 @@ _GAUGE_MODES: dict[str, Literal["mostrecent", "livesum", "livemax"]] = {
 # The *_created series double the exposition and no panel or alert reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
-_NAME_RE = re.compile(r"^gate_[a-z0-9_]+$")
+_NAME_RE = re.compile(r"gate_[a-z0-9_]+")
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -285,7 +285,7 @@ class Metrics:
         return found
 
     def _check_name(self, name: str, suffix: str | None = None) -> None:
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise ValueError(f"metric name {name!r} must match {_NAME_RE.pattern}")
         if suffix and not name.endswith(suffix):
             raise ValueError(f"counter {name!r} must end in {suffix}")

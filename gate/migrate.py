@@ -37,14 +37,14 @@ log = logging.getLogger("gate.migrate")
 DB_DIR = Path(__file__).resolve().parent.parent / "db"
 LOCK_NAME = "gate.migrate"
 LOCK_WAIT_SECONDS = 60
-_FILE_RE = re.compile(r"^(\d{3,})_([a-z0-9_]+)\.sql$")
+_FILE_RE = re.compile(r"(\d{3,})_([a-z0-9_]+)\.sql")
 # What the gate needs at run time, its background loops included: rows, the stored
 # procedures, and the connection-private scratch tables of the batch procedures
 # (SQL SECURITY INVOKER: gate_expire_scratch, gate_cb_scratch, gate_reserve_scratch), which
 # is not the right to create or change any real table. No DDL, no GRANT, nothing global.
 APP_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "EXECUTE", "CREATE TEMPORARY TABLES")
-_APP_USER_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
-_APP_HOST_RE = re.compile(r"^[A-Za-z0-9.%_:-]{1,255}$")
+_APP_USER_RE = re.compile(r"[A-Za-z0-9_]{1,80}")
+_APP_HOST_RE = re.compile(r"[A-Za-z0-9.%_:-]{1,255}")
 APP_PASSWORD_MIN_CHARS = 16
 # Access denied: to a database, a command, a table; "you need the X privilege".
 _DENIED_ERRNOS = (1044, 1142, 1227, 1370)
@@ -95,7 +95,7 @@ def read_migrations(directory: Path | None = None) -> list[Migration]:
     base = directory or db_dir()
     migrations: list[Migration] = []
     for path in sorted(base.glob("*.sql")):
-        match = _FILE_RE.match(path.name)
+        match = _FILE_RE.fullmatch(path.name)
         if not match:
             raise MigrationError(f"migration file {path.name} is not named NNN_name.sql")
         text = path.read_text(encoding="utf-8")
@@ -251,7 +251,7 @@ def load_app_user(env: Mapping[str, str], admin: MysqlTarget) -> AppUser | None:
     name = env.get("GATE_MYSQL_APP_USER", "").strip()
     if not name:
         return None
-    if not _APP_USER_RE.match(name):
+    if not _APP_USER_RE.fullmatch(name):
         raise SettingsError("GATE_MYSQL_APP_USER must be 1-80 characters of [A-Za-z0-9_]")
     if name == admin.user:
         raise SettingsError(
@@ -259,7 +259,7 @@ def load_app_user(env: Mapping[str, str], admin: MysqlTarget) -> AppUser | None:
             " migrates): the app user gets only " + ", ".join(APP_PRIVILEGES)
         )
     host = env.get("GATE_MYSQL_APP_HOST", "%").strip() or "%"
-    if not _APP_HOST_RE.match(host):
+    if not _APP_HOST_RE.fullmatch(host):
         raise SettingsError("GATE_MYSQL_APP_HOST must be a MariaDB host pattern such as % or 10.%")
     password = env.get("GATE_MYSQL_APP_PASSWORD", "")
     if len(password) < APP_PASSWORD_MIN_CHARS:

@@ -1,7 +1,10 @@
 """The OpenAPI 3.1 document of the HTTP API, served at /openapi.json.
 
-Written by hand from the contract (../shared/DESIGN.md): the document is the
-contract in machine-readable form, not a by-product of the code.
+Written by hand from the contract (docs/design.md): the document is the contract
+in machine-readable form, not a by-product of the code. Every integer a request
+carries (path, query, body) states its bounds (minimum and maximum), and the gate
+answers a value past them with a 4xx problem: tests/test_bounds.py sends each one
+past its bounds, from this document.
 tests/test_openapi.py keeps it in step with the routes the app really serves.
 Areas that add endpoints beyond the contract describe them with `add_operation`.
 """
@@ -25,6 +28,7 @@ PROBLEM_CODES: dict[str, int] = {
     "UNAUTHORIZED": 401,
     "NOT_FOUND": 404,
     "METHOD_NOT_ALLOWED": 405,
+    "REQUEST_TIMEOUT": 408,
     "SOLD_OUT": 409,
     "NOT_ACTIVE": 409,
     "IDEMPOTENCY_IN_PROGRESS": 409,
@@ -43,6 +47,7 @@ _REASONS = {
     401: "Missing or invalid credentials",
     404: "Not found",
     405: "Method not allowed",
+    408: "The body did not arrive within GATE_BODY_TIMEOUT_SECONDS; the connection is closed",
     409: "Conflict with the current state",
     413: "Body over 4 KiB",
     415: "Body is not JSON",
@@ -118,6 +123,7 @@ ADMIN_BODY_PROBLEMS = (
     "UNAUTHORIZED",
     "PAYLOAD_TOO_LARGE",
     "UNSUPPORTED_MEDIA_TYPE",
+    "REQUEST_TIMEOUT",
 )
 
 
@@ -213,6 +219,7 @@ def _paths() -> dict[str, dict[str, Any]]:
                         "IDEMPOTENCY_IN_PROGRESS",
                         "PAYLOAD_TOO_LARGE",
                         "UNSUPPORTED_MEDIA_TYPE",
+                        "REQUEST_TIMEOUT",
                         "IDEMPOTENCY_MISMATCH",
                         "LIMIT_EXCEEDED",
                         "RATE_LIMITED",
@@ -314,6 +321,7 @@ def _paths() -> dict[str, dict[str, Any]]:
                         "NOT_FOUND",
                         "PAYLOAD_TOO_LARGE",
                         "UNSUPPORTED_MEDIA_TYPE",
+                        "REQUEST_TIMEOUT",
                         "OVERLOADED",
                     ),
                 },
@@ -521,7 +529,14 @@ def _schemas() -> dict[str, Any]:
             [*deal_common, "sold_out", "remaining_hint"],
         ),
         "ReservationRequest": _object(
-            {"quantity": {"type": "integer", "minimum": 1, "description": "≤ max_per_order"}},
+            {
+                "quantity": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": 1_000_000,
+                    "description": "≤ max_per_order",
+                }
+            },
             ["quantity"],
             additionalProperties=False,
         ),
@@ -589,12 +604,17 @@ def _schemas() -> dict[str, Any]:
                         "refund.failed",
                     ],
                 },
-                "created": {"type": "integer", "description": "Unix seconds."},
+                "created": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "maximum": 253_402_300_799,
+                    "description": "Unix seconds (before the year 10000).",
+                },
                 "data": _object(
                     {
                         "payment_id": {"type": "string"},
                         "order_id": ORDER_ID,
-                        "amount": MINOR_UNITS,
+                        "amount": {**MINOR_UNITS, "maximum": 2**63 - 1},
                         "currency": CURRENCY,
                         "refund_id": {"type": "string"},
                     },
@@ -616,7 +636,11 @@ def _schemas() -> dict[str, Any]:
                     "maximum": 86400,
                     "default": 600,
                 },
-                "per_user_limit": {"type": ["integer", "null"], "minimum": 1},
+                "per_user_limit": {
+                    "type": ["integer", "null"],
+                    "minimum": 1,
+                    "maximum": 1_000_000_000,
+                },
                 "max_per_order": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1},
                 "capture_mode": {
                     "type": "string",

@@ -19,7 +19,7 @@ from gate.mirror import Intent, Mirror
 
 log = logging.getLogger("gate.orders")
 
-ORDER_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
+ORDER_ID_RE = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
 
 _COLUMNS = (
     "id, deal_id, user_id, quantity, unit_price, amount, currency, title, status, alloc,"
@@ -109,7 +109,7 @@ class Order:
 
 
 def valid_order_id(order_id: str) -> bool:
-    return bool(ORDER_ID_RE.match(order_id))
+    return bool(ORDER_ID_RE.fullmatch(order_id))
 
 
 _DIGITS = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

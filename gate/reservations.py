@@ -276,9 +276,10 @@ class Reservations:
             raise overloaded("Too many reservations in progress; retry shortly.")
         self._inflight += 1
         try:
-            if not self.breaker.allow():
-                return await self._without_redis(req)
-            return await self._reserve(req)
+            with self.breaker.call() as allowed:
+                if not allowed:
+                    return await self._without_redis(req)
+                return await self._reserve(req)
         finally:
             self._inflight -= 1
 

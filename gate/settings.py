@@ -169,6 +169,8 @@ class Settings:
     limit_device: LimitSpec | None = None
     limit_global: LimitSpec | None = None
     trusted_proxies: tuple[Network, ...] = ()
+    # The IP limiter counts an IPv6 client as its network of this prefix length.
+    limit_ip_v6_prefix: int = 64
 
     # Bulkheads: reservations may use only part of the pool and wait only briefly
     # for it, so callbacks, cancels and reads always find a connection.
@@ -192,6 +194,11 @@ class Settings:
     jwt_cache_max: int = 65_536
     sold_out_cache_seconds: float = 0.1
     body_max_bytes: int = 4096
+    # The HTTP guard (gate/guard.py): a request's body is due within this many
+    # seconds of its start (else 408); at most this many requests in flight per worker
+    # (beyond it 503 at once).
+    body_timeout_seconds: float = 5.0
+    http_concurrency_max: int = 1024
 
     run_background: bool = True
     auto_migrate: bool = True
@@ -305,6 +312,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         limit_device=limits["device"],
         limit_global=limits["global"],
         trusted_proxies=trusted,
+        limit_ip_v6_prefix=env_int(env, "GATE_LIMIT_IP_V6_PREFIX", 64, 32, 128),
         db_reservation_pool_max=env_int(
             env, "GATE_DB_RESERVATION_POOL_MAX", max(1, pool_max * 3 // 4), 1, pool_max
         ),
@@ -329,6 +337,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
         sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,
         body_max_bytes=4096,
+        body_timeout_seconds=env_float(env, "GATE_BODY_TIMEOUT_SECONDS", 5.0, 0.1, 300),
+        http_concurrency_max=env_int(env, "GATE_HTTP_CONCURRENCY_MAX", 1024, 1, 100_000),
         run_background=env_bool(env, "GATE_BACKGROUND", True),
         auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),
         log_level=log_level,

@@ -10,7 +10,25 @@ from gate.clock import parse_iso
 from gate.errors import invalid
 
 _MISSING = object()
-IDEMPOTENCY_KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{8,255}$")
+IDEMPOTENCY_KEY_RE = re.compile(r"[A-Za-z0-9_.:-]{8,255}")
+# Ids (deals, ledger rows) fit a signed 64-bit integer: the database's BIGINT.
+MAX_ID = 2**63 - 1
+
+
+def digits(text: str, hi: int) -> int | None:
+    """The value of `text` if it is ASCII digits worth at most `hi`, else None.
+
+    The length is judged before int() is called: int() of more than 4,300 digits
+    raises ValueError (Python's int max str digits), which would be a 500, and
+    str.isdigit alone admits digits int() refuses (superscripts such as "²").
+    """
+    if not (text.isascii() and text.isdigit()):
+        return None
+    significant = text.lstrip("0") or "0"
+    if len(significant) > len(str(hi)):
+        return None
+    value = int(significant)
+    return value if value <= hi else None
 
 
 def obj(body: Any) -> dict[str, Any]:
@@ -63,7 +81,7 @@ def string(
     value = value.strip()
     if len(value) > max_len:
         raise invalid(f"'{name}' must be at most {max_len} characters.")
-    if pattern is not None and not pattern.match(value):
+    if pattern is not None and not pattern.fullmatch(value):
         raise invalid(f"'{name}' has an invalid format.")
     return value
 
@@ -83,6 +101,6 @@ def timestamp(body: dict[str, Any], name: str) -> datetime | None:
 def idempotency_key(header: str | None) -> str:
     if header is None:
         raise invalid("The Idempotency-Key header is required.")
-    if not IDEMPOTENCY_KEY_RE.match(header):
+    if not IDEMPOTENCY_KEY_RE.fullmatch(header):
         raise invalid("Idempotency-Key must be 8-255 characters of [A-Za-z0-9_.:-].")
     return header

@@ -19,9 +19,9 @@ from gate.payments.codes import EVENT_TYPES
 from gate.payments.config import PROVIDER_NAME_MAX
 
 ID_MAX = 191
-ORDER_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
-CURRENCY_RE = re.compile(r"^[A-Z]{3}$")
-PROVIDER_ID_RE = re.compile(r"^[\x21-\x7e]{1,191}$")
+ORDER_ID_RE = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
+CURRENCY_RE = re.compile(r"[A-Z]{3}")
+PROVIDER_ID_RE = re.compile(r"[\x21-\x7e]{1,191}")
 AMOUNT_MAX = 2**63 - 1
 # 9999-12-31T23:59:59Z: the last second a DATETIME (and datetime) can hold.
 CREATED_MAX_SECONDS = 253_402_300_799
@@ -157,7 +157,7 @@ def _opt_str(data: dict[str, Any], name: str, pattern: re.Pattern[str]) -> str |
     value = data.get(name)
     if value is None:
         return None
-    if not isinstance(value, str) or not pattern.match(value):
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise EventInvalid(f"data.{name} must be a string matching {pattern.pattern}")
     return value
 
@@ -174,7 +174,7 @@ def parse_event(body: bytes) -> ProviderEvent:
     event_type = doc.get("type")
     data = doc.get("data")
     created = doc.get("created")
-    if not isinstance(event_id, str) or not PROVIDER_ID_RE.match(event_id):
+    if not isinstance(event_id, str) or not PROVIDER_ID_RE.fullmatch(event_id):
         raise EventInvalid("id must be a string of 1-191 printable ASCII characters")
     if not isinstance(event_type, str) or not 1 <= len(event_type) <= 64:
         raise EventInvalid("type must be a string of 1-64 characters")
@@ -209,11 +209,11 @@ def parse_event(body: bytes) -> ProviderEvent:
         created=created,
         # An order id this gate never issues cannot name an order: the event is kept
         # (payload) and quarantined as naming an unknown order.
-        order_id=raw_order if raw_order and ORDER_ID_RE.match(raw_order) else None,
+        order_id=raw_order if raw_order and ORDER_ID_RE.fullmatch(raw_order) else None,
         payment_id=payment_id,
         amount=amount,
         # A currency that is not three capitals cannot match any order: quarantined.
-        currency=currency if currency and CURRENCY_RE.match(currency) else None,
+        currency=currency if currency and CURRENCY_RE.fullmatch(currency) else None,
         refund_id=refund_id,
         payload=body,
     )
@@ -244,7 +244,7 @@ def synthetic_payment_event(provider: str, payment: Payment, source: str) -> Pro
         type=event_type,
         created=None,
         order_id=payment.order_id
-        if payment.order_id and ORDER_ID_RE.match(payment.order_id)
+        if payment.order_id and ORDER_ID_RE.fullmatch(payment.order_id)
         else None,
         payment_id=payment.payment_id,
         amount=payment.amount,
@@ -274,7 +274,7 @@ def synthetic_refund_event(provider: str, refund: Refund, source: str) -> Provid
         type=f"refund.{refund.status}",
         created=None,
         order_id=refund.order_id
-        if refund.order_id and ORDER_ID_RE.match(refund.order_id)
+        if refund.order_id and ORDER_ID_RE.fullmatch(refund.order_id)
         else None,
         payment_id=refund.payment_id,
         amount=refund.amount,

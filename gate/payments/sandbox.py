@@ -89,7 +89,7 @@ BODY_MAX_BYTES = 16_384
 URL_MAX_CHARS = 2048
 NOTIFY_ALLOW_DEFAULT = "127.0.0.0/8 ::1 localhost"
 NOTIFY_ALLOW_ENTRIES_MAX = 64
-_HOST_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,62})(\.[a-z0-9]([a-z0-9-]{0,62}))*$")
+_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62})(\.[a-z0-9]([a-z0-9-]{0,62}))*")
 # What a test mode may be told to wait, at most.
 CONTROL_SECONDS_MAX = 3600.0
 ID_RE_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-:.")
@@ -150,7 +150,7 @@ class NotifyAllow:
             except ValueError:
                 pass
             host = entry.lower().rstrip(".")
-            if len(host) > 253 or not _HOST_NAME.match(host) or host.replace(".", "").isdigit():
+            if len(host) > 253 or not _HOST_NAME.fullmatch(host) or host.replace(".", "").isdigit():
                 raise SettingsError(f"{name}: {entry!r} is neither a host name nor an IP network")
             names.add(host)
         return cls(frozenset(names), tuple(networks))

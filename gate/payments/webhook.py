@@ -25,6 +25,7 @@ from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.metrics import CALLBACK_DELAY, CALLBACKS
 from gate.payments.provider import EventInvalid, parse_event
 from gate.payments.signing import WebhookRejected, verify
+from gate.validate import digits
 
 log = logging.getLogger("gate.payments.webhook")
 
@@ -107,7 +108,7 @@ class WebhookEndpoint:
         return problem
 
     async def _read(self, receive: Receive, length: str | None) -> bytes:
-        if length is not None and (not length.isdigit() or int(length) > self.body_max_bytes):
+        if length is not None and digits(length, self.body_max_bytes) is None:
             raise self._reject(
                 Problem("PAYLOAD_TOO_LARGE", f"At most {self.body_max_bytes} bytes.")
             )

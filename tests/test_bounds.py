@@ -1,0 +1,288 @@
+"""Every integer a request carries is bounded, and the OpenAPI document says so.
+
+Generated from the served document: for every operation, every integer path and
+query parameter and every integer field of its JSON body (nested ones included) is
+sent past its bounds (4,400 digits, 2**63, maximum + 1, minimum - 1, negatives) and
+the answer must be a problem+json 4xx (never a 500, never a reset connection) that
+changed nothing. On main `GET /v1/deals/<4,400 digits>` was a 500 and the same
+`POST …/reservations` a reset connection: int() refuses more than 4,300 digits.
+"""
+
+from __future__ import annotations
+
+import json as stdjson
+import os
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from gate.db import Database
+from gate.errors import Problem
+from gate.http import check_json_headers
+from gate.payments.signing import decode_secret, sign_headers
+from tests.support import (
+    ADMIN,
+    WEBHOOK_SECRET,
+    Client,
+    assert_invariants,
+    buyer,
+    create_deal,
+    redis_available,
+)
+
+HUGE_DIGITS = "9" * 4400
+INT64_OVER = 2**63
+PLACEHOLDER = "__bounded_integer__"
+HTTP_METHODS = {"get", "put", "post", "delete", "patch"}
+
+# A valid body per request schema, each integer field of which is then replaced by
+# an out-of-bounds value. A new schema with integer fields must be added here (the
+# test fails until it is): that is how a new route gets covered.
+BASE_BODIES: dict[str, dict[str, Any]] = {
+    "ReservationRequest": {"quantity": 1},
+    "DealCreate": {"title": "bounds", "unit_price": 100, "currency": "EUR", "stock": 5},
+    "StockAdjustment": {"delta": 1, "reason": "bounds test"},
+    "Rebucket": {"count": 2},
+    "PaymentEvent": {
+        "id": "evt_bounds",
+        "type": "payment.succeeded",
+        "created": 1_700_000_000,
+        "data": {
+            "payment_id": "pay_bounds",
+            "order_id": "01JD3W9K2XG5W7Q8M4Z6V1R0TB",
+            "amount": 100,
+            "currency": "EUR",
+        },
+    },
+}
+PATH_VALUES = {"order_id": "01JD3W9K2XG5W7Q8M4Z6V1R0TB", "provider": "sandbox"}
+
+
+def _resolve(doc: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref")
+    if ref is None:
+        return node
+    _, _, section, name = ref.split("/")
+    resolved: dict[str, Any] = doc["components"][section][name]
+    return resolved
+
+
+def _is_integer(schema: dict[str, Any]) -> bool:
+    kind = schema.get("type")
+    return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
+
+
+def _integer_fields(
+    doc: dict[str, Any], schema: dict[str, Any], prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+    """(path of keys, schema) of every integer field of an object schema, nested too."""
+    schema = _resolve(doc, schema)
+    for name, prop in schema.get("properties", {}).items():
+        prop = _resolve(doc, prop)
+        if _is_integer(prop):
+            yield (*prefix, name), prop
+        elif prop.get("type") == "object":
+            yield from _integer_fields(doc, prop, (*prefix, name))
+
+
+def _over_values(schema: dict[str, Any]) -> list[str]:
+    """Integer literals past the schema's bounds (as JSON text)."""
+    values = [HUGE_DIGITS, "-" + HUGE_DIGITS, str(INT64_OVER), str(-INT64_OVER - 1)]
+    values.append(str(schema["maximum"] + 1))
+    values.append(str(schema["minimum"] - 1))
+    return values
+
+
+def _operations(doc: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            if method in HTTP_METHODS:
+                yield method, path, op
+
+
+def _parameters(doc: dict[str, Any], op: dict[str, Any]) -> list[dict[str, Any]]:
+    return [_resolve(doc, p) for p in op.get("parameters", [])]
+
+
+def _body_schema(doc: dict[str, Any], op: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    body = op.get("requestBody")
+    if body is None:
+        return None
+    schema = body["content"]["application/json"]["schema"]
+    name = schema["$ref"].rsplit("/", 1)[1]
+    return name, _resolve(doc, schema)
+
+
+def _set(body: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+    for key in keys[:-1]:
+        body = body[key]
+    body[keys[-1]] = value
+
+
+class Sender:
+    """Builds and sends one request of an operation with chosen parameter values."""
+
+    def __init__(self, client: Client, doc: dict[str, Any], deal_id: int) -> None:
+        self.client = client
+        self.doc = doc
+        self.deal_id = deal_id
+        self.sent = 0
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        op: dict[str, Any],
+        *,
+        path_values: dict[str, str] | None = None,
+        query: str = "",
+        body: bytes | None = None,
+    ) -> tuple[int, str, dict[str, Any] | None]:
+        values = {"deal_id": str(self.deal_id), **PATH_VALUES, **(path_values or {})}
+        url = re.sub(r"\{([^}]+)\}", lambda m: values[m[1]], path) + query
+        headers: dict[str, str] = {}
+        security = op.get("security", [])
+        if {"buyer": []} in security:
+            headers.update(buyer(4242))
+        if {"admin": []} in security:
+            headers.update(ADMIN)
+        names = {p["name"] for p in _parameters(self.doc, op) if p["in"] == "header"}
+        self.sent += 1
+        if "Idempotency-Key" in names:
+            headers["Idempotency-Key"] = f"bounds-{os.getpid()}-{self.sent:06d}"
+        if body is not None:
+            if "webhook-signature" in names:
+                key = decode_secret(WEBHOOK_SECRET)
+                headers.update(sign_headers([key], f"msg_{self.sent}", int(time.time()), body))
+            headers["Content-Type"] = "application/json"
+        resp = await self.client.request(method.upper(), url, content=body, headers=headers)
+        is_problem = resp.headers.get("content-type") == "application/problem+json"
+        problem = resp.json() if is_problem else None
+        return resp.status_code, url[:80], problem
+
+
+def _assert_problem_4xx(status: int, where: str, problem: dict[str, Any] | None) -> None:
+    assert 400 <= status < 500, (where, status, problem)
+    assert problem is not None and problem["status"] == status and problem["code"], where
+
+
+async def _state(db: Database, rds: aioredis.Redis, deal_id: int) -> tuple[Any, ...]:
+    counts = await db.fetchone(
+        "SELECT (SELECT COUNT(*) FROM orders), (SELECT COUNT(*) FROM deals),"
+        " (SELECT COUNT(*) FROM inventory_ledger), (SELECT COUNT(*) FROM outbox),"
+        " (SELECT COUNT(*) FROM payment_events), (SELECT COUNT(*) FROM deal_buckets),"
+        " (SELECT SUM(total) FROM deal_buckets), (SELECT SUM(version) FROM deals)"
+    )
+    return counts, await redis_available(rds, deal_id)
+
+
+async def test_document_states_the_bounds_of_every_request_integer(client: Client) -> None:
+    doc = (await client.get("/openapi.json")).json()
+    seen = []
+    for method, path, op in _operations(doc):
+        for param in _parameters(doc, op):
+            if _is_integer(param["schema"]):
+                seen.append((method, path, param["name"]))
+                assert {"minimum", "maximum"} <= set(param["schema"]), (method, path, param)
+        found = _body_schema(doc, op)
+        if found is not None:
+            name, schema = found
+            for keys, field in _integer_fields(doc, schema):
+                seen.append((method, path, ".".join(keys)))
+                assert {"minimum", "maximum"} <= set(field), (method, path, keys, field)
+                assert name in BASE_BODIES, f"{name}: add a valid body to BASE_BODIES"
+    # The walk found what it should (a document reshuffle must not make it vacuous).
+    assert ("get", "/v1/deals/{deal_id}", "deal_id") in seen
+    assert ("get", "/v1/admin/deals/{deal_id}/ledger", "limit") in seen
+    assert ("post", "/v1/deals/{deal_id}/reservations", "quantity") in seen
+    assert ("post", "/v1/payments/{provider}/webhook", "data.amount") in seen
+    for field in ("delta", "count", "stock", "unit_price", "per_user_limit"):
+        assert any(s[2] == field for s in seen), field
+
+
+async def test_every_integer_past_its_bounds_is_a_problem_4xx_and_changes_nothing(
+    client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    doc = (await client.get("/openapi.json")).json()
+    deal_id = await create_deal(client, stock=10, buckets=2, max_per_order=2)
+    before = await _state(db, rds, deal_id)
+    sender = Sender(client, doc, deal_id)
+    checked: set[tuple[str, str, str]] = set()
+    for method, path, op in _operations(doc):
+        params = _parameters(doc, op)
+        found = _body_schema(doc, op)
+        base_body = BASE_BODIES.get(found[0]) if found else None
+        valid_body = stdjson.dumps(base_body).encode() if base_body is not None else None
+        for param in params:
+            if not _is_integer(param["schema"]) or param["in"] not in ("path", "query"):
+                continue
+            for value in _over_values(param["schema"]):
+                if param["in"] == "path":
+                    if value.startswith("-"):
+                        continue  # not digits: another route's (or no route's) path
+                    status, where, problem = await sender.send(
+                        method, path, op, path_values={param["name"]: value}, body=valid_body
+                    )
+                else:
+                    status, where, problem = await sender.send(
+                        method, path, op, query=f"?{param['name']}={value}", body=valid_body
+                    )
+                _assert_problem_4xx(status, where, problem)
+                checked.add((method, path, param["name"]))
+        if found is None or base_body is None:
+            continue
+        for keys, field in _integer_fields(doc, found[1]):
+            for value in _over_values(field):
+                body = stdjson.loads(stdjson.dumps(base_body))
+                _set(body, keys, PLACEHOLDER)
+                # json.dumps cannot write a 4,400-digit int either: splice the literal.
+                text = stdjson.dumps(body).replace(f'"{PLACEHOLDER}"', value).encode()
+                status, where, problem = await sender.send(method, path, op, body=text)
+                _assert_problem_4xx(status, f"{where} {'.'.join(keys)}={value[:24]}", problem)
+                checked.add((method, path, ".".join(keys)))
+    assert ("post", "/v1/deals/{deal_id}/reservations", "deal_id") in checked
+    assert ("post", "/v1/payments/{provider}/webhook", "data.amount") in checked
+    assert len(checked) >= 15, checked
+    assert await _state(db, rds, deal_id) == before
+    await assert_invariants(db, rds, deal_id)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/deals/{huge}",
+        "/v1/admin/deals/{huge}",
+        "/v1/admin/deals/{deal}/ledger?limit={huge}",
+        "/v1/admin/deals/{deal}/ledger?after={huge}",
+    ],
+)
+async def test_the_measured_500s_are_4xx(client: Client, path: str) -> None:
+    deal_id = await create_deal(client, stock=1)
+    r = await client.get(path.format(huge=HUGE_DIGITS, deal=deal_id), headers=ADMIN)
+    assert r.status_code in (400, 404), r.text
+    assert r.headers["content-type"] == "application/problem+json"
+
+
+async def test_the_measured_reset_is_a_404(client: Client) -> None:
+    r = await client.post(
+        f"/v1/deals/{HUGE_DIGITS}/reservations",
+        json={"quantity": 1},
+        headers={**buyer(4243), "Idempotency-Key": "bounds-reset-0001"},
+    )
+    assert r.status_code == 404, r.text
+    assert r.json()["code"] == "NOT_FOUND"
+
+
+@pytest.mark.parametrize(("length", "status"), [("\u00b2", 400), (HUGE_DIGITS, 413)])
+def test_content_length_is_judged_without_int_of_it_all(length: str, status: int) -> None:
+    # "²" (latin-1, so it survives the header decoding) passed str.isdigit and made
+    # int() raise, as did 4,400 digits: each a 500.
+    with pytest.raises(Problem) as refused:
+        check_json_headers(4096, "application/json", length)
+    assert refused.value.status == status
+    # Leading zeros do not make a small length large.
+    check_json_headers(4096, "application/json", "0" * 4400 + "12")

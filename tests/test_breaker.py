@@ -1,0 +1,77 @@
+"""The circuit breaker's half-open probe is given back when the probing call is
+cancelled (issue #12.11b): before, a cancelled probe was judged neither success nor
+failure, so no call ever probed again and the breaker refused every call for good."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gate.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
+from gate.reservations import ReserveRequest
+from gate.runtime import Gate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def half_open(name: str) -> tuple[Breaker, Clock]:
+    clock = Clock()
+    breaker = Breaker(name, failures_max=1, open_seconds=1.0, clock=clock)
+    breaker.failure()
+    assert breaker.state == OPEN and not breaker.allow()
+    clock.now += 2
+    return breaker, clock
+
+
+async def test_a_cancelled_probe_lets_the_next_call_probe() -> None:
+    breaker, _ = half_open("test_cancelled_probe")
+    probing = asyncio.Event()
+
+    async def probe() -> None:
+        with breaker.call() as allowed:
+            assert allowed
+            probing.set()
+            await asyncio.Event().wait()  # the dependency never answers
+
+    task = asyncio.create_task(probe())
+    await asyncio.wait_for(probing.wait(), 30)  # a guard, not a timing
+    assert breaker.state == HALF_OPEN
+    assert not breaker.allow(), "one probe at a time"
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
+    with breaker.call() as allowed:
+        assert allowed, "the cancelled probe's turn was not given back"
+        breaker.success()
+    assert breaker.state == CLOSED
+
+
+async def test_a_late_release_does_not_free_a_newer_probe() -> None:
+    breaker, clock = half_open("test_late_release")
+    with breaker.call() as first:
+        assert first
+        breaker.failure()  # the first probe failed: open again
+        clock.now += 2
+        assert breaker.allow()  # a second probe is out
+    # The first call's exit must not give back the second probe's turn.
+    assert not breaker.allow()
+
+
+async def test_a_cancelled_reservation_probe_does_not_wedge_the_gate(local_gate: Gate) -> None:
+    """The reservation path itself: its probe (the admission in Redis) cancelled
+    mid-call. An unknown deal: the admission answers "not loaded" and changes nothing."""
+    breaker, _ = half_open("test_reservation_probe")
+    local_gate.reservations.breaker = breaker
+    request = ReserveRequest(2**62, 4711, 1, "breaker-probe-0001", "127.0.0.1", None)
+    task = asyncio.create_task(local_gate.reservations.reserve(request))
+    await asyncio.sleep(0)  # the task runs until it waits on Redis
+    assert breaker.state == HALF_OPEN and not breaker.allow(), "the probe is out"
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled()
+    assert breaker.allow(), "a cancelled reservation left the breaker half-open for good"
