@@ -85,10 +85,16 @@ def run_server(app: str, host: str, port: int, workers: int) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from gate.migrate import migrate
+    from gate.migrate import MigrationError, migrate
 
     settings = _settings()
-    applied = asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
+    try:
+        applied = asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
+    except MigrationError as exc:
+        # A refusal (an applied file edited, a malformed routine file): a message, not
+        # a traceback (docs/cli.md).
+        print(f"gate migrate: {exc}", file=sys.stderr)
+        return 1
     print("applied: " + ", ".join(applied) if applied else "schema is current")
     return 0
 

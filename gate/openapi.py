@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document of the HTTP API, served at /openapi.json.
 
-Written by hand from the contract (../shared/DESIGN.md): the document is the
-contract in machine-readable form, not a by-product of the code.
+Written by hand: the document is the API contract in machine-readable form, not a
+by-product of the code; docs/api.md is rendered from it (gate/apidoc.py).
 tests/test_openapi.py keeps it in step with the routes the app really serves.
 Areas that add endpoints beyond the contract describe them with `add_operation`.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from gate.migrate import (
     split_statements,
 )
 from gate.settings import MysqlTarget, Settings
+from tests.support import GATE_BIN
 
 
 @pytest.fixture
@@ -201,7 +203,7 @@ def test_routine_files_are_checked(tmp_path: Path) -> None:
 
 
 async def test_edited_migration_is_refused(
-    scratch: MysqlTarget, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    scratch: MysqlTarget, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
 ) -> None:
     await migrate(scratch)
     copy = tmp_path / "db"
@@ -211,6 +213,19 @@ async def test_edited_migration_is_refused(
     monkeypatch.setenv("GATE_DB_DIR", str(copy))
     with pytest.raises(MigrationError, match="changed after it was applied"):
         await migrate(scratch)
+    # `gate migrate` says so and exits 1, without a traceback (docs/cli.md).
+    url = f"mysql://{scratch.user}@{scratch.host}:{scratch.port}/{scratch.database}"
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [GATE_BIN, "migrate"],
+        env={**env, "GATE_MYSQL_URL": url, "GATE_DB_DIR": str(copy)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "gate migrate: migration 001_schema changed after it was applied" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_split_statements_honours_delimiter() -> None:
