@@ -19,11 +19,11 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/venv
 WORKDIR /src
-# Metadata first: the dependency layer is rebuilt only when pyproject.toml changes.
+# The locked versions first, every file checked against its hash (requirements.lock,
+# written by scripts/lock): this layer is rebuilt only when the lock changes.
+COPY requirements.lock ./
+RUN /opt/venv/bin/pip install --require-hashes -r requirements.lock
 COPY pyproject.toml README.md ./
-RUN mkdir gate && touch gate/__init__.py \
-    && /opt/venv/bin/pip install . \
-    && /opt/venv/bin/pip uninstall -y gate
 COPY gate ./gate
 RUN /opt/venv/bin/pip install --no-deps . \
     && /opt/venv/bin/python -m compileall -q /opt/venv/lib

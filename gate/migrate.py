@@ -1,15 +1,28 @@
-"""Versioned SQL migrations from db/: each applied once, recorded, safe to race.
+"""SQL migrations from db/: versioned schema changes once each, routines on change.
 
-Files are named NNN_name.sql and applied in order. DDL is not transactional in
-MySQL/MariaDB, so concurrency safety comes from a named lock (GET_LOCK) held for
-the whole run: a second `gate migrate` waits, then finds nothing left to do.
-A recorded file whose checksum changed stops the run: migrations are append-only.
+    gate migrate ──GET_LOCK('gate.migrate')──┐   (a second run waits, then finds nothing)
+      1. db/NNN_name.sql, in order, each once ──> schema_migrations (version, checksum)
+      2. db/routines/<name>.sql, one stored routine per file (CREATE OR REPLACE),
+         applied when its checksum differs from the one recorded, or the routine is
+         missing from the server ──> schema_routines (name, checksum)
+    RELEASE_LOCK
 
-    migrate(target) ──> schema current? (reads only) ──yes──> done, no DDL: so
-          │                                          `gate serve` may auto-migrate as
-          no                                         the least-privilege app user
-          └──> CREATE DATABASE, GET_LOCK, apply pending, record; a user that may not
-               (the app user) gets a MigrationError saying to migrate as an admin
+Versioned files hold schema changes only and are append-only: a recorded file whose
+checksum changed stops the run. The one sanctioned exception is db/superseded.txt:
+`NNN old-checksum new-checksum` lines naming a former content of an applied file and
+the content that replaced it (issue #17 moved the routines out of 002–006); a database
+that recorded the old checksum has the new one recorded instead, nothing re-run.
+Routines are repeatable (Flyway's idea): each lives once, in its own file, and an edit
+is deployed by `gate migrate` re-creating it. They run after every versioned file, so
+a routine may use any table; a versioned file must not call a routine.
+DDL is not transactional in MySQL/MariaDB, so concurrency safety comes from the named
+lock held for the whole run.
+
+    migrate(target) ──> schema current? (reads only: versions, routine checksums)
+          │ yes ──> done, no DDL: so `gate serve` may auto-migrate as the
+          │         least-privilege app user
+          no ──> the run above; a user that may not (the app user) gets a
+                 MigrationError saying to migrate as an admin
 
     ensure_app_user(target, GATE_MYSQL_APP_USER…) ──> CREATE USER IF NOT EXISTS /
           ALTER USER (password), GRANT APP_PRIVILEGES ON `<database>`.*, then refuse a
@@ -25,6 +38,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiomysql
 import pymysql
@@ -48,6 +62,13 @@ _APP_HOST_RE = re.compile(r"[A-Za-z0-9.%_:-]{1,255}")
 APP_PASSWORD_MIN_CHARS = 16
 # Access denied: to a database, a command, a table; "you need the X privilege".
 _DENIED_ERRNOS = (1044, 1142, 1227, 1370)
+ROUTINES_DIR_NAME = "routines"
+SUPERSEDED_FILE_NAME = "superseded.txt"
+_ROUTINE_FILE_RE = re.compile(r"([a-z][a-z0-9_]{0,63})\.sql")
+_CREATE_ROUTINE_RE = re.compile(
+    r"^CREATE\s+OR\s+REPLACE\s+(?:PROCEDURE|FUNCTION)\s+`?([A-Za-z0-9_]+)`?\s*\(", re.I
+)
+_SUPERSEDED_RE = re.compile(r"(\d{3,})\s+([0-9a-f]{64})\s+([0-9a-f]{64})(?:\s+#.*)?")
 
 
 class MigrationError(RuntimeError):
@@ -57,6 +78,13 @@ class MigrationError(RuntimeError):
 @dataclass(frozen=True)
 class Migration:
     version: int
+    name: str
+    checksum: str
+    statements: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Routine:
     name: str
     checksum: str
     statements: tuple[str, ...]
@@ -113,6 +141,55 @@ def read_migrations(directory: Path | None = None) -> list[Migration]:
     return migrations
 
 
+def read_routines(directory: Path | None = None) -> list[Routine]:
+    """db/routines/*.sql: each file one CREATE OR REPLACE of the routine it is named after."""
+    base = (directory or db_dir()) / ROUTINES_DIR_NAME
+    if not base.is_dir():
+        return []
+    routines: list[Routine] = []
+    for path in sorted(base.glob("*.sql")):
+        match = _ROUTINE_FILE_RE.fullmatch(path.name)
+        if not match:
+            raise MigrationError(f"routine file {path.name} is not named <routine>.sql")
+        text = path.read_text(encoding="utf-8")
+        statements = split_statements(text)
+        created = _CREATE_ROUTINE_RE.match(statements[0]) if len(statements) == 1 else None
+        if created is None or created[1] != match[1]:
+            # One routine per file, named as the file: a checksum then stands for exactly
+            # one routine, and a forgotten OR REPLACE cannot fail on the second run.
+            raise MigrationError(
+                f"routine file {path.name} must hold exactly one"
+                f" CREATE OR REPLACE PROCEDURE|FUNCTION {match[1]}"
+            )
+        routines.append(
+            Routine(
+                name=match[1],
+                checksum=hashlib.sha256(text.encode()).hexdigest(),
+                statements=tuple(statements),
+            )
+        )
+    return routines
+
+
+def read_superseded(directory: Path | None = None) -> set[tuple[int, str, str]]:
+    """(version, old checksum, new checksum) of sanctioned edits of applied files."""
+    path = (directory or db_dir()) / SUPERSEDED_FILE_NAME
+    if not path.is_file():
+        return set()
+    found: set[tuple[int, str, str]] = set()
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _SUPERSEDED_RE.fullmatch(line)
+        if not match:
+            raise MigrationError(
+                f"{SUPERSEDED_FILE_NAME} line {number}: expected 'NNN old-sha256 new-sha256'"
+            )
+        found.add((int(match[1]), match[2], match[3]))
+    return found
+
+
 async def _recorded(cur: aiomysql.Cursor, database: str) -> dict[int, str] | None:
     """The recorded migrations (version → checksum), read-only; None when there is no
     schema_migrations table (or the user cannot see it)."""
@@ -128,36 +205,71 @@ async def _recorded(cur: aiomysql.Cursor, database: str) -> dict[int, str] | Non
     return {int(v): str(c) for v, c in await cur.fetchall()}
 
 
-def _check_recorded(migrations: list[Migration], done: dict[int, str]) -> list[Migration]:
-    """The migrations still to apply; a recorded one whose file changed stops the run."""
+def _check_recorded(
+    migrations: list[Migration], done: dict[int, str], superseded: set[tuple[int, str, str]]
+) -> list[Migration]:
+    """The migrations with something to do: not applied yet, or applied under a former
+    content that db/superseded.txt sanctions (its checksum is to be recorded anew). A
+    recorded one whose file changed otherwise stops the run."""
     left = []
     for m in migrations:
         if m.version not in done:
             left.append(m)
         elif done[m.version] != m.checksum:
-            raise MigrationError(
-                f"migration {m.version:03d}_{m.name} changed after it was "
-                "applied; add a new migration instead"
-            )
+            if (m.version, done[m.version], m.checksum) not in superseded:
+                raise MigrationError(
+                    f"migration {m.version:03d}_{m.name} changed after it was "
+                    "applied; add a new migration instead"
+                )
+            left.append(m)
     return left
 
 
+async def _routines_current(cur: aiomysql.Cursor, database: str, routines: list[Routine]) -> bool:
+    """Read-only: every routine present on the server under its file's checksum."""
+    await cur.execute(
+        "SELECT COUNT(*) FROM information_schema.TABLES "
+        "WHERE TABLE_SCHEMA = %s AND TABLE_NAME = 'schema_routines'",
+        (database,),
+    )
+    row = await cur.fetchone()
+    if not routines:
+        return True
+    if not row or int(row[0]) == 0:
+        return False
+    await cur.execute(f"SELECT name, checksum FROM `{database}`.schema_routines")
+    recorded = {str(n): str(c) for n, c in await cur.fetchall()}
+    await cur.execute(
+        "SELECT ROUTINE_NAME FROM information_schema.ROUTINES WHERE ROUTINE_SCHEMA = %s",
+        (database,),
+    )
+    present = {str(r[0]) for r in await cur.fetchall()}
+    return all(recorded.get(r.name) == r.checksum and r.name in present for r in routines)
+
+
 async def migrate(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str]:
-    """Create the database if needed and apply pending migrations. Returns applied names.
+    """Create the database if needed, apply pending migrations, then re-apply changed
+    routines. Returns what was applied: 'NNN_name' and 'routine <name>'.
 
     A current schema is only read (no DDL, no lock): the least-privilege app user may
     run this, which is what `gate serve` does at start with GATE_AUTO_MIGRATE on."""
     migrations = read_migrations()
+    routines = read_routines()
+    superseded = read_superseded()
     conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
     try:
         async with conn.cursor() as cur:
             done = await _recorded(cur, target.database)
-            if done is not None and not _check_recorded(migrations, done):
+            if (
+                done is not None
+                and not _check_recorded(migrations, done, superseded)
+                and await _routines_current(cur, target.database, routines)
+            ):
                 return []
     finally:
         conn.close()
     try:
-        return await _apply(target, migrations, timeout_seconds)
+        return await _apply(target, migrations, routines, superseded, timeout_seconds)
     except pymysql.err.MySQLError as exc:
         if exc.args and exc.args[0] in _DENIED_ERRNOS:
             raise MigrationError(
@@ -169,7 +281,11 @@ async def migrate(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str
 
 
 async def _apply(
-    target: MysqlTarget, migrations: list[Migration], timeout_seconds: float
+    target: MysqlTarget,
+    migrations: list[Migration],
+    routines: list[Routine],
+    superseded: set[tuple[int, str, str]],
+    timeout_seconds: float,
 ) -> list[str]:
     conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
     applied: list[str] = []
@@ -197,7 +313,26 @@ async def _apply(
                 )
                 await cur.execute("SELECT version, checksum FROM schema_migrations")
                 done = {int(v): str(c) for v, c in await cur.fetchall()}
-                for m in _check_recorded(migrations, done):
+                for m in migrations:
+                    if m.version in done:
+                        if (m.version, done[m.version], m.checksum) in superseded:
+                            log.info(
+                                "migration %03d_%s: recording its current checksum (a"
+                                " sanctioned edit, db/%s)",
+                                m.version,
+                                m.name,
+                                SUPERSEDED_FILE_NAME,
+                            )
+                            await cur.execute(
+                                "UPDATE schema_migrations SET checksum = %s WHERE version = %s",
+                                (m.checksum, m.version),
+                            )
+                        elif done[m.version] != m.checksum:
+                            raise MigrationError(
+                                f"migration {m.version:03d}_{m.name} changed after it was "
+                                "applied; add a new migration instead"
+                            )
+                        continue
                     log.info("applying migration %03d_%s", m.version, m.name)
                     for statement in m.statements:
                         await cur.execute(statement)
@@ -207,6 +342,7 @@ async def _apply(
                         (m.version, m.name, m.checksum),
                     )
                     applied.append(f"{m.version:03d}_{m.name}")
+                applied.extend(await _apply_routines(cur, target.database, routines))
             finally:
                 await cur.execute("SELECT RELEASE_LOCK(%s)", (LOCK_NAME,))
                 await cur.fetchall()
@@ -215,9 +351,46 @@ async def _apply(
     return applied
 
 
+async def _apply_routines(cur: Any, database: str, routines: list[Routine]) -> list[str]:
+    """Re-create each routine whose file changed (or that the server lacks)."""
+    await cur.execute(
+        "CREATE TABLE IF NOT EXISTS schema_routines ("
+        " name VARCHAR(64) CHARACTER SET ascii NOT NULL PRIMARY KEY,"
+        " checksum CHAR(64) CHARACTER SET ascii NOT NULL,"
+        " applied_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)"
+        ") ENGINE=InnoDB"
+    )
+    await cur.execute("SELECT name, checksum FROM schema_routines")
+    recorded = {str(n): str(c) for n, c in await cur.fetchall()}
+    await cur.execute(
+        "SELECT ROUTINE_NAME FROM information_schema.ROUTINES WHERE ROUTINE_SCHEMA = %s",
+        (database,),
+    )
+    present = {str(r[0]) for r in await cur.fetchall()}
+    applied: list[str] = []
+    for r in routines:
+        if recorded.get(r.name) == r.checksum and r.name in present:
+            continue
+        log.info("applying routine %s", r.name)
+        for statement in r.statements:
+            await cur.execute(statement)
+        await cur.execute(
+            "INSERT INTO schema_routines (name, checksum) VALUES (%s, %s)"
+            " ON DUPLICATE KEY UPDATE checksum = VALUES(checksum),"
+            " applied_at = CURRENT_TIMESTAMP(6)",
+            (r.name, r.checksum),
+        )
+        applied.append(f"routine {r.name}")
+    return applied
+
+
 async def pending(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str]:
-    """Migrations not yet applied (empty when the schema is current)."""
+    """Migrations not yet applied and routines never applied (empty when the schema is
+    current). A routine whose file changed since is not pending: a gate of the previous
+    release must still start against a database a newer one migrated (rolling deploys);
+    `gate migrate` (or gate serve's auto-migration) re-applies it."""
     migrations = read_migrations()
+    routines = read_routines()
     conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
     try:
         async with conn.cursor() as cur:
@@ -228,10 +401,23 @@ async def pending(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str
             )
             row = await cur.fetchone()
             if not row or int(row[0]) == 0:
-                return [f"{m.version:03d}_{m.name}" for m in migrations]
+                return [f"{m.version:03d}_{m.name}" for m in migrations] + [
+                    f"routine {r.name}" for r in routines
+                ]
             await cur.execute(f"SELECT version FROM `{target.database}`.schema_migrations")
             done = {int(r[0]) for r in await cur.fetchall()}
-            return [f"{m.version:03d}_{m.name}" for m in migrations if m.version not in done]
+            left = [f"{m.version:03d}_{m.name}" for m in migrations if m.version not in done]
+            await cur.execute(
+                "SELECT COUNT(*) FROM information_schema.TABLES "
+                "WHERE TABLE_SCHEMA = %s AND TABLE_NAME = 'schema_routines'",
+                (target.database,),
+            )
+            row = await cur.fetchone()
+            recorded: set[str] = set()
+            if row and int(row[0]):
+                await cur.execute(f"SELECT name FROM `{target.database}`.schema_routines")
+                recorded = {str(r[0]) for r in await cur.fetchall()}
+            return left + [f"routine {r.name}" for r in routines if r.name not in recorded]
     finally:
         conn.close()
 

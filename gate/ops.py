@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from prometheus_client import Counter, Histogram
 from starlette.middleware import Middleware
@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gate import logs, openapi
 from gate.extensions import Extension
 from gate.metrics import METRICS, forget_dead_processes, process_stopping
+from gate.resp import parse_redis_url
 from gate.settings import SettingsError, env_float
 
 if TYPE_CHECKING:
@@ -181,10 +182,14 @@ def _secrets(settings: Settings) -> list[str]:
         found.append(secret.reveal())
         found.append(secret.reveal().removeprefix("whsec_"))
     found.append(settings.mysql.password.reveal())
-    redis_password = urlsplit(settings.redis_url).password
+    raw_password = urlsplit(settings.redis_url).password
+    if raw_password:
+        # As written in the URL (percent-encoded) …
+        found.append(raw_password)
+    redis_password = parse_redis_url(settings.redis_url).password
     if redis_password:
-        # As written in the URL and as redis-py uses it (percent-decoded).
-        found.extend({redis_password, unquote(redis_password)})
+        # … and as redis-py uses it (decoded; also when given as ?password=).
+        found.append(redis_password)
     api_key = os.environ.get("GATE_PAYMENT_API_KEY", "").strip()
     if api_key:
         found.append(api_key)

@@ -12,6 +12,7 @@ from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
 from gate.limits import SCOPES, LimitError, LimitSpec, Network, parse_limit, parse_networks
+from gate.resp import RedisUrlError, parse_redis_url
 
 DEV_JWT_SECRET = "gate-dev-jwt-secret-not-for-production-000000"
 DEV_ADMIN_TOKEN = "gate-dev-admin-token"
@@ -268,13 +269,11 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     pool_max = env_int(env, "GATE_DB_POOL_MAX", 32, 2, 1000)
 
     redis_url = env.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
-    if not redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise SettingsError("GATE_REDIS_URL must start with redis://, rediss:// or unix://")
     try:
-        if urlsplit(redis_url).port == 0:
-            raise ValueError("port 0")
-    except ValueError:
-        raise SettingsError("GATE_REDIS_URL has a port that is not 1-65535") from None
+        # The one parser both Redis connections use (redis-py's own, see gate/resp.py).
+        parse_redis_url(redis_url)
+    except RedisUrlError as exc:
+        raise SettingsError(str(exc)) from None
     log_level = env.get("GATE_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if log_level not in LOG_LEVELS:
         raise SettingsError(f"GATE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")

@@ -1,6 +1,7 @@
 # Shared set-up steps for scripts/run and scripts/test (sourced, not executed).
 #
-# ensure_venv      create .venv and install the project when needed
+# ensure_venv      create .venv and install the project when needed, with the locked
+#                  versions of requirements-dev.lock (GATE_DEPS=newest: without the lock)
 # ensure_services  make Redis and MariaDB answer at GATE_REDIS_URL / GATE_MYSQL_URL:
 #                  use what answers there, otherwise start local instances on
 #                  loopback with their own data directory under .local/, installing
@@ -41,10 +42,24 @@ ensure_venv() {
     fi
   fi
   local stamp="$VENV/.gate-installed"
-  if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
-    say "installing gate and its dependencies"
+  if [ "${GATE_DEPS:-locked}" = newest ]; then
+    # scripts/test --upgrade: the newest releases pyproject.toml's ranges allow, without
+    # the lock, in a virtualenv of its own (re-resolved on every run).
+    say "installing gate with the newest releases of its dependencies (no lock) into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+    "$VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy eager -e "$ROOT[dev]"
+    "$VENV/bin/python" -m pip freeze --exclude-editable >"$VENV/versions.txt"
+    say "versions under test: $VENV/versions.txt"
+    return 0
+  fi
+  if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] \
+      || [ "$ROOT/requirements-dev.lock" -nt "$stamp" ]; then
+    # Exactly the versions the suite runs on, every file checked against its hash
+    # (requirements-dev.lock, written by scripts/lock); then the gate itself.
+    say "installing gate and its locked dependencies (requirements-dev.lock)"
+    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+    "$VENV/bin/python" -m pip install -q --require-hashes -r "$ROOT/requirements-dev.lock"
+    "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
     touch "$stamp"
   fi
 }

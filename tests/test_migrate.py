@@ -1,10 +1,15 @@
-"""Migrations: applied once each, safe to run twice or from two processes at once."""
+"""Migrations: versioned files applied once each, routines re-applied when their file
+changes; safe to run twice or from several processes at once; a database migrated
+before the routines moved out of the versioned files (issue #17) upgrades cleanly."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import aiomysql
 import pytest
@@ -12,13 +17,17 @@ import pytest
 from gate.db import connect_kwargs
 from gate.migrate import (
     DB_DIR,
+    SUPERSEDED_FILE_NAME,
     MigrationError,
     migrate,
     pending,
     read_migrations,
+    read_routines,
+    read_superseded,
     split_statements,
 )
 from gate.settings import MysqlTarget, Settings
+from tests.support import GATE_BIN
 
 
 @pytest.fixture
@@ -36,25 +45,165 @@ async def scratch(settings: Settings) -> MysqlTarget:
     return target
 
 
+def _all_names() -> list[str]:
+    return [f"{m.version:03d}_{m.name}" for m in read_migrations()] + [
+        f"routine {r.name}" for r in read_routines()
+    ]
+
+
+async def _rows(
+    target: MysqlTarget, sql: str, args: tuple[object, ...] = ()
+) -> list[tuple[Any, ...]]:
+    conn = await aiomysql.connect(**connect_kwargs(target, 5))
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute(sql, args)
+            return [tuple(r) for r in await cur.fetchall()]
+    finally:
+        conn.close()
+
+
+async def _server_routines(target: MysqlTarget) -> dict[str, str]:
+    rows = await _rows(
+        target,
+        "SELECT ROUTINE_NAME, ROUTINE_DEFINITION FROM information_schema.ROUTINES"
+        " WHERE ROUTINE_SCHEMA = %s",
+        (target.database,),
+    )
+    return {str(n): str(d) for n, d in rows}
+
+
 async def test_concurrent_and_repeated_migrations(scratch: MysqlTarget) -> None:
-    names = [f"{m.version:03d}_{m.name}" for m in read_migrations()]
+    names = _all_names()
     assert names[:2] == ["001_schema", "002_procedures"]
+    assert "routine gate_reserve" in names and "routine gate_payment_event_group" in names
     assert await pending(scratch) == names
     results = await asyncio.gather(*(migrate(scratch) for _ in range(3)))
     assert sorted(map(tuple, results)) == [(), (), tuple(names)]
     assert await migrate(scratch) == []
     assert await pending(scratch) == []
+    assert await _rows(scratch, "SELECT version, name FROM schema_migrations ORDER BY version") == [
+        (m.version, m.name) for m in read_migrations()
+    ]
+    assert await _rows(scratch, "SELECT name, checksum FROM schema_routines ORDER BY name") == [
+        (r.name, r.checksum) for r in read_routines()
+    ]
+    assert set(await _server_routines(scratch)) == {r.name for r in read_routines()}
+
+
+def test_each_routine_lives_once() -> None:
+    """No versioned file creates a routine; each routine has exactly one file."""
+    for m in read_migrations():
+        for statement in m.statements:
+            assert not re.match(
+                r"(CREATE|DROP)\s.*\b(PROCEDURE|FUNCTION)\b", statement, re.I | re.S
+            ), (
+                m.name,
+                statement[:80],
+            )
+    names = [r.name for r in read_routines()]
+    assert len(names) == len(set(names)) == 12
+
+
+async def test_an_edited_routine_is_reapplied_once(
+    scratch: MysqlTarget, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await migrate(scratch)
+    before = dict(await _rows(scratch, "SELECT name, applied_at FROM schema_routines"))
+    copy = tmp_path / "db"
+    shutil.copytree(DB_DIR, copy)
+    edited = copy / "routines" / "gate_retry_if.sql"
+    text = edited.read_text()
+    assert "concurrent payment row; retry" in text
+    edited.write_text(text.replace("concurrent payment row; retry", "payment row raced; retry"))
+    monkeypatch.setenv("GATE_DB_DIR", str(copy))
+    # Nothing to do for a second run, nor for a concurrent one waiting on the lock.
+    results = await asyncio.gather(*(migrate(scratch) for _ in range(3)))
+    assert sorted(map(tuple, results)) == [(), (), ("routine gate_retry_if",)]
+    assert await migrate(scratch) == []
+    definition = (await _server_routines(scratch))["gate_retry_if"]
+    assert "payment row raced; retry" in definition
+    after = dict(await _rows(scratch, "SELECT name, applied_at FROM schema_routines"))
+    assert after["gate_retry_if"] > before["gate_retry_if"]
+    assert {k: v for k, v in after.items() if k != "gate_retry_if"} == {
+        k: v for k, v in before.items() if k != "gate_retry_if"
+    }
+    recorded = dict(await _rows(scratch, "SELECT name, checksum FROM schema_routines"))
+    assert recorded == {r.name: r.checksum for r in read_routines()}
+    # Editing a comment only is a change too (the file is what is recorded).
+    edited.write_text(edited.read_text() + "-- a note\n")
+    assert await migrate(scratch) == ["routine gate_retry_if"]
+
+
+async def test_a_routine_missing_on_the_server_is_restored(scratch: MysqlTarget) -> None:
+    await migrate(scratch)
     conn = await aiomysql.connect(**connect_kwargs(scratch, 5))
     async with conn.cursor() as cur:
-        await cur.execute("SELECT version, name FROM schema_migrations ORDER BY version")
-        assert [tuple(r) for r in await cur.fetchall()] == [
-            (m.version, m.name) for m in read_migrations()
-        ]
+        await cur.execute("DROP PROCEDURE gate_sell_held")
     conn.close()
+    assert await migrate(scratch) == ["routine gate_sell_held"]
+    assert "gate_sell_held" in await _server_routines(scratch)
+
+
+async def test_a_database_migrated_before_the_routines_moved_upgrades(
+    scratch: MysqlTarget,
+) -> None:
+    """A database that applied 001–006 when they still held the routines: it recorded
+    the old files' checksums and has no schema_routines. gate migrate records the new
+    checksums (db/superseded.txt), creates every routine once, and keeps the data."""
+    await migrate(scratch)
+    superseded = read_superseded()
+    assert {v for v, _, _ in superseded} == {2, 3, 4, 5, 6}
+    conn = await aiomysql.connect(**connect_kwargs(scratch, 5))
+    async with conn.cursor() as cur:
+        await cur.execute("DROP TABLE schema_routines")
+        for version, old, _ in superseded:
+            await cur.execute(
+                "UPDATE schema_migrations SET checksum = %s WHERE version = %s", (old, version)
+            )
+        await cur.execute(
+            "INSERT INTO deals (title, unit_price, currency, bucket_count, hold_seconds,"
+            " max_per_order) VALUES ('kept', 100, 'EUR', 1, 600, 1)"
+        )
+        await conn.commit()
+    conn.close()
+    assert await pending(scratch) == [f"routine {r.name}" for r in read_routines()]
+    results = await asyncio.gather(*(migrate(scratch) for _ in range(2)))
+    assert sorted(map(tuple, results)) == [
+        (),
+        tuple(f"routine {r.name}" for r in read_routines()),
+    ]
+    assert await migrate(scratch) == []
+    assert dict(await _rows(scratch, "SELECT version, checksum FROM schema_migrations")) == {
+        m.version: m.checksum for m in read_migrations()
+    }
+    assert await _rows(scratch, "SELECT title FROM deals") == [("kept",)]
+
+
+def test_superseded_names_the_current_files() -> None:
+    """Each sanctioned edit names the file as it is now: an entry that no longer matches
+    would make the upgrade of an old database stop with 'changed after it was applied'."""
+    current = {m.version: m.checksum for m in read_migrations()}
+    for version, old, new in read_superseded():
+        assert current[version] == new, f"{SUPERSEDED_FILE_NAME}: {version:03d} is stale"
+        assert old != new
+
+
+def test_routine_files_are_checked(tmp_path: Path) -> None:
+    (tmp_path / "routines").mkdir()
+    bad = tmp_path / "routines" / "gate_x.sql"
+    bad.write_text("DELIMITER $$\nCREATE PROCEDURE gate_x() BEGIN SELECT 1; END$$\nDELIMITER ;\n")
+    with pytest.raises(MigrationError, match="exactly one CREATE OR REPLACE"):
+        read_routines(tmp_path)
+    bad.write_text("CREATE OR REPLACE PROCEDURE gate_y() SELECT 1;\n")
+    with pytest.raises(MigrationError, match="exactly one CREATE OR REPLACE"):
+        read_routines(tmp_path)
+    bad.write_text("CREATE OR REPLACE PROCEDURE gate_x() SELECT 1;\n")
+    assert [r.name for r in read_routines(tmp_path)] == ["gate_x"]
 
 
 async def test_edited_migration_is_refused(
-    scratch: MysqlTarget, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    scratch: MysqlTarget, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
 ) -> None:
     await migrate(scratch)
     copy = tmp_path / "db"
@@ -64,6 +213,19 @@ async def test_edited_migration_is_refused(
     monkeypatch.setenv("GATE_DB_DIR", str(copy))
     with pytest.raises(MigrationError, match="changed after it was applied"):
         await migrate(scratch)
+    # `gate migrate` says so and exits 1, without a traceback (docs/cli.md).
+    url = f"mysql://{scratch.user}@{scratch.host}:{scratch.port}/{scratch.database}"
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [GATE_BIN, "migrate"],
+        env={**env, "GATE_MYSQL_URL": url, "GATE_DB_DIR": str(copy)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "gate migrate: migration 001_schema changed after it was applied" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_split_statements_honours_delimiter() -> None:

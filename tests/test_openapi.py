@@ -16,7 +16,7 @@ from gate.ops import route_label
 from gate.settings import Settings
 from tests.support import ADMIN, Client, buyer, create_deal, reserve
 
-# Contract endpoints (../shared/DESIGN.md) that no merged area serves yet. When one is
+# Contract endpoints (docs/api.md) that no merged area serves yet. When one is
 # built this test fails until it is removed from here: keep the list honest and short.
 NOT_YET_BUILT: set[tuple[str, str]] = set()
 

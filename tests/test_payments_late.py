@@ -399,8 +399,9 @@ async def test_an_event_cannot_repoint_a_known_payment_or_change_its_amount(
     pay_client: Client, db: Database, rds: aioredis.Redis
 ) -> None:
     """Issue #12, point 11: a signed event naming a payment the gate holds with another
-    order or another amount is quarantined, and nothing changes. Before db/008, the
-    success of order A's failed attempt named for order B paid B."""
+    order or another amount is quarantined, and nothing changes. Before this check
+    (gate_payment_event_in_tx), the success of order A's failed attempt named for order
+    B paid B."""
     deal = await create_deal(pay_client, stock=4, unit_price=800)
     a = await new_order(pay_client, deal, 4911)
     b = await new_order(pay_client, deal, 4912)

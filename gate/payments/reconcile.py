@@ -92,7 +92,8 @@ QUARANTINE_KINDS = {
     "currency_mismatch": "amount_mismatch",
     "payment_changed": "amount_mismatch",
     "payment_amount_changed": "amount_mismatch",
-    # A known payment named for another order (db/008): flagged like an unknown order.
+    # A known payment named for another order (gate_payment_event_in_tx): flagged like
+    # an unknown order.
     "payment_order_changed": "unknown_order",
     "unknown_order": "unknown_order",
     "no_payment_id": "unknown_order",

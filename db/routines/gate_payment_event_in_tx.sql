@@ -1,29 +1,30 @@
--- Gate payments, version 8: a provider payment id belongs to one order and one amount
--- for good (issue #12, point 11).
+-- Routine gate_payment_event_in_tx (introduced by 005_callbacks.sql; kept once, here).
+-- `gate migrate` re-applies this file (CREATE OR REPLACE) whenever its checksum
+-- changes; see docs/migrations.md.
 --
--- Until now an event naming a payment the gate already holds was applied to whatever
--- order and amount it carried: after a failed attempt P of order A, a
--- `payment.succeeded` of P naming order B paid B (P's row still saying A, its amount
--- rewritten); an authorization of A captured as B's the same way. Now such an event
--- is quarantined, as other verified events that disagree with what the gate knows
--- are, and changes nothing:
---   payment_order_changed   the payment is known for another order (any event type)
---   payment_amount_changed  a payment.succeeded/authorized with another amount than
---                           the payment's (unless the payment is a failed attempt
---                           recorded without an amount)
--- Only gate_payment_event_in_tx changes (the checks right after `no_payment_id`, and
--- the payment row's order read with it); gate_payment_event and
--- gate_payment_event_group call it as before (the group's set-based lane already
--- leaves every event of a known payment to it). Re-created whole, as 005 wrote it
--- otherwise. Safe to run twice (DROP … IF EXISTS, then CREATE).
-
-DROP PROCEDURE IF EXISTS gate_payment_event_in_tx;
+-- Since issue #12 (point 11) a provider payment id belongs to one order and one amount
+-- for good: an event naming a known payment with another order (any type) or, for
+-- payment.succeeded/authorized, another amount (unless the payment is a failed attempt
+-- recorded without one) is quarantined (payment_order_changed, payment_amount_changed)
+-- and changes nothing.
+--
+-- Every provider fact (a verified webhook, or an API answer turned into a synthetic
+-- event with a deterministic id) is applied in one short transaction: the event row
+-- (primary key provider + event id) is inserted first, so a duplicate stops at the
+-- key before anything else happens (docs/payments.md).
+-- Result codes (mirrored by gate.payments.codes.EventCode):
+--   0 APPLIED      a transition or a recorded fact
+--   1 DUPLICATE    the event was already recorded (or is no longer waiting)
+--   2 IGNORED      recorded, no effect (a failure after a success, a stale fact)
+--   3 QUARANTINED  recorded, never applied: wrong amount, currency or order
+--   4 LATE         a success after the hold ended: the caller settles it (re-take or refund)
+--   5 WAITING      recorded; it waits for its payment (a refund before its payment)
 
 DELIMITER $$
 
 -- One provider event inside the caller's transaction (see 003 for the codes). A
 -- duplicate (code 1) writes nothing; the caller decides what to commit.
-CREATE PROCEDURE gate_payment_event_in_tx(
+CREATE OR REPLACE PROCEDURE gate_payment_event_in_tx(
     IN p_mode        TINYINT,
     IN p_provider    VARCHAR(32) CHARACTER SET ascii,
     IN p_event_id    VARCHAR(191) CHARACTER SET ascii,
