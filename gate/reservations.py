@@ -46,6 +46,7 @@ from gate.db import Database, DbUnavailable, OutcomeUnknown
 from gate.errors import Encoded, Problem, from_admit, from_db, not_found, overloaded
 from gate.groups import Item, ReservationGroups, reservation_call
 from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys
+from gate.lease import Lease
 from gate.limits import LimitSpec, rate_limited
 from gate.metrics import METRICS
 from gate.mirror import Mirror
@@ -196,12 +197,20 @@ def _limiter_args(specs: tuple[LimitSpec | None, ...]) -> list[int]:
 
 class Reservations:
     def __init__(
-        self, settings: Settings, db: Database, mirror: Mirror, soldout: SoldOutCache
+        self,
+        settings: Settings,
+        db: Database,
+        mirror: Mirror,
+        soldout: SoldOutCache,
+        lease: Lease | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
         self.mirror = mirror
         self.soldout = soldout
+        # The process's liveness lease: each admission token names it, and each
+        # reservation transaction runs only on a connection recorded under it.
+        self.lease = lease
         self.timeout_seconds = settings.reservation_db_timeout_seconds
         self.breaker = Breaker(
             "redis", settings.redis_breaker_failures_max, settings.redis_breaker_open_seconds
@@ -231,6 +240,7 @@ class Reservations:
                 settings.reservation_group_max,
                 settings.reservation_groups_in_flight_max,
                 settings.db_reservation_acquire_seconds,
+                lease,
             )
             if settings.reservation_group_max > 1
             else None
@@ -280,7 +290,9 @@ class Reservations:
         start = random.getrandbits(30)
 
         sent = time.monotonic()
-        adm = await self._admit(keys, req, fp, token, start)
+        # Read once: the marker and the transaction must name the same owner.
+        owner = self.lease.owner if self.lease is not None else ""
+        adm = await self._admit(keys, req, fp, token, start, owner)
         if adm.code == AdmitCode.NOT_LOADED:
             try:
                 found = await self.mirror.load(req.deal_id)
@@ -290,7 +302,7 @@ class Reservations:
                 raise overloaded("Deal state unavailable; retry shortly.") from None
             if not found:
                 raise not_found("deal")
-            adm = await self._admit(keys, req, fp, token, start)
+            adm = await self._admit(keys, req, fp, token, start, owner)
             if adm.code == AdmitCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
         if adm.code == AdmitCode.REPLAY:
@@ -321,7 +333,7 @@ class Reservations:
         alloc = normalise_alloc(adm.detail)
         # An allocation over several buckets goes through gate_reserve with `alloc`;
         # the item's bucket (its first) is used only when it names one.
-        item = self._item(token, req, fp, int(alloc.split(":", 1)[0]))
+        item = self._item(token, req, fp, int(alloc.split(":", 1)[0]), owner)
         try:
             if self.groups is not None and "," not in alloc:
                 row = await self.groups.reserve(req.deal_id, item)
@@ -362,7 +374,7 @@ class Reservations:
         raise from_db(db_code)
 
     async def _admit(
-        self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, start: int
+        self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, start: int, owner: str
     ) -> Admission:
         """Run the admission (and the global limiter in the same pipeline)."""
         admit = self.mirror.admit(
@@ -375,6 +387,7 @@ class Reservations:
             req.idempotency_key,
             keys.limiters(req.user_id, req.ip, req.device),
             self._scoped_args if req.device is not None else self._scoped_args_no_device,
+            owner,
         )
         spec = self.settings.limit_global
         limit = (
@@ -460,7 +473,7 @@ class Reservations:
             # No Redis allocation: a random bucket, and the procedure falls over to
             # the others. The resync loop brings Redis back once it answers.
             bucket = random.getrandbits(16)
-            item = self._item(token, req, fp, bucket)
+            item = self._item(token, req, fp, bucket, None)
             try:
                 row = await self._transaction(req.deal_id, item, f"{bucket}:{req.quantity}")
             except OutcomeUnknown as exc:
@@ -481,10 +494,14 @@ class Reservations:
                 return existing
             raise from_db(db_code)
 
-    def _item(self, token: str, req: ReserveRequest, fp: str, bucket: int) -> Item:
+    def _item(
+        self, token: str, req: ReserveRequest, fp: str, bucket: int, owner: str | None
+    ) -> Item:
         """The request's database part, due within the reservation's deadline from now."""
         deadline = asyncio.get_running_loop().time() + self.timeout_seconds
-        return Item(token, req.user_id, req.quantity, bucket, req.idempotency_key, fp, deadline)
+        return Item(
+            token, req.user_id, req.quantity, bucket, req.idempotency_key, fp, deadline, owner
+        )
 
     async def aclose(self) -> None:
         if self.groups is not None:
@@ -511,6 +528,8 @@ class Reservations:
             ),
             item.deadline,
             1,
+            self.lease,
+            {item.owner} if item.owner else None,
         )
 
     async def _resolve_unknown(

@@ -12,6 +12,7 @@ from gate.db import Database
 from gate.deals import Deals
 from gate.extensions import install_all
 from gate.janitor import Janitor
+from gate.lease import Lease
 from gate.migrate import pending
 from gate.mirror import Mirror
 from gate.reservations import Reservations
@@ -45,7 +46,8 @@ class Gate:
         )
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
         self.soldout = SoldOutCache(self.redis, settings.sold_out_cache_seconds)
-        self.reservations = Reservations(settings, self.db, self.mirror, self.soldout)
+        self.lease = Lease(settings, self.runner, self.db)
+        self.reservations = Reservations(settings, self.db, self.mirror, self.soldout, self.lease)
         self.deals = Deals(self.db, self.mirror)
         self.buyer_auth = BuyerAuth(settings.jwt_secret, settings.jwt_cache_max)
         self.admin_auth = AdminAuth(settings.admin_token)
@@ -53,6 +55,7 @@ class Gate:
         self.resync = Resync(settings, self.redis, self.mirror)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._lease_task: asyncio.Task[None] | None = None
         # Areas install last: they may use every core service above.
         self.extensions = install_all(self)
 
@@ -70,6 +73,9 @@ class Gate:
             )
         await self.db.start()
         await self.runner.load()
+        # Before any request: every admission token names this process's lease.
+        await self.lease.start()
+        self._lease_task = asyncio.get_running_loop().create_task(self.lease.run())
         for ext in self.extensions:
             for hook in ext.on_start:
                 await hook()
@@ -97,6 +103,11 @@ class Gate:
         # Groups still in the database finish before their pool closes.
         await self.reservations.aclose()
         await self.soldout.aclose()
+        await self.db.close()
+        # Renewed until the pool is closed (no transaction of ours can run any more),
+        # then released: markers left behind are resolved at once.
+        if self._lease_task is not None:
+            await self.lease.stop()
+            await self._lease_task
         await self.runner.aclose()
         await self.redis.aclose()
-        await self.db.close()

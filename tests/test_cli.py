@@ -99,6 +99,8 @@ def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: objec
         ("GATE_TRUSTED_PROXIES", "10.0.0.0/8 nonsense", "'nonsense' is not an IP address"),
         ("GATE_REDIS_DOWN_POLICY", "maybe", "GATE_REDIS_DOWN_POLICY must be"),
         ("GATE_LOG_LEVEL", "verbose", "GATE_LOG_LEVEL must be one of"),
+        ("GATE_LEASE_SECONDS", "0.1", "GATE_LEASE_SECONDS must be within 0.3..60"),
+        ("GATE_LEASE_SECONDS", "soon", "GATE_LEASE_SECONDS must be a number"),
         ("GATE_MYSQL_URL", "mysql://root@127.0.0.1:99999/gate", "GATE_MYSQL_URL has a port"),
         ("GATE_REDIS_URL", "redis://127.0.0.1:http/0", "GATE_REDIS_URL has a port"),
         # The areas' settings are checked before any worker starts (they used to fail

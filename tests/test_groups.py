@@ -287,6 +287,8 @@ async def test_a_group_that_commits_after_its_gate_died_is_confirmed_by_the_jani
         "GATE_RESERVATION_GROUPS_IN_FLIGHT_MAX": "1",
         "GATE_INFLIGHT_MAX_SECONDS": "12",
         "GATE_JANITOR_COMMITTED_AFTER_SECONDS": "1",
+        # Its tokens are counted after the kill: its lease must not lapse first.
+        "GATE_LEASE_SECONDS": "30",
     }
     victim = GateProcess(victim_env, workers=1, background=False)
     await asyncio.to_thread(victim.wait_ready)
