@@ -232,7 +232,9 @@ class Janitor:
                 if loop.time() >= deadline:
                     return False
                 await asyncio.sleep(0.02)
-        log.warning("gate %s is gone (lease lapsed, %d thread(s) ended)", owner, len(threads))
+        log.warning(
+            "gate %s is gone (lease lapsed, its %d recorded thread(s) ended)", owner, len(threads)
+        )
         return True
 
     async def run(self, stop: asyncio.Event) -> None:

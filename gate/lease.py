@@ -59,9 +59,13 @@ class Lease:
         self.info = f"{socket.gethostname()} {os.getpid()}"
         self.owner = new_owner()
         self.keys: OwnerKeys = owner_keys(self.owner)
-        # Connection -> the owners it is recorded under (weak: a closed connection's
-        # entry goes with it; its thread id stays recorded until pruned).
-        self._recorded: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+        # Connection -> its server thread id and the owners it is recorded under (weak:
+        # a closed connection's entry goes with it; its thread id stays recorded until
+        # pruned). The thread id is kept so that a connection object that reconnected
+        # (a new server thread) counts as not recorded.
+        self._recorded: weakref.WeakKeyDictionary[Any, tuple[int, set[str]]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._threads: dict[int, None] = {}
         self._recordings = 0  # connections recorded so far (a prune racing one stands down)
         self._stop = asyncio.Event()
@@ -132,11 +136,14 @@ class Lease:
         """Make sure `conn` is recorded under every owner of the tokens whose
         transaction is about to run on it; DbUnavailable when one's lease has lapsed
         (the transaction must not run: a janitor may be giving its units back)."""
+        thread_id = int(conn.thread_id())
         done = self._recorded.get(conn)
-        missing = owners - done if done is not None else owners
+        if done is None or done[0] != thread_id:
+            done = (thread_id, set())
+            self._recorded[conn] = done
+        missing = owners - done[1]
         if not missing:
             return
-        thread_id = int(conn.thread_id())
         age_ms = int((asyncio.get_running_loop().time() - conn.connected_time) * 1000)
         for owner in missing:
             keys = owner_keys(owner)
@@ -151,7 +158,7 @@ class Lease:
                 raise DbUnavailable(f"connection not recorded under its lease: {exc!r}") from exc
             if int(ok) != 1:
                 raise DbUnavailable(f"process lease {owner} lapsed")
-            self._recorded.setdefault(conn, set()).add(owner)
+            done[1].add(owner)
             self._recordings += 1
             if owner == self.owner:
                 self._threads[thread_id] = None
