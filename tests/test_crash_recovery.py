@@ -28,11 +28,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.db import Database, connect_kwargs
-from gate.keys import deal_keys
+from gate.keys import deal_keys, owner_keys
 from gate.settings import Settings
 from tests.support import (
     GATE_BIN,
     Client,
+    GateCommand,
     GateProcess,
     assert_invariants,
     create_deal,
@@ -106,7 +107,10 @@ async def test_a_killed_gate_leaves_no_ghost_stock(
     orders_locked: bool,
 ) -> None:
     gate_env = _env(env)
-    survivor = GateProcess(gate_env, workers=1)
+    # Three janitors race for the dead gate's tokens: the survivor's two workers and
+    # a `gate janitor` of its own.
+    survivor = GateProcess(gate_env, workers=2)
+    janitor = GateCommand(gate_env, "janitor")
     victim = GateProcess(gate_env, workers=2, background=False)
     await asyncio.gather(
         asyncio.to_thread(survivor.wait_ready), asyncio.to_thread(victim.wait_ready)
@@ -170,6 +174,7 @@ async def test_a_killed_gate_leaves_no_ghost_stock(
         victim.stop()
         survivor_log = survivor.output()
         survivor.stop()
+        janitor.stop()
 
     # A replay (200) names the order its key already had; every key has at most one.
     rows = await db.fetchall(
@@ -304,3 +309,64 @@ async def _thread_alive(db: Database, thread_id: int) -> bool:
         "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", (thread_id,)
     )
     return bool(row and int(row[0]) == 1)
+
+
+async def test_a_lapsed_lease_alone_gives_nothing_back(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, settings: Settings
+) -> None:
+    """The janitor cannot show the stalled gate's threads gone (its connection record
+    was lost): it must leave the token alone, units taken, however long the lease has
+    been gone; the transaction commits once the lock goes and the resumed gate confirms
+    it itself."""
+    gate_env = _env(env)
+    victim = GateProcess({**gate_env, "GATE_DB_LOCK_WAIT_SECONDS": "10"}, background=False)
+    survivor = GateProcess(gate_env, workers=1)
+    await asyncio.gather(
+        asyncio.to_thread(survivor.wait_ready), asyncio.to_thread(victim.wait_ready)
+    )
+    victim_client = Client(victim.url)
+    client = Client(survivor.url)
+    pending: asyncio.Future[tuple[int, int | str, str]] | None = None
+    stopped = False
+    try:
+        deal_id = await create_deal(client, stock=5, buckets=1)
+        user = 14_000_000 + deal_id * 100
+        keys = deal_keys(deal_id)
+        async with locked_buckets(settings, deal_id) as cur:
+            pending = asyncio.ensure_future(_attempt(victim_client, deal_id, user))
+            thread_id = await wait_for_reserve_statement(cur, deal_id)
+            (token,) = await rds.hkeys(keys.inflight)
+            owner = str(await rds.hget(keys.inflight, token)).rsplit("|", 1)[1]
+            os.killpg(victim.proc.pid, signal.SIGSTOP)
+            stopped = True
+            assert await rds.delete(owner_keys(owner).conns) == 1
+
+            async def lapsed() -> bool:
+                return int(await rds.exists(owner_keys(owner).lease)) == 0
+
+            await _wait(lapsed, 10)
+            # Several janitor passes after the lapse (0.2 s apart): nothing happens.
+            await asyncio.sleep(3)
+            assert await rds.hexists(keys.inflight, token)
+            assert await _thread_alive(db, thread_id)
+            avail, _ = await redis_available(rds, deal_id)
+            assert avail == 4
+        await _wait(lambda: _order_exists(db, token), 5)
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+        stopped = False
+        _, status, order_id = await asyncio.wait_for(pending, 30)
+        assert (status, order_id) == (201, token)
+    finally:
+        if stopped:
+            os.killpg(victim.proc.pid, signal.SIGCONT)
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await victim_client.close()
+        await client.close()
+        victim.stop()
+        survivor_log = survivor.output()
+        survivor.stop()
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": 5, "available": 4, "held": 1, "sold": 0}
+    assert f"deal {deal_id}: repaired Redis drift" not in survivor_log, survivor_log[-3000:]
