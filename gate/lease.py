@@ -47,6 +47,12 @@ def new_owner() -> str:
     return secrets.token_hex(8)
 
 
+class LeaseLapsed(DbUnavailable):
+    """A transaction was about to run for a token whose owner's lease has lapsed;
+    nothing was sent. The request gives its units back and may try once more under
+    the process's current lease (`Lease.ensure`)."""
+
+
 class Lease:
     def __init__(self, settings: Settings, runner: ScriptRunner, db: Database) -> None:
         self.settings = settings
@@ -68,6 +74,10 @@ class Lease:
         )
         self._threads: dict[int, None] = {}
         self._recordings = 0  # connections recorded so far (a prune racing one stands down)
+        # The current owner, once a recording found its lease gone (a flush, a stall):
+        # the next `ensure` takes a new one at once rather than at the next renewal.
+        self._lapsed: str | None = None
+        self._taking = asyncio.Lock()
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
@@ -76,6 +86,10 @@ class Lease:
             raise RuntimeError("could not take a process lease")
 
     async def _take(self) -> bool:
+        async with self._taking:
+            return await self._take_locked()
+
+    async def _take_locked(self) -> bool:
         owner = new_owner()
         keys = owner_keys(owner)
         done = await self.runner.call(
@@ -101,9 +115,20 @@ class Lease:
         # Lapsed: a janitor may already be resolving this owner's markers. Its tokens
         # stay bound to it (a transaction for them runs only on a connection recorded
         # under it, so nothing new can start); new admissions get a new owner.
-        old = self.owner
-        if await self._take():
-            log.warning("process lease %s lapsed; now %s", old, self.owner)
+        await self._replace(keys.lease)
+
+    async def ensure(self) -> None:
+        """Take a new owner now if the current one's lease was found lapsed."""
+        if self._lapsed == self.owner:
+            await self._replace(self.keys.lease)
+
+    async def _replace(self, lapsed_lease: str) -> None:
+        async with self._taking:
+            if self.keys.lease != lapsed_lease:
+                return  # another caller replaced it meanwhile
+            old = self.owner
+            if await self._take_locked():
+                log.warning("process lease %s lapsed; now %s", old, self.owner)
 
     async def run(self) -> None:
         """Renew every third of the lease until stopped (one renewal at a time, each
@@ -157,7 +182,9 @@ class Lease:
                 # Perhaps recorded, perhaps not: the connection is not used this time.
                 raise DbUnavailable(f"connection not recorded under its lease: {exc!r}") from exc
             if int(ok) != 1:
-                raise DbUnavailable(f"process lease {owner} lapsed")
+                if owner == self.owner:
+                    self._lapsed = owner
+                raise LeaseLapsed(f"process lease {owner} lapsed")
             done[1].add(owner)
             self._recordings += 1
             if owner == self.owner:

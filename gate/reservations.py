@@ -46,7 +46,7 @@ from gate.db import Database, DbUnavailable, OutcomeUnknown
 from gate.errors import Encoded, Problem, from_admit, from_db, not_found, overloaded
 from gate.groups import Item, ReservationGroups, reservation_call
 from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys
-from gate.lease import Lease
+from gate.lease import Lease, LeaseLapsed
 from gate.limits import LimitSpec, rate_limited
 from gate.metrics import METRICS
 from gate.mirror import Mirror
@@ -279,7 +279,22 @@ class Reservations:
         try:
             if not self.breaker.allow():
                 return await self._without_redis(req)
-            return await self._reserve(req)
+            try:
+                return await self._reserve(req)
+            except LeaseLapsed:
+                # Its token named a lease found lapsed (Redis flushed or failed over,
+                # the process stalled) and was given back before anything was sent:
+                # once more under a fresh lease.
+                assert self.lease is not None
+                try:
+                    await self.lease.ensure()
+                except Exception as exc:
+                    log.warning("process lease not replaced: %r", exc)
+                    raise overloaded("Database unavailable; retry shortly.") from None
+                try:
+                    return await self._reserve(req)
+                except LeaseLapsed:
+                    raise overloaded("Database unavailable; retry shortly.") from None
         finally:
             self._inflight -= 1
 
@@ -345,6 +360,9 @@ class Reservations:
             if not isinstance(exc, DbUnavailable | pymysql.err.MySQLError | TimeoutError):
                 log.exception("reservation transaction failed unexpectedly")
             await self._compensate(keys, req, token)
+            if isinstance(exc, LeaseLapsed):
+                # A fresh instance: a group's items share theirs.
+                raise LeaseLapsed(str(exc)) from None
             raise overloaded("Database unavailable; retry shortly.") from None
 
         db_code = DbCode(int(row[0]))
