@@ -6,7 +6,8 @@
     admission ──> the token's in-flight marker names the owner (lua/admit.lua)
     before a reservation transaction on a connection ──> record the connection's
         server thread id in {gate:o:OWNER}:conns, only while the lease exists
-        (lua/lease.lua); a connection that could not be recorded is not used
+        (lua/lease.lua); a connection that could not be recorded is not used (the
+        request gives its units back and tries once more under a new owner id)
     stop ──> release (delete the lease): a stopped process has no transaction left
 
 A janitor that finds a marker whose owner's lease is gone kills the owner's recorded
