@@ -32,6 +32,7 @@ import pymysql
 
 from gate.codes import DbCode
 from gate.db import POOL_REFUSED, Database, DbUnavailable, OutcomeUnknown, is_connection_error
+from gate.lease import Lease
 from gate.metrics import METRICS
 
 log = logging.getLogger("gate.groups")
@@ -70,6 +71,9 @@ class Item:
     idempotency_key: str
     fingerprint: str
     deadline: float  # event-loop time by which its database part must be over
+    # The lease id its in-flight marker names (gate/lease.py); None: no marker (the
+    # database-only path while Redis is down).
+    owner: str | None = None
 
     def as_json(self) -> list[Any]:
         return [
@@ -103,11 +107,13 @@ class ReservationGroups:
         group_max: int,
         in_flight_max: int,
         queue_wait_seconds: float,
+        lease: Lease | None = None,
     ) -> None:
         assert 1 <= group_max <= GROUP_MAX_LIMIT, "group_max out of bounds"
         assert 1 <= in_flight_max <= IN_FLIGHT_MAX_LIMIT, "in_flight_max out of bounds"
         self.db = db
         self.single = single
+        self.lease = lease
         self.group_max = group_max
         self.in_flight_max = in_flight_max
         # A queued reservation waits no longer for its group to leave than it would
@@ -248,6 +254,8 @@ class ReservationGroups:
             (deal_id, items),
             min(p.item.deadline for p in group),
             len(group),
+            self.lease,
+            {p.item.owner for p in group if p.item.owner},
         )
 
     async def aclose(self) -> None:
@@ -256,16 +264,29 @@ class ReservationGroups:
 
 
 async def reservation_call(
-    db: Database, sql: str, args: tuple[Any, ...], deadline: float, reservations: int
+    db: Database,
+    sql: str,
+    args: tuple[Any, ...],
+    deadline: float,
+    reservations: int,
+    lease: Lease | None = None,
+    owners: set[str] | None = None,
 ) -> Row:
     """A reservation procedure's CALL on the reservations' share of the pool, retried
     after deadlocks, within `deadline` (event-loop time). Once the call may have
     reached the server, a lost connection or the deadline leaves its outcome unknown
-    (OutcomeUnknown names the server thread, so the caller can make sure it ended)."""
+    (OutcomeUnknown names the server thread, so the caller can make sure it ended).
+
+    The connection is first recorded under the lease of every owner of the tokens the
+    call commits (`owners`), so that a janitor that finds an owner dead knows which
+    server threads to wait for (gate/lease.py); DbUnavailable, before anything is
+    sent, when an owner's lease has lapsed."""
     thread: list[Any] = []
 
     async def attempt() -> Row:
         async with db.reservation_connection() as conn:
+            if lease is not None and owners:
+                await lease.bind(conn, owners)
             thread[:] = [conn.thread_id(), conn.connected_time]
             DB_ATTEMPTS.inc(reservations)
             try:

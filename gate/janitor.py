@@ -16,22 +16,45 @@ old, long past any live request's own resolution. This is what clears the marker
 failover to a stale replica brings back (their requests finished after the replica's
 copy was taken), so the deal is comparable again within seconds, not after
 `inflight_max_seconds`.
+
+A token whose admitting process is dead needs no wait either (issue #12, point 9: a
+SIGKILLed gate left its units unbuyable for 30 s). Each token names its process's
+liveness lease (gate/lease.py); once that lease has lapsed:
+
+    owner's lease gone ──> kill the owner's recorded server threads, wait until the
+    server shows them gone (none left: nothing of the owner can commit any more)
+        ──> look the orders up ──> committed: confirm; not: compensate
+    a thread not gone in time, or the owner's connection record missing
+        ──> nothing now; the next pass tries again, the age rule still applies
+
+The lease alone never gives units back: a process that merely missed renewals (a
+stalled event loop) has its transactions ended first, and the database's answer after
+that is final (docs/redis-mirror.md, "A dead gate's markers").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
+import pymysql
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import ACTIVE_DEALS, deal_keys
+from gate.db import Database, errno_of
+from gate.keys import ACTIVE_DEALS, deal_keys, owner_keys
 from gate.metrics import METRICS
-from gate.mirror import Mirror, parse_marker
+from gate.mirror import Marker, Mirror, parse_marker
 from gate.settings import Settings
 
 log = logging.getLogger("gate.janitor")
+
+# How long one pass waits for a dead owner's killed threads to end (the next pass
+# tries again), and how many owners it remembers as proven gone.
+THREADS_GONE_WAIT_SECONDS = 2.0
+GONE_OWNERS_MAX = 10_000
+ER_NO_SUCH_THREAD = 1094
+ER_KILL_DENIED = 1095
 
 
 class Janitor:
@@ -40,6 +63,9 @@ class Janitor:
         self.db = db
         self.redis = client
         self.mirror = mirror
+        # Owners whose lease lapsed and whose threads were seen gone: that never
+        # changes (a lapsed lease is never renewed; a process takes a new owner id).
+        self._gone: dict[str, None] = {}
 
     async def run_once(self) -> int:
         """Resolve at most one batch of orphaned tokens per deal; returns how many."""
@@ -51,21 +77,31 @@ class Janitor:
         resolved = 0
         for raw in await self.redis.smembers(ACTIVE_DEALS):
             keys = deal_keys(int(raw))
+            # Young markers too: their owners decide whether they can wait.
             aged = await self.redis.zrangebyscore(
-                keys.inflight_times,
-                "-inf",
-                max(cutoff_ms, committed_cutoff_ms),
-                start=0,
-                num=batch,
-                withscores=True,
+                keys.inflight_times, "-inf", now_ms, start=0, num=batch, withscores=True
             )
             # redis-py types the reply loosely; WITHSCORES gives (member, score) pairs.
             pairs: list[tuple[str, float]] = [(str(t), float(sc)) for t, sc in aged]  # type: ignore[str-unpack]
-            tokens = [t for t, _ in pairs]
-            if not tokens:
+            if not pairs:
                 continue
             orphaned = {t for t, score in pairs if score <= cutoff_ms}
-            records = await self.redis.hmget(keys.inflight, tokens)
+            records = await self.redis.hmget(keys.inflight, [t for t, _ in pairs])
+            markers: dict[str, Marker] = {}
+            for (token, _), record in zip(pairs, records, strict=True):
+                if record is None:
+                    await self.redis.zrem(keys.inflight_times, token)
+                else:
+                    markers[token] = parse_marker(str(record))
+            # Proven before the look-ups below, so that they read the final outcome.
+            dead = await self._dead_owners(m.owner for m in markers.values() if m.owner)
+            tokens = [
+                t
+                for t, score in pairs
+                if t in markers and (score <= committed_cutoff_ms or markers[t].owner in dead)
+            ]
+            if not tokens:
+                continue
             marks = ",".join(["%s"] * len(tokens))
             orders = {
                 str(r[0]): str(r[1])
@@ -81,13 +117,10 @@ class Janitor:
                 )
             }
             intents: list[tuple[str, bool]] = []
-            for token, record in zip(tokens, records, strict=True):
-                if record is None:
-                    await self.redis.zrem(keys.inflight_times, token)
-                    continue
-                marker = parse_marker(str(record))
+            for token in tokens:
+                marker = markers[token]
                 committed = token in (ledgered if marker.kind == "R" else orders)
-                if not committed and token not in orphaned:
+                if not committed and token not in orphaned and marker.owner not in dead:
                     continue  # its request may still be running: wait for the full age
                 if marker.kind == "R":
                     intents.append((token, committed))
@@ -111,7 +144,11 @@ class Janitor:
                     resolved += 1
                     METRICS.janitor_resolved.labels(action).inc()
                     log.warning(
-                        "janitor %s orphaned token %s of deal %s", action, token, keys.deal_id
+                        "janitor %s orphaned token %s of deal %s%s",
+                        action,
+                        token,
+                        keys.deal_id,
+                        f" (its gate {marker.owner} is gone)" if marker.owner in dead else "",
                     )
             if intents:
                 applied = await self.mirror.apply(keys.deal_id, intents)
@@ -125,6 +162,80 @@ class Janitor:
                     applied,
                 )
         return resolved
+
+    async def _dead_owners(self, owners: Iterable[str]) -> set[str]:
+        """The owners among these whose lease has lapsed and whose server threads are
+        all gone: nothing of theirs can commit any more."""
+        named = set(owners)
+        dead = {o for o in named if o in self._gone}
+        unknown = sorted(named - dead)
+        if not unknown:
+            return dead
+        pipe = self.redis.pipeline(transaction=False)
+        for owner in unknown:
+            pipe.exists(owner_keys(owner).lease)
+        for owner, alive in zip(unknown, await pipe.execute(), strict=True):
+            if alive:
+                continue
+            if await self._threads_gone(owner):
+                if len(self._gone) >= GONE_OWNERS_MAX:
+                    del self._gone[next(iter(self._gone))]
+                self._gone[owner] = None
+                dead.add(owner)
+        return dead
+
+    async def _threads_gone(self, owner: str) -> bool:
+        """Kill the recorded server threads of an owner whose lease lapsed and wait
+        until the server shows none of them. False when that cannot be shown now."""
+        record = await self.redis.hgetall(owner_keys(owner).conns)
+        if not record:
+            # Expired or lost: which threads it used is unknown; the age rule decides.
+            return False
+        threads = {int(t): int(ms) for t, ms in record.items() if t != "_"}
+        if threads:
+            seconds, micros = await self.redis.time()
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            row = await self.db.fetchone("SHOW GLOBAL STATUS LIKE 'Uptime'")
+            uptime_seconds = float(row[1]) if row is not None else float("inf")
+            # Thread ids start again when the server restarts: a connection opened
+            # before the server's start is gone, and its id may now be another's.
+            threads = {
+                t: ms for t, ms in threads.items() if uptime_seconds + 1 >= (now_ms - ms) / 1000
+            }
+        killed: list[int] = []
+        for thread_id in threads:
+            try:
+                await self.db.execute(f"KILL {int(thread_id)}")
+                killed.append(thread_id)
+            except pymysql.err.MySQLError as exc:
+                if errno_of(exc) == ER_NO_SUCH_THREAD:
+                    continue  # already gone
+                if errno_of(exc) == ER_KILL_DENIED:
+                    log.warning(
+                        "janitor may not end thread %s of gate %s (another database user?);"
+                        " its tokens wait for GATE_INFLIGHT_MAX_SECONDS",
+                        thread_id,
+                        owner,
+                    )
+                    return False
+                raise
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + THREADS_GONE_WAIT_SECONDS
+        while killed:
+            marks = ",".join(["%s"] * len(killed))
+            rows = await self.db.fetchall(
+                f"SELECT ID FROM information_schema.PROCESSLIST WHERE ID IN ({marks})",
+                tuple(killed),
+            )
+            killed = [int(r[0]) for r in rows]
+            if killed:
+                if loop.time() >= deadline:
+                    return False
+                await asyncio.sleep(0.02)
+        log.warning(
+            "gate %s is gone (lease lapsed, its %d recorded thread(s) ended)", owner, len(threads)
+        )
+        return True
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -83,3 +83,18 @@ def deal_keys(deal_id: int) -> DealKeys:
         if len(_cache) < 100_000:
             _cache[deal_id] = keys
     return keys
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerKeys:
+    """The keys of one gate process's liveness lease (gate/lease.py), hash-tagged per
+    owner: the lease and its connection record live in one slot."""
+
+    owner: str
+    lease: str  # string, short TTL: the owner is alive while it exists
+    conns: str  # hash: "_" -> "host pid"; server thread id -> connected at (Redis ms)
+
+
+def owner_keys(owner: str) -> OwnerKeys:
+    tag = f"{{gate:o:{owner}}}"
+    return OwnerKeys(owner=owner, lease=f"{tag}:lease", conns=f"{tag}:conns")

@@ -62,13 +62,17 @@ class Marker:
     created_ms: int
     idempotency_key: str
     fingerprint: str
+    # The admitting process's lease id (gate/lease.py); "" for an intent, and for a
+    # token admitted before tokens named their owner.
+    owner: str = ""
 
 
 def parse_marker(record: str) -> Marker:
     parts = record.split("|")
     if parts[0] == "T":
-        _, user, qty, alloc, ms, key, fp = parts
-        return Marker("T", int(user), int(qty), alloc, int(ms), key, fp)
+        user, qty, alloc, ms, key, fp = parts[1:7]
+        owner = parts[7] if len(parts) > 7 else ""
+        return Marker("T", int(user), int(qty), alloc, int(ms), key, fp, owner)
     _, user, units, deltas, ms = parts
     return Marker("R", int(user), int(units), deltas, int(ms), "", "")
 
@@ -101,6 +105,7 @@ class Mirror:
         idempotency_key: str,
         limiter_keys: tuple[str, str, str, str],
         limiter_args: Sequence[int],
+        owner: str,
     ) -> asyncio.Future[Any]:
         """Queue the admission script (see lua/admit.lua); the future resolves to its
         raw {code, detail}. Queued now, so calls made in the same event-loop turn
@@ -127,6 +132,7 @@ class Mirror:
                 in_progress_ms,
                 idempotency_key,
                 *limiter_args,
+                owner,
             ),
         )
 

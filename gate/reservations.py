@@ -47,6 +47,7 @@ from gate.db import Database, DbUnavailable, OutcomeUnknown
 from gate.errors import Encoded, Problem, from_admit, from_db, not_found, overloaded
 from gate.groups import Item, ReservationGroups, reservation_call
 from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys
+from gate.lease import Lease, LeaseLapsed
 from gate.limits import LimitSpec, rate_limited
 from gate.metrics import METRICS
 from gate.mirror import Mirror
@@ -204,6 +205,7 @@ class Reservations:
         mirror: Mirror,
         soldout: SoldOutCache,
         unknown_deals: UnknownDeals | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -211,6 +213,9 @@ class Reservations:
         self.soldout = soldout
         self.unknown_deals = unknown_deals or UnknownDeals(mirror.redis, db)
         self.buyer_keys = BuyerKeys(db)
+        # The process's liveness lease: each admission token names it, and each
+        # reservation transaction runs only on a connection recorded under it.
+        self.lease = lease
         self.timeout_seconds = settings.reservation_db_timeout_seconds
         self.breaker = Breaker(
             "redis", settings.redis_breaker_failures_max, settings.redis_breaker_open_seconds
@@ -240,6 +245,7 @@ class Reservations:
                 settings.reservation_group_max,
                 settings.reservation_groups_in_flight_max,
                 settings.db_reservation_acquire_seconds,
+                lease,
             )
             if settings.reservation_group_max > 1
             else None
@@ -279,7 +285,22 @@ class Reservations:
             with self.breaker.call() as allowed:
                 if not allowed:
                     return await self._without_redis(req)
-                return await self._reserve(req)
+                try:
+                    return await self._reserve(req)
+                except LeaseLapsed:
+                    # Its token named a lease found lapsed (Redis flushed or failed over,
+                    # the process stalled) and was given back before anything was sent:
+                    # once more under a fresh lease.
+                    assert self.lease is not None
+                    try:
+                        await self.lease.ensure()
+                    except Exception as exc:
+                        log.warning("process lease not replaced: %r", exc)
+                        raise overloaded("Database unavailable; retry shortly.") from None
+                    try:
+                        return await self._reserve(req)
+                    except LeaseLapsed:
+                        raise overloaded("Database unavailable; retry shortly.") from None
         finally:
             self._inflight -= 1
 
@@ -290,7 +311,9 @@ class Reservations:
         start = random.getrandbits(30)
 
         sent = time.monotonic()
-        adm = await self._admit(keys, req, fp, token, start)
+        # Read once: the marker and the transaction must name the same owner.
+        owner = self.lease.owner if self.lease is not None else ""
+        adm = await self._admit(keys, req, fp, token, start, owner)
         if adm.code == AdmitCode.NOT_LOADED:
             # An unknown deal id (a flood of random ones, say) is answered before any
             # snapshot or load.
@@ -306,7 +329,7 @@ class Reservations:
             if not found:
                 await self.unknown_deals.learn(req.deal_id, generation)
                 raise not_found("deal")
-            adm = await self._admit(keys, req, fp, token, start)
+            adm = await self._admit(keys, req, fp, token, start, owner)
             if adm.code == AdmitCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
         if adm.code == AdmitCode.REPLAY:
@@ -343,7 +366,7 @@ class Reservations:
         alloc = normalise_alloc(adm.detail)
         # An allocation over several buckets goes through gate_reserve with `alloc`;
         # the item's bucket (its first) is used only when it names one.
-        item = self._item(token, req, fp, int(alloc.split(":", 1)[0]))
+        item = self._item(token, req, fp, int(alloc.split(":", 1)[0]), owner)
         try:
             if self.groups is not None and "," not in alloc:
                 row = await self.groups.reserve(req.deal_id, item)
@@ -355,6 +378,9 @@ class Reservations:
             if not isinstance(exc, DbUnavailable | pymysql.err.MySQLError | TimeoutError):
                 log.exception("reservation transaction failed unexpectedly")
             await self._compensate(keys, req, token)
+            if isinstance(exc, LeaseLapsed):
+                # A fresh instance: a group's items share theirs.
+                raise LeaseLapsed(str(exc)) from None
             raise overloaded("Database unavailable; retry shortly.") from None
 
         db_code = DbCode(int(row[0]))
@@ -385,7 +411,7 @@ class Reservations:
         raise from_db(db_code)
 
     async def _admit(
-        self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, start: int
+        self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, start: int, owner: str
     ) -> Admission:
         """Run the admission (and the global limiter in the same pipeline)."""
         admit = self.mirror.admit(
@@ -398,6 +424,7 @@ class Reservations:
             req.idempotency_key,
             keys.limiters(req.user_id, req.ip, req.device),
             self._scoped_args if req.device is not None else self._scoped_args_no_device,
+            owner,
         )
         spec = self.settings.limit_global
         limit = (
@@ -483,7 +510,7 @@ class Reservations:
             # No Redis allocation: a random bucket, and the procedure falls over to
             # the others. The resync loop brings Redis back once it answers.
             bucket = random.getrandbits(16)
-            item = self._item(token, req, fp, bucket)
+            item = self._item(token, req, fp, bucket, None)
             try:
                 row = await self._transaction(req.deal_id, item, f"{bucket}:{req.quantity}")
             except OutcomeUnknown as exc:
@@ -505,10 +532,14 @@ class Reservations:
                 return existing
             raise from_db(db_code)
 
-    def _item(self, token: str, req: ReserveRequest, fp: str, bucket: int) -> Item:
+    def _item(
+        self, token: str, req: ReserveRequest, fp: str, bucket: int, owner: str | None
+    ) -> Item:
         """The request's database part, due within the reservation's deadline from now."""
         deadline = asyncio.get_running_loop().time() + self.timeout_seconds
-        return Item(token, req.user_id, req.quantity, bucket, req.idempotency_key, fp, deadline)
+        return Item(
+            token, req.user_id, req.quantity, bucket, req.idempotency_key, fp, deadline, owner
+        )
 
     async def aclose(self) -> None:
         await self.buyer_keys.aclose()
@@ -536,6 +567,8 @@ class Reservations:
             ),
             item.deadline,
             1,
+            self.lease,
+            {item.owner} if item.owner else None,
         )
 
     async def _resolve_unknown(

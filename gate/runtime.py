@@ -12,6 +12,7 @@ from gate.db import Database
 from gate.deals import Deals
 from gate.extensions import install_all
 from gate.janitor import Janitor
+from gate.lease import Lease
 from gate.migrate import pending
 from gate.mirror import Mirror
 from gate.reservations import Reservations
@@ -48,8 +49,9 @@ class Gate:
         self.soldout = SoldOutCache(self.redis, settings.sold_out_cache_seconds)
         # One memory of unknown deal ids for the deal views and the reservations.
         self.unknown_deals = UnknownDeals(self.redis, self.db)
+        self.lease = Lease(settings, self.runner, self.db)
         self.reservations = Reservations(
-            settings, self.db, self.mirror, self.soldout, self.unknown_deals
+            settings, self.db, self.mirror, self.soldout, self.unknown_deals, self.lease
         )
         self.deals = Deals(self.db, self.mirror, self.unknown_deals)
         self.buyer_auth = BuyerAuth(settings.jwt_secret, settings.jwt_cache_max)
@@ -58,6 +60,7 @@ class Gate:
         self.resync = Resync(settings, self.redis, self.mirror)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._lease_task: asyncio.Task[None] | None = None
         # Areas install last: they may use every core service above.
         self.extensions = install_all(self)
 
@@ -75,6 +78,9 @@ class Gate:
             )
         await self.db.start()
         await self.runner.load()
+        # Before any request: every admission token names this process's lease.
+        await self.lease.start()
+        self._lease_task = asyncio.get_running_loop().create_task(self.lease.run())
         for ext in self.extensions:
             for hook in ext.on_start:
                 await hook()
@@ -103,6 +109,11 @@ class Gate:
         await self.reservations.aclose()
         await self.soldout.aclose()
         await self.unknown_deals.aclose()
+        await self.db.close()
+        # Renewed until the pool is closed (no transaction of ours can run any more),
+        # then released: markers left behind are resolved at once.
+        if self._lease_task is not None:
+            await self.lease.stop()
+            await self._lease_task
         await self.runner.aclose()
         await self.redis.aclose()
-        await self.db.close()

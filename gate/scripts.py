@@ -45,7 +45,16 @@ def error_kind(exc: BaseException) -> str:
 
 
 LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
-SCRIPT_NAMES = ("admit", "limit", "confirm", "compensate", "intend", "apply", "sync_deal")
+SCRIPT_NAMES = (
+    "admit",
+    "limit",
+    "confirm",
+    "compensate",
+    "intend",
+    "apply",
+    "sync_deal",
+    "lease",
+)
 
 
 class ScriptMissing(RuntimeError):

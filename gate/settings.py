@@ -191,6 +191,9 @@ class Settings:
     janitor_batch_max: int = 500
     janitor_interval_seconds: float = 1.0
     janitor_committed_after_seconds: float = 2.0
+    # Each gate process's liveness lease (gate/lease.py), renewed every third of it:
+    # a janitor resolves a dead process's in-flight tokens once it has lapsed.
+    lease_seconds: float = 3.0
     resync_interval_seconds: float = 1.0
     jwt_cache_max: int = 65_536
     sold_out_cache_seconds: float = 0.1
@@ -332,6 +335,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         janitor_committed_after_seconds=env_float(
             env, "GATE_JANITOR_COMMITTED_AFTER_SECONDS", 2.0, 0.1, 3600
         ),
+        lease_seconds=env_float(env, "GATE_LEASE_SECONDS", 3.0, 0.3, 60),
         resync_interval_seconds=env_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
         jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
         sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,

@@ -14,7 +14,7 @@
   KEYS[2] buckets         hash   {d:ID}:b     bucket -> available units
   KEYS[3] users           hash   {d:ID}:u     user id -> units held or bought
   KEYS[4] idempotency     string {d:ID}:k:USER:KEY  "P|fp|token" or "D|fp|order id"
-  KEYS[5] inflight        hash   {d:ID}:f     token -> "T|user|qty|alloc|ms|key|fp"
+  KEYS[5] inflight        hash   {d:ID}:f     token -> "T|user|qty|alloc|ms|key|fp|owner"
   KEYS[6] inflight_times  zset   {d:ID}:ft    token -> admission time (ms)
   KEYS[7] limit: deal     string {d:ID}:rl:d          theoretical arrival time (ms)
   KEYS[8] limit: user     string {d:ID}:rl:u:USER     (idem)
@@ -32,6 +32,8 @@
   ARGV[7] idempotency key (raw, as sent by the buyer)
   ARGV[8..15] per limiter of KEYS[7..10]: emission interval (ms), burst;
           an interval of 0 turns that limiter off
+  ARGV[16] owner: the admitting process's lease id (gate/lease.py); a janitor
+          resolves the token at once when that lease has lapsed
 
   Returns {code, detail}:
     0 OK              detail = allocation "bucket:qty[,bucket:qty…]"
@@ -183,7 +185,8 @@ end
 local token = ARGV[4]
 redis.call('SET', KEYS[4], 'P|' .. fp .. '|' .. token, 'PX', ARGV[6])
 redis.call('HSET', KEYS[5], token,
-  'T|' .. user .. '|' .. qty .. '|' .. alloc_s .. '|' .. now_ms .. '|' .. ARGV[7] .. '|' .. fp)
+  'T|' .. user .. '|' .. qty .. '|' .. alloc_s .. '|' .. now_ms .. '|' .. ARGV[7] .. '|' .. fp
+    .. '|' .. ARGV[16])
 redis.call('ZADD', KEYS[6], now_ms, token)
 redis.call('SADD', KEYS[11], user)
 return {0, alloc_s}

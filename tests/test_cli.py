@@ -102,6 +102,8 @@ def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: objec
         ("GATE_BODY_TIMEOUT_SECONDS", "0", "GATE_BODY_TIMEOUT_SECONDS must be within"),
         ("GATE_HTTP_CONCURRENCY_MAX", "none", "GATE_HTTP_CONCURRENCY_MAX must be an integer"),
         ("GATE_LIMIT_IP_V6_PREFIX", "16", "GATE_LIMIT_IP_V6_PREFIX must be within 32..128"),
+        ("GATE_LEASE_SECONDS", "0.1", "GATE_LEASE_SECONDS must be within 0.3..60"),
+        ("GATE_LEASE_SECONDS", "soon", "GATE_LEASE_SECONDS must be a number"),
         ("GATE_MYSQL_URL", "mysql://root@127.0.0.1:99999/gate", "GATE_MYSQL_URL has a port"),
         ("GATE_REDIS_URL", "redis://127.0.0.1:http/0", "GATE_REDIS_URL has a port"),
         # The areas' settings are checked before any worker starts (they used to fail
