@@ -52,10 +52,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(migrate(settings.mysql, settings.db_connect_timeout_seconds))
     # Several workers keep their metrics in files one scrape merges (gate/metrics.py).
     prepare_multiprocess(args.workers)
-    return run_server("gate.app:create_app", args.host, args.port, args.workers)
+    return run_server(
+        "gate.app:create_app",
+        args.host,
+        args.port,
+        args.workers,
+        worker_timeout_seconds=settings.worker_timeout_seconds,
+    )
 
 
-def run_server(app: str, host: str, port: int, workers: int) -> int:
+def run_server(
+    app: str,
+    host: str,
+    port: int,
+    workers: int,
+    *,
+    worker_timeout_seconds: float = 30.0,
+) -> int:
     """Serve the ASGI app factory `app` the way `gate serve` does (also the peer
     baseline's server, so that only the application differs between them)."""
     import uvicorn
@@ -78,7 +91,13 @@ def run_server(app: str, host: str, port: int, workers: int) -> int:
     if workers > 1 and supervisor.available():
         # A socket per worker (gate/supervisor.py): connections spread over the workers.
         return supervisor.Supervisor(
-            server, host, port, workers, SERVE_BACKLOG, SERVE_GRACE_SECONDS
+            server,
+            host,
+            port,
+            workers,
+            SERVE_BACKLOG,
+            SERVE_GRACE_SECONDS,
+            worker_timeout_seconds=worker_timeout_seconds,
         ).run()
     uvicorn.run(host=host, port=port, workers=workers, backlog=SERVE_BACKLOG, **server)
     return 0

@@ -193,6 +193,10 @@ class Settings:
     sold_out_cache_seconds: float = 0.1
     body_max_bytes: int = 4096
 
+    # `gate serve --workers N` (gate/supervisor.py): a worker whose event loop has not
+    # beaten for this long is killed and replaced.
+    worker_timeout_seconds: float = 30.0
+
     run_background: bool = True
     auto_migrate: bool = True
     log_level: str = "INFO"
@@ -322,6 +326,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
         sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,
         body_max_bytes=4096,
+        worker_timeout_seconds=env_float(env, "GATE_WORKER_TIMEOUT_SECONDS", 30.0, 1.0, 3600),
         run_background=env_bool(env, "GATE_BACKGROUND", True),
         auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),
         log_level=log_level,
