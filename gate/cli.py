@@ -263,6 +263,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.set_defaults(fn=cmd_demo)
 
+    from gate import dealcli
+
+    dealcli.add_commands(sub)
+
     from gate.extensions import area_modules
 
     for module in area_modules():
