@@ -456,7 +456,7 @@ def _schemas() -> dict[str, Any]:
         "buckets": {"type": "integer", "minimum": 1, "maximum": 1024},
         "layout_epoch": {"type": "integer", "minimum": 0},
         "hold_seconds": {"type": "integer", "minimum": 1, "maximum": 86400},
-        "per_user_limit": {"type": ["integer", "null"], "minimum": 1},
+        "per_user_limit": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000_000},
         "max_per_order": {"type": "integer", "minimum": 1, "maximum": 1000},
         "capture_mode": {"type": "string", "enum": ["automatic", "manual"]},
         "created_at": TIMESTAMP,
@@ -616,7 +616,11 @@ def _schemas() -> dict[str, Any]:
                     "maximum": 86400,
                     "default": 600,
                 },
-                "per_user_limit": {"type": ["integer", "null"], "minimum": 1},
+                "per_user_limit": {
+                    "type": ["integer", "null"],
+                    "minimum": 1,
+                    "maximum": 1_000_000_000,
+                },
                 "max_per_order": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 1},
                 "capture_mode": {
                     "type": "string",

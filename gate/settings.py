@@ -196,6 +196,8 @@ class Settings:
     # `gate serve --workers N` (gate/supervisor.py): a worker whose event loop has not
     # beaten for this long is killed and replaced.
     worker_timeout_seconds: float = 30.0
+    # /docs: a browsable reference of /openapi.json (gate/apidocs.py).
+    docs: bool = False
 
     run_background: bool = True
     auto_migrate: bool = True
@@ -327,11 +329,19 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,
         body_max_bytes=4096,
         worker_timeout_seconds=env_float(env, "GATE_WORKER_TIMEOUT_SECONDS", 30.0, 1.0, 3600),
+        docs=env_bool(env, "GATE_DOCS", dev),
         run_background=env_bool(env, "GATE_BACKGROUND", True),
         auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),
         log_level=log_level,
         environ=MappingProxyType(dict(env)),
     )
+    if settings.docs:
+        from gate import apidocs
+
+        if not apidocs.available():
+            raise SettingsError(
+                "GATE_DOCS is on but Swagger UI's files (the swagger-ui-py package) are missing"
+            )
     # The janitor treats a token older than inflight_max_seconds as orphaned; a live
     # request must therefore always finish (or give up) well before that age.
     # A statement sent just before the request's deadline may still wait on a lock
