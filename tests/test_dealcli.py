@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.keys import deal_keys
+from gate.repair import plan_counters
 from gate.settings import Settings
 from tests.support import (
     GATE_BIN,
@@ -340,3 +341,38 @@ async def test_advise_recommends_more_buckets_only_under_contention(
     assert "more buckets give more locks" in " ".join(advice["reasons"])
     assert 201 in answers
     await assert_invariants(db, rds, hot, timeout_seconds=30)
+
+
+async def test_repair_refuses_an_oversell_and_changes_nothing(
+    client: Client, db: Database, rds: aioredis.Redis, env: dict[str, str]
+) -> None:
+    deal_id = await create_deal(client, stock=2, max_per_order=2)
+    assert (await reserve(client, deal_id, 1_700_201, "deal-oversell-1", 2)).status_code == 201
+    await assert_invariants(db, rds, deal_id)
+    # A unit taken out of the ledger's stock by hand: the orders now hold more units
+    # than the deal has. No repair can square that without going below zero.
+    await db.execute(
+        "INSERT INTO inventory_ledger (deal_id, bucket, d_total, d_available, d_held, d_sold,"
+        " available_before, available_after, reason, actor) VALUES (%s, 0, -1, -1, 0, 0, 0, 0,"
+        " 'forged', 'test')",
+        (deal_id,),
+    )
+    before = await state(db, deal_id)
+    for args in ((), ("--dry-run",)):
+        out = await arun(env, "deal", "repair", str(deal_id), *args)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "orders hold or sold 2 unit(s) but its ledger records 1" in out.stderr
+        assert await state(db, deal_id) == before
+    await db.execute(
+        "DELETE FROM inventory_ledger WHERE deal_id = %s AND reason = 'forged'", (deal_id,)
+    )
+    await assert_invariants(db, rds, deal_id)
+
+
+def test_a_bucket_short_of_its_orders_borrows_from_the_fullest() -> None:
+    # Bucket 0's orders hold 3 units but its ledger stock is 2: it takes the missing
+    # unit from bucket 2 (the fullest), the deal's total stays 9, nothing goes below 0.
+    want = plan_counters(3, {0: 2, 1: 3, 2: 4}, held={0: 3, 1: 1}, sold={2: 1})
+    assert want == {0: (3, 0, 3, 0), 1: (3, 2, 1, 0), 2: (3, 2, 0, 1)}
+    assert sum(w[0] for w in want.values()) == 9
+    assert all(w[0] == w[1] + w[2] + w[3] and min(w) >= 0 for w in want.values())
