@@ -18,16 +18,24 @@ docs/buckets.md, from the database alone: it needs no running gate.
                MIN_UNITS_PER_BUCKET units each)
 
 Reading INNODB_LOCKS needs the PROCESS privilege; without it the advice says the
-contention could not be observed and recommends nothing new. The gate's own metrics
-(lock-wait retries, transaction seconds, group sizes, pool waits: docs/buckets.md)
-are process-wide, not per deal: use them to confirm, with a load test.
+contention could not be observed and recommends nothing new.
+
+With `gate_url` (`--gate-url`), a running gate's /metrics is also read before and after
+the sampling, and the differences are reported: transactions and their mean
+duration (commit latency), lock-wait and deadlock retries, group sizes, pool waiters.
+They are the gate's, for all deals together, not this deal's: a retry seen there
+counts as contention only together with this deal's own waits, and a scrape that
+fails leaves the advice to the database.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from gate.db import Database
 from gate.errors import not_found
@@ -39,6 +47,18 @@ MIN_UNITS_PER_BUCKET = 50
 MAX_BUCKETS = 1024
 CONTENDED_SHARE = 0.2
 WAITERS_CONTENDED = 2
+SCRAPE_TIMEOUT_SECONDS = 3.0
+SCRAPE_BYTES_MAX = 8 * 1024 * 1024
+# Series read from the gate's /metrics: name -> labels that must match.
+_SERIES = {
+    "gate_db_transaction_seconds_sum": {},
+    "gate_db_transaction_seconds_count": {},
+    "gate_reservation_group_size_sum": {},
+    "gate_reservation_group_size_count": {},
+    "gate_db_retries_total:1205": {"errno": "1205"},
+    "gate_db_retries_total:1213": {"errno": "1213"},
+    "gate_db_pool_waiting": {},
+}
 
 _WAITERS = (
     "SELECT COUNT(*), COALESCE(MAX(TIMESTAMPDIFF(MICROSECOND, t.trx_wait_started, NOW(6))), 0)"
@@ -83,12 +103,65 @@ async def sample_lock_waits(db: Database, deal_id: int, sample_seconds: float) -
     }
 
 
-async def advise(db: Database, deal_id: int, sample_seconds: float) -> dict[str, Any]:
+def _scrape(url: str) -> dict[str, float]:
+    """The series of `_SERIES` from a gate's /metrics (blocking: run in a thread)."""
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_SECONDS) as resp:
+        text = resp.read(SCRAPE_BYTES_MAX + 1)
+    if len(text) > SCRAPE_BYTES_MAX:
+        raise ValueError(f"/metrics answer larger than {SCRAPE_BYTES_MAX} bytes")
+    values: dict[str, float] = dict.fromkeys(_SERIES, 0.0)
+    for family in text_string_to_metric_families(text.decode("utf-8", "replace")):
+        for sample in family.samples:
+            for key, labels in _SERIES.items():
+                if key.split(":")[0] == sample.name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    values[key] += float(sample.value)
+    return values
+
+
+async def _gate_metrics(gate_url: str, before: dict[str, float] | Exception) -> dict[str, Any]:
+    try:
+        if isinstance(before, Exception):
+            raise before
+        after = await asyncio.to_thread(_scrape, gate_url.rstrip("/") + "/metrics")
+    except Exception as exc:
+        return {"observed": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    d = {k: after[k] - before[k] for k in after}
+    txs = d["gate_db_transaction_seconds_count"]
+    groups = d["gate_reservation_group_size_count"]
+    return {
+        "observed": True,
+        "scope": "the whole gate (every deal), during the sampling",
+        "transactions": int(txs),
+        "mean_transaction_ms": round(1000 * d["gate_db_transaction_seconds_sum"] / txs, 2)
+        if txs
+        else None,
+        "lock_wait_retries": int(d["gate_db_retries_total:1205"]),
+        "deadlock_retries": int(d["gate_db_retries_total:1213"]),
+        "groups": int(groups),
+        "mean_group_size": round(d["gate_reservation_group_size_sum"] / groups, 2)
+        if groups
+        else None,
+        "pool_waiting": int(after["gate_db_pool_waiting"]),
+    }
+
+
+async def advise(
+    db: Database, deal_id: int, sample_seconds: float, gate_url: str | None = None
+) -> dict[str, Any]:
     row = await db.fetchone("SELECT bucket_count FROM deals WHERE id = %s", (deal_id,))
     if row is None:
         raise not_found("deal")
     nb = int(row[0])
+    before: dict[str, float] | Exception = {}
+    if gate_url:
+        try:
+            before = await asyncio.to_thread(_scrape, gate_url.rstrip("/") + "/metrics")
+        except Exception as exc:
+            before = exc
     waits = await sample_lock_waits(db, deal_id, sample_seconds)
+    gate_seen = await _gate_metrics(gate_url, before) if gate_url else None
     stock = await db.fetchone(
         "SELECT COALESCE(SUM(b.available), 0), COALESCE(SUM(b.total), 0) FROM deal_buckets b"
         " JOIN deals d ON d.id = b.deal_id AND d.layout_epoch = b.epoch WHERE b.deal_id = %s",
@@ -112,6 +185,8 @@ async def advise(db: Database, deal_id: int, sample_seconds: float) -> dict[str,
         "available": available,
         "units_per_bucket": available // nb,
     }
+    if gate_seen is not None:
+        observed["gate"] = gate_seen
     by_stock = max(1, min(MAX_BUCKETS, available // MIN_UNITS_PER_BUCKET))
     reasons: list[str] = []
     contended = bool(waits.get("observed")) and (
@@ -158,6 +233,23 @@ async def advise(db: Database, deal_id: int, sample_seconds: float) -> dict[str,
                 f"{nb} buckets hold under {MIN_UNITS_PER_BUCKET} units each ({available} left):"
                 f" {by_stock} would spare the fall-over between nearly empty buckets"
             )
+    if gate_seen and gate_seen.get("observed"):
+        retries = gate_seen["lock_wait_retries"] + gate_seen["deadlock_retries"]
+        if gate_seen["mean_transaction_ms"] is not None:
+            reasons.append(
+                f"the gate's transactions took {gate_seen['mean_transaction_ms']} ms on average"
+                f" ({gate_seen['transactions']} in the window, all deals)"
+                + (f", {retries} retried after lock waits or deadlocks" if retries else "")
+            )
+        if gate_seen["pool_waiting"]:
+            reasons.append(
+                f"{gate_seen['pool_waiting']} task(s) waited for a database connection: with"
+                " no waits on this deal's rows, the pool or the database is the limit"
+                if not contended
+                else f"{gate_seen['pool_waiting']} task(s) waited for a database connection"
+            )
+    elif gate_seen is not None:
+        reasons.append(f"the gate's metrics could not be read ({gate_seen.get('error')})")
     if commits and reservations / commits > 1.5:
         reasons.append(
             f"group commit is carrying {reservations / commits:.1f} reservations per"
@@ -170,5 +262,6 @@ async def advise(db: Database, deal_id: int, sample_seconds: float) -> dict[str,
         "change": "more" if recommended > nb else "fewer" if recommended < nb else "keep",
         "reasons": reasons,
         "observed": observed,
-        "source": "database (information_schema lock waits, orders, bucket rows); no gate needed",
+        "source": "database (information_schema lock waits, orders, bucket rows)"
+        + (", and the gate's /metrics" if gate_url else "; no gate needed"),
     }

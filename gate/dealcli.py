@@ -26,6 +26,7 @@ import re
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -74,6 +75,13 @@ def _operator(raw: str) -> str:
         raise argparse.ArgumentTypeError(
             "must be 1-64 characters of [A-Za-z0-9_.@:+-] (it is written to the ledger)"
         )
+    return raw
+
+
+def _http_url(raw: str) -> str:
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"must be an http(s):// URL, got {raw!r}")
     return raw
 
 
@@ -276,7 +284,9 @@ def cmd_buckets(args: argparse.Namespace) -> int:
         from gate.advise import advise
 
         return _run(
-            args, lambda gate: advise(gate.db, args.deal_id, args.sample_seconds), _advice_text
+            args,
+            lambda gate: advise(gate.db, args.deal_id, args.sample_seconds, args.gate_url),
+            _advice_text,
         )
     body = {"count": args.count}
     return _run(
@@ -374,6 +384,11 @@ def add_commands(sub: Any) -> None:
         type=_ranged_float(0.0, SAMPLE_SECONDS_MAX),
         default=ADVISE_SAMPLE_SECONDS,
         help="with --advise: how long to watch the deal's lock waits",
+    )
+    p.add_argument(
+        "--gate-url",
+        type=_http_url,
+        help="with --advise: also read this running gate's /metrics (e.g. http://gate:8000)",
     )
     operator(p)
 

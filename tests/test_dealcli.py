@@ -20,6 +20,7 @@ from gate.settings import Settings
 from tests.support import (
     GATE_BIN,
     Client,
+    GateProcess,
     assert_invariants,
     create_deal,
     locked_buckets,
@@ -293,7 +294,12 @@ async def test_every_deal_command_with_its_bad_input(
 
 
 async def test_advise_recommends_more_buckets_only_under_contention(
-    client: Client, db: Database, rds: aioredis.Redis, env: dict[str, str], settings: Settings
+    client: Client,
+    db: Database,
+    rds: aioredis.Redis,
+    env: dict[str, str],
+    settings: Settings,
+    gate: GateProcess,
 ) -> None:
     idle = await create_deal(client, stock=1000, buckets=1)
     out = await arun(env, "deal", "buckets", str(idle), "--advise", "--sample-seconds", "1",
@@ -329,7 +335,7 @@ async def test_advise_recommends_more_buckets_only_under_contention(
         try:
             await wait_for_reserve_statement(cur, hot)
             out = await arun(env, "deal", "buckets", str(hot), "--advise", "--sample-seconds",
-                             "1", "--json")  # fmt: skip
+                             "1", "--gate-url", gate.url, "--json")  # fmt: skip
         finally:
             stop.set()
     with contextlib.suppress(Exception):
@@ -339,6 +345,18 @@ async def test_advise_recommends_more_buckets_only_under_contention(
     assert advice["change"] == "more" and advice["recommended_buckets"] >= 2, advice
     assert advice["observed"]["lock_waits"]["peak_waiters"] >= 1
     assert "more buckets give more locks" in " ".join(advice["reasons"])
+    # The running gate's own view over the same window (all deals): its transactions.
+    seen = advice["observed"]["gate"]
+    assert seen["observed"] is True, seen
+    assert seen["transactions"] >= 0 and "lock_wait_retries" in seen
+    for bad in ("ftp://gate", "gate:8000", "http://"):
+        bad_url = await arun(env, "deal", "buckets", str(hot), "--advise", "--gate-url", bad)
+        assert bad_url.returncode == 2 and "must be an http(s):// URL" in bad_url.stderr
+    # An unreachable gate leaves the advice to the database, and says so.
+    gone = await arun(env, "deal", "buckets", str(hot), "--advise", "--sample-seconds", "0",
+                      "--gate-url", "http://127.0.0.1:9", "--json")  # fmt: skip
+    assert gone.returncode == 0, gone.stderr
+    assert json.loads(gone.stdout)["observed"]["gate"]["observed"] is False
     assert 201 in answers
     await assert_invariants(db, rds, hot, timeout_seconds=30)
 
