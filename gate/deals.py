@@ -367,8 +367,17 @@ class Deals:
                         else:
                             held[b % count] += q
                 old_avail = sum(v[1] for v in old.values())
-                assert sum(held) == sum(v[2] for v in old.values()), "held drifted from orders"
-                assert sum(sold) == sum(v[3] for v in old.values()), "sold drifted from orders"
+                if sum(held) != sum(v[2] for v in old.values()) or sum(sold) != sum(
+                    v[3] for v in old.values()
+                ):
+                    # Counters changed behind the gate's back (an assert here was a 500):
+                    # rebucketing would carry the damage into the new layout.
+                    await cur.execute("ROLLBACK")
+                    raise Problem(
+                        "CONFLICT",
+                        "The deal's held/sold counters disagree with its orders; nothing"
+                        f" changed. Repair them first: gate deal repair {deal_id}.",
+                    )
                 avail = split_evenly(old_avail, count)
                 new = {
                     b: (avail[b] + held[b] + sold[b], avail[b], held[b], sold[b])

@@ -55,6 +55,7 @@ POLL_SECONDS = 0.2
 # connections): give it at least this long before calling it hung.
 STARTUP_GRACE_SECONDS = 60.0
 WORKER_TIMEOUT_SECONDS = 30.0
+KILL_WAIT_SECONDS = 5.0
 
 
 def available() -> bool:
@@ -190,7 +191,11 @@ class Supervisor:
                     self.worker_timeout_seconds,
                 )
                 proc.kill()
-                proc.join()
+                # Bounded: a process stuck in the kernel (uninterruptible I/O) dies
+                # only when that returns; the next poll tries again meanwhile.
+                proc.join(KILL_WAIT_SECONDS)
+                if proc.is_alive():
+                    continue
             else:
                 proc.join()
             if proc.exitcode == STARTUP_FAILURE:

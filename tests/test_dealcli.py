@@ -137,6 +137,21 @@ async def test_repair_finds_fixes_and_ledgers_a_counter_changed_by_hand(
     over = await reserve(client, deal_id, 1_700_001, "deal-repair-0003", 2)
     assert over.status_code == 422, over.text
 
+    # Rebucketing refuses counters that disagree with the orders (it was a 500).
+    await db.execute(
+        "UPDATE deal_buckets SET held = held - 1, available = available + 1"
+        " WHERE deal_id = %s AND bucket = %s",
+        (deal_id, held_bucket),
+    )
+    damaged = await state(db, deal_id)
+    refused = await arun(env, "deal", "buckets", str(deal_id), "--count", "3")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"Repair them first: gate deal repair {deal_id}" in refused.stderr
+    assert await state(db, deal_id) == damaged
+    assert (await arun(env, "deal", "repair", str(deal_id))).returncode == 0
+    assert await counters(db, deal_id) == truth
+    rows = await ledger_rows(db, deal_id, "repair")
+
     again = await arun(env, "deal", "repair", str(deal_id))
     assert again.returncode == 0 and "nothing to repair" in again.stdout
     assert len(await ledger_rows(db, deal_id, "repair")) == len(rows)
