@@ -481,6 +481,10 @@ def _schemas() -> dict[str, Any]:
                     "type": "integer",
                     "description": "With SOLD_OUT: units left (fewer than asked for).",
                 },
+                "order_status": {
+                    "type": "string",
+                    "description": "With CONFLICT on an order (cancel, payment): its status.",
+                },
             },
             ["type", "title", "status", "detail", "code"],
             description="RFC 9457 problem details with a machine-readable `code`.",
