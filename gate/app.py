@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gate import logs, orders, validate
+from gate import apidocs, logs, orders, validate
 from gate.db import Database, DbUnavailable
 from gate.errors import Problem, invalid, not_found, overloaded
 from gate.guard import Guard
@@ -447,6 +447,8 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
         Exception: _unexpected,
     }
     all_routes = routes()
+    if settings.docs:
+        all_routes.extend(apidocs.routes())
     middleware = []
     for ext in gate.extensions:
         all_routes.extend(ext.routes)

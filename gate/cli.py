@@ -57,10 +57,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     # Several workers keep their metrics in files one scrape merges (gate/metrics.py).
     prepare_multiprocess(args.workers)
-    return run_server("gate.app:create_app", args.host, args.port, args.workers)
+    return run_server(
+        "gate.app:create_app",
+        args.host,
+        args.port,
+        args.workers,
+        worker_timeout_seconds=settings.worker_timeout_seconds,
+    )
 
 
-def run_server(app: str, host: str, port: int, workers: int) -> int:
+def run_server(
+    app: str,
+    host: str,
+    port: int,
+    workers: int,
+    *,
+    worker_timeout_seconds: float = 30.0,
+) -> int:
     """Serve the ASGI app factory `app` the way `gate serve` does (also the peer
     baseline's server, so that only the application differs between them)."""
     import uvicorn
@@ -83,7 +96,13 @@ def run_server(app: str, host: str, port: int, workers: int) -> int:
     if workers > 1 and supervisor.available():
         # A socket per worker (gate/supervisor.py): connections spread over the workers.
         return supervisor.Supervisor(
-            server, host, port, workers, SERVE_BACKLOG, SERVE_GRACE_SECONDS
+            server,
+            host,
+            port,
+            workers,
+            SERVE_BACKLOG,
+            SERVE_GRACE_SECONDS,
+            worker_timeout_seconds=worker_timeout_seconds,
         ).run()
     uvicorn.run(host=host, port=port, workers=workers, backlog=SERVE_BACKLOG, **server)
     return 0
@@ -266,6 +285,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--buckets", type=int, default=4)
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.set_defaults(fn=cmd_demo)
+
+    from gate import dealcli
+
+    dealcli.add_commands(sub)
 
     from gate.extensions import area_modules
 

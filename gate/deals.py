@@ -35,6 +35,8 @@ MAX_STOCK = 1_000_000_000
 MAX_BUCKETS = 1024
 MAX_PRICE = 10**15
 LEDGER_PAGE_MAX = 1000
+LIST_PAGE_MAX = 1000
+MAX_ID = 2**63 - 1
 PUBLIC_CACHE_SECONDS = 1.0
 PUBLIC_CACHE_MAX = 10_000
 
@@ -374,8 +376,17 @@ class Deals:
                         else:
                             held[b % count] += q
                 old_avail = sum(v[1] for v in old.values())
-                assert sum(held) == sum(v[2] for v in old.values()), "held drifted from orders"
-                assert sum(sold) == sum(v[3] for v in old.values()), "sold drifted from orders"
+                if sum(held) != sum(v[2] for v in old.values()) or sum(sold) != sum(
+                    v[3] for v in old.values()
+                ):
+                    # Counters changed behind the gate's back (an assert here was a 500):
+                    # rebucketing would carry the damage into the new layout.
+                    await cur.execute("ROLLBACK")
+                    raise Problem(
+                        "CONFLICT",
+                        "The deal's held/sold counters disagree with its orders; nothing"
+                        f" changed. Repair them first: gate deal repair {deal_id}.",
+                    )
                 avail = split_evenly(old_avail, count)
                 new = {
                     b: (avail[b] + held[b] + sold[b], avail[b], held[b], sold[b])
@@ -428,6 +439,36 @@ class Deals:
         await self.db.retrying(attempt)
         await self._refresh_redis(deal_id)
         return await self.admin_view(deal_id)
+
+    async def list_admin(self, after_id: int, limit: int) -> dict[str, Any]:
+        """A page of deals in id order with their stock totals (`gate deal list`)."""
+        if not 0 <= after_id <= MAX_ID or not 1 <= limit <= LIST_PAGE_MAX:
+            raise invalid(f"'after' must be 0..{MAX_ID} and 'limit' 1..{LIST_PAGE_MAX}.")
+        rows = await self.db.fetchall(
+            f"SELECT {_DEAL_COLUMNS} FROM deals WHERE id > %s ORDER BY id LIMIT %s",
+            (after_id, limit),
+        )
+        deals = [Deal.from_row(r) for r in rows]
+        totals: dict[int, tuple[int, int, int, int]] = {}
+        if deals:
+            marks = ", ".join(["%s"] * len(deals))
+            for r in await self.db.fetchall(
+                "SELECT b.deal_id, SUM(b.total), SUM(b.available), SUM(b.held), SUM(b.sold)"
+                " FROM deal_buckets b JOIN deals d ON d.id = b.deal_id AND d.layout_epoch ="
+                f" b.epoch WHERE b.deal_id IN ({marks}) GROUP BY b.deal_id",
+                [d.id for d in deals],
+            ):
+                totals[int(r[0])] = (int(r[1]), int(r[2]), int(r[3]), int(r[4]))
+        items = []
+        for d in deals:
+            t = totals.get(d.id, (0, 0, 0, 0))
+            items.append(
+                {
+                    **d.admin(),
+                    "totals": {"total": t[0], "available": t[1], "held": t[2], "sold": t[3]},
+                }
+            )
+        return {"items": items, "next_after": items[-1]["id"] if len(items) == limit else None}
 
     async def ledger(self, deal_id: int, after_id: int, limit: int) -> dict[str, Any]:
         if await get_deal(self.db, deal_id) is None:

@@ -464,7 +464,7 @@ def _schemas() -> dict[str, Any]:
         "buckets": {"type": "integer", "minimum": 1, "maximum": 1024},
         "layout_epoch": {"type": "integer", "minimum": 0},
         "hold_seconds": {"type": "integer", "minimum": 1, "maximum": 86400},
-        "per_user_limit": {"type": ["integer", "null"], "minimum": 1},
+        "per_user_limit": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000_000},
         "max_per_order": {"type": "integer", "minimum": 1, "maximum": 1000},
         "capture_mode": {"type": "string", "enum": ["automatic", "manual"]},
         "created_at": TIMESTAMP,
@@ -488,6 +488,10 @@ def _schemas() -> dict[str, Any]:
                 "remaining_hint": {
                     "type": "integer",
                     "description": "With SOLD_OUT: units left (fewer than asked for).",
+                },
+                "order_status": {
+                    "type": "string",
+                    "description": "With CONFLICT on an order (cancel, payment): its status.",
                 },
             },
             ["type", "title", "status", "detail", "code"],

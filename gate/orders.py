@@ -250,6 +250,6 @@ async def cancel(db: Database, mirror: Mirror, order_id: str, user_id: int) -> O
         raise Problem(
             "CONFLICT",
             f"Order is {after.status}; only a PENDING_PAYMENT order can be cancelled.",
-            extra={"status": after.status},
+            extra={"order_status": after.status},
         )
     return after

@@ -204,6 +204,12 @@ class Settings:
     body_timeout_seconds: float = 5.0
     http_concurrency_max: int = 1024
 
+    # `gate serve --workers N` (gate/supervisor.py): a worker whose event loop has not
+    # beaten for this long is killed and replaced.
+    worker_timeout_seconds: float = 30.0
+    # /docs: a browsable reference of /openapi.json (gate/apidocs.py).
+    docs: bool = False
+
     run_background: bool = True
     auto_migrate: bool = True
     log_level: str = "INFO"
@@ -342,11 +348,20 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         body_max_bytes=4096,
         body_timeout_seconds=env_float(env, "GATE_BODY_TIMEOUT_SECONDS", 5.0, 0.1, 300),
         http_concurrency_max=env_int(env, "GATE_HTTP_CONCURRENCY_MAX", 1024, 1, 100_000),
+        worker_timeout_seconds=env_float(env, "GATE_WORKER_TIMEOUT_SECONDS", 30.0, 1.0, 3600),
+        docs=env_bool(env, "GATE_DOCS", dev),
         run_background=env_bool(env, "GATE_BACKGROUND", True),
         auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),
         log_level=log_level,
         environ=MappingProxyType(dict(env)),
     )
+    if settings.docs:
+        from gate import apidocs
+
+        if not apidocs.available():
+            raise SettingsError(
+                "GATE_DOCS is on but Swagger UI's files (the swagger-ui-py package) are missing"
+            )
     # The janitor treats a token older than inflight_max_seconds as orphaned; a live
     # request must therefore always finish (or give up) well before that age.
     # A statement sent just before the request's deadline may still wait on a lock

@@ -11,8 +11,24 @@ workers by a hash of their addresses, so each gets its share however they arrive
 
 The parent only supervises: it starts the workers (spawned, as uvicorn does),
 restarts one that dies (at most `RESTARTS_MAX` times in `RESTART_WINDOW_SECONDS`),
-stops them all when one cannot start, and on SIGTERM or SIGINT asks each to shut
-down gracefully, killing what is left after the grace period.
+replaces one that stops answering, stops them all when one cannot start, and on
+SIGTERM or SIGINT asks each to shut down gracefully, killing what is left after the
+grace period.
+
+A hung worker (stopped, deadlocked, its event loop blocked) keeps its socket in the
+port's group, so the kernel keeps handing it its share of new connections, which
+wait forever. Each worker therefore beats, as gunicorn's workers do for its worker
+timeout: its event loop writes the time into a slot of shared memory on every tick
+of uvicorn's main loop (10 a second), so a beat proves the loop itself runs, not
+just the process:
+
+    worker event loop --(every 0.1 s)--> beat slot (shared double, CLOCK_MONOTONIC)
+    supervisor poll (every POLL_SECONDS) reads it:
+        now - beat > worker_timeout_seconds  -> SIGKILL, join, start another
+        (before the first beat, i.e. while starting: max(timeout, STARTUP_GRACE_SECONDS))
+
+SIGKILL, not SIGTERM: a hung worker would not act on SIGTERM (a stopped one cannot
+even receive it until continued), and its connections are lost either way.
 """
 
 from __future__ import annotations
@@ -27,7 +43,7 @@ import threading
 import time
 from collections import deque
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("gate.supervisor")
 
@@ -35,6 +51,11 @@ STARTUP_FAILURE = 3  # uvicorn's exit status for a worker that could not start
 RESTARTS_MAX = 10
 RESTART_WINDOW_SECONDS = 60.0
 POLL_SECONDS = 0.2
+# A worker that has not beaten yet is starting (spawn, imports, the lifespan's
+# connections): give it at least this long before calling it hung.
+STARTUP_GRACE_SECONDS = 60.0
+WORKER_TIMEOUT_SECONDS = 30.0
+KILL_WAIT_SECONDS = 5.0
 
 
 def available() -> bool:
@@ -52,8 +73,20 @@ def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def _worker(uvicorn_kwargs: dict[str, Any], host: str, port: int, backlog: int) -> None:
+class _Beat(Protocol):
+    value: float
+
+
+def _worker(
+    uvicorn_kwargs: dict[str, Any], host: str, port: int, backlog: int, beat: _Beat
+) -> None:
     import uvicorn
+
+    class BeatingServer(uvicorn.Server):
+        async def on_tick(self, counter: int) -> bool:
+            # time.monotonic is CLOCK_MONOTONIC: one clock for every process.
+            beat.value = time.monotonic()
+            return await super().on_tick(counter)
 
     try:
         sock = listening_socket(host, port, backlog)
@@ -61,7 +94,7 @@ def _worker(uvicorn_kwargs: dict[str, Any], host: str, port: int, backlog: int) 
         print(f"gate: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         sys.exit(STARTUP_FAILURE)
     config = uvicorn.Config(host=host, port=port, backlog=backlog, **uvicorn_kwargs)
-    uvicorn.Server(config).run(sockets=[sock])
+    BeatingServer(config).run(sockets=[sock])
 
 
 class Supervisor:
@@ -73,6 +106,7 @@ class Supervisor:
         workers: int,
         backlog: int,
         grace_seconds: float,
+        worker_timeout_seconds: float = WORKER_TIMEOUT_SECONDS,
     ) -> None:
         assert workers >= 2, "one worker needs no supervisor"
         self.uvicorn_kwargs = uvicorn_kwargs
@@ -81,20 +115,46 @@ class Supervisor:
         self.workers = workers
         self.backlog = backlog
         self.grace_seconds = grace_seconds
+        self.worker_timeout_seconds = worker_timeout_seconds
         self._context = multiprocessing.get_context("spawn")
         self._procs: list[BaseProcess] = []
+        # Per worker slot: its last beat (0.0: none yet) and when it was started.
+        self._beats: list[_Beat] = []
+        self._started: list[float] = []
         self._restarts: deque[float] = deque()
         self._stop = threading.Event()
         self.exit_code = 0
 
-    def _start(self) -> BaseProcess:
+    def _start(self, slot: int) -> BaseProcess:
+        # A lock-free double: one writer (the worker), one reader (here); a torn read
+        # is impossible for an aligned 8-byte store on the platforms we run on.
+        beat: _Beat = self._context.RawValue("d", 0.0)
         proc = self._context.Process(
             target=_worker,
-            args=(self.uvicorn_kwargs, self.host, self.port, self.backlog),
+            args=(self.uvicorn_kwargs, self.host, self.port, self.backlog, beat),
             name="gate-worker",
         )
         proc.start()
+        if slot == len(self._procs):
+            self._procs.append(proc)
+            self._beats.append(beat)
+            self._started.append(time.monotonic())
+        else:
+            self._procs[slot] = proc
+            self._beats[slot] = beat
+            self._started[slot] = time.monotonic()
         return proc
+
+    def _hung(self, slot: int, now: float) -> float | None:
+        """Seconds since the worker of `slot` last beat, when that is too long."""
+        last = self._beats[slot].value
+        if last == 0.0:
+            silent = now - self._started[slot]
+            limit = max(self.worker_timeout_seconds, STARTUP_GRACE_SECONDS)
+        else:
+            silent = now - last
+            limit = self.worker_timeout_seconds
+        return silent if silent > limit else None
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._stop.set()
@@ -110,7 +170,8 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         log.info("starting %d workers on %s:%d (SO_REUSEPORT)", self.workers, self.host, self.port)
-        self._procs = [self._start() for _ in range(self.workers)]
+        for slot in range(self.workers):
+            self._start(slot)
         while not self._stop.wait(POLL_SECONDS):
             self._keep_alive()
         self._shut_down()
@@ -119,8 +180,24 @@ class Supervisor:
     def _keep_alive(self) -> None:
         for i, proc in enumerate(self._procs):
             if proc.is_alive():
-                continue
-            proc.join()
+                silent = self._hung(i, time.monotonic())
+                if silent is None:
+                    continue
+                log.error(
+                    "worker %s has not answered for %.1f s (GATE_WORKER_TIMEOUT_SECONDS=%g);"
+                    " killing it",
+                    proc.pid,
+                    silent,
+                    self.worker_timeout_seconds,
+                )
+                proc.kill()
+                # Bounded: a process stuck in the kernel (uninterruptible I/O) dies
+                # only when that returns; the next poll tries again meanwhile.
+                proc.join(KILL_WAIT_SECONDS)
+                if proc.is_alive():
+                    continue
+            else:
+                proc.join()
             if proc.exitcode == STARTUP_FAILURE:
                 log.error("worker %s could not start; stopping", proc.pid)
                 self.exit_code = STARTUP_FAILURE
@@ -140,7 +217,7 @@ class Supervisor:
                 return
             self._restarts.append(now)
             log.warning("worker %s died (exit %s); starting another", proc.pid, proc.exitcode)
-            self._procs[i] = self._start()
+            self._start(i)
 
     def _shut_down(self) -> None:
         for proc in self._procs:

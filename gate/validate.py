@@ -49,6 +49,11 @@ def integer(body: dict[str, Any], name: str, lo: int, hi: int, default: Any = _M
         if default is _MISSING:
             raise invalid(f"'{name}' is required.")
         return int(default)
+    # JSON Schema's integer is a number with no fractional part: 3.0 is the integer 3
+    # (the OpenAPI document promises as much, and clients that send every number as
+    # a float must not be refused). 3.5 is not; inf and nan are not.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     # bool is an int subclass in Python; JSON true is not a quantity.
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"'{name}' must be an integer.")

@@ -76,9 +76,12 @@ async def test_full_flow_reserve_pay_callback_paid(
     # it is a conflict.
     after = await pay_client.post(f"/v1/orders/{order_id}/payment", headers=buyer(4001))
     assert after.status_code == 409, after.text
-    assert after.json()["code"] == "CONFLICT" and after.json()["status"] == "PAID"
+    assert after.json()["code"] == "CONFLICT" and after.json()["order_status"] == "PAID"
+    # RFC 9457's status is the HTTP status (it carried the order's status before).
+    assert after.json()["status"] == 409
     cancel = await pay_client.post(f"/v1/orders/{order_id}/cancel", headers=buyer(4001))
     assert cancel.status_code == 409
+    assert cancel.json()["status"] == 409 and cancel.json()["order_status"] == "PAID"
 
 
 async def test_concurrent_first_session_requests_share_one_session_and_one_201(

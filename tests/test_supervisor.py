@@ -105,3 +105,88 @@ async def test_a_killed_worker_is_replaced(env: dict[str, str]) -> None:
         assert len(seen) >= 2
     finally:
         assert gate.stop() == 0, gate.output()[-2000:]
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _all_answer(url: str, connections: int, timeout_seconds: float) -> bool:
+    """Whether every one of `connections` new connections gets its /healthz answer."""
+    timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+    sessions = [
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=timeout)
+        for _ in range(connections)
+    ]
+    try:
+
+        async def ask(session: aiohttp.ClientSession) -> bool:
+            try:
+                async with session.get(url + "/healthz") as r:
+                    return r.status == 200
+            except (TimeoutError, aiohttp.ClientError):
+                return False
+
+        return all(await asyncio.gather(*(ask(s) for s in sessions)))
+    finally:
+        await asyncio.gather(*(s.close() for s in sessions))
+
+
+async def test_a_hung_worker_is_killed_and_replaced(env: dict[str, str]) -> None:
+    """A worker stopped by SIGSTOP keeps its socket in the port's group: without the
+    heartbeat, its share of new connections waits forever."""
+    gate = GateProcess({**env, "GATE_WORKER_TIMEOUT_SECONDS": "4"}, workers=2, background=False)
+    victim = 0
+    try:
+        await asyncio.to_thread(gate.wait_ready)
+        before = _workers(gate)
+        assert len(before) == 2
+        # Both workers serve (and so beat): one still starting has a longer grace.
+        deadline = time.monotonic() + 30
+        seen: set[str] = set()
+        while len(seen) < 2 and time.monotonic() < deadline:
+            seen |= await _answering_processes(gate.url, 32)
+        assert len(seen) == 2
+        victim = min(before)
+        os.kill(victim, signal.SIGSTOP)
+        # While it hangs, some of 32 new connections land on it (odds 2^-32 that none does).
+        assert not await _all_answer(gate.url, 32, 1.0)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = _workers(gate)
+            if len(now) == 2 and victim not in now:
+                break
+            await asyncio.sleep(0.2)
+        now = _workers(gate)
+        assert len(now) == 2 and victim not in now, (before, now)
+        # SIGKILLed (a stopped process cannot act on SIGTERM) and reaped by the supervisor.
+        assert not _exists(victim)
+        await asyncio.to_thread(gate.wait_ready)
+        deadline = time.monotonic() + 30
+        ok = False
+        while not ok and time.monotonic() < deadline:
+            ok = await _all_answer(gate.url, 32, 10.0)
+        assert ok, gate.output()[-2000:]
+        assert "has not answered for" in gate.output()
+    finally:
+        if victim and _exists(victim):
+            os.kill(victim, signal.SIGCONT)
+        assert gate.stop() == 0, gate.output()[-2000:]
+
+
+def test_a_bad_worker_timeout_stops_start_up(env: dict[str, str]) -> None:
+    for bad in ("0", "abc", "-1"):
+        out = subprocess.run(
+            [GATE_BIN, "serve", "--port", "1", "--workers", "2", "--no-background"],
+            env={**env, "GATE_WORKER_TIMEOUT_SECONDS": bad},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 2, out.stderr
+        assert "GATE_WORKER_TIMEOUT_SECONDS" in out.stderr

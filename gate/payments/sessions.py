@@ -74,7 +74,7 @@ class PaymentSessions:
             raise Problem(
                 "CONFLICT",
                 f"Order is {shown}; only a PENDING_PAYMENT order within its hold can be paid.",
-                extra={"status": status},
+                extra={"order_status": status},
             )
         if self.provider is None:
             raise overloaded("No payment provider is configured; payments are unavailable.", 30)
