@@ -3,7 +3,7 @@
 #
 #   docker build -t gate .
 #   docker run -p 8000:8000 -e GATE_REDIS_URL=redis://… -e GATE_MYSQL_URL=mysql://… \
-#     -e GATE_JWT_SECRET=… -e GATE_ADMIN_TOKEN=… -e GATE_WEBHOOK_SECRET=whsec_… gate
+#     -e GATE_JWT_SECRET=… -e GATE_ADMIN_TOKEN=… -e GATE_WEBHOOK_SECRET=whsec_… -e GATE_ADMISSION_SECRET=… gate
 #
 # The whole local stack (Redis, MariaDB, sandbox provider, Prometheus, Grafana) is
 # docker-compose.yml; docs/operations.md describes both.

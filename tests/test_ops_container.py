@@ -18,7 +18,12 @@ from tests.support import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
-SECRET_NAMES = ("GATE_JWT_SECRET", "GATE_ADMIN_TOKEN", "GATE_WEBHOOK_SECRET")
+SECRET_NAMES = (
+    "GATE_JWT_SECRET",
+    "GATE_ADMIN_TOKEN",
+    "GATE_WEBHOOK_SECRET",
+    "GATE_ADMISSION_SECRET",
+)
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -184,6 +189,7 @@ def test_compose_gives_the_gate_a_valid_environment() -> None:
         "GATE_JWT_SECRET": "j" * 40,
         "GATE_ADMIN_TOKEN": "a" * 20,
         "GATE_WEBHOOK_SECRET": "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQ=",
+        "GATE_ADMISSION_SECRET": "r" * 40,
     }
     prod = load_settings(service_env(services["gate"], given))
     assert not prod.is_dev and prod.jwt_secret.reveal() == "j" * 40
