@@ -484,3 +484,21 @@ async def test_room_survives_a_redis_flush(rc: list[Client], rds: aioredis.Redis
     t = await wait_state(a, deal_id, 150_001, "admitted")
     r = await reserve_with(a, deal_id, 150_001, f"room-flush-{deal_id}-1", t["admission_token"])
     assert r.status_code == 201, r.text
+
+
+async def test_gate_check_balances_the_room_counters(
+    rc: list[Client], db: Database, rds: aioredis.Redis
+) -> None:
+    a, _ = rc
+    deal_id = await create_deal(a, stock=2, waiting_room=ROOM)
+    assert (await join(a, deal_id, 160_001)).status_code == 201
+    await wait_state(a, deal_id, 160_001, "admitted")
+    report = await assert_invariants(db, rds, deal_id)
+    room = report["redis"]["room"]
+    assert room["ok"] and room["admitted"] == 1 and room["unspent"] == 1, room
+    # An admission counted but neither spent, lapsed nor held: gate check says so.
+    await rds.hincrby(deal_keys(deal_id).room, "admitted", 1)
+    view = (await a.get(f"/v1/admin/deals/{deal_id}", headers=ADMIN)).json()
+    assert not view["invariant"]["ok"]
+    assert any(b.startswith("room: admitted 2") for b in view["invariant"]["breaches"]), view
+    await rds.hincrby(deal_keys(deal_id).room, "admitted", -1)

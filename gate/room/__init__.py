@@ -11,9 +11,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gate import openapi
 from gate.errors import not_found
 from gate.extensions import Extension
 from gate.http import json_response, read_json
+from gate.room import api_doc
 from gate.room.config import load_room_settings
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
     from gate.runtime import Gate
 
 SCRIPTS = ("room_ticket", "room_advance")
+
+for (_path, _method), _operation in api_doc.operations().items():
+    openapi.add_operation(_path, _method, _operation)
 MAX_ID = 2**63 - 1
 
 
