@@ -24,9 +24,12 @@
   ARGV[1] ratio (admissions per available unit, > 0)
   ARGV[2] admissions per call, at most
   ARGV[3] lapses per call, at most
+  ARGV[4] how long after ends_at the tickets are kept (ms)
 
   Returns {code, admitted, lapsed, "wait_ms,wait_ms,…" (join to admission)}
     0 OK   1 NOT_LOADED (no deal state: nothing done)   2 NO_ROOM
+    3 DONE  the sale ended more than ARGV[4] ago: the caller drops the tickets
+            (UNLINK, outside the script: a million tickets must not block Redis)
 ]]
 local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'ttl_ms', 'last_ms')
 if cfg[1] ~= '1' then
@@ -39,6 +42,11 @@ end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local end_ms = tonumber(meta[4]) or 0
+if end_ms > 0 and now_ms >= end_ms + tonumber(ARGV[4]) then
+  return {3, 0, 0, ''}
+end
+
 -- 1. Lapses.
 local lapsed = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[3]))
 if #lapsed > 0 then
@@ -50,7 +58,6 @@ redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now_ms - 1000)
 
 -- 2. Admissions.
 local start_ms = tonumber(meta[3]) or 0
-local end_ms = tonumber(meta[4]) or 0
 if (start_ms > 0 and now_ms < start_ms) or (end_ms > 0 and now_ms >= end_ms) then
   return {0, 0, #lapsed, ''}
 end

@@ -367,12 +367,12 @@ async def test_rate_bound_holds_across_two_gates_and_follows_a_live_change(
     joined = await gather_bounded([join((a, b)[i % 2], deal_id, u) for i, u in enumerate(users)])
     assert all(r.status_code == 201 for r in joined)
     await asyncio.sleep(3.0)
+    changed = await rds.time()  # Redis time just before the change
+    changed_ms = int(changed[0]) * 1000 + int(changed[1]) // 1000
     r = await a.put(
         f"/v1/admin/deals/{deal_id}/waiting-room", json={"admit_per_second": 60}, headers=ADMIN
     )
     assert r.status_code == 200
-    changed = await rds.time()
-    changed_ms = int(changed[0]) * 1000 + int(changed[1]) // 1000
     await asyncio.sleep(3.0)
     keys = deal_keys(deal_id)
     times = sorted(int(v.split("|")[1]) for v in (await rds.hgetall(keys.room_admitted)).values())
@@ -394,6 +394,25 @@ async def test_rate_bound_holds_across_two_gates_and_follows_a_live_change(
     # Both rates were used, not merely respected: 3 s at 20/s, then 60/s.
     assert len(before) >= 40
     assert most_in_a_second(later) > 20
+
+    # Per-deal metrics: both processes together admitted what Redis holds.
+    admitted = waited = 0.0
+    waiting_seen = False
+    for c in rc:
+        text = (await c.get("/metrics")).text
+        label = f'deal="{deal_id}"'
+        for line in text.splitlines():
+            if label not in line or line.startswith("#"):
+                continue
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith("gate_room_admitted_total"):
+                admitted += value
+            elif line.startswith("gate_room_wait_seconds_count"):
+                waited += value
+            elif line.startswith("gate_room_waiting{"):
+                waiting_seen = True
+    assert admitted == waited == len(times)
+    assert waiting_seen
 
 
 async def test_prequeue_joiners_are_admitted_in_a_random_order(

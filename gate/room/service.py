@@ -48,6 +48,8 @@ STATES = {
 REFRESH_SECONDS = 5.0
 GAUGES_SECONDS = 1.0
 ROOMS_MAX = 10_000
+# Tickets read "closed" for this long after ends_at; then the room loop drops them.
+RETAIN_AFTER_END_MS = 3_600_000
 
 
 def _iso_ms(ms: int) -> str | None:
@@ -192,11 +194,27 @@ class Room:
                 repr(self.settings.admission_ratio),
                 self.settings.admit_batch_max,
                 self.settings.lapse_batch_max,
+                RETAIN_AFTER_END_MS,
             ),
         )
         if int(code) == 1:
             # The deal's state is absent (a flush): load it, the room comes with it.
             await self.mirror.load(deal_id)
+            return 0, 0
+        if int(code) == 2:
+            await self.redis.srem(ROOMS, deal_id)
+            return 0, 0
+        if int(code) == 3:
+            # Long over: free the memory (UNLINK frees it off Redis's main thread).
+            await self.redis.unlink(
+                keys.room_queue,
+                keys.room_tickets,
+                keys.room_admitted,
+                keys.room_expiry,
+                keys.room_window,
+            )
+            await self.redis.srem(ROOMS, deal_id)
+            log.info("deal %s: sale over, waiting room tickets dropped", deal_id)
             return 0, 0
         label = str(deal_id)
         if int(admitted):
