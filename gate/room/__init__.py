@@ -7,6 +7,7 @@ import argparse
 import hashlib
 from typing import TYPE_CHECKING, Any
 
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -17,6 +18,7 @@ from gate.extensions import Extension
 from gate.http import json_response, read_json
 from gate.room import api_doc
 from gate.room.config import load_room_settings
+from gate.room.lane import QueueLane
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.scripts import Script, ScriptMissing, lua_dir
@@ -76,14 +78,18 @@ def install(gate: Gate) -> Extension:
         return json_response(await gate.deals.admin_view(deal_id))
 
     deal = "/v1/deals/{deal_id:int}"
+    queue = [
+        Route(deal + "/queue", join, methods=["POST"]),
+        Route(deal + "/queue", read, methods=["GET"]),
+    ]
     return Extension(
         name="room",
         routes=[
-            Route(deal + "/queue", join, methods=["POST"]),
-            Route(deal + "/queue", read, methods=["GET"]),
+            *queue,
             Route("/v1/admin/deals/{deal_id:int}/waiting-room", configure, methods=["PUT"]),
         ],
         workers=[room.run],
+        middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
     )
 
 

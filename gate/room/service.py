@@ -21,6 +21,7 @@ import logging
 import math
 import secrets
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from gate.clock import iso
@@ -48,15 +49,15 @@ STATES = {
 REFRESH_SECONDS = 5.0
 GAUGES_SECONDS = 1.0
 ROOMS_MAX = 10_000
+KEYS_CACHE_MAX = 10_000
 # Tickets read "closed" for this long after ends_at; then the room loop drops them.
 RETAIN_AFTER_END_MS = 3_600_000
 
 
 def _iso_ms(ms: int) -> str | None:
+    """Redis milliseconds as the API's ISO 8601 UTC timestamps."""
     if ms <= 0:
         return None
-    from datetime import UTC, datetime
-
     return iso(datetime.fromtimestamp(ms / 1000, UTC).replace(tzinfo=None))
 
 
@@ -75,6 +76,8 @@ class Room:
         self.redis = mirror.redis
         self.runner = runner
         self.tokens = tokens
+        # deal -> the KEYS of room_ticket.lua, built once per deal rather than per poll
+        self._keys: dict[int, tuple[str, str, str, str, str]] = {}
 
     # -- buyers -----------------------------------------------------------------------
 
@@ -119,11 +122,17 @@ class Room:
         return created == 1, body
 
     async def _ticket_call(self, deal_id: int, user_id: int, mode: str) -> list[Any]:
-        keys = deal_keys(deal_id)
+        keys = self._keys.get(deal_id)
+        if keys is None:
+            if len(self._keys) >= KEYS_CACHE_MAX:
+                self._keys.clear()
+            k = deal_keys(deal_id)
+            keys = (k.room, k.room_queue, k.room_tickets, k.room_admitted, k.meta)
+            self._keys[deal_id] = keys
         try:
             reply: list[Any] = await self.runner.call(
                 "room_ticket",
-                (keys.room, keys.room_queue, keys.room_tickets, keys.room_admitted, keys.meta),
+                keys,
                 (
                     mode,
                     user_id,
