@@ -87,9 +87,10 @@ class Mirror:
         self.redis = client
         self.runner = runner
         self._loading: dict[int, asyncio.Future[bool]] = {}
-        # Run before every sync pass of a deal (load, rebuild, resync): the waiting
-        # room (gate/room/) puts its configuration in Redis before the deal's state.
-        self.before_sync: list[Callable[[int], Awaitable[None]]] = []
+        # Run before every sync pass of a deal with the deal and the pass's mode
+        # ("load", "layout", "resync"): the waiting room (gate/room/) puts its
+        # configuration in Redis before the deal's state.
+        self.before_sync: list[Callable[[int, str], Awaitable[None]]] = []
 
     # -- reservations ----------------------------------------------------------------
 
@@ -256,7 +257,7 @@ class Mirror:
     async def _sync(self, deal_id: int, mode: str) -> tuple[SyncCode, str] | None:
         keys = deal_keys(deal_id)
         for hook in self.before_sync:
-            await hook(deal_id)
+            await hook(deal_id, mode)
         t0 = await _redis_ms(self.redis)
         async with self.db.snapshot() as cur:
             pipe = self.redis.pipeline(transaction=False)

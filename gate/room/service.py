@@ -183,9 +183,12 @@ class Room:
         )
         await self.redis.sadd(ROOMS, deal_id)
 
-    async def before_sync(self, deal_id: int) -> None:
+    async def before_sync(self, deal_id: int, mode: str) -> None:
         """Mirror hook: the room's configuration reaches Redis before the deal's state
-        does (a load after a flush), and is repaired on every resync pass."""
+        does (a load after a flush, a rebuild). Not on resync passes (every second for
+        every active deal): the room loop republishes open rooms every few seconds."""
+        if mode == "resync":
+            return
         row = await self.db.fetchone("SELECT waiting_room FROM deals WHERE id = %s", (deal_id,))
         if row is None:
             return
