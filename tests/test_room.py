@@ -4,6 +4,7 @@ bad input, a Redis flush. Real gate processes, real Redis and MariaDB."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,6 +20,8 @@ from gate.settings import Secret
 from tests.support import (
     ADMIN,
     ADMISSION_SECRET,
+    GATE_BIN,
+    JWT_SECRET,
     Client,
     GateProcess,
     Resp,
@@ -524,3 +527,50 @@ async def test_gate_check_balances_the_room_counters(
     assert not view["invariant"]["ok"]
     assert any(b.startswith("room: admitted 2") for b in view["invariant"]["breaches"]), view
     await rds.hincrby(deal_keys(deal_id).room, "admitted", -1)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("GATE_ADMISSION_SECRET", "", "GATE_ADMISSION_SECRET is required"),
+        ("GATE_ADMISSION_SECRET", "short", "GATE_ADMISSION_SECRET must be at least 32"),
+        ("GATE_ADMISSION_SECRET", JWT_SECRET, "must differ from GATE_JWT_SECRET"),
+        ("GATE_ROOM_ADMISSION_RATIO", "0", "GATE_ROOM_ADMISSION_RATIO must be within"),
+        ("GATE_ROOM_ADMISSION_RATIO", "lots", "GATE_ROOM_ADMISSION_RATIO must be a number"),
+        ("GATE_ROOM_INTERVAL_MS", "1", "GATE_ROOM_INTERVAL_MS must be within"),
+        ("GATE_ROOM_POLL_MIN_MS", "20000", "GATE_ROOM_POLL_MAX_MS must be at least"),
+        ("GATE_ROOM_POLL_MAX_MS", "x", "GATE_ROOM_POLL_MAX_MS must be an integer"),
+    ],
+)
+def test_bad_room_settings_stop_start_up_naming_the_variable(
+    env: dict[str, str], name: str, value: str, message: str
+) -> None:
+    bad = {**env, "GATE_ENV": "production", name: value}
+    out = subprocess.run(
+        [GATE_BIN, "serve", "--port", "1", "--workers", "2"],
+        env=bad,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert ADMISSION_SECRET not in out.stdout + out.stderr
+
+
+def test_the_dev_admission_secret_works_only_in_dev(env: dict[str, str]) -> None:
+    from gate.settings import DEV_ADMISSION_SECRET, load_settings
+
+    dev = {k: v for k, v in env.items() if k != "GATE_ADMISSION_SECRET"}
+    settings = load_settings({**dev, "GATE_ENV": "dev"})
+    assert settings.admission_secret.reveal() == DEV_ADMISSION_SECRET
+    assert "GATE_ADMISSION_SECRET" in settings.dev_secrets_used
+    with pytest.raises(ValueError, match="GATE_ADMISSION_SECRET is required"):
+        load_settings({**dev, "GATE_ENV": "production"})
+    # A token signed with the dev key is worthless to a gate with its own secret.
+    dev_tokens = AdmissionTokens(Secret(DEV_ADMISSION_SECRET))
+    ours = AdmissionTokens(Secret(ADMISSION_SECRET))
+    forged = dev_tokens.mint(5, 7, 1, int(time.time() * 1000) + 60_000)
+    assert ours.admission_arg(5, 7, forged) == "-"
+    assert dev_tokens.admission_arg(5, 7, forged) == "1"
