@@ -136,7 +136,8 @@ class Room:
                 (
                     mode,
                     user_id,
-                    secrets.randbits(PREQUEUE_SCORE_BITS),
+                    # Only a join may use it; a read skips the system call.
+                    secrets.randbits(PREQUEUE_SCORE_BITS) if mode == "join" else 0,
                     self.settings.poll_min_ms,
                     self.settings.poll_max_ms,
                 ),
