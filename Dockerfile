@@ -3,7 +3,7 @@
 #
 #   docker build -t gate .
 #   docker run -p 8000:8000 -e GATE_REDIS_URL=redis://… -e GATE_MYSQL_URL=mysql://… \
-#     -e GATE_JWT_SECRET=… -e GATE_ADMIN_TOKEN=… -e GATE_WEBHOOK_SECRET=whsec_… gate
+#     -e GATE_JWT_SECRET=… -e GATE_ADMIN_TOKEN=… -e GATE_WEBHOOK_SECRET=whsec_… -e GATE_ADMISSION_SECRET=… gate
 #
 # Outside GATE_ENV=dev the built-in development secrets are refused. The whole stack
 # (Redis, MariaDB, a one-shot migrate, Prometheus, Grafana) is docker-compose.yml; the

@@ -166,6 +166,7 @@ _RESERVE_HEADERS = frozenset(
         b"content-type",
         b"content-length",
         b"x-forwarded-for",
+        b"admission-token",
     )
 )
 _OUTCOMES: dict[str, Any] = {}
@@ -238,7 +239,9 @@ class Reserve:
                 return
             admitted = True
             result = await gate.reservations.reserve(
-                ReserveRequest(deal_id, user_id, quantity, key, ip, device)
+                ReserveRequest(
+                    deal_id, user_id, quantity, key, ip, device, headers.get(b"admission-token")
+                )
             )
         except Problem as problem:
             _count(problem.code)

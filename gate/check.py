@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.keys import deal_keys
+from gate.room.check import room_report
 
 # An order's allocation "b:q[,b:q…]" as rows (b, q), by the server: the string made a
 # JSON array of pairs.
@@ -224,6 +225,13 @@ async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int)
                 breaches.extend(mismatches)
             else:
                 redis_report["reason"] = "requests in flight; compared by the resync loop instead"
+            try:
+                room = await room_report(client, deal_id, r_avail)
+            except Exception as exc:
+                room = {"on": None, "ok": True, "error": type(exc).__name__}
+            if room["on"]:
+                redis_report["room"] = room
+                breaches.extend(f"room: {b}" for b in room["breaches"])
 
     return {
         "deal_id": deal_id,

@@ -22,6 +22,23 @@ class AdmitCode(IntEnum):
     IN_PROGRESS = 7
     MISMATCH = 8
     RATE_LIMITED = 9
+    ADMISSION_REQUIRED = 10
+    ADMISSION_INVALID = 11
+
+
+class RoomCode(IntEnum):
+    """lua/room_join.lua and lua/room_poll.lua (ticket states and refusals)."""
+
+    WAITING = 0
+    ADMITTED = 1
+    SOLD_OUT = 2
+    CLOSED = 3
+    NOT_LOADED = 4
+    NO_ROOM = 5
+    NO_TICKET = 6
+    EARLY = 7
+    ENDED = 8
+    POLL_TOO_SOON = 9
 
 
 class LimitCode(IntEnum):

@@ -26,6 +26,7 @@ from gate.errors import Problem, invalid, not_found
 from gate.keys import deal_keys
 from gate.mirror import Intent, Mirror
 from gate.orders import new_id
+from gate.room.config import parse_room, room_view
 from gate.unknown_deals import UnknownDeals
 
 log = logging.getLogger("gate.deals")
@@ -42,7 +43,8 @@ PUBLIC_CACHE_MAX = 10_000
 
 _DEAL_COLUMNS = (
     "id, title, unit_price, currency, bucket_count, layout_epoch, hold_seconds,"
-    " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, created_at, updated_at"
+    " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, created_at, updated_at,"
+    " waiting_room"
 )
 
 
@@ -62,6 +64,7 @@ class Deal:
     ends_at: datetime | None
     created_at: datetime
     updated_at: datetime
+    waiting_room: str | None = None  # the room's JSON (gate/room/config.py), None: no room
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Deal:
@@ -80,6 +83,7 @@ class Deal:
             ends_at=row[11],
             created_at=row[12],
             updated_at=row[13],
+            waiting_room=None if row[14] is None else str(row[14]),
         )
 
     def public(self, remaining: int) -> dict[str, Any]:
@@ -110,6 +114,7 @@ class Deal:
             "ends_at": iso(self.ends_at),
             "created_at": iso(self.created_at),
             "updated_at": iso(self.updated_at),
+            "waiting_room": room_view(self.waiting_room),
         }
 
 
@@ -154,6 +159,7 @@ CREATE_FIELDS = {
     "starts_at",
     "ends_at",
     "capture_mode",
+    "waiting_room",
 }
 
 
@@ -184,14 +190,15 @@ class Deals:
             raise invalid("'max_per_order' cannot exceed 'per_user_limit'.")
         if starts_at and ends_at and ends_at <= starts_at:
             raise invalid("'ends_at' must be after 'starts_at'.")
+        room = parse_room(body.get("waiting_room"))
 
         shares = split_evenly(stock, buckets)
         async with self.db.connection() as conn, conn.cursor() as cur:
             await cur.execute("START TRANSACTION")
             await cur.execute(
                 "INSERT INTO deals (title, unit_price, currency, bucket_count, hold_seconds,"
-                " per_user_limit, max_per_order, capture_mode, starts_at, ends_at)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, waiting_room)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     title,
                     unit_price,
@@ -203,6 +210,7 @@ class Deals:
                     capture_mode,
                     starts_at,
                     ends_at,
+                    room.to_column() if room else None,
                 ),
             )
             deal_id = int(cur.lastrowid)

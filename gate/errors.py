@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from gate.codes import AdmitCode, DbCode
+from gate.codes import AdmitCode, DbCode, RoomCode
 
 PROBLEM_TYPE_BASE = "https://gate.dev/problems/"
 
@@ -16,12 +16,16 @@ _PROBLEMS: dict[str, tuple[int, str]] = {
     "INVALID_REQUEST": (400, "Invalid request"),
     "UNAUTHORIZED": (401, "Unauthorized"),
     "NOT_FOUND": (404, "Not found"),
+    "ADMISSION_REQUIRED": (403, "Admission required"),
+    "ADMISSION_INVALID": (403, "Admission invalid"),
+    "NO_TICKET": (404, "No ticket"),
     "METHOD_NOT_ALLOWED": (405, "Method not allowed"),
     "REQUEST_TIMEOUT": (408, "Request timeout"),
     "SOLD_OUT": (409, "Sold out"),
     "NOT_ACTIVE": (409, "Sale not active"),
     "IDEMPOTENCY_IN_PROGRESS": (409, "Request with this idempotency key in progress"),
     "CONFLICT": (409, "Conflict"),
+    "NO_WAITING_ROOM": (409, "No waiting room"),
     "PAYLOAD_TOO_LARGE": (413, "Payload too large"),
     "UNSUPPORTED_MEDIA_TYPE": (415, "Unsupported media type"),
     "IDEMPOTENCY_MISMATCH": (422, "Idempotency key reused with a different request"),
@@ -168,7 +172,41 @@ def from_admit(code: AdmitCode, detail: str) -> Problem:
         return Problem(
             "IDEMPOTENCY_MISMATCH", "This Idempotency-Key was used with a different request."
         )
+    if code == AdmitCode.ADMISSION_REQUIRED:
+        return Problem(
+            "ADMISSION_REQUIRED",
+            "This deal has a waiting room: join its queue and reserve with the"
+            " Admission-Token header once admitted.",
+            cacheable=True,
+        )
+    if code == AdmitCode.ADMISSION_INVALID:
+        return Problem(
+            "ADMISSION_INVALID",
+            "The Admission-Token is expired, spent, or not this buyer's for this deal.",
+            cacheable=True,
+        )
     raise AssertionError(f"admit code {code!r} is not a rejection")
+
+
+def from_room(code: RoomCode, detail: str = "") -> Problem:
+    """Map a refusing room_join.lua / room_poll.lua outcome to its problem."""
+    if code == RoomCode.NO_ROOM:
+        return Problem("NO_WAITING_ROOM", "This deal has no waiting room.", cacheable=True)
+    if code == RoomCode.NO_TICKET:
+        return Problem("NO_TICKET", "You hold no ticket for this deal's waiting room.")
+    if code == RoomCode.EARLY:
+        return Problem("NOT_ACTIVE", "The waiting room is not open yet.", cacheable=True)
+    if code == RoomCode.ENDED:
+        return Problem("NOT_ACTIVE", "The sale has ended.", cacheable=True)
+    if code == RoomCode.POLL_TOO_SOON:
+        wait_ms = int(detail or 1000)
+        return Problem(
+            "RATE_LIMITED",
+            "Polled sooner than poll_after_ms advised.",
+            retry_after_seconds=max(1, -(-wait_ms // 1000)),
+            extra={"scope": "poll", "retry_after_ms": wait_ms},
+        )
+    raise AssertionError(f"room code {code!r} is not a refusal")
 
 
 def from_db(code: DbCode) -> Problem:

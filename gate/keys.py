@@ -17,6 +17,9 @@ GLOBAL_LIMIT = "{gate}:rl:global"
 # A fresh random value written after every deal creation: gate processes drop what
 # they remember about unknown deal ids when it changes (gate/deals.py UnknownDeals).
 DEALS_GENERATION = "gate:deals:generation"
+# Deals that have a waiting room (gate/room/): the room loop advances each of them.
+# Outside any deal's slot, touched by plain commands only, rebuilt from the database.
+ROOMS = "gate:rooms"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,13 @@ class DealKeys:
     resolved: str  # zset: "id|C|…" / "id|A|…" markers resolved in the last seconds
     sync_lock: str  # string: one sync pass per deal at a time across processes
     buyers: str  # set: users ever admitted to this deal (for the sold-out near-cache)
+    # The waiting room (gate/room/, docs/waiting-room.md):
+    room: str  # hash: on, aps, ttl_ms, pq_ms, clock and counters
+    room_queue: str  # zset: user -> queue score (waiting tickets only)
+    room_tickets: str  # hash: user -> "joined_ms|next_poll_ms" (every ticket)
+    room_admitted: str  # hash: user -> "seq|admitted_ms|expires_ms" (unspent admissions)
+    room_expiry: str  # zset: user -> expires_ms (unspent admissions)
+    room_window: str  # zset: admission seq -> admitted_ms (the last second's admissions)
 
     def idempotency(self, user_id: int, key: str) -> str:
         return f"{self.tag}:k:{user_id}:{key}"
@@ -46,6 +56,18 @@ class DealKeys:
             f"{self.tag}:rl:u:{user_id}",
             f"{self.tag}:rl:i:{ip}",
             f"{self.tag}:rl:v:{device or '-'}",
+        )
+
+    @property
+    def room_state(self) -> tuple[str, str, str, str, str, str]:
+        """The waiting room's keys, in the KEYS order of the room_*.lua scripts."""
+        return (
+            self.room,
+            self.room_queue,
+            self.room_tickets,
+            self.room_admitted,
+            self.room_expiry,
+            self.room_window,
         )
 
     @property
@@ -79,6 +101,12 @@ def deal_keys(deal_id: int) -> DealKeys:
             resolved=f"{tag}:done",
             sync_lock=f"{tag}:sl",
             buyers=f"{tag}:buyers",
+            room=f"{tag}:room",
+            room_queue=f"{tag}:rq",
+            room_tickets=f"{tag}:rt",
+            room_admitted=f"{tag}:ra",
+            room_expiry=f"{tag}:rx",
+            room_window=f"{tag}:rw",
         )
         if len(_cache) < 100_000:
             _cache[deal_id] = keys

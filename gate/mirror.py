@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,10 @@ class Mirror:
         self.redis = client
         self.runner = runner
         self._loading: dict[int, asyncio.Future[bool]] = {}
+        # Run before every sync pass of a deal with the deal and the pass's mode
+        # ("load", "layout", "resync"): the waiting room (gate/room/) puts its
+        # configuration in Redis before the deal's state.
+        self.before_sync: list[Callable[[int, str], Awaitable[None]]] = []
 
     # -- reservations ----------------------------------------------------------------
 
@@ -106,6 +110,7 @@ class Mirror:
         limiter_keys: tuple[str, str, str, str],
         limiter_args: Sequence[int],
         owner: str,
+        admission: str = "",
     ) -> asyncio.Future[Any]:
         """Queue the admission script (see lua/admit.lua); the future resolves to its
         raw {code, detail}. Queued now, so calls made in the same event-loop turn
@@ -122,6 +127,9 @@ class Mirror:
                 keys.inflight_times,
                 *limiter_keys,
                 keys.buyers,
+                keys.room,
+                keys.room_admitted,
+                keys.room_expiry,
             ),
             (
                 user_id,
@@ -133,6 +141,7 @@ class Mirror:
                 idempotency_key,
                 *limiter_args,
                 owner,
+                admission,
             ),
         )
 
@@ -253,6 +262,8 @@ class Mirror:
 
     async def _sync(self, deal_id: int, mode: str) -> tuple[SyncCode, str] | None:
         keys = deal_keys(deal_id)
+        for hook in self.before_sync:
+            await hook(deal_id, mode)
         t0 = await _redis_ms(self.redis)
         async with self.db.snapshot() as cur:
             pipe = self.redis.pipeline(transaction=False)

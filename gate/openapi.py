@@ -26,13 +26,17 @@ PROBLEM_JSON = "application/problem+json"
 PROBLEM_CODES: dict[str, int] = {
     "INVALID_REQUEST": 400,
     "UNAUTHORIZED": 401,
+    "ADMISSION_REQUIRED": 403,
+    "ADMISSION_INVALID": 403,
     "NOT_FOUND": 404,
+    "NO_TICKET": 404,
     "METHOD_NOT_ALLOWED": 405,
     "REQUEST_TIMEOUT": 408,
     "SOLD_OUT": 409,
     "NOT_ACTIVE": 409,
     "IDEMPOTENCY_IN_PROGRESS": 409,
     "CONFLICT": 409,
+    "NO_WAITING_ROOM": 409,
     "PAYLOAD_TOO_LARGE": 413,
     "UNSUPPORTED_MEDIA_TYPE": 415,
     "IDEMPOTENCY_MISMATCH": 422,
@@ -45,6 +49,7 @@ PROBLEM_CODES: dict[str, int] = {
 _REASONS = {
     400: "Invalid request",
     401: "Missing or invalid credentials",
+    403: "Admission to the deal's waiting room missing or invalid",
     404: "Not found",
     405: "Method not allowed",
     408: "The body did not arrive within GATE_BODY_TIMEOUT_SECONDS; the connection is closed",
@@ -192,11 +197,24 @@ def _paths() -> dict[str, dict[str, Any]]:
                     "One Redis admission, then one short database transaction. The hold "
                     "lasts until `expires_at` (database time). Repeating a request with the "
                     "same `Idempotency-Key` and body answers the original order with 200 and "
-                    "`Idempotent-Replayed: true`."
+                    "`Idempotent-Replayed: true`. On a deal with a waiting room "
+                    "(docs/waiting-room.md) the request needs `Admission-Token`; the first "
+                    "reservation that holds stock spends the admission."
                 ),
                 "operationId": "reserve",
                 "security": BUYER,
-                "parameters": [_param("DealId"), _param("IdempotencyKey")],
+                "parameters": [
+                    _param("DealId"),
+                    _param("IdempotencyKey"),
+                    {
+                        "name": "Admission-Token",
+                        "in": "header",
+                        "required": False,
+                        "description": "The `admission_token` of the buyer's admitted ticket "
+                        "(GET /v1/deals/{deal_id}/queue); needed on a deal with a waiting room.",
+                        "schema": {"type": "string", "maxLength": 200},
+                    },
+                ],
                 "requestBody": _body("ReservationRequest", "The quantity to reserve."),
                 "responses": {
                     "201": _json(_ref("Reservation"), "A new order holds the stock."),
@@ -213,6 +231,8 @@ def _paths() -> dict[str, dict[str, Any]]:
                     **_problems(
                         "INVALID_REQUEST",
                         "UNAUTHORIZED",
+                        "ADMISSION_REQUIRED",
+                        "ADMISSION_INVALID",
                         "NOT_FOUND",
                         "SOLD_OUT",
                         "NOT_ACTIVE",
@@ -467,6 +487,7 @@ def _schemas() -> dict[str, Any]:
         "per_user_limit": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000_000},
         "max_per_order": {"type": "integer", "minimum": 1, "maximum": 1000},
         "capture_mode": {"type": "string", "enum": ["automatic", "manual"]},
+        "waiting_room": {"oneOf": [_ref("WaitingRoom"), {"type": "null"}]},
         "created_at": TIMESTAMP,
         "updated_at": TIMESTAMP,
     }
@@ -653,6 +674,11 @@ def _schemas() -> dict[str, Any]:
                 },
                 "starts_at": NULLABLE_TIMESTAMP,
                 "ends_at": NULLABLE_TIMESTAMP,
+                "waiting_room": {
+                    "oneOf": [_ref("WaitingRoom"), {"type": "null"}],
+                    "description": "A waiting room in front of the deal (docs/waiting-room.md);"
+                    " absent or null: none.",
+                },
             },
             ["title", "unit_price", "currency", "stock"],
             additionalProperties=False,
@@ -695,6 +721,60 @@ def _schemas() -> dict[str, Any]:
                 ),
             },
             ["id", "invariant"],
+        ),
+        "WaitingRoom": _object(
+            {
+                "admit_per_second": {"type": "integer", "minimum": 1, "maximum": 100_000},
+                "admission_ttl_seconds": {
+                    "type": "integer",
+                    "minimum": 10,
+                    "maximum": 3600,
+                    "default": 120,
+                },
+                "prequeue_seconds": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "maximum": 86_400,
+                    "default": 0,
+                },
+            },
+            ["admit_per_second"],
+            additionalProperties=False,
+        ),
+        "Ticket": _object(
+            {
+                "deal_id": {"type": "integer", "minimum": 1},
+                "state": {"type": "string", "enum": ["waiting", "admitted", "sold_out", "closed"]},
+                "position": {
+                    "type": ["integer", "null"],
+                    "minimum": 1,
+                    "description": "1 = next to be admitted; null unless waiting.",
+                },
+                "joined_at": TIMESTAMP,
+                "eta_seconds": {"type": ["integer", "null"], "minimum": 0},
+                "poll_after_ms": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Poll no sooner: a faster poll is answered 429.",
+                },
+                "available_hint": {"type": "integer", "minimum": 0},
+                "admission_token": {
+                    "type": ["string", "null"],
+                    "description": "Present only while admitted: send it as Admission-Token.",
+                },
+                "admission_expires_at": NULLABLE_TIMESTAMP,
+            },
+            [
+                "deal_id",
+                "state",
+                "position",
+                "joined_at",
+                "eta_seconds",
+                "poll_after_ms",
+                "available_hint",
+                "admission_token",
+                "admission_expires_at",
+            ],
         ),
         "StockAdjustment": _object(
             {

@@ -177,7 +177,11 @@ class PoolSampler:
 
 
 def _secrets(settings: Settings) -> list[str]:
-    found = [settings.jwt_secret.reveal(), settings.admin_token.reveal()]
+    found = [
+        settings.jwt_secret.reveal(),
+        settings.admin_token.reveal(),
+        settings.admission_secret.reveal(),
+    ]
     for secret in settings.webhook_secrets:
         found.append(secret.reveal())
         found.append(secret.reveal().removeprefix("whsec_"))

@@ -31,7 +31,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +160,13 @@ class ReserveRequest:
     idempotency_key: str
     ip: str
     device: str | None
+    # The Admission-Token header of a deal with a waiting room (gate/room/).
+    admission_token: str | None = None
+
+
+def _no_admission(deal_id: int, user_id: int, header: str | None) -> str:
+    """Without the waiting room installed no token is ever valid."""
+    return "" if header is None else "-"
 
 
 @dataclass(frozen=True)
@@ -237,6 +244,9 @@ class Reservations:
         self._limited_counters: dict[str, Any] = {}
         self._limited_answers: dict[tuple[str, int], Problem] = {}
         self._inflight = 0
+        # (deal, user, Admission-Token header) -> what lua/admit.lua is told; the
+        # waiting room (gate/room/) installs its token check here.
+        self.admission_arg: Callable[[int, int, str | None], str] = _no_admission
         self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
         self.groups = (
             ReservationGroups(
@@ -425,6 +435,7 @@ class Reservations:
             keys.limiters(req.user_id, req.ip, req.device),
             self._scoped_args if req.device is not None else self._scoped_args_no_device,
             owner,
+            self.admission_arg(req.deal_id, req.user_id, req.admission_token),
         )
         spec = self.settings.limit_global
         limit = (
@@ -505,6 +516,16 @@ class Reservations:
         if self._direct_slots.locked():
             raise overloaded("Database fallback at capacity; retry shortly.", retry)
         async with self._direct_slots:
+            # A deal's waiting room lives in Redis: without Redis no admission can be
+            # checked or spent, so such a deal is paused rather than opened to all.
+            try:
+                room = await self.db.fetchone(
+                    "SELECT waiting_room IS NOT NULL FROM deals WHERE id = %s", (req.deal_id,)
+                )
+            except (DbUnavailable, pymysql.err.MySQLError, TimeoutError):
+                raise overloaded("Database unavailable; retry shortly.") from None
+            if room is not None and int(room[0]) == 1:
+                raise overloaded("Reservations are paused while admission recovers.", retry)
             fp = fingerprint(req.deal_id, req.quantity)
             token = orders.new_id()
             # No Redis allocation: a random bucket, and the procedure falls over to

@@ -16,6 +16,8 @@ from gate.resp import RedisUrlError, parse_redis_url
 
 DEV_JWT_SECRET = "gate-dev-jwt-secret-not-for-production-000000"
 DEV_ADMIN_TOKEN = "gate-dev-admin-token"
+# The waiting room's admission tokens (gate/room/tokens.py) have a key of their own.
+DEV_ADMISSION_SECRET = "gate-dev-admission-secret-not-for-production-0"
 # base64 of "gate-dev-webhook-secret-0123456789"
 DEV_WEBHOOK_SECRET = "whsec_Z2F0ZS1kZXYtd2ViaG9vay1zZWNyZXQtMDEyMzQ1Njc4OQ=="
 
@@ -141,6 +143,7 @@ class Settings:
     jwt_secret: Secret
     admin_token: Secret
     webhook_secrets: tuple[Secret, ...]
+    admission_secret: Secret
     dev_secrets_used: tuple[str, ...] = ()
 
     # Database pool and transaction bounds.
@@ -251,6 +254,11 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     admin_token = secret("GATE_ADMIN_TOKEN", DEV_ADMIN_TOKEN)
     if len(admin_token) < 16 and not dev:
         raise SettingsError("GATE_ADMIN_TOKEN must be at least 16 characters")
+    admission_secret = secret("GATE_ADMISSION_SECRET", DEV_ADMISSION_SECRET)
+    if len(admission_secret) < 32 and not dev:
+        raise SettingsError("GATE_ADMISSION_SECRET must be at least 32 characters")
+    if admission_secret == jwt_secret and not dev:
+        raise SettingsError("GATE_ADMISSION_SECRET must differ from GATE_JWT_SECRET")
     webhook_raw = secret("GATE_WEBHOOK_SECRET", DEV_WEBHOOK_SECRET)
     webhook_secrets = tuple(Secret(s) for s in webhook_raw.split())
     for s in webhook_secrets:
@@ -295,6 +303,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         jwt_secret=Secret(jwt_secret),
         admin_token=Secret(admin_token),
         webhook_secrets=webhook_secrets,
+        admission_secret=Secret(admission_secret),
         dev_secrets_used=tuple(dev_used),
         db_pool_max=pool_max,
         db_connect_timeout_seconds=env_float(env, "GATE_DB_CONNECT_TIMEOUT_SECONDS", 3.0, 0.1, 60),

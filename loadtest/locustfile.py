@@ -20,6 +20,11 @@ User classes (each a scenario; mix them by naming several):
   LatePayer         (needs payments #4 and the expiry sweeper #5) short holds that
                     expire while the buyer pays; the late payment must end PAID
                     (stock re-taken) or REFUND_PENDING/REFUNDED
+  WaitingRoomBuyer  (issue #13) joins a deal's waiting room, polls as advised,
+                    reserves with its admission token once admitted, or abandons a
+                    share of the admissions (they lapse and return their slot); a
+                    position that grows while waiting, an admitted ticket without
+                    a token or a reservation refused for its admission is a violation
 
 A run writes the client record (--record) that `python -m loadtest.verify` checks.
 
@@ -88,6 +93,7 @@ ROLES = {
     "Reader": "reader",
     "PayingBuyer": "pay",
     "LatePayer": "late",
+    "WaitingRoomBuyer": "room",
 }
 PAYMENT_CLASSES = ("PayingBuyer", "LatePayer")
 # The detail of the gate's 503 when GATE_PAYMENT_PROVIDER_URL is unset.
@@ -171,13 +177,23 @@ def _options(parser: Any) -> None:
     )
     g.add_argument("--record", env_var="LOADTEST_RECORD", default="", help="client record path")
     g.add_argument("--user-base", type=int, env_var="LOADTEST_USER_BASE", default=0)
-    for role in ("flash", "reader", "pay", "late"):
+    for role in ("flash", "reader", "pay", "late", "room"):
         g.add_argument(
             f"--{role}-deal", type=int, env_var=f"LOADTEST_{role.upper()}_DEAL", default=0
         )
     g.add_argument("--stock", type=int, env_var="LOADTEST_STOCK", default=200)
     g.add_argument("--buckets", type=int, env_var="LOADTEST_BUCKETS", default=4)
     g.add_argument("--late-hold-seconds", type=int, env_var="LOADTEST_LATE_HOLD", default=2)
+    g.add_argument(
+        "--room-rate", type=int, env_var="LOADTEST_ROOM_RATE", default=100, help="admits/s"
+    )
+    g.add_argument(
+        "--room-abandon",
+        type=float,
+        env_var="LOADTEST_ROOM_ABANDON",
+        default=0.2,
+        help="share of admitted buyers who never reserve",
+    )
 
 
 def _admin_post(host: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +218,12 @@ def _deal_body(role: str, opts: Any, users: int) -> dict[str, Any]:
     }
     if role == "flash":
         body.update(stock=opts.stock, buckets=opts.buckets)
+    elif role == "room":
+        body.update(
+            stock=opts.stock,
+            buckets=opts.buckets,
+            waiting_room={"admit_per_second": opts.room_rate, "admission_ttl_seconds": 10},
+        )
     elif role == "late":
         body.update(stock=max(100, 20 * users), buckets=4, hold_seconds=opts.late_hold_seconds)
     else:
@@ -339,10 +361,17 @@ class Buyer(FastHttpUser):
         return {"Authorization": RUN.mint.header(user)}
 
     def reserve(
-        self, deal_id: int, user: int, key: str, name: str = "reserve"
+        self,
+        deal_id: int,
+        user: int,
+        key: str,
+        name: str = "reserve",
+        admission: str | None = None,
     ) -> tuple[int, str, dict[str, Any]]:
         """One reservation request; returns (status, problem code or "", body)."""
         headers = {**self.auth(user), "Idempotency-Key": key}
+        if admission is not None:
+            headers["Admission-Token"] = admission
         with self.client.post(
             f"/v1/deals/{deal_id}/reservations",
             json={"quantity": 1},
@@ -383,15 +412,20 @@ class Buyer(FastHttpUser):
         return status, code, body
 
     def reserve_until_answered(
-        self, deal_id: int, user: int, key: str, name: str = "reserve"
+        self,
+        deal_id: int,
+        user: int,
+        key: str,
+        name: str = "reserve",
+        admission: str | None = None,
     ) -> tuple[int, str, dict[str, Any]]:
         """A browser that retries the same key after 429/503 or no answer at all, a
         bounded number of times."""
-        answer = self.reserve(deal_id, user, key, name)
+        answer = self.reserve(deal_id, user, key, name, admission)
         for _ in range(RETRIES_MAX - 1):
             if answer[0] not in (429, 503, NO_ANSWER):
                 break
-            answer = self.reserve(deal_id, user, key, name + " (retry)")
+            answer = self.reserve(deal_id, user, key, name + " (retry)", admission)
         return answer
 
     def order(self, user: int, order_id: str, name: str = "order") -> dict[str, Any] | None:
@@ -718,3 +752,82 @@ class LatePayer(Payer):
             return
         RUN.record.add(RUN.record.late_paid, ref)
         self.wait_status(user, ref[0], LATE_ENDS, LATE_END_WAIT_SECONDS)
+
+
+ROOM_POLLS_MAX = 200
+ROOM_SOLD_OUT_POLLS_MAX = 3
+
+
+class WaitingRoomBuyer(Buyer):
+    """Join the waiting room, poll as advised, reserve when admitted (or abandon)."""
+
+    weight = 10
+    wait_time = between(0.0, 0.05)
+
+    def ticket(self, deal_id: int, user: int, join: bool) -> dict[str, Any] | None:
+        method = self.client.post if join else self.client.get
+        with method(
+            f"/v1/deals/{deal_id}/queue",
+            headers=self.auth(user),
+            name="queue join" if join else "queue poll",
+            catch_response=True,
+        ) as resp:
+            body = _json(resp)
+            if resp.status_code in (200, 201) and body.get("state"):
+                resp.success()
+                RUN.record.outcome(deal_id, f"ticket:{body['state']}")
+                return body
+            code = str(body.get("code", resp.status_code))
+            RUN.record.outcome(deal_id, f"ticket:{code}")
+            if resp.status_code in (429, 503):
+                resp.success()  # shed or too soon: the next poll comes after a pause
+            else:
+                resp.failure(f"{resp.status_code} {resp.text[:200]}")
+            return None
+
+    @task
+    def queue_and_buy(self) -> None:
+        deal_id = RUN.deal("room")
+        user = RUN.next_user()
+        ticket = self.ticket(deal_id, user, join=True)
+        last_position: int | None = None
+        sold_out_polls = 0
+        for _ in range(ROOM_POLLS_MAX):
+            if ticket is not None:
+                state = ticket["state"]
+                position = ticket.get("position")
+                if state == "waiting" and position is not None:
+                    if last_position is not None and position > last_position:
+                        RUN.record.violation(
+                            f"room {deal_id}: user {user} moved back from {last_position}"
+                            f" to {position}"
+                        )
+                    last_position = position
+                if state == "admitted":
+                    self.admitted(deal_id, user, ticket)
+                    return
+                if state == "closed":
+                    return
+                sold_out_polls = sold_out_polls + 1 if state == "sold_out" else 0
+                if sold_out_polls > ROOM_SOLD_OUT_POLLS_MAX:
+                    return  # the buyer gives up
+                pause = int(ticket.get("poll_after_ms") or 1000) / 1000
+            else:
+                pause = 1.0
+            gevent.sleep(pause * random.uniform(1.0, 1.2))
+            ticket = self.ticket(deal_id, user, join=False)
+
+    def admitted(self, deal_id: int, user: int, ticket: dict[str, Any]) -> None:
+        token = ticket.get("admission_token")
+        if not token:
+            RUN.record.violation(f"room {deal_id}: user {user} admitted without a token")
+            return
+        opts = RUN.options
+        if random.random() < (opts.room_abandon if opts else 0.2):
+            RUN.record.outcome(deal_id, "room:abandoned")
+            return
+        _, code, _ = self.reserve_until_answered(
+            deal_id, user, f"room-{RUN.run_tag}-{user}", "reserve (admitted)", str(token)
+        )
+        if code in ("ADMISSION_REQUIRED", "ADMISSION_INVALID"):
+            RUN.record.violation(f"room {deal_id}: user {user}'s fresh admission refused: {code}")

@@ -69,6 +69,15 @@ SCENARIOS = {
         "short holds expire while buyers pay late",
         needs="payments (#4) and the expiry sweeper (#5)",
     ),
+    "waiting-room": Scenario(
+        ("WaitingRoomBuyer",),
+        300,
+        100,
+        "40s",
+        300,
+        4,
+        "a crowd queues in a waiting room, polls as advised, buys when admitted",
+    ),
     "mixed": Scenario(
         ("FlashSaleBuyer", "DuplicateClicker", "Reader", "PayingBuyer", "LatePayer"),
         300,

@@ -258,6 +258,13 @@ async def verify_gate_deal(
     extra, client = record_breaches(record, deal_id, found, numbers, states)
     breaches.extend(extra)
     breaches.extend(await lost_payments(db, record, deal_id))
+    room = redis.get("room")
+    if room and not room.get("within_stock_bound", True):
+        # Its counters are checked by gate check (among the breaches above); the bound
+        # at the default ratio 1: unspent admissions never exceed the units left.
+        breaches.append(
+            f"room: {room['unspent']} unspent admissions for {numbers['available']} unit(s)"
+        )
     if redis.get("compared"):
         redis_text = "equal" if not any(b.startswith("redis") for b in breaches) else "DRIFT"
     elif redis.get("loaded"):
@@ -275,6 +282,7 @@ async def verify_gate_deal(
         "states": states,
         "redis": redis_text,
         "client": client,
+        **({"room": room} if room else {}),
     }
 
 
@@ -422,6 +430,12 @@ def render(report: Mapping[str, Any], roles: Mapping[int, str] | None = None) ->
                 f" oversold={n['oversold']} lost={n['lost']}  redis: {deal['redis']}"
             )
             lines.append(f"    orders: {states or 'none'}")
+            room = deal.get("room")
+            if room:
+                lines.append(
+                    f"    room: waiting={room['waiting']} admitted={room['admitted']}"
+                    f" spent={room['spent']} lapsed={room['lapsed']} unspent={room['unspent']}"
+                )
             client = deal.get("client") or {}
             if client:
                 outcomes = " ".join(f"{k}={v}" for k, v in sorted(client["outcomes"].items()))

@@ -18,6 +18,7 @@ import orjson
 WRK_DIR = Path(__file__).with_name("wrk")
 RESERVE = WRK_DIR / "reserve.lua"
 GET = WRK_DIR / "get.lua"
+ROOM = WRK_DIR / "room.lua"
 MARK = "WRKJSON "
 # A once-mode run that does not finish in this time is ended and reported as such.
 ONCE_MAX_SECONDS = 600
@@ -109,6 +110,24 @@ def _command(
 
 def get(url: str, path: str, connections: int, seconds: float, threads: int = 1) -> WrkResult:
     cmd = _command(url, GET, [path], connections, seconds, threads)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise WrkError(done.stderr or done.stdout)
+    return parse(done.stdout, shlex.join(cmd))
+
+
+def room(
+    url: str,
+    method: str,
+    deal_id: int,
+    tokens: Path,
+    connections: int,
+    seconds: float,
+    threads: int = 1,
+) -> WrkResult:
+    """Waiting-room joins (POST) or polls (GET) by the buyers in `tokens`, in turn."""
+    args = [str(tokens), method, f"/v1/deals/{deal_id}/queue", str(threads)]
+    cmd = _command(url, ROOM, args, connections, seconds, threads)
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise WrkError(done.stderr or done.stdout)

@@ -9,6 +9,9 @@
   the quantity from the buckets (random start, falling over to the others; a
   quantity may span buckets) and records an in-flight token next to the decrement,
   so that the decrement can later be confirmed or given back exactly once.
+  On a deal with a waiting room (gate/room/, docs/waiting-room.md) a reservation
+  also needs an unspent, unexpired admission of this user, checked before the
+  limiters and spent in the same call that takes the units.
 
   KEYS[1] meta            hash   {d:ID}:meta  nb, avail, start_ms, end_ms, max, limit
   KEYS[2] buckets         hash   {d:ID}:b     bucket -> available units
@@ -22,6 +25,9 @@
   KEYS[10] limit: device  string {d:ID}:rl:v:DEVICE   (idem)
   KEYS[11] buyers         set    {d:ID}:buyers  users ever admitted (never shrinks):
           a gate may answer "sold out" from its near-cache only to users not in it
+  KEYS[12] room           hash   {d:ID}:room  on ("1": the deal has a waiting room), spent
+  KEYS[13] room admitted  hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
+  KEYS[14] room expiry    zset   {d:ID}:rx    user -> expires_ms
 
   ARGV[1] user id
   ARGV[2] quantity (integer >= 1, checked by the caller)
@@ -34,6 +40,9 @@
           an interval of 0 turns that limiter off
   ARGV[16] owner: the admitting process's lease id (gate/lease.py); a janitor
           resolves the token at once when that lease has lapsed
+  ARGV[17] admission: "" no Admission-Token header, "-" a token that failed its
+          signature, buyer, deal or expiry check (gate/room/tokens.py), else the
+          admission sequence number the verified token names
 
   Returns {code, detail}:
     0 OK              detail = allocation "bucket:qty[,bucket:qty…]"
@@ -48,7 +57,9 @@
     7 IN_PROGRESS     an earlier request with this key is still running
     8 MISMATCH        this key was used with a different request
     9 RATE_LIMITED    detail = "scope|retry after (ms)"
-  Rejections 2, 3, 4 and 5 carry a fourth element, 1 when the user is in the
+   10 ADMISSION_REQUIRED  the deal has a waiting room and no token was sent
+   11 ADMISSION_INVALID   the token names no unspent, unexpired admission of this user
+  Rejections 2, 3, 4, 5, 10 and 11 carry a fourth element, 1 when the user is in the
   buyers set: this request may then be a replay whose Redis record was lost (a
   flush), and the caller asks the database before answering. Rejection 9 does not:
   a 429 only says "later", and the retry finds the replay. The rate limiters judge
@@ -109,6 +120,24 @@ else
     local buyers = -1
     if meta[7] then buyers = redis.call('SCARD', KEYS[11]) end
     return reject(2, tostring(avail), buyers)
+  end
+end
+
+-- Waiting room: after the answers every buyer may get (a replay, sold out, not
+-- active), before the limiters (a refused request consumes none).
+local room_on = redis.call('HGET', KEYS[12], 'on') == '1'
+if room_on then
+  local given = ARGV[17]
+  if given == '' then
+    return reject(10, '')
+  end
+  local held = redis.call('HGET', KEYS[13], ARGV[1])
+  if not held then
+    return reject(11, '')
+  end
+  local seq, expires = string.match(held, '^(%d+)|%d+|(%d+)$')
+  if seq ~= given or tonumber(expires) <= now_ms then
+    return reject(11, '')
   end
 end
 
@@ -189,4 +218,10 @@ redis.call('HSET', KEYS[5], token,
     .. '|' .. ARGV[16])
 redis.call('ZADD', KEYS[6], now_ms, token)
 redis.call('SADD', KEYS[11], user)
+if room_on then
+  -- The admission is spent with the units it bought: it cannot buy twice.
+  redis.call('HDEL', KEYS[13], user)
+  redis.call('ZREM', KEYS[14], user)
+  redis.call('HINCRBY', KEYS[12], 'spent', 1)
+end
 return {0, alloc_s}

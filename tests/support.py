@@ -36,6 +36,7 @@ GATE_BIN = str(Path(sys.executable).with_name("gate"))
 
 JWT_SECRET = "test-jwt-secret-0123456789abcdef0123456789"
 ADMIN_TOKEN = "test-admin-token-0123456789"
+ADMISSION_SECRET = "test-admission-secret-0123456789abcdef012345"
 WEBHOOK_SECRET = "whsec_dGVzdC13ZWJob29rLXNlY3JldC0wMTIzNDU2Nzg5"
 
 
@@ -54,6 +55,7 @@ def base_env() -> dict[str, str]:
             "GATE_JWT_SECRET": JWT_SECRET,
             "GATE_ADMIN_TOKEN": ADMIN_TOKEN,
             "GATE_WEBHOOK_SECRET": WEBHOOK_SECRET,
+            "GATE_ADMISSION_SECRET": ADMISSION_SECRET,
             "GATE_DB_LOCK_WAIT_SECONDS": "2",
             # Many gate processes share one MariaDB (max_connections 151 by default).
             "GATE_DB_POOL_MAX": "10",

@@ -75,3 +75,47 @@ def test_a_run_against_no_gate_says_so_and_writes_nothing(
     assert result.returncode == 4, result.stdout + result.stderr
     assert f"no gate answers at {host}" in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_waiting_room_run_passes_the_verifier(
+    gate: GateProcess, env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue #13: the crowd queues, polls as advised, buys when admitted or abandons;
+    the verifier holds the deal (and the room's counters) against the database."""
+    out = tmp_path / "room"
+    result = run_module(
+        env,
+        "loadtest.scenario",
+        "waiting-room",
+        "--host",
+        gate.url,
+        "--run-time",
+        "12s",
+        "--stock",
+        "30",
+        "--users",
+        "60",
+        "--spawn-rate",
+        "60",
+        "--room-rate",
+        "20",
+        "--out",
+        str(out),
+        timeout_seconds=240,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "verifier: all checks hold" in result.stdout
+    with (out / "stats_stats.csv").open() as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    assert int(rows["Aggregated"]["Failure Count"]) == 0
+    assert "queue join" in rows and "queue poll" in rows and "reserve (admitted)" in rows
+    record = ClientRecord.read(out / "client.json")
+    room = record.deals["room"]
+    assert record.violations == []
+    ordered = len([r for r in record.created if r[2] == room])
+    assert 0 < ordered <= 30
+    assert record.outcomes[room].get("ticket:admitted")
+    verdict = (out / "verify.txt").read_text()
+    assert re.search(rf"deal {room} \[room\]: OK  stock=30 .* oversold=0 lost=0", verdict), verdict
+    assert re.search(r"room: waiting=\d+ admitted=\d+ spent=\d+", verdict), verdict

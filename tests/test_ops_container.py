@@ -23,7 +23,12 @@ from tests.support import ROOT
 DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_DEV = ROOT / "docker-compose.dev.yml"
-SECRET_NAMES = ("GATE_JWT_SECRET", "GATE_ADMIN_TOKEN", "GATE_WEBHOOK_SECRET")
+SECRET_NAMES = (
+    "GATE_JWT_SECRET",
+    "GATE_ADMIN_TOKEN",
+    "GATE_WEBHOOK_SECRET",
+    "GATE_ADMISSION_SECRET",
+)
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -169,6 +174,7 @@ PROD_SECRETS = {
     "GATE_JWT_SECRET": "j" * 40,
     "GATE_ADMIN_TOKEN": "a" * 24,
     "GATE_WEBHOOK_SECRET": "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQ=",
+    "GATE_ADMISSION_SECRET": "s" * 40,
     "REDIS_PASSWORD": "r" * 32,
     "MARIADB_ROOT_PASSWORD": "m" * 32,
     "GATE_MYSQL_APP_PASSWORD": "p" * 32,

@@ -1,0 +1,97 @@
+"""The waiting room (issue #13): an inventory-aware, fair queue in front of hot deals.
+See docs/waiting-room.md and gate/room/service.py."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gate import openapi
+from gate.errors import not_found
+from gate.extensions import Extension
+from gate.http import json_response, read_json
+from gate.room import api_doc
+from gate.room.config import load_room_settings
+from gate.room.lane import QueueLane
+from gate.room.service import Room
+from gate.room.tokens import AdmissionTokens
+from gate.scripts import Script, ScriptMissing, lua_dir
+
+if TYPE_CHECKING:
+    from gate.runtime import Gate
+
+SCRIPTS = ("room_ticket", "room_advance")
+
+for (_path, _method), _operation in api_doc.operations().items():
+    openapi.add_operation(_path, _method, _operation)
+MAX_ID = 2**63 - 1
+
+
+def _scripts() -> dict[str, Script]:
+    found: dict[str, Script] = {}
+    for name in SCRIPTS:
+        path = lua_dir() / f"{name}.lua"
+        if not path.is_file():
+            raise ScriptMissing(f"Lua script {path} is missing; refusing to start")
+        source = path.read_text(encoding="utf-8")
+        found[name] = Script(name, source, hashlib.sha1(source.encode("utf-8")).hexdigest())
+    return found
+
+
+def _deal_id(request: Request) -> int:
+    deal_id = int(request.path_params["deal_id"])
+    if not 1 <= deal_id <= MAX_ID:
+        raise not_found("deal")
+    return deal_id
+
+
+def install(gate: Gate) -> Extension:
+    settings = load_room_settings(gate.settings.environ)
+    tokens = AdmissionTokens(gate.settings.admission_secret)
+    # The runner loads every script it holds at start-up (ScriptRunner.load).
+    gate.runner.scripts.update(_scripts())
+    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens)
+    gate.mirror.before_sync.append(room.before_sync)
+    gate.reservations.admission_arg = tokens.admission_arg
+
+    async def join(request: Request) -> Response:
+        user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+        created, body = await room.ticket(_deal_id(request), user_id, "join")
+        return json_response(body, 201 if created else 200)
+
+    async def read(request: Request) -> Response:
+        user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+        _, body = await room.ticket(_deal_id(request), user_id, "read")
+        return json_response(body)
+
+    async def configure(request: Request) -> Response:
+        gate.admin_auth.check(request.headers.get("authorization"))
+        deal_id = _deal_id(request)
+        body = await read_json(request, gate.settings.body_max_bytes)
+        await room.configure(deal_id, body)
+        return json_response(await gate.deals.admin_view(deal_id))
+
+    deal = "/v1/deals/{deal_id:int}"
+    queue = [
+        Route(deal + "/queue", join, methods=["POST"]),
+        Route(deal + "/queue", read, methods=["GET"]),
+    ]
+    return Extension(
+        name="room",
+        routes=[
+            *queue,
+            Route("/v1/admin/deals/{deal_id:int}/waiting-room", configure, methods=["PUT"]),
+        ],
+        workers=[room.run],
+        middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
+    )
+
+
+def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
+    """The room has no command of its own: `gate check` reports its counters."""

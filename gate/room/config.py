@@ -1,0 +1,104 @@
+"""The waiting room's configuration: per deal (admin API, stored on the deal row)
+and per process (GATE_ROOM_* settings, checked at start-up)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gate import validate
+from gate.errors import invalid
+from gate.settings import SettingsError, env_float, env_int
+
+ROOM_FIELDS = {"admit_per_second", "admission_ttl_seconds", "prequeue_seconds"}
+ADMIT_PER_SECOND_MAX = 100_000
+TTL_SECONDS_MIN, TTL_SECONDS_MAX, TTL_SECONDS_DEFAULT = 10, 3600, 120
+PREQUEUE_SECONDS_MAX = 86_400
+
+
+@dataclass(frozen=True)
+class RoomConfig:
+    admit_per_second: int
+    admission_ttl_seconds: int = TTL_SECONDS_DEFAULT
+    prequeue_seconds: int = 0
+
+    def view(self) -> dict[str, int]:
+        return {
+            "admit_per_second": self.admit_per_second,
+            "admission_ttl_seconds": self.admission_ttl_seconds,
+            "prequeue_seconds": self.prequeue_seconds,
+        }
+
+    def to_column(self) -> str:
+        return orjson.dumps(self.view()).decode()
+
+    @classmethod
+    def from_column(cls, raw: str | bytes | None) -> RoomConfig | None:
+        if raw is None:
+            return None
+        data = orjson.loads(raw)
+        return cls(
+            int(data["admit_per_second"]),
+            int(data["admission_ttl_seconds"]),
+            int(data["prequeue_seconds"]),
+        )
+
+
+def parse_room(value: Any) -> RoomConfig | None:
+    """The admin API's `waiting_room` value: null (no room) or the object; every
+    failure a 400 naming the field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid("'waiting_room' must be an object or null.")
+    validate.no_unknown(value, ROOM_FIELDS)
+    return RoomConfig(
+        admit_per_second=validate.integer(value, "admit_per_second", 1, ADMIT_PER_SECOND_MAX),
+        admission_ttl_seconds=validate.integer(
+            value,
+            "admission_ttl_seconds",
+            TTL_SECONDS_MIN,
+            TTL_SECONDS_MAX,
+            default=TTL_SECONDS_DEFAULT,
+        ),
+        prequeue_seconds=validate.integer(
+            value, "prequeue_seconds", 0, PREQUEUE_SECONDS_MAX, default=0
+        ),
+    )
+
+
+def room_view(raw: str | bytes | None) -> dict[str, int] | None:
+    """The deal row's column as the admin view shows it."""
+    room = RoomConfig.from_column(raw)
+    return room.view() if room else None
+
+
+@dataclass(frozen=True)
+class RoomSettings:
+    # Unspent admissions <= ceil(available units x ratio). 1.0: one admission per unit
+    # left; above 1 admits more buyers than units (some abandon), below 1 fewer.
+    admission_ratio: float = 1.0
+    # How often each process's room loop advances every room (Redis time decides).
+    interval_seconds: float = 0.1
+    # poll_after_ms advice: never below the floor, never above the ceiling.
+    poll_min_ms: int = 1000
+    poll_max_ms: int = 10_000
+    # Work bounds of one advance call per room.
+    admit_batch_max: int = 1000
+    lapse_batch_max: int = 1000
+
+
+def load_room_settings(env: Mapping[str, str]) -> RoomSettings:
+    poll_min = env_int(env, "GATE_ROOM_POLL_MIN_MS", 1000, 100, 60_000)
+    poll_max = env_int(env, "GATE_ROOM_POLL_MAX_MS", 10_000, 100, 600_000)
+    if poll_max < poll_min:
+        raise SettingsError("GATE_ROOM_POLL_MAX_MS must be at least GATE_ROOM_POLL_MIN_MS")
+    return RoomSettings(
+        admission_ratio=env_float(env, "GATE_ROOM_ADMISSION_RATIO", 1.0, 0.01, 100.0),
+        interval_seconds=env_int(env, "GATE_ROOM_INTERVAL_MS", 100, 10, 5000) / 1000,
+        poll_min_ms=poll_min,
+        poll_max_ms=poll_max,
+    )

@@ -1,0 +1,65 @@
+"""The queue's fast lane: joins and polls answered as plain ASGI, past Starlette's
+exception middleware and router (gate/app.py's FastLane does the same for
+reservations). Polling is most of a room's traffic; issue #13 wants it as cheap as a
+sold-out answer. The routes stay registered with Starlette too (the OpenAPI check,
+a mounted app); this lane only answers first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gate.auth import BuyerAuth
+from gate.db import DbUnavailable
+from gate.errors import Problem, not_found, overloaded
+from gate.http import json_answer, send_answer
+from gate.room.service import Room
+
+MAX_ID = 2**63 - 1
+
+
+class QueueLane:
+    def __init__(self, app: ASGIApp, *, room: Room, auth: BuyerAuth, routes: list[Route]) -> None:
+        self.app = app
+        self.room = room
+        self.auth = auth
+        # method -> route ("POST": join, "GET": read)
+        self.routes = {m: r for r in routes for m in (r.methods or ()) if m != "HEAD"}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope.get("root_path"):
+            route = self.routes.get(scope["method"])
+            if route is not None:
+                match = route.path_regex.match(scope["path"])
+                if match is not None:
+                    scope["route"] = route
+                    scope["endpoint"] = route.endpoint
+                    scope["path_params"] = {"deal_id": int(match["deal_id"])}
+                    await self._answer(scope, send, scope["method"] == "POST")
+                    return
+        await self.app(scope, receive, send)
+
+    async def _answer(self, scope: Scope, send: Send, join: bool) -> None:
+        path = scope["path"]
+        authorization: Any = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        try:
+            user_id = self.auth.user_id(authorization)
+            deal_id = scope["path_params"]["deal_id"]
+            if not 1 <= deal_id <= MAX_ID:
+                raise not_found("deal")
+            created, body = await self.room.ticket(deal_id, user_id, "join" if join else "read")
+        except Problem as problem:
+            await send_answer(send, problem.encoded(path))
+            return
+        except DbUnavailable:
+            await send_answer(
+                send, overloaded("Database unavailable; retry shortly.").encoded(path)
+            )
+            return
+        await send_answer(send, json_answer(body, 201 if created else 200))

@@ -1,0 +1,34 @@
+"""Waiting-room metrics, per deal, on the gate's one registry."""
+
+from __future__ import annotations
+
+from gate.metrics import DELAY_BUCKETS_SECONDS, METRICS
+
+WAITING = METRICS.gauge(
+    "gate_room_waiting",
+    "Tickets waiting in a deal's waiting room (Redis, read by the room loop).",
+    ["deal"],
+)
+UNSPENT = METRICS.gauge(
+    "gate_room_unspent",
+    "Admissions given and neither spent nor lapsed (Redis, read by the room loop).",
+    ["deal"],
+)
+SPENT = METRICS.gauge(
+    "gate_room_spent",
+    "Admissions spent by a reservation since the room's Redis state was made"
+    " (a counter kept in Redis; use rate()).",
+    ["deal"],
+)
+ADMITTED = METRICS.counter(
+    "gate_room_admitted_total", "Admissions given, by the process that gave them.", ["deal"]
+)
+LAPSED = METRICS.counter(
+    "gate_room_lapsed_total", "Admissions that expired unspent and returned their slot.", ["deal"]
+)
+WAIT = METRICS.histogram(
+    "gate_room_wait_seconds",
+    "Time from joining the queue to admission.",
+    ["deal"],
+    buckets=DELAY_BUCKETS_SECONDS,
+)

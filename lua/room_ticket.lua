@@ -1,0 +1,123 @@
+--[[
+  room_ticket: join a deal's waiting room, or read one's ticket, in one call.
+  O(log n) in the number of tickets: a hash look-up, a sorted-set rank, no loop.
+
+  The ticket's state is derived here, never stored per ticket:
+    admitted   the user holds an unspent, unexpired admission      (KEYS[4])
+    waiting    the user is in the queue and units are available    (KEYS[2])
+    sold_out   the user is in the queue and available is 0: one deal-level fact
+               (the mirror's counter), so every waiting ticket reads sold_out the
+               moment the last unit is taken and waiting again when units return
+    closed     the sale has ended, or the admission was spent or lapsed
+  so selling out, units coming back and the sale ending cost no per-ticket work.
+
+  Queue scores: a buyer joining during the prequeue (before starts_at) gets the
+  random score the caller drew, below 2^50; every later joiner gets 2^50 + a
+  sequence number. Admission pops the lowest scores (room_advance.lua): at the
+  opening the prequeue joiners go first in a uniformly random order, then FIFO.
+
+  KEYS[1] room       hash   {d:ID}:room  on, aps, ttl_ms, pq_ms, seq, counters
+  KEYS[2] queue      zset   {d:ID}:rq    user -> score (waiting tickets)
+  KEYS[3] tickets    hash   {d:ID}:rt    user -> "joined_ms|next_poll_ms" (every ticket)
+  KEYS[4] admitted   hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
+  KEYS[5] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
+
+  ARGV[1] "join" | "read"
+  ARGV[2] user id
+  ARGV[3] random score in [0, 2^50) for a prequeue joiner (drawn by the caller)
+  ARGV[4] poll_after_ms floor      ARGV[5] poll_after_ms ceiling
+
+  Returns {code, created, position, joined_ms, avail, admission seq, expires_ms,
+           poll_after_ms, aps, ms until the sale starts}; position, seq and
+  expires_ms are 0 when they do not apply.
+    0 WAITING  1 ADMITTED  2 SOLD_OUT  3 CLOSED   (the ticket's state)
+    4 NOT_LOADED     the deal's state is absent; load it from the database
+    5 NO_ROOM        the deal has no waiting room
+    6 NO_TICKET      read: the user holds no ticket
+    7 EARLY          join: before starts_at - prequeue
+    8 ENDED          join: the sale has ended (an existing ticket reads closed)
+    9 POLL_TOO_SOON  read: sooner than the last answer advised; {9, wait ms}
+  A read (or a repeated join) records when the next one is welcome: polling
+  faster than poll_after_ms advises (less 20 % for jitter) is refused.
+]]
+local OPEN_BASE = 1125899906842624  -- 2^50
+
+local meta = redis.call('HMGET', KEYS[5], 'nb', 'avail', 'start_ms', 'end_ms')
+if not meta[1] then
+  return {4}
+end
+local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'pq_ms')
+if cfg[1] ~= '1' then
+  return {5}
+end
+local aps = tonumber(cfg[2]) or 1
+local pq_ms = tonumber(cfg[3]) or 0
+local avail = tonumber(meta[2]) or 0
+if avail < 0 then avail = 0 end
+local start_ms = tonumber(meta[3]) or 0
+local end_ms = tonumber(meta[4]) or 0
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ended = end_ms > 0 and now_ms >= end_ms
+local to_start = 0
+if start_ms > now_ms then to_start = start_ms - now_ms end
+
+local user = ARGV[2]
+local record = redis.call('HGET', KEYS[3], user)
+local created = 0
+local joined_ms
+if not record then
+  if ARGV[1] ~= 'join' then
+    return {6}
+  end
+  if ended then
+    return {8}
+  end
+  local score
+  if start_ms > 0 and now_ms < start_ms then
+    if now_ms < start_ms - pq_ms then
+      return {7}
+    end
+    score = tonumber(ARGV[3])
+  else
+    score = OPEN_BASE + redis.call('HINCRBY', KEYS[1], 'seq', 1)
+  end
+  redis.call('ZADD', KEYS[2], score, user)
+  joined_ms = now_ms
+  created = 1
+else
+  local next_poll
+  joined_ms, next_poll = string.match(record, '^(%d+)|(%d+)$')
+  joined_ms = tonumber(joined_ms)
+  if tonumber(next_poll) > now_ms then
+    return {9, tonumber(next_poll) - now_ms}
+  end
+end
+
+local floor_ms, ceil_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local code, position, seq, expires, advice = 3, 0, 0, 0, ceil_ms
+local held = redis.call('HGET', KEYS[4], user)
+if held and not ended then
+  local s, e = string.match(held, '^(%d+)|%d+|(%d+)$')
+  if tonumber(e) > now_ms then
+    -- Admitted buyers (a few: at most the units left) may look again soon.
+    code, seq, expires, advice = 1, tonumber(s), tonumber(e), floor_ms
+  end
+end
+if code == 3 and not ended then
+  local rank = redis.call('ZRANK', KEYS[2], user)
+  if rank then
+    if avail == 0 then
+      -- Units may come back (a hold expires, a cancel): worth a slow poll.
+      code, advice = 2, ceil_ms
+    else
+      code, position = 0, rank + 1
+      local eta_ms = to_start + math.ceil(position * 1000 / aps)
+      advice = math.min(ceil_ms, math.max(floor_ms, math.floor(eta_ms / 2)))
+    end
+  end
+end
+
+redis.call('HSET', KEYS[3], user, joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)))
+return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start}
