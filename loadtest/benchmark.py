@@ -220,6 +220,7 @@ class Bench:
                 "GATE_JWT_SECRET": self.jwt_secret,
                 "GATE_ADMIN_TOKEN": self.admin_token,
                 "GATE_WEBHOOK_SECRET": webhook,
+                "GATE_PAYMENT_PROVIDER": "sandbox",
                 "GATE_LOG_LEVEL": "WARNING",
                 "BASELINE_MYSQL_URL": self.baseline_mysql,
                 "PYTHONPATH": str(ROOT),
