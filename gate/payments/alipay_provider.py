@@ -37,6 +37,7 @@ import orjson
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from gate.errors import Encoded, encode_answer
+from gate.payments.adapters import Adapter, AdapterContext
 from gate.payments.config import PaymentSettings, is_loopback_host
 from gate.payments.provider import (
     ID_MAX,
@@ -512,3 +513,14 @@ def notification_event(params: Mapping[str, str], body: bytes) -> ProviderEvent:
 def notification_params(body: bytes) -> dict[str, str]:
     """For tests and tools: the parameters of a form body."""
     return dict(parse_qsl(body.decode("utf-8"), keep_blank_values=True))
+
+
+def build(context: AdapterContext) -> Adapter:
+    """GATE_PAYMENT_PROVIDER=alipay: settings checked (SettingsError naming the
+    variable), key files read; no network."""
+    alipay = load_alipay_settings(context.env)
+    return Adapter(
+        name=context.name,
+        webhook=AlipayWebhook(alipay),
+        provider=AlipayProvider(context.payment, alipay),
+    )

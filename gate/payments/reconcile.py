@@ -66,6 +66,7 @@ from gate.payments.provider import (
     synthetic_payment_event,
     synthetic_refund_event,
 )
+from gate.payments.window import attach_order_window
 from gate.payments.workers import PaymentWorker
 
 log = logging.getLogger("gate.payments.reconcile")
@@ -322,6 +323,9 @@ class Reconciler:
         self.settings = settings
         self.name = provider.name
         self.lock = lock_name(lock_scope, self.name)
+        # Providers without a listing API (Alipay, WeChat Pay) query the orders of
+        # the window one by one: they read which orders from the gate's sessions.
+        attach_order_window(provider, db)
 
     # -- the loop -------------------------------------------------------------------
 

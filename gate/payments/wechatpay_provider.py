@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gate.errors import Encoded
+from gate.payments.adapters import Adapter, AdapterContext
 from gate.payments.config import PaymentSettings, is_loopback_host
 from gate.payments.provider import (
     ID_MAX,
@@ -595,4 +596,15 @@ def resource_event(event_type: str, res: Mapping[str, Any], body: bytes) -> Prov
         currency=None,
         refund_id=None,
         payload=body,
+    )
+
+
+def build(context: AdapterContext) -> Adapter:
+    """GATE_PAYMENT_PROVIDER=wechatpay: settings checked (SettingsError naming the
+    variable), key files read; no network."""
+    wechat = load_wechatpay_settings(context.env)
+    return Adapter(
+        name=context.name,
+        webhook=WechatPayWebhook(wechat),
+        provider=WechatPayProvider(context.payment, wechat),
     )

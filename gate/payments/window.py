@@ -13,7 +13,7 @@ size) and by the reconciler's page budget.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gate.db import Database
 
@@ -41,3 +41,16 @@ class SessionOrders:
         )
         orders = [str(r[0]) for r in rows]
         return orders, (orders[-1] if len(orders) == int(limit) else None)
+
+
+@runtime_checkable
+class QueriesPerOrder(Protocol):
+    """A provider whose `transactions` needs the window of orders to query."""
+
+    window: OrderWindow | None
+
+
+def attach_order_window(provider: object, db: Database) -> None:
+    """Give a per-order provider the gate's sessions as its window (once)."""
+    if isinstance(provider, QueriesPerOrder) and provider.window is None:
+        provider.window = SessionOrders(db)
