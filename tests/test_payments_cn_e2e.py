@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -400,3 +401,25 @@ async def test_manual_capture_deal_has_no_session(
     assert r.status_code == 503, r.text
     assert r.headers["content-type"] == "application/problem+json"
     assert (await order_row(db, order_id))["status"] == "PENDING_PAYMENT"
+
+
+def test_start_up_refuses_incomplete_settings_naming_the_variable(stack: Stack) -> None:
+    required = [
+        k
+        for k in stack.env
+        if k.startswith(("GATE_ALIPAY_", "GATE_WECHATPAY_")) and not k.endswith(("_URL", "_BASE"))
+    ]
+    assert len(required) == (3 if stack.provider == "alipay" else 6)
+    for name in required:
+        env = {k: v for k, v in stack.env.items() if k != name}
+        # Port 1: were the configuration accepted, binding would fail loudly instead.
+        out = subprocess.run(
+            [GATE_BIN, "serve", "--port", "1"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 2, out.stderr
+        assert name in out.stderr and "Traceback" not in out.stderr
