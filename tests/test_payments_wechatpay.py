@@ -33,13 +33,14 @@ from gate.payments.wechatpay_provider import (
     WechatPayWebhook,
     answer_message,
     authorization,
+    decrypt_resource,
     encrypt_resource,
     load_wechatpay_settings,
     parse_authorization,
     parse_notification,
     request_message,
 )
-from gate.settings import SettingsError
+from gate.settings import Secret, SettingsError
 from tests.cn_support import (
     FakeControl,
     FakeProcess,
@@ -449,3 +450,20 @@ async def test_dropped_notification_found_by_per_order_query(
     assert [(t.order_id, t.amount, t.status) for t in rest.items] == [
         (requests[2].order_id, 202, "succeeded")
     ]
+
+
+def test_wechat_pays_own_aes_gcm_vector() -> None:
+    # The AEAD_AES_256_GCM test vector of WeChat Pay's official Go SDK
+    # (github.com/wechatpay-apiv3/wechatpay-go, utils/aes_test.go). Its key is 16
+    # bytes (AES-128: the same GCM construction); a real APIv3 key is 32.
+    resource = {
+        "algorithm": "AEAD_AES_256_GCM",
+        "ciphertext": "FsdXzxryWfKwvLJKf8LG/ToRPTRh8RN9wROC",
+        "nonce": "wCq51qZv4Yfg",
+        "associated_data": "Dl56FrqWQJF1t9LtC3vEUsniZKvbqdR8",
+    }
+    assert decrypt_resource(Secret("testAPIv3Key0000"), resource) == b"Hello World"
+    with pytest.raises(WebhookRejected):
+        decrypt_resource(Secret("testAPIv3Key1111"), resource)
+    with pytest.raises(WebhookRejected):
+        decrypt_resource(Secret("testAPIv3Key0000"), {**resource, "associated_data": "x"})
