@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.payments.alipay_provider import CST, TIME_FORMAT, signing_string
-from gate.payments.rsa_http import sign_sha256_rsa
+from gate.payments.rsa_http import fen_to_yuan, sign_sha256_rsa
 from gate.payments.wechatpay_provider import answer_message, encrypt_resource
 from gate.runtime import Gate
 from tests import payments_support as ps
@@ -274,7 +274,9 @@ async def test_late_payment_with_stock_is_paid(
     await assert_invariants(db, rds, deal)
 
 
-def _forged(stack: Stack, order_id: str, change: str) -> tuple[bytes, dict[str, str]]:
+def _forged(
+    stack: Stack, order_id: str, change: str, fen: int = 500
+) -> tuple[bytes, dict[str, str]]:
     now = time.time()
     when = now - 301 if change == "stale" else now
     signer = stack.keys["other" if change == "forged" else "provider"].private
@@ -291,13 +293,14 @@ def _forged(stack: Stack, order_id: str, change: str) -> tuple[bytes, dict[str, 
             "trade_no": "2026120122001999999999999999",
             "out_trade_no": order_id,
             "trade_status": "TRADE_SUCCESS",
-            "total_amount": "5.00",
+            "total_amount": fen_to_yuan(fen),
             "gmt_payment": stamp,
         }
         params["sign"] = sign_sha256_rsa(signer, signing_string(params, notification=True))
         body = urlencode(params).encode()
         if change == "tampered":
             body = body.replace(b"total_amount=5.00", b"total_amount=0.01")
+            assert fen == 500
         return body, {"Content-Type": "application/x-www-form-urlencoded"}
     plain = orjson.dumps(
         {
@@ -306,7 +309,7 @@ def _forged(stack: Stack, order_id: str, change: str) -> tuple[bytes, dict[str, 
             "out_trade_no": order_id,
             "transaction_id": "4200000000209999999999999999",
             "trade_state": "SUCCESS",
-            "amount": {"total": 500, "currency": "CNY"},
+            "amount": {"total": fen, "currency": "CNY"},
         }
     )
     body = orjson.dumps(
@@ -423,3 +426,51 @@ def test_start_up_refuses_incomplete_settings_naming_the_variable(stack: Stack) 
         )
         assert out.returncode == 2, out.stderr
         assert name in out.stderr and "Traceback" not in out.stderr
+
+
+async def test_genuine_notification_with_the_wrong_amount_is_quarantined(
+    stack: Stack, client: Client, db: Database
+) -> None:
+    deal = await create_deal(client, currency="CNY", unit_price=500, stock=5)
+    order_id = await new_order(client, deal, 7171)
+    body, headers = _forged(stack, order_id, "genuine", fen=499)
+    r = await client.post(stack.webhook_path, content=body, headers=headers)
+    assert r.status_code in (200, 204), r.text
+    row = await db.fetchone("SELECT outcome FROM payment_events WHERE order_id = %s", (order_id,))
+    assert row is not None and row[0] == "quarantined"
+    assert (await order_row(db, order_id))["status"] == "PENDING_PAYMENT"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\xff\xfe\x00",
+        b"a=1&a=2",
+        b"%zz",
+        b"&".join([b"k%d=v" % i for i in range(500)]),
+        b'{"id":"x","resource":{}}',
+        b"[]",
+    ],
+)
+async def test_bad_input_is_refused_with_a_4xx_and_records_nothing(
+    stack: Stack, client: Client, db: Database, body: bytes
+) -> None:
+    before = await db.fetchone("SELECT COUNT(*) FROM payment_events")
+    for headers in (
+        {},
+        {"Wechatpay-Timestamp": "\u00b2", "Wechatpay-Nonce": "n", "Wechatpay-Signature": "x"},
+        {
+            "Wechatpay-Timestamp": str(int(time.time())),
+            "Wechatpay-Nonce": "n" * 200,
+            "Wechatpay-Signature": "!!!",
+        },
+    ):
+        r = await client.post(
+            stack.webhook_path,
+            content=body,
+            headers={"Content-Type": "application/x-www-form-urlencoded", **headers},
+        )
+        assert r.status_code in (400, 401), (r.status_code, r.text)
+        assert r.headers["content-type"] == "application/problem+json"
+    assert await db.fetchone("SELECT COUNT(*) FROM payment_events") == before

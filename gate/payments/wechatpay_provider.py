@@ -205,7 +205,8 @@ def verify_signed(
     ts = headers.get("wechatpay-timestamp", "")
     nonce = headers.get("wechatpay-nonce", "")
     signature = headers.get("wechatpay-signature", "")
-    if not ts.isdigit() or len(ts) > 12 or not nonce or len(nonce) > NONCE_MAX:
+    # isascii: str.isdigit() also accepts digits int() cannot read (such as "²").
+    if not (ts.isascii() and ts.isdigit()) or len(ts) > 12 or not nonce or len(nonce) > NONCE_MAX:
         raise WebhookRejected("Wechatpay-Timestamp/-Nonce missing or malformed")
     if not nonce.isascii() or not nonce.isprintable():
         raise WebhookRejected("Wechatpay-Nonce must be printable ASCII")
