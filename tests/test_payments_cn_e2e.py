@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -290,7 +291,7 @@ def _forged(
             "charset": "utf-8",
             "version": "1.0",
             "sign_type": "RSA2",
-            "trade_no": "2026120122001999999999999999",
+            "trade_no": f"20261201220019{secrets.randbelow(10**14):014d}",
             "out_trade_no": order_id,
             "trade_status": "TRADE_SUCCESS",
             "total_amount": fen_to_yuan(fen),
@@ -307,7 +308,7 @@ def _forged(
             "mchid": MCHID,
             "appid": APPID,
             "out_trade_no": order_id,
-            "transaction_id": "4200000000209999999999999999",
+            "transaction_id": f"42000000002099{secrets.randbelow(10**14):014d}",
             "trade_state": "SUCCESS",
             "amount": {"total": fen, "currency": "CNY"},
         }
