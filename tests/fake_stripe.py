@@ -362,14 +362,7 @@ class FakeStripe:
 
     # -- test controls -------------------------------------------------------------------
 
-    async def pay(self, request: Request) -> Response:
-        cs = self.sessions.get(request.path_params["id"])
-        if cs is None or cs["status"] != "open":
-            return error(404, "invalid_request_error", "no open session", code="resource_missing")
-        body = orjson.loads(await request.body() or b"{}")
-        outcome = body.get("outcome", "succeed")
-        amount = int(body.get("amount", cs["amount_total"]))
-        manual = cs["_capture_method"] == "manual"
+    def new_intent(self, cs: dict[str, Any], amount: int) -> dict[str, Any]:
         pi: dict[str, Any] = {
             "id": new_id("pi"),
             "object": "payment_intent",
@@ -386,6 +379,23 @@ class FakeStripe:
         }
         self.intents[pi["id"]] = pi
         cs.update(payment_intent=pi["id"])
+        return pi
+
+    async def pay(self, request: Request) -> Response:
+        cs = self.sessions.get(request.path_params["id"])
+        if cs is None or cs["status"] != "open":
+            return error(404, "invalid_request_error", "no open session", code="resource_missing")
+        body = orjson.loads(await request.body() or b"{}")
+        outcome = body.get("outcome", "succeed")
+        amount = int(body.get("amount", cs["amount_total"]))
+        manual = cs["_capture_method"] == "manual"
+        # Checkout keeps one PaymentIntent per session: a retry after a declined card
+        # confirms the same one again.
+        pi = self.intents.get(cs["payment_intent"] or "")
+        if pi is not None:
+            pi.update(last_payment_error=None, amount=amount)
+        else:
+            pi = self.new_intent(cs, amount)
         if outcome == "fail":
             pi["last_payment_error"] = {"type": "card_error", "code": "card_declined"}
             event = self.emit("payment_intent.payment_failed", pi)

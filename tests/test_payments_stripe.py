@@ -28,7 +28,7 @@ import stripe
 from gate.db import Database
 from gate.payments.adapters import load_adapter
 from gate.payments.config import load_payment_settings
-from gate.payments.provider import ProviderRejected
+from gate.payments.provider import ProviderRejected, SessionRequest
 from gate.payments.stripe_provider import StripeProvider
 from gate.runtime import Gate
 from gate.settings import load_settings
@@ -246,7 +246,7 @@ async def test_a_failed_payment_is_recorded_and_the_order_stays_payable(
     deal = await create_deal(gate_client, stock=5, unit_price=800)
     order_id = await new_order(gate_client, deal, 6011)
     session = await start_payment(gate_client, order_id, 6011)
-    await fake.pay(session["session_id"], "fail")
+    first = await fake.pay(session["session_id"], "fail")
 
     async def recorded() -> bool:
         return bool(await events_of(db, order_id))
@@ -256,9 +256,15 @@ async def test_a_failed_payment_is_recorded_and_the_order_stays_payable(
     assert await events_of(db, order_id) == [("payment.failed", "ignored")]
     row = await order_row(db, order_id)
     assert row["status"] == "PENDING_PAYMENT" and row["paid_amount"] == 0
+    # Checkout confirms the same PaymentIntent again: failed, then succeeded.
     second = await fake.pay(session["session_id"])
+    assert second["payment_intent"]["id"] == first["payment_intent"]["id"]
     row = await wait_status(db, order_id, "PAID")
-    assert row["payment_id"] == second["payment_intent"]["id"]
+    assert row["payment_id"] == second["payment_intent"]["id"] and row["paid_amount"] == 800
+    assert await events_of(db, order_id) == [
+        ("payment.failed", "ignored"),
+        ("payment.succeeded", "applied"),
+    ]
 
 
 async def test_authorize_then_capture(
@@ -314,36 +320,58 @@ async def test_authorize_then_void_when_the_hold_ended(
     await assert_invariants(db, rds, deal)
 
 
+@pytest.mark.parametrize(("refund_mode", "user"), [("pending", 6041), ("succeed", 6045)])
 async def test_late_payment_without_stock_is_refunded_and_the_refund_notified(
-    gate_client: Client, fake: FakeClient, db: Database, rds: aioredis.Redis
+    gate_client: Client,
+    fake: FakeClient,
+    db: Database,
+    rds: aioredis.Redis,
+    refund_mode: str,
+    user: int,
 ) -> None:
     deal = await create_deal(gate_client, stock=1, unit_price=450)
-    order_id = await new_order(gate_client, deal, 6041)
-    session = await start_payment(gate_client, order_id, 6041)
+    order_id = await new_order(gate_client, deal, user)
+    session = await start_payment(gate_client, order_id, user)
     await fake.configure(hold=True)
     paid = await fake.pay(session["session_id"])
     [event] = await fake.events(order_id, "payment_intent.succeeded")
-    r = await gate_client.post(f"/v1/orders/{order_id}/cancel", headers=buyer(6041))
+    r = await gate_client.post(f"/v1/orders/{order_id}/cancel", headers=buyer(user))
     assert r.status_code == 200, r.text
-    r = await reserve(gate_client, deal, 6042, "stripe-late-other")
+    r = await reserve(gate_client, deal, user + 1, f"stripe-late-other-{user}")
     assert r.status_code == 201  # somebody else holds the only unit now
-    # The refund stays pending at Stripe until its notification says it succeeded.
-    await fake.configure(hold=False, refund_mode="pending")
+    # pending: the refund stays pending at Stripe until its refund.updated says it
+    # succeeded; succeed: it succeeds at once and charge.refunded follows the answer.
+    await fake.configure(hold=False, refund_mode=refund_mode)
     assert await fake.deliver([event["id"]]) == [[200]]
+    payment_id = paid["payment_intent"]["id"]
 
     async def asked() -> list[dict[str, Any]]:
-        return [
-            x for x in await fake.refunds() if x["payment_intent"] == paid["payment_intent"]["id"]
-        ]
+        return [x for x in await fake.refunds() if x["payment_intent"] == payment_id]
 
     refunds = await wait_until(asked)
-    assert [(x["amount"], x["status"]) for x in refunds] == [(450, "pending")]
+    assert [x["amount"] for x in refunds] == [450]
     assert refunds[0]["metadata"] == {"order_id": order_id}
-    assert (await order_row(db, order_id))["status"] == "REFUND_PENDING"
-    r = await fake.http.post(
-        f"/fake/refunds/{refunds[0]['id']}/settle", json={"outcome": "succeed"}
+    if refund_mode == "pending":
+        assert refunds[0]["status"] == "pending"
+        assert (await order_row(db, order_id))["status"] == "REFUND_PENDING"
+        r = await fake.http.post(
+            f"/fake/refunds/{refunds[0]['id']}/settle", json={"outcome": "succeed"}
+        )
+        assert r.status_code == 200
+    notification = "refund.updated" if refund_mode == "pending" else "charge.refunded"
+
+    async def notified() -> list[dict[str, Any]]:
+        found = await fake.events(order_id, notification)
+        return found if [e["deliveries"] for e in found] == [[200]] else []
+
+    [delivered] = await wait_until(notified)
+    # Recorded under Stripe's event id (the refund's state came from it, or from the
+    # API answer just before it: either way the refund is applied once).
+    kept = await db.fetchone(
+        "SELECT event_type FROM payment_events WHERE provider = 'stripe' AND event_id = %s",
+        (delivered["id"],),
     )
-    assert r.status_code == 200
+    assert kept is not None and kept[0] == "refund.succeeded"
     row = await wait_status(db, order_id, "REFUNDED")
     assert (row["paid_amount"], row["refunded_amount"]) == (450, 450)
     stored = await db.fetchone(
@@ -510,6 +538,19 @@ async def test_api_calls_are_idempotent_and_errors_are_read(
         )
         assert found.order_id == order_id
         assert await provider.get_payment("pi_does_not_exist") is None
+        # A session created twice under one key (an answer lost, then retried): one
+        # session at Stripe, the same answer.
+        request = SessionRequest(
+            order_id=order_id,
+            amount=1000,
+            currency="EUR",
+            capture_mode="automatic",
+            expires_at=int(time.time()) + 60,
+            description="retried",
+        )
+        one = await provider.create_session(request, f"test-session-{order_id}")
+        two = await provider.create_session(request, f"test-session-{order_id}")
+        assert one == two and one.order_id == order_id and one.session_id.startswith("cs_")
         # The same Idempotency-Key twice: one refund at Stripe, the same answer.
         first = await provider.refund(payment_id, 100, "test-refund-6081")
         again = await provider.refund(payment_id, 100, "test-refund-6081")

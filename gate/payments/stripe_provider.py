@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -37,6 +36,7 @@ import orjson
 import stripe
 
 from gate.errors import Encoded
+from gate.http import json_answer
 from gate.payments.adapters import Adapter, AdapterContext, require
 from gate.payments.config import is_loopback_host
 from gate.payments.provider import (
@@ -68,10 +68,6 @@ SIGNATURE_HEADER_MAX = 2048
 SECRETS_MAX = 4
 CONNECTIONS_MAX = 64
 RESPONSE_MAX_BYTES = 1_048_576
-# Stripe refuses a Checkout Session that expires sooner than this: a shorter hold
-# outlives its session page, and a payment after the hold is a late payment.
-CHECKOUT_EXPIRY_MIN_SECONDS = 1800
-CHECKOUT_EXPIRY_MAX_SECONDS = 86_400
 # Stripe's list endpoints return at most 100 objects a page.
 PAGE_MAX = 100
 
@@ -340,7 +336,10 @@ class StripeWebhook:
         )
 
     def acknowledge(self, outcome: str) -> Encoded:
-        status, headers, body = self._answers[outcome]
+        # The header list is copied: the request middleware appends its X-Request-Id.
+        status, headers, body = self._answers.get(outcome) or json_answer(
+            {"received": True, "outcome": outcome}
+        )
         return status, list(headers), body
 
 
@@ -448,17 +447,16 @@ class StripeProvider:
         raise ProviderUnavailable(f"{method} {path}: no answer after {tries} attempt(s): {last}")
 
     async def create_session(self, request: SessionRequest, key: str) -> Session:
-        now = int(time.time())
-        expires_at = min(
-            max(request.expires_at, now + CHECKOUT_EXPIRY_MIN_SECONDS),
-            now + CHECKOUT_EXPIRY_MAX_SECONDS,
-        )
+        # No expires_at: Stripe refuses one sooner than 30 minutes from its clock, so
+        # for a short hold it would have to be computed from "now", and a retry under
+        # the same Idempotency-Key would then differ from the first request (a 400).
+        # The page stays open Stripe's default 24 h; a payment after the hold is a
+        # late payment (re-take or refund), as with any provider.
         metadata = {"order_id": request.order_id}
         params: dict[str, Any] = {
             "mode": "payment",
             "client_reference_id": request.order_id,
             "metadata": metadata,
-            "expires_at": expires_at,
             "line_items": [
                 {
                     "quantity": 1,
