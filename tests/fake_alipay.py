@@ -355,6 +355,7 @@ async def pay(request: Request) -> Response:
 async def configure(request: Request) -> Response:
     doc = orjson.loads(await request.body())
     STATE.notes.drop = int(doc.get("drop_notifications", STATE.notes.drop))
+    STATE.notes.drop_refunds = int(doc.get("drop_refund_notifications", STATE.notes.drop_refunds))
     STATE.unavailable = int(doc.get("unavailable_calls", STATE.unavailable))
     return JSONResponse({"drop": STATE.notes.drop, "unavailable": STATE.unavailable})
 

@@ -5,7 +5,8 @@ providers' retry behaviour (scaled down), a drop switch, and a uvicorn runner.
         acknowledged? (Alipay: body == "success"; WeChat: 200/204) ── no ──> retry
         after schedule[i] seconds, at most len(schedule) + 1 attempts
         `drop` > 0: the next notifications are recorded but never sent (a lost
-        notification, for reconciliation tests)
+        notification, for reconciliation tests); `drop_refunds`: the same for the
+        next refund notifications only
 
 The fakes live with the tests and are never part of the production image.
 """
@@ -64,6 +65,9 @@ class Deliveries:
         self.acknowledged = acknowledged
         self.items: dict[str, Delivery] = {}
         self.drop = 0
+        # Refund notifications only (kind "refund" / "REFUND.*"): a lost refund
+        # notification without racing the payment's.
+        self.drop_refunds = 0
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self._http: aiohttp.ClientSession | None = None
@@ -77,6 +81,10 @@ class Deliveries:
         self.items[delivery.id] = delivery
         if self.drop > 0:
             self.drop -= 1
+            delivery.dropped = True
+            return
+        if self.drop_refunds > 0 and delivery.kind.lower().startswith("refund"):
+            self.drop_refunds -= 1
             delivery.dropped = True
             return
         self._start(delivery, retries=True)

@@ -425,6 +425,7 @@ async def pay(request: Request) -> Response:
 async def configure(request: Request) -> Response:
     doc = orjson.loads(await request.body())
     STATE.notes.drop = int(doc.get("drop_notifications", STATE.notes.drop))
+    STATE.notes.drop_refunds = int(doc.get("drop_refund_notifications", STATE.notes.drop_refunds))
     STATE.failing = int(doc.get("failing_calls", STATE.failing))
     STATE.refund_outcome = str(doc.get("refund_outcome", STATE.refund_outcome))
     return JSONResponse({"drop": STATE.notes.drop, "failing": STATE.failing})

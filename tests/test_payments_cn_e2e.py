@@ -143,7 +143,7 @@ async def client(stack: Stack) -> AsyncIterator[Client]:
 @pytest.fixture
 async def fake(stack: Stack) -> AsyncIterator[FakeControl]:
     c = FakeControl(stack.fake.url)
-    await c.post("/_fake/configure", {"drop_notifications": 0})
+    await c.post("/_fake/configure", {"drop_notifications": 0, "drop_refund_notifications": 0})
     try:
         yield c
     finally:
@@ -475,3 +475,46 @@ async def test_bad_input_is_refused_with_a_4xx_and_records_nothing(
         assert r.status_code in (400, 401), (r.status_code, r.text)
         assert r.headers["content-type"] == "application/problem+json"
     assert await db.fetchone("SELECT COUNT(*) FROM payment_events") == before
+
+
+async def test_refund_settles_without_its_notification(
+    stack: Stack,
+    client: Client,
+    fake: FakeControl,
+    db: Database,
+    rds: aioredis.Redis,
+    core: Gate,
+) -> None:
+    # Alipay settles the refund in its answer; WeChat answers PROCESSING and the
+    # notification would settle it. With that notification lost, the worker asks
+    # again with the same out_refund_no (the refund is 'submitted') and WeChat's
+    # answer is SUCCESS: one refund at the provider, the order REFUNDED.
+    deal = await create_deal(client, currency="CNY", unit_price=650, stock=1)
+    order_id = await new_order(client, deal, 7181)
+    await start_payment(client, order_id, 7181)
+    await expire(core, order_id)
+    r = await reserve(client, deal, 7182, f"cn-refund-drop-{stack.provider}")
+    assert r.status_code == 201
+    await fake.post("/_fake/configure", {"drop_refund_notifications": 1})
+    payment_id = await pay(fake, order_id)
+
+    row = await wait_status(db, order_id, "REFUNDED", timeout_seconds=20)
+    assert row["paid_amount"] == 650 and row["refunded_amount"] == 650
+    found = await notes(fake, order_id)
+    assert [n["dropped"] for n in found] == [False, True], found
+    # Settled from the provider's answer (a synthetic `api:` event), not a notification.
+    assert [e.split(":")[0] for e in await _refund_event_ids(db, order_id)] == ["api"]
+    refunds = await db.fetchall(
+        "SELECT provider_refund_id, status FROM payment_refunds WHERE order_id = %s", (order_id,)
+    )
+    assert [tuple(r) for r in refunds] == [(f"refund-{stack.provider}-{payment_id}-0", "succeeded")]
+    await assert_invariants(db, rds, deal)
+
+
+async def _refund_event_ids(db: Database, order_id: str) -> list[str]:
+    rows = await db.fetchall(
+        "SELECT event_id FROM payment_events"
+        " WHERE order_id = %s AND event_type = 'refund.succeeded'",
+        (order_id,),
+    )
+    return [str(r[0]) for r in rows]
