@@ -414,6 +414,9 @@ def test_start_up_refuses_incomplete_settings_naming_the_variable(stack: Stack) 
         if k.startswith(("GATE_ALIPAY_", "GATE_WECHATPAY_")) and not k.endswith(("_URL", "_BASE"))
     ]
     assert len(required) == (3 if stack.provider == "alipay" else 6)
+    if stack.provider == "wechatpay":
+        # WeChat has no default notify_url: the callback URL is required too.
+        required.append("GATE_PAYMENT_CALLBACK_URL")
     for name in required:
         env = {k: v for k, v in stack.env.items() if k != name}
         # Port 1: were the configuration accepted, binding would fail loudly instead.

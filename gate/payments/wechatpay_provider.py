@@ -604,6 +604,11 @@ def build(context: AdapterContext) -> Adapter:
     """GATE_PAYMENT_PROVIDER=wechatpay: settings checked (SettingsError naming the
     variable), key files read; no network."""
     wechat = load_wechatpay_settings(context.env)
+    # WeChat takes notify_url with every order and refund and has no default.
+    if context.payment.callback_url is None:
+        raise SettingsError(
+            "GATE_PAYMENT_CALLBACK_URL is required with GATE_PAYMENT_PROVIDER=wechatpay"
+        )
     return Adapter(
         name=context.name,
         webhook=WechatPayWebhook(wechat),
