@@ -25,7 +25,6 @@ not supported; a manual-capture session is refused (422 capture_unsupported).
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -67,8 +66,6 @@ from gate.payments.rsa_http import (
 from gate.payments.signing import WebhookRejected
 from gate.payments.window import OrderWindow
 from gate.settings import SettingsError
-
-log = logging.getLogger("gate.payments.alipay")
 
 NAME = "alipay"
 GATEWAY_URL = "https://openapi.alipay.com/gateway.do"
@@ -508,11 +505,6 @@ def notification_event(params: Mapping[str, str], body: bytes) -> ProviderEvent:
         refund_id=refund_id,
         payload=body,
     )
-
-
-def notification_params(body: bytes) -> dict[str, str]:
-    """For tests and tools: the parameters of a form body."""
-    return dict(parse_qsl(body.decode("utf-8"), keep_blank_values=True))
 
 
 def build(context: AdapterContext) -> Adapter:

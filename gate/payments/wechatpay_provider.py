@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import logging
 import secrets
 import time
 from collections.abc import Mapping
@@ -70,8 +69,6 @@ from gate.payments.rsa_http import (
 from gate.payments.signing import WebhookRejected
 from gate.payments.window import OrderWindow
 from gate.settings import Secret, SettingsError
-
-log = logging.getLogger("gate.payments.wechatpay")
 
 NAME = "wechatpay"
 API_BASE = "https://api.mch.weixin.qq.com"
