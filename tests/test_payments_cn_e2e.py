@@ -287,7 +287,7 @@ def _forged(
             "notify_time": stamp,
             "notify_type": "trade_status_sync",
             "notify_id": "forged-1",
-            "app_id": ALIPAY_APP_ID,
+            "app_id": "2021999999999999" if change == "other_app" else ALIPAY_APP_ID,
             "charset": "utf-8",
             "version": "1.0",
             "sign_type": "RSA2",
@@ -305,7 +305,7 @@ def _forged(
         return body, {"Content-Type": "application/x-www-form-urlencoded"}
     plain = orjson.dumps(
         {
-            "mchid": MCHID,
+            "mchid": "1900000002" if change == "other_app" else MCHID,
             "appid": APPID,
             "out_trade_no": order_id,
             "transaction_id": f"42000000002099{secrets.randbelow(10**14):014d}",
@@ -521,3 +521,24 @@ async def _refund_event_ids(db: Database, order_id: str) -> list[str]:
         (order_id,),
     )
     return [str(r[0]) for r in rows]
+
+
+async def test_another_merchants_genuine_notification_is_quarantined(
+    stack: Stack, client: Client, db: Database
+) -> None:
+    # Genuine (the provider signed it) but for another app / merchant: it names no
+    # order of this gate, whatever its out_trade_no says. Recorded, quarantined, 2xx.
+    deal = await create_deal(client, currency="CNY", unit_price=500, stock=5)
+    order_id = await new_order(client, deal, 7191)
+    before = await counts(db, order_id)
+    body, headers = _forged(stack, order_id, "other_app")
+    r = await client.post(stack.webhook_path, content=body, headers=headers)
+    assert r.status_code in (200, 204), r.text
+    row = await db.fetchone(
+        "SELECT order_id, outcome, payload FROM payment_events"
+        " WHERE provider = %s AND payload = %s",
+        (stack.provider, body.decode()),
+    )
+    assert row is not None and row[0] is None and row[1] == "quarantined", row
+    assert await counts(db, order_id) == before
+    assert (await order_row(db, order_id))["status"] == "PENDING_PAYMENT"

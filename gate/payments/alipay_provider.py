@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -432,9 +432,9 @@ def parse_notification(alipay: AlipaySettings, body: bytes, now: float) -> Provi
     """Verify an asynchronous notification and read it as a gate event.
 
     WebhookRejected (401, nothing recorded): not form-encoded UTF-8, a repeated
-    parameter, no or a bad signature, another app's notification, or a notify_time
-    more than 300 s from now. EventInvalid (400): genuine but not a trade
-    notification the gate can read.
+    parameter, no or a bad signature, or a notify_time more than 300 s from now.
+    EventInvalid (400): genuine but not a trade notification the gate can read.
+    Another app's genuine notification is returned without an order id (quarantined).
     """
     try:
         pairs = parse_qsl(
@@ -452,12 +452,15 @@ def parse_notification(alipay: AlipaySettings, body: bytes, now: float) -> Provi
         raise WebhookRejected("only RSA2 notifications are accepted")
     if not verify_notification_params(alipay.alipay_public_key, params):
         raise WebhookRejected("the signature does not verify with Alipay's public key")
-    if params.get("app_id") != alipay.app_id:
-        raise WebhookRejected("the notification is for another app")
     sent = _seconds(params.get("notify_time"))
     if sent is None or abs(now - sent) > TOLERANCE_SECONDS:
         raise WebhookRejected("notify_time is missing or more than 300 s from now")
-    return notification_event(params, body)
+    event = notification_event(params, body)
+    if params.get("app_id") != alipay.app_id:
+        # Genuine (Alipay signed it) but for another app: it names no order of this
+        # gate. Recorded and quarantined as an unknown order, payload kept.
+        return replace(event, order_id=None)
+    return event
 
 
 def notification_event(params: Mapping[str, str], body: bytes) -> ProviderEvent:

@@ -30,7 +30,7 @@ import binascii
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -511,8 +511,9 @@ def parse_notification(
 ) -> ProviderEvent:
     """Verify a notification (headers with lower-case names) and read it as a gate
     event. WebhookRejected (401, nothing recorded): bad or stale signature, a
-    resource that does not decrypt, another merchant's or app's notification.
-    EventInvalid (400): genuine but unreadable."""
+    resource that does not decrypt. EventInvalid (400): genuine but unreadable.
+    Another merchant's or app's genuine notification is returned without an order id
+    (recorded and quarantined as naming no order of this gate)."""
     verify_signed(wechat.platform_public_key, headers, body, now)
     try:
         doc = orjson.loads(body)
@@ -530,11 +531,13 @@ def parse_notification(
         raise EventInvalid("the decrypted resource is not JSON") from None
     if not isinstance(res, dict):
         raise EventInvalid("the decrypted resource must be an object")
-    if res.get("mchid", res.get("sp_mchid")) != wechat.mchid:
-        raise WebhookRejected("the notification is for another merchant")
-    if "appid" in res and res["appid"] != wechat.appid:
-        raise WebhookRejected("the notification is for another app")
-    return resource_event(event_type, res, body)
+    event = resource_event(event_type, res, body)
+    foreign_merchant = res.get("mchid", res.get("sp_mchid")) != wechat.mchid
+    if foreign_merchant or ("appid" in res and res["appid"] != wechat.appid):
+        # Genuine (signed, and encrypted with our APIv3 key) but for another merchant
+        # or app: it names no order of this gate. Quarantined as an unknown order.
+        return replace(event, order_id=None)
+    return event
 
 
 def resource_event(event_type: str, res: Mapping[str, Any], body: bytes) -> ProviderEvent:
