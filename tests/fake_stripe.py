@@ -92,7 +92,13 @@ class FakeStripe:
         self.refunds: dict[str, dict[str, Any]] = {}
         self.events: dict[str, dict[str, Any]] = {}
         self.idempotency: dict[str, tuple[bytes, int, bytes]] = {}
-        self.config: dict[str, Any] = {"hold": False, "drop": False, "refund_mode": "succeed"}
+        # sign_with: another secret to sign deliveries with (a misconfigured endpoint).
+        self.config: dict[str, Any] = {
+            "hold": False,
+            "drop": False,
+            "refund_mode": "succeed",
+            "sign_with": None,
+        }
         self.tasks: set[asyncio.Task[None]] = set()
         self.http: aiohttp.ClientSession | None = None
 
@@ -160,7 +166,9 @@ class FakeStripe:
             body = self.payload(event)
             headers = {
                 "Content-Type": "application/json; charset=utf-8",
-                "Stripe-Signature": signature(self.webhook_secret, int(time.time()), body),
+                "Stripe-Signature": signature(
+                    self.config.get("sign_with") or self.webhook_secret, int(time.time()), body
+                ),
             }
             try:
                 async with self.http.post(self.webhook_url, data=body, headers=headers) as r:

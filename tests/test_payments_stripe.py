@@ -199,11 +199,11 @@ async def gate_client(stack: StripeStack) -> AsyncIterator[Client]:
 @pytest.fixture
 async def fake(stack: StripeStack) -> AsyncIterator[FakeClient]:
     f = FakeClient(stack.fake.url)
-    await f.configure(hold=False, drop=False, refund_mode="succeed")
+    await f.configure(hold=False, drop=False, refund_mode="succeed", sign_with=None)
     try:
         yield f
     finally:
-        await f.configure(hold=False, drop=False, refund_mode="succeed")
+        await f.configure(hold=False, drop=False, refund_mode="succeed", sign_with=None)
         await f.http.close()
 
 
@@ -447,6 +447,30 @@ async def test_forged_tampered_and_stale_notifications_are_refused_recording_not
     r = await post(gate_client, body, signature(STRIPE_SECRET, now, body))
     assert r.status_code == 200, r.text
     assert (await order_row(db, order_id))["status"] == "PAID"
+
+
+async def test_a_refused_delivery_is_retried_by_stripe_and_records_nothing(
+    gate_client: Client, fake: FakeClient, db: Database
+) -> None:
+    deal = await create_deal(gate_client, stock=2, unit_price=330)
+    order_id = await new_order(gate_client, deal, 6057)
+    session = await start_payment(gate_client, order_id, 6057)
+    before = await counts(db, order_id)
+    # The endpoint's secret rolled at Stripe but not at the gate: every attempt is 401.
+    await fake.configure(sign_with=OTHER_SECRET)
+    await fake.pay(session["session_id"])
+
+    async def given_up() -> list[dict[str, Any]]:
+        found = await fake.events(order_id, "payment_intent.succeeded")
+        return found if found and len(found[0]["deliveries"]) == 6 else []
+
+    [event] = await wait_until(given_up)
+    assert event["deliveries"] == [401] * 6
+    assert await counts(db, order_id) == before
+    # Fixed, Stripe's next attempt (here: a redelivery from its dashboard) is taken.
+    await fake.configure(sign_with=None)
+    assert await fake.deliver([event["id"]]) == [[200]]
+    await wait_status(db, order_id, "PAID")
 
 
 async def test_a_notification_that_disagrees_with_the_order_is_quarantined(
