@@ -542,3 +542,45 @@ async def test_another_merchants_genuine_notification_is_quarantined(
     assert row is not None and row[0] is None and row[1] == "quarantined", row
     assert await counts(db, order_id) == before
     assert (await order_row(db, order_id))["status"] == "PENDING_PAYMENT"
+
+
+async def test_reconcile_flags_paid_without_a_payment_at_the_provider(
+    stack: Stack, client: Client, db: Database
+) -> None:
+    # A notification that verifies (signed with the provider's key) for a payment the
+    # provider does not have: the gate applied it; reconciliation asks the provider
+    # for that payment (trade query / transaction by id), hears "unknown" and flags it.
+    deal = await create_deal(client, currency="CNY", unit_price=500, stock=5)
+    order_id = await new_order(client, deal, 7201)
+    body, headers = _forged(stack, order_id, "genuine")
+    r = await client.post(stack.webhook_path, content=body, headers=headers)
+    assert r.status_code in (200, 204), r.text
+    row = await wait_status(db, order_id, "PAID")
+
+    report = await _reconcile(stack)
+    flagged = [
+        f
+        for f in report["findings"]
+        if f["kind"] == "paid_without_payment" and f["order_id"] == order_id
+    ]
+    assert flagged and flagged[0]["outcome"] == "flagged", report
+    assert flagged[0]["payment_id"] == row["payment_id"]
+    assert flagged[0]["detail"] == "unknown at the provider"
+    assert (await order_row(db, order_id))["status"] == "PAID"  # never un-paid
+
+
+async def _reconcile(stack: Stack) -> dict[str, Any]:
+    env = {**stack.env, "GATE_RECONCILE_GRACE_SECONDS": "0"}
+    proc = await asyncio.create_subprocess_exec(
+        GATE_BIN,
+        "reconcile",
+        "--json",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert out, err.decode()[-3000:]
+    report: dict[str, Any] = orjson.loads(out)
+    assert report["provider"] == stack.provider, report
+    return report
