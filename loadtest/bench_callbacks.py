@@ -383,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
                 "GATE_ADMIN_TOKEN": admin,
                 "GATE_WEBHOOK_SECRET": webhook,
                 "GATE_ADMISSION_SECRET": "bench-admission-" + secrets.token_hex(24),
+                "GATE_PAYMENT_PROVIDER": "sandbox",
                 "GATE_LOG_LEVEL": "WARNING",
                 "GATE_DB_POOL_MAX": str(args.pool_max),
                 "PYTHONPATH": str(args.source or ROOT),

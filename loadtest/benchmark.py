@@ -221,6 +221,7 @@ class Bench:
                 "GATE_ADMIN_TOKEN": self.admin_token,
                 "GATE_WEBHOOK_SECRET": webhook,
                 "GATE_ADMISSION_SECRET": "bench-admission-" + secrets.token_hex(24),
+                "GATE_PAYMENT_PROVIDER": "sandbox",
                 "GATE_LOG_LEVEL": "WARNING",
                 "BASELINE_MYSQL_URL": self.baseline_mysql,
                 "PYTHONPATH": str(ROOT),

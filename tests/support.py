@@ -56,6 +56,8 @@ def base_env() -> dict[str, str]:
             "GATE_ADMIN_TOKEN": ADMIN_TOKEN,
             "GATE_WEBHOOK_SECRET": WEBHOOK_SECRET,
             "GATE_ADMISSION_SECRET": ADMISSION_SECRET,
+            # Required outside GATE_ENV=dev; the suite's gates take the sandbox's calls.
+            "GATE_PAYMENT_PROVIDER": "sandbox",
             "GATE_DB_LOCK_WAIT_SECONDS": "2",
             # Many gate processes share one MariaDB (max_connections 151 by default).
             "GATE_DB_POOL_MAX": "10",

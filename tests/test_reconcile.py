@@ -46,7 +46,7 @@ sandbox = ps.sandbox
 
 # A provider name of its own: other payment modules' rows in the shared test database
 # belong to provider "sandbox" and stay out of this module's reconciliation.
-PROVIDER = "sbrec"
+PROVIDER = "sandbox-rec"
 WEBHOOK = f"/v1/payments/{PROVIDER}/webhook"
 
 

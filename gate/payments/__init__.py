@@ -18,14 +18,13 @@ from starlette.routing import Route
 
 from gate.extensions import Extension, Worker
 from gate.http import json_response
+from gate.payments.adapters import load_adapter
 from gate.payments.config import load_payment_settings, load_reconcile_settings
-from gate.payments.http_provider import SandboxProvider
 from gate.payments.machine import PaymentMachine
 from gate.payments.outbox import OutboxRelay
 from gate.payments.reconcile import Reconciler
 from gate.payments.reconcile import add_command as add_reconcile_command
 from gate.payments.sessions import PaymentSessions
-from gate.payments.signing import decode_secrets
 from gate.payments.webhook import WebhookEndpoint
 from gate.payments.workers import PaymentWorker
 from gate.settings import SettingsError, env_bool
@@ -41,8 +40,13 @@ def _actor() -> str:
 def install(gate: Gate) -> Extension:
     env = gate.settings.environ
     settings = load_payment_settings(env)
-    keys = decode_secrets(gate.settings.webhook_secrets)
-    provider = SandboxProvider(settings, keys) if settings.provider_url else None
+    adapter = load_adapter(
+        env,
+        settings,
+        is_dev=gate.settings.is_dev,
+        webhook_secrets=gate.settings.webhook_secrets,
+    )
+    provider = adapter.provider
     actor = _actor()
     machine = PaymentMachine(gate.db, gate.mirror, actor)
     worker = PaymentWorker(gate.db, gate.mirror, machine, provider, settings, actor)
@@ -56,8 +60,8 @@ def install(gate: Gate) -> Extension:
     )
     sessions = PaymentSessions(gate.db, provider, settings)
     webhook = WebhookEndpoint(
-        settings.provider,
-        keys,
+        adapter.name,
+        adapter.webhook,
         machine,
         settings.webhook_body_max_bytes,
         settings.dedup_cache_max,

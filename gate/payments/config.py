@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -10,6 +11,29 @@ from urllib.parse import urlsplit
 from gate.settings import Secret, SettingsError, env_bool, env_float, env_int
 
 PROVIDER_NAME_MAX = 32
+# The providers an adapter exists for (gate/payments/adapters.py names their modules).
+PROVIDER_NAMES = ("sandbox", "stripe", "alipay", "wechatpay")
+# `sandbox-<label>`: the sandbox under a name of its own, so that a test suite's rows
+# stay apart from other suites' in a shared database (tests/test_reconcile.py).
+SANDBOX_LABEL_RE = re.compile(r"^sandbox-[a-z0-9]{1,24}$")
+
+
+def provider_name(env: Mapping[str, str]) -> str:
+    """GATE_PAYMENT_PROVIDER: `sandbox` by default with GATE_ENV=dev, required otherwise
+    (a production gate names the provider that takes its money)."""
+    name = env.get("GATE_PAYMENT_PROVIDER", "").strip()
+    if not name:
+        if env.get("GATE_ENV", "production").strip().lower() == "dev":
+            return "sandbox"
+        raise SettingsError(
+            "GATE_PAYMENT_PROVIDER is required outside GATE_ENV=dev"
+            f" (one of {', '.join(PROVIDER_NAMES)})"
+        )
+    if name not in PROVIDER_NAMES and not SANDBOX_LABEL_RE.match(name):
+        raise SettingsError(
+            f"GATE_PAYMENT_PROVIDER must be one of {', '.join(PROVIDER_NAMES)}, got {name[:40]!r}"
+        )
+    return name
 
 
 def _url(env: Mapping[str, str], name: str) -> str | None:
@@ -88,17 +112,13 @@ class PaymentSettings:
 
     @property
     def payments_enabled(self) -> bool:
-        return self.provider_url is not None
+        # The sandbox is called only at GATE_PAYMENT_PROVIDER_URL; a real provider's
+        # API always has an address (its adapter's default).
+        return self.provider_url is not None or not self.provider.startswith("sandbox")
 
 
 def load_payment_settings(env: Mapping[str, str]) -> PaymentSettings:
-    provider = env.get("GATE_PAYMENT_PROVIDER", "sandbox").strip() or "sandbox"
-    if (
-        len(provider) > PROVIDER_NAME_MAX
-        or not provider.replace("_", "").replace("-", "").isalnum()
-        or not provider.isascii()
-    ):
-        raise SettingsError("GATE_PAYMENT_PROVIDER must be 1-32 characters of [A-Za-z0-9_-]")
+    provider = provider_name(env)
     api_key = env.get("GATE_PAYMENT_API_KEY", "").strip()
     stream = env.get("GATE_OUTBOX_STREAM", "gate:events").strip() or "gate:events"
     if len(stream) > 200:

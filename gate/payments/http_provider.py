@@ -28,7 +28,6 @@ from gate.payments.provider import (
     Transaction,
     TransactionPage,
 )
-from gate.payments.signing import WebhookRejected, verify
 
 log = logging.getLogger("gate.payments.provider")
 
@@ -220,8 +219,3 @@ class SandboxProvider:
             for t in doc.get("data") or []
         ]
         return TransactionPage(items=items, next_cursor=doc.get("next"))
-
-    def verify_webhook(self, headers: dict[str, str], body: bytes, now: float) -> str:
-        if not self.webhook_keys:
-            raise WebhookRejected("no webhook secret configured")
-        return verify(self.webhook_keys, headers, body, now)

@@ -144,11 +144,10 @@ class Provider(Protocol):
     async def transactions(
         self, cursor: str | None, limit: int, since: int | None = None
     ) -> TransactionPage:
-        """Payments and refunds in creation order, from `cursor` (None: the start, or
-        the first created at or after `since`, unix seconds)."""
+        """Payments and refunds created at or after `since` (unix seconds; None: all),
+        a page from `cursor` (None: the first page); next_cursor None on the last.
+        Any order (the sandbox lists oldest first, Stripe newest first)."""
         ...
-
-    def verify_webhook(self, headers: dict[str, str], body: bytes, now: float) -> str: ...
 
     async def close(self) -> None: ...
 

@@ -66,6 +66,7 @@ from gate.payments.provider import (
     synthetic_payment_event,
     synthetic_refund_event,
 )
+from gate.payments.window import attach_order_window
 from gate.payments.workers import PaymentWorker
 
 log = logging.getLogger("gate.payments.reconcile")
@@ -326,6 +327,9 @@ class Reconciler:
         self.settings = settings
         self.name = provider.name
         self.lock = lock_name(lock_scope, self.name)
+        # Providers without a listing API (Alipay, WeChat Pay) query the orders of
+        # the window one by one: they read which orders from the gate's sessions.
+        attach_order_window(provider, db)
 
     # -- the loop -------------------------------------------------------------------
 
@@ -426,14 +430,10 @@ class Reconciler:
                 raise ReconcileUnavailable(f"transaction listing: {exc}") from exc
             report.pages += 1
             report.transactions += len(page.items)
-            young = False
-            for t in page.items:
-                if t.created > until:
-                    # Creation order: everything after this one is young as well.
-                    young = True
-                    break
-                items.append(t)
-            if young or page.next_cursor is None:
+            # Young ones are left for a later pass. Not a stop: a provider may list
+            # newest first (Stripe), so an older transaction can follow a young one.
+            items.extend(t for t in page.items if t.created <= until)
+            if page.next_cursor is None:
                 break
             cursor = page.next_cursor
         return items
@@ -847,6 +847,7 @@ def add_command(sub: argparse._SubParsersAction[Any]) -> None:
 
 def command(args: argparse.Namespace) -> int:
     from gate.logs import configure
+    from gate.payments.adapters import load_adapter
     from gate.payments.config import load_payment_settings, load_reconcile_settings
     from gate.settings import SettingsError, load_settings
 
@@ -854,6 +855,12 @@ def command(args: argparse.Namespace) -> int:
         settings = load_settings()
         payment = load_payment_settings(settings.environ)
         recon = load_reconcile_settings(settings.environ)
+        adapter = load_adapter(
+            settings.environ,
+            payment,
+            is_dev=settings.is_dev,
+            webhook_secrets=settings.webhook_secrets,
+        )
     except SettingsError as exc:
         print(f"gate reconcile: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -865,17 +872,16 @@ def command(args: argparse.Namespace) -> int:
     if args.loop and recon.interval_seconds == 0:
         print("gate reconcile: --loop needs GATE_RECONCILE_INTERVAL_SECONDS > 0", file=sys.stderr)
         return 2
-    if payment.provider_url is None:
+    provider = adapter.provider
+    if provider is None:
         print("gate reconcile: no provider configured (GATE_PAYMENT_PROVIDER_URL)", file=sys.stderr)
         return 2
     configure(settings.log_level)
 
     async def go() -> int:
-        from gate.payments.http_provider import SandboxProvider
         from gate.runtime import Gate
 
         gate = Gate(settings)
-        provider = SandboxProvider(payment, ())
         try:
             await gate.db.start()
             await gate.runner.load()

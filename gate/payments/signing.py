@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from gate.settings import Secret, SettingsError
 
 TOLERANCE_SECONDS = 300
+# The request headers a Standard Webhooks delivery is verified with (lower-case).
+HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
 SIGNATURE_ENTRIES_MAX = 16
 SIGNATURE_HEADER_MAX = 2048
 # No dots: the signed content joins id, timestamp and body with dots, so an id with a

@@ -1,11 +1,13 @@
 """POST /v1/payments/{provider}/webhook.
 
-Order of work, each step bounded: read at most `webhook_body_max_bytes`; verify the
-signature on the raw bytes (401, nothing recorded); parse (400); record and apply
-the event in one transaction (the 2xx is sent only after it committed); then the
-follow-ups a late payment or a waiting refund needs. A follow-up that fails leaves
-its event recorded as 'late' or 'waiting' for the recovery loop, and the answer is
-still 2xx: the event is durable, and a redelivery would change nothing.
+Order of work, each step bounded: read at most `webhook_body_max_bytes`; the
+provider's adapter (gate/payments/adapters.py) verifies the raw bytes (401, nothing
+recorded) and reads them into the gate's event (400); record and apply the event in
+one transaction; only then the adapter's own acknowledgement (JSON, Alipay's plain
+`success`, ...); then the follow-ups a late payment or a waiting refund needs. A
+follow-up that fails leaves its event recorded as 'late' or 'waiting' for the
+recovery loop, and the answer is still 2xx: the event is durable, and a redelivery
+would change nothing. A {provider} other than the configured one is 404.
 """
 
 from __future__ import annotations
@@ -13,49 +15,33 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from starlette.types import Receive, Scope, Send
 
 from gate.db import DbUnavailable
 from gate.errors import Encoded, Problem, invalid, not_found, overloaded
-from gate.http import json_answer, send_answer
+from gate.http import send_answer
+from gate.payments.adapters import WebhookVerifier
 from gate.payments.codes import METRIC_OUTCOME, EventCode
 from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.metrics import CALLBACK_DELAY, CALLBACKS
-from gate.payments.provider import EventInvalid, parse_event
-from gate.payments.signing import WebhookRejected, verify
+from gate.payments.provider import EventInvalid
+from gate.payments.signing import WebhookRejected
 from gate.validate import digits
 
 log = logging.getLogger("gate.payments.webhook")
 
-HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
-# The raw (lower-case, as ASGI servers give them) names this endpoint reads, found in
-# one pass over the request's header list instead of one scan per name.
-_WANTED = {name.encode(): name for name in (*HEADERS, "content-length")}
 _OUTCOMES = ("applied", "duplicate", "ignored", "quarantined", "rejected")
 
 
-def _headers(scope: Scope) -> dict[str, str]:
+def _headers(scope: Scope, wanted: dict[bytes, str]) -> dict[str, str]:
     found: dict[str, str] = {}
     for raw_name, raw_value in scope["headers"]:
-        name = _WANTED.get(raw_name.lower())
+        name = wanted.get(raw_name.lower())
         if name is not None and name not in found:
             found[name] = raw_value.decode("latin-1")
     return found
-
-
-def _answer(outcome: str) -> Encoded:
-    # The few answers this endpoint sends, encoded once (the header list is copied:
-    # the request middleware appends its X-Request-Id to it).
-    status, headers, body = _ANSWERS[outcome]
-    return status, list(headers), body
-
-
-_ANSWERS = {
-    outcome: json_answer({"received": True, "outcome": outcome})
-    for outcome in ("applied", "duplicate", "ignored", "quarantined", "late", "waiting")
-}
 
 
 class RecentEvents:
@@ -87,14 +73,20 @@ class WebhookEndpoint:
     def __init__(
         self,
         provider: str,
-        keys: Sequence[bytes],
+        verifier: WebhookVerifier,
         machine: PaymentMachine,
         body_max_bytes: int,
         dedup_max: int,
         kick: Callable[[], None],
     ) -> None:
         self.provider = provider
-        self.keys = tuple(keys)
+        self.verifier = verifier
+        # The raw (lower-case, as ASGI servers give them) names this endpoint reads,
+        # found in one pass over the request's header list instead of one per name.
+        self.wanted = {
+            name.lower().encode(): name.lower()
+            for name in (*verifier.header_names, "content-length")
+        }
         self.machine = machine
         self.body_max_bytes = body_max_bytes
         self.recent = RecentEvents(dedup_max)
@@ -137,20 +129,18 @@ class WebhookEndpoint:
     async def handle(self, scope: Scope, receive: Receive) -> Encoded:
         if scope["path_params"]["provider"] != self.provider:
             raise not_found("payment provider")
-        headers = _headers(scope)
+        headers = _headers(scope, self.wanted)
         body = await self._read(receive, headers.get("content-length"))
         now = time.time()
         try:
-            verify(self.keys, headers, body, now)
+            event = self.verifier.parse(headers, body, now)
         except WebhookRejected as exc:
             raise self._reject(Problem("UNAUTHORIZED", f"Webhook rejected: {exc}.")) from None
-        try:
-            event = parse_event(body)
         except EventInvalid as exc:
             raise self._reject(invalid(f"Unreadable event: {exc}.")) from None
         if event.event_id in self.recent:
             self.counted["duplicate"].inc()
-            return _answer("duplicate")
+            return self.verifier.acknowledge("duplicate")
         if event.created is not None:
             CALLBACK_DELAY.observe(max(0.0, now - event.created))
         applied = await self.groups.submit(event)
@@ -164,6 +154,4 @@ class WebhookEndpoint:
         if applied.code in (EventCode.APPLIED, EventCode.LATE):
             # Captures, voids and refunds are the worker's, out of this request's path.
             self.kick()
-        if applied.outcome in _ANSWERS:
-            return _answer(applied.outcome)
-        return json_answer({"received": True, "outcome": applied.outcome})
+        return self.verifier.acknowledge(applied.outcome)

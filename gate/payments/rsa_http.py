@@ -1,0 +1,199 @@
+"""What the Alipay and WeChat Pay v3 adapters share: RSA keys read once from files,
+SHA256withRSA (PKCS#1 v1.5) signing and verification with `cryptography`, exact
+yuan <-> fen conversion, and one bounded HTTP exchange with retries.
+
+    adapter ──request(method, url, body, headers())──> retry loop (retry_max attempts,
+        connect + total timeout each, jittered backoff; only no-answer/429/5xx retried)
+        └─> (status, headers, raw bytes) ──> the adapter verifies and parses
+
+Why `cryptography` directly and not `python-alipay-sdk` / `wechatpayv3`: both SDKs
+make blocking `requests` calls from inside their API methods (the gate's provider
+calls are async, bounded and retried by the gate, with the idempotency keys the gate
+chooses), and both would bring their own retry and time-out behaviour. The part we
+need from them — RSA signatures and AES-GCM — is a few calls into `cryptography`,
+which they use underneath as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import random
+from collections.abc import Callable, Mapping
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+
+import aiohttp
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+from gate.payments.config import PaymentSettings
+from gate.payments.provider import AMOUNT_MAX, ProviderUnavailable
+from gate.settings import SettingsError
+
+CONNECTIONS_MAX = 64
+RESPONSE_MAX_BYTES = 1_048_576
+KEY_FILE_MAX_BYTES = 65_536
+SIGNATURE_B64_MAX = 2048
+# Both providers take idempotency keys (out_request_no, out_refund_no) of at most 64
+# characters.
+PROVIDER_KEY_MAX = 64
+
+
+def read_private_key(name: str, path: str) -> rsa.RSAPrivateKey:
+    """A PEM RSA private key (PKCS#8 or PKCS#1) of at least 2048 bits; `name` is the
+    variable that named the file, for the start-up error."""
+    data = _read(name, path)
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise SettingsError(f"{name}: {path} is not an unencrypted PEM private key") from None
+    if not isinstance(key, rsa.RSAPrivateKey) or key.key_size < 2048:
+        raise SettingsError(f"{name}: {path} must hold an RSA key of at least 2048 bits")
+    return key
+
+
+def read_public_key(name: str, path: str) -> rsa.RSAPublicKey:
+    """A PEM RSA public key, a PEM certificate (its key), or the bare base64 body
+    Alipay's console shows (no PEM armour)."""
+    data = _read(name, path)
+    key: object
+    try:
+        if b"-----BEGIN CERTIFICATE-----" in data:
+            from cryptography import x509
+
+            key = x509.load_pem_x509_certificate(data).public_key()
+        elif b"-----BEGIN" in data:
+            key = serialization.load_pem_public_key(data)
+        else:
+            key = serialization.load_der_public_key(base64.b64decode(b"".join(data.split())))
+    except (ValueError, TypeError, binascii.Error):
+        raise SettingsError(f"{name}: {path} is not an RSA public key or certificate") from None
+    if not isinstance(key, rsa.RSAPublicKey) or key.key_size < 2048:
+        raise SettingsError(f"{name}: {path} must hold an RSA key of at least 2048 bits")
+    return key
+
+
+def _read(name: str, path: str) -> bytes:
+    try:
+        with Path(path).open("rb") as f:
+            data = f.read(KEY_FILE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise SettingsError(f"{name}: cannot read {path}: {exc.strerror}") from None
+    if len(data) > KEY_FILE_MAX_BYTES:
+        raise SettingsError(f"{name}: {path} is larger than {KEY_FILE_MAX_BYTES} bytes")
+    return data
+
+
+def sign_sha256_rsa(key: rsa.RSAPrivateKey, message: bytes) -> str:
+    """SHA256withRSA (RSASSA-PKCS1-v1_5), base64: what both providers call RSA2 /
+    SHA256-RSA2048."""
+    return base64.b64encode(key.sign(message, padding.PKCS1v15(), hashes.SHA256())).decode()
+
+
+def verify_sha256_rsa(key: rsa.RSAPublicKey, message: bytes, signature_b64: str) -> bool:
+    if not signature_b64 or len(signature_b64) > SIGNATURE_B64_MAX:
+        return False
+    try:
+        signature = base64.b64decode(signature_b64, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    try:
+        key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
+    except InvalidSignature:
+        return False
+    return True
+
+
+def yuan_to_fen(text: str) -> int:
+    """'88.88' -> 8888, exactly (Decimal, never float); at most two decimals, no sign,
+    no exponent. Raises ValueError for anything else."""
+    if not text or len(text) > 24 or not all(c.isdigit() or c == "." for c in text):
+        raise ValueError(f"not a yuan amount: {text!r}")
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise ValueError(f"not a yuan amount: {text!r}") from None
+    fen = value * 100
+    if fen != fen.to_integral_value() or not 0 <= fen <= AMOUNT_MAX:
+        raise ValueError(f"not a whole number of fen: {text!r}")
+    return int(fen)
+
+
+def fen_to_yuan(fen: int) -> str:
+    if not 0 <= fen <= AMOUNT_MAX:
+        raise ValueError(f"amount out of range: {fen}")
+    return f"{fen // 100}.{fen % 100:02d}"
+
+
+def provider_key(key: str) -> str:
+    """The gate's idempotency key as the provider's out_request_no / out_refund_no:
+    unchanged when it fits (64 characters of [0-9A-Za-z_-]), else a stable digest."""
+    if len(key) <= PROVIDER_KEY_MAX and all(c.isalnum() or c in "_-" for c in key):
+        return key
+    return "k-" + hashlib.sha256(key.encode()).hexdigest()[:48]
+
+
+class Exchange:
+    """One aiohttp session and the gate's bounds: per-attempt connect and total
+    timeouts, `retry_max` attempts, retried only when no answer may have meant
+    anything (no answer, 429, 5xx). The caller makes every retried request carry the
+    same idempotency key (or be a read)."""
+
+    def __init__(self, settings: PaymentSettings) -> None:
+        self.settings = settings
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=CONNECTIONS_MAX),
+                timeout=aiohttp.ClientTimeout(
+                    total=self.settings.timeout_seconds,
+                    sock_connect=self.settings.connect_timeout_seconds,
+                ),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Callable[[], Mapping[str, str]],
+        *,
+        retry_statuses: Callable[[int, bytes], bool] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """`headers` is called per attempt (WeChat's signature carries a fresh
+        timestamp and nonce). `retry_statuses(status, body)` may mark more answers as
+        transient (Alipay's code 20000 comes with HTTP 200)."""
+        last = ""
+        tries = self.settings.retry_max
+        for i in range(tries):
+            if i:
+                await asyncio.sleep(min(1.0, 0.1 * 2**i) * random.uniform(0.5, 1.0))
+            try:
+                async with self._client().request(
+                    method, url, data=body, headers=dict(headers())
+                ) as resp:
+                    raw = await resp.content.read(RESPONSE_MAX_BYTES + 1)
+                    status = resp.status
+                    got = {k.lower(): v for k, v in resp.headers.items()}
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if len(raw) > RESPONSE_MAX_BYTES:
+                raise ProviderUnavailable("provider answer too large")
+            if status == 429 or status >= 500 or (retry_statuses and retry_statuses(status, raw)):
+                last = f"HTTP {status}"
+                continue
+            return status, got, raw
+        raise ProviderUnavailable(f"{method} {url}: no answer after {tries} attempt(s): {last}")
