@@ -83,3 +83,8 @@ def deal_keys(deal_id: int) -> DealKeys:
         if len(_cache) < 100_000:
             _cache[deal_id] = keys
     return keys
+
+
+def console_revoked(session_id: str) -> str:
+    """A signed-out console session (gate/console/session.py), until it would expire."""
+    return f"gate:console:revoked:{session_id}"

@@ -23,6 +23,7 @@ PROBLEM_JSON = "application/problem+json"
 PROBLEM_CODES: dict[str, int] = {
     "INVALID_REQUEST": 400,
     "UNAUTHORIZED": 401,
+    "FORBIDDEN": 403,
     "NOT_FOUND": 404,
     "METHOD_NOT_ALLOWED": 405,
     "SOLD_OUT": 409,
@@ -41,6 +42,7 @@ PROBLEM_CODES: dict[str, int] = {
 _REASONS = {
     400: "Invalid request",
     401: "Missing or invalid credentials",
+    403: "Forbidden",
     404: "Not found",
     405: "Method not allowed",
     409: "Conflict with the current state",
@@ -374,6 +376,20 @@ def _paths() -> dict[str, dict[str, Any]]:
                 },
             }
         },
+        admin_deal + "/window": {
+            "put": {
+                "tags": ["admin"],
+                "summary": "Change the sale window (null: open-ended); logged with its actor.",
+                "operationId": "setWindow",
+                "security": ADMIN,
+                "parameters": [_param("DealId")],
+                "requestBody": _body("SaleWindow", "The new window."),
+                "responses": {
+                    "200": _json(_ref("AdminDealView"), "The deal with its new window."),
+                    **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
+                },
+            }
+        },
         admin_deal + "/ledger": {
             "get": {
                 "tags": ["admin"],
@@ -685,6 +701,11 @@ def _schemas() -> dict[str, Any]:
         "Rebucket": _object(
             {"count": {"type": "integer", "minimum": 1, "maximum": 1024}},
             ["count"],
+            additionalProperties=False,
+        ),
+        "SaleWindow": _object(
+            {"starts_at": NULLABLE_TIMESTAMP, "ends_at": NULLABLE_TIMESTAMP},
+            ["starts_at", "ends_at"],
             additionalProperties=False,
         ),
         "Ledger": _object(
