@@ -76,42 +76,54 @@
     const anyRoom = snap.deals.some((d) => d.waiting_room !== undefined);
     document.querySelectorAll("#deals .opt-mode").forEach((el) => { el.hidden = !anyMode; });
     document.querySelectorAll("#deals .opt-room").forEach((el) => { el.hidden = !anyRoom; });
+    // Rows are kept and updated in place, so that a focused control keeps its focus
+    // (keyboard users) while the numbers change every second.
     const body = document.querySelector("#deals tbody");
-    body.replaceChildren();
+    const rows = new Map([...body.children].map((tr) => [Number(tr.dataset.deal), tr]));
+    const shown = [];
     for (const d of snap.deals) {
       const h = history.get(d.id) || [];
       h.push({ available: d.available, held: d.held, sold: d.sold });
       if (h.length > HISTORY_POINTS) h.shift();
       history.set(d.id, h);
-      const tr = document.createElement("tr");
-      tr.dataset.deal = d.id;
+      let tr = rows.get(d.id);
+      if (!tr) tr = newRow(d);
+      rows.delete(d.id);
       tr.setAttribute("aria-selected", String(d.id === selected));
-      const first = document.createElement("td");
-      const pick = document.createElement("button");
-      pick.type = "button";
-      pick.className = "pick";
-      pick.textContent = "#" + d.id + " " + d.title;
-      pick.setAttribute("aria-label", "Watch deal " + d.id + ": " + d.title);
-      pick.addEventListener("click", () => select(d.id));
-      first.append(pick);
-      tr.append(first);
       const cells = [d.status, (d.starts_at || "open") + " → " + (d.ends_at || "open"),
-        d.total, d.sold, d.held, d.available, d.buckets];
-      cells.forEach((c, i) => {
-        const td = document.createElement("td");
-        if (i >= 2) td.className = "num";
-        td.textContent = c;
-        tr.append(td);
-      });
-      if (anyMode) { const td = document.createElement("td"); td.textContent = d.mode ?? "–"; tr.append(td); }
-      if (anyRoom) { const td = document.createElement("td"); td.textContent = d.waiting_room ? JSON.stringify(d.waiting_room) : "–"; tr.append(td); }
-      const inv = document.createElement("td");
-      inv.textContent = !d.invariant.checked ? "not checked yet" : d.invariant.ok ? "hold" : d.invariant.breaches + " breach(es)";
-      inv.className = d.invariant.ok ? "ok" : "bad";
-      tr.append(inv);
-      body.append(tr);
+        d.total, d.sold, d.held, d.available, d.buckets,
+        d.mode ?? "–", d.waiting_room ? JSON.stringify(d.waiting_room) : "–",
+        !d.invariant.checked ? "not checked yet" : d.invariant.ok ? "hold" : d.invariant.breaches + " breach(es)"];
+      const tds = tr.querySelectorAll("td.v");
+      cells.forEach((c, i) => { if (tds[i].textContent !== String(c)) tds[i].textContent = c; });
+      tds[7].hidden = !anyMode;
+      tds[8].hidden = !anyRoom;
+      tds[9].className = "v " + (d.invariant.ok ? "ok" : "bad");
+      shown.push(tr);
     }
+    for (const gone of rows.values()) gone.remove();
+    shown.forEach((tr, i) => { if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null); });
     if (selected !== null) renderDetail(snap);
+  }
+
+  function newRow(d) {
+    const tr = document.createElement("tr");
+    tr.dataset.deal = d.id;
+    const first = document.createElement("td");
+    const pick = document.createElement("button");
+    pick.type = "button";
+    pick.className = "pick";
+    pick.textContent = "#" + d.id + " " + d.title;
+    pick.setAttribute("aria-label", "Watch deal " + d.id + ": " + d.title);
+    pick.addEventListener("click", () => select(d.id));
+    first.append(pick);
+    tr.append(first);
+    for (let i = 0; i < 10; i++) {
+      const td = document.createElement("td");
+      td.className = "v" + (i >= 2 && i <= 6 ? " num" : "");
+      tr.append(td);
+    }
+    return tr;
   }
 
   function select(id) {
