@@ -298,3 +298,50 @@ def test_bad_console_settings_stop_start_up(env: dict[str, str], name: str, valu
     finally:
         code = proc.stop()
     assert code == 2 and name in proc.output(), proc.output()
+
+
+async def test_cookie_is_secure_over_https(env: dict[str, str]) -> None:
+    """Sign-in does no I/O, so the app answers it without its lifespan: one ASGI
+    request with the https scheme (what uvicorn sets behind TLS)."""
+    from gate.app import build_app
+    from gate.settings import load_settings
+
+    app = build_app(load_settings(console_env(env)))
+    body = b'{"token": "' + ADMIN_TOKEN.encode() + b'"}'
+    sent: list[dict[str, object]] = []
+    for scheme in ("https", "http"):
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": scheme,
+            "path": "/console/api/session",
+            "raw_path": b"/console/api/session",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [
+                (b"host", b"gate.example"),
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 443),
+        }
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive(messages: list[dict[str, object]] = messages) -> dict[str, object]:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)  # type: ignore[arg-type]
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert [m["status"] for m in starts] == [200, 200]
+    cookies = [
+        b"".join(v for k, v in m["headers"] if k == b"set-cookie").lower()  # type: ignore[attr-defined]
+        for m in starts
+    ]
+    assert b"; secure" in cookies[0] and b"httponly" in cookies[0]
+    assert b"; secure" not in cookies[1]

@@ -124,6 +124,7 @@ class Snapshots:
 
     async def _build(self, now: float) -> dict[str, Any]:
         gate = self.gate
+        timings: dict[str, float] = {}
         rows = await gate.db.fetchall(
             "SELECT d.id, d.title, d.starts_at, d.ends_at, d.bucket_count, d.hold_seconds,"
             " b.bucket, b.total, b.available, b.held, b.sold"
@@ -169,8 +170,13 @@ class Snapshots:
                         deals[deal_id].update(fields)
             except Exception as exc:
                 log.warning("console: a deal extra failed: %r", exc)
+        timings["deals"] = round((time.monotonic() - now) * 1000, 2)
+        mark = time.monotonic()
         samples = _samples()
+        timings["metrics"] = round((time.monotonic() - mark) * 1000, 2)
+        mark = time.monotonic()
         db_status = await self._db_status()
+        timings["db_status"] = round((time.monotonic() - mark) * 1000, 2)
         rates = self._rates(now, samples, db_status)
         for deal in deals.values():
             key = ("gate_invariant_breaches", (("deal", str(deal["id"])),))
@@ -184,6 +190,9 @@ class Snapshots:
             }
         return {
             "generated_at": iso_now(),
+            # What this snapshot cost its process, for the operator and the benchmark.
+            "compute_ms": round((time.monotonic() - now) * 1000, 2),
+            "timings_ms": timings,
             "refresh_seconds": self.refresh_seconds,
             "deals": list(deals.values()),
             "gate": rates,
