@@ -198,6 +198,16 @@ async def test_console_in_a_real_browser(
         await asyncio.to_thread(pick.click)
         await until(lambda: _num(driver, "n-available") == 5000, "the deal's numbers")
 
+        # The list refreshes every second in place: a focused control keeps its focus.
+        await asyncio.to_thread(driver.execute_script, "arguments[0].focus()", pick)
+        await asyncio.sleep(2.5)
+        still = await asyncio.to_thread(
+            driver.execute_script,
+            "const e = document.activeElement;"
+            " return e && e.classList.contains('pick') ? e.closest('tr').dataset.deal : null",
+        )
+        assert still == str(deal_id)
+
         # Numbers move while a load runs.
         traffic = Traffic(client, deal_id, user_base=880_000, seed=19)
         traffic.start(buyers=6)

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -40,7 +41,7 @@ from gate.console.session import (
     unauthorized,
 )
 from gate.console.snapshot import Snapshots
-from gate.errors import Problem, invalid, not_found
+from gate.errors import Problem, invalid, not_found, overloaded
 from gate.extensions import Extension
 from gate.http import json_response, read_json
 from gate.keys import console_revoked
@@ -152,7 +153,12 @@ class Console:
 
     async def session(self, request: Request) -> Session:
         session = self.signer.verify(request.cookies.get(COOKIE_NAME))
-        if await self.gate.redis.exists(console_revoked(session.sid)):
+        try:
+            revoked = await self.gate.redis.exists(console_revoked(session.sid))
+        except RedisError:
+            # Whether the session was signed out cannot be known: refuse, briefly.
+            raise overloaded("Redis unavailable; the console session cannot be checked.") from None
+        if revoked:
             raise unauthorized("The console session has ended; sign in again.")
         return session
 
