@@ -355,6 +355,15 @@ async def admin_rebucket(request: Request) -> Response:
     return json_response(view)
 
 
+async def admin_set_window(request: Request) -> Response:
+    gate = _admin(request)
+    deal_id = _deal_id(request)
+    body = await read_json(request, gate.settings.body_max_bytes)
+    view = await gate.deals.set_window(deal_id, body)
+    gate.soldout.forget(deal_id)
+    return json_response(view)
+
+
 def _query_int(request: Request, name: str, lo: int, hi: int, default: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
@@ -427,6 +436,7 @@ def routes() -> list[BaseRoute]:
         Route(admin_deal_path, admin_deal, methods=["GET"]),
         Route(admin_deal_path + "/stock", admin_adjust_stock, methods=["POST"]),
         Route(admin_deal_path + "/buckets", admin_rebucket, methods=["PUT"]),
+        Route(admin_deal_path + "/window", admin_set_window, methods=["PUT"]),
         Route(admin_deal_path + "/ledger", admin_ledger, methods=["GET"]),
     ]
 

@@ -478,13 +478,54 @@ class Deals:
             )
         return {"items": items, "next_after": items[-1]["id"] if len(items) == limit else None}
 
-    async def ledger(self, deal_id: int, after_id: int, limit: int) -> dict[str, Any]:
+    async def set_window(self, deal_id: int, body: Any, actor: str = "admin") -> dict[str, Any]:
+        """Change the sale window ({"starts_at", "ends_at"}, each a timestamp or null
+        for open-ended). Stock does not move, so nothing is ledgered: the change is
+        logged with its actor. Redis is rebuilt after the commit, as after a rebucket,
+        so admission follows the new window at once."""
+        body = validate.obj(body)
+        validate.no_unknown(body, {"starts_at", "ends_at"})
+        for name in ("starts_at", "ends_at"):
+            if name not in body:
+                raise invalid(f"'{name}' is required (null for open-ended).")
+        starts_at = validate.timestamp(body, "starts_at")
+        ends_at = validate.timestamp(body, "ends_at")
+        if starts_at and ends_at and ends_at <= starts_at:
+            raise invalid("'ends_at' must be after 'starts_at'.")
+        before = await get_deal(self.db, deal_id)
+        if before is None:
+            raise not_found("deal")
+        await self.db.execute(
+            "UPDATE deals SET starts_at = %s, ends_at = %s, updated_at = NOW(6),"
+            " version = version + 1 WHERE id = %s",
+            (starts_at, ends_at, deal_id),
+        )
+        log.warning(
+            "deal %s: sale window changed by %s from %s..%s to %s..%s",
+            deal_id,
+            actor,
+            iso(before.starts_at),
+            iso(before.ends_at),
+            iso(starts_at),
+            iso(ends_at),
+            extra={"deal_id": deal_id},
+        )
+        await self._refresh_redis(deal_id)
+        return await self.admin_view(deal_id)
+
+    async def ledger(
+        self, deal_id: int, after_id: int, limit: int, *, newest_first: bool = False
+    ) -> dict[str, Any]:
+        """Ledger rows with an id above `after_id`, oldest first (paging), or with
+        `newest_first` the latest `limit` of them (the console's view)."""
         if await get_deal(self.db, deal_id) is None:
             raise not_found("deal")
+        order = "DESC" if newest_first else "ASC"
         rows = await self.db.fetchall(
             "SELECT id, bucket, order_id, d_total, d_available, d_held, d_sold,"
             " available_before, available_after, reason, actor, note, created_at"
-            " FROM inventory_ledger WHERE deal_id = %s AND id > %s ORDER BY id LIMIT %s",
+            f" FROM inventory_ledger WHERE deal_id = %s AND id > %s ORDER BY id {order}"
+            " LIMIT %s",
             (deal_id, after_id, limit),
         )
         items = [
@@ -510,7 +551,7 @@ class Deals:
         return {
             "deal_id": deal_id,
             "items": items,
-            "next_after": items[-1]["id"] if len(items) == limit else None,
+            "next_after": items[-1]["id"] if len(items) == limit and not newest_first else None,
         }
 
     async def _refresh_redis(self, deal_id: int) -> None:

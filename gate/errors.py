@@ -15,6 +15,7 @@ PROBLEM_TYPE_BASE = "https://gate.dev/problems/"
 _PROBLEMS: dict[str, tuple[int, str]] = {
     "INVALID_REQUEST": (400, "Invalid request"),
     "UNAUTHORIZED": (401, "Unauthorized"),
+    "FORBIDDEN": (403, "Forbidden"),
     "NOT_FOUND": (404, "Not found"),
     "ADMISSION_REQUIRED": (403, "Admission required"),
     "ADMISSION_INVALID": (403, "Admission invalid"),

@@ -126,3 +126,8 @@ class OwnerKeys:
 def owner_keys(owner: str) -> OwnerKeys:
     tag = f"{{gate:o:{owner}}}"
     return OwnerKeys(owner=owner, lease=f"{tag}:lease", conns=f"{tag}:conns")
+
+
+def console_revoked(session_id: str) -> str:
+    """A signed-out console session (gate/console/session.py), until it would expire."""
+    return f"gate:console:revoked:{session_id}"

@@ -28,6 +28,7 @@ PROBLEM_CODES: dict[str, int] = {
     "UNAUTHORIZED": 401,
     "ADMISSION_REQUIRED": 403,
     "ADMISSION_INVALID": 403,
+    "FORBIDDEN": 403,
     "NOT_FOUND": 404,
     "NO_TICKET": 404,
     "METHOD_NOT_ALLOWED": 405,
@@ -49,7 +50,10 @@ PROBLEM_CODES: dict[str, int] = {
 _REASONS = {
     400: "Invalid request",
     401: "Missing or invalid credentials",
-    403: "Admission to the deal's waiting room missing or invalid",
+    403: (
+        "Forbidden: the waiting room's admission missing or invalid, or a console call"
+        " without its CSRF token"
+    ),
     404: "Not found",
     405: "Method not allowed",
     408: "The body did not arrive within GATE_BODY_TIMEOUT_SECONDS; the connection is closed",
@@ -398,6 +402,20 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "requestBody": _body("Rebucket", "The new bucket count."),
                 "responses": {
                     "200": _json(_ref("AdminDealView"), "The deal in its new layout."),
+                    **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
+                },
+            }
+        },
+        admin_deal + "/window": {
+            "put": {
+                "tags": ["admin"],
+                "summary": "Change the sale window (null: open-ended); logged with its actor.",
+                "operationId": "setWindow",
+                "security": ADMIN,
+                "parameters": [_param("DealId")],
+                "requestBody": _body("SaleWindow", "The new window."),
+                "responses": {
+                    "200": _json(_ref("AdminDealView"), "The deal with its new window."),
                     **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
                 },
             }
@@ -793,6 +811,11 @@ def _schemas() -> dict[str, Any]:
         "Rebucket": _object(
             {"count": {"type": "integer", "minimum": 1, "maximum": 1024}},
             ["count"],
+            additionalProperties=False,
+        ),
+        "SaleWindow": _object(
+            {"starts_at": NULLABLE_TIMESTAMP, "ends_at": NULLABLE_TIMESTAMP},
+            ["starts_at", "ends_at"],
             additionalProperties=False,
         ),
         "Ledger": _object(

@@ -173,3 +173,16 @@ ensure_promtool() {
   fi
   if [ -x "$bin" ]; then export PROMTOOL="$bin"; fi
 }
+
+# The console's browser tests (tests/test_console_browser.py) drive Debian's
+# chromium with chromium-driver through Selenium; nothing is downloaded at test
+# time. The two packages are ~100 MB and take 1-2 minutes to install on a fresh
+# Debian image (once: a second run finds them); when they cannot be installed the
+# browser tests skip with a message saying so.
+ensure_chromium() {
+  if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then
+    return 0
+  fi
+  apt_install chromium chromium-driver \
+    || say "chromium/chromium-driver could not be installed; the console's browser tests will be skipped"
+}

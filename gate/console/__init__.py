@@ -1,0 +1,300 @@
+"""The live sale console (issue #19): a page for the people running a sale.
+
+    GET  /console                         the page (HTML; CSS and JS beside it, packaged)
+    GET  /console/static/{name}           console.css, console.js
+    POST /console/api/session             {"token": admin token} -> session cookie
+    GET  /console/api/session             who is signed in, the CSRF token
+    DELETE /console/api/session           sign out (CSRF)
+    GET  /console/api/snapshot            the live numbers (gate/console/snapshot.py)
+    GET  /console/api/deals/{id}/ledger   the deal's latest ledger rows, newest first
+    GET  /console/api/deals/{id}/advice   bucket advice
+    POST /console/api/deals/{id}/{action} buckets | stock | window (+ areas' actions)
+
+Off unless GATE_CONSOLE=1 (on by default with GATE_ENV=dev): then no route exists
+and /console is the usual 404. Every /console/api call but sign-in needs the signed
+session cookie (401 otherwise); every state-changing one the X-CSRF-Token header
+(403 otherwise). The actions call the very functions the admin API calls
+(gate/deals.py), with actor "console:<session prefix>", so the ledger names the
+operator's session; actions that move no stock are logged with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gate.console.session import (
+    COOKIE_NAME,
+    CSRF_HEADER,
+    Session,
+    SessionSigner,
+    unauthorized,
+)
+from gate.console.snapshot import Snapshots
+from gate.errors import Problem, invalid, not_found, overloaded
+from gate.extensions import Extension
+from gate.http import json_response, read_json
+from gate.keys import console_revoked
+from gate.settings import SettingsError, env_bool, env_int
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from gate.runtime import Gate
+    from gate.settings import Settings
+
+log = logging.getLogger("gate.console")
+
+SESSION_SECONDS_DEFAULT = 1800
+SECRET_MIN_CHARS = 32
+STATIC_FILES = {
+    "console.css": "text/css; charset=utf-8",
+    "console.js": "text/javascript; charset=utf-8",
+}
+# The page loads only its own files: no CDN, no inline script, no framing.
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:;"
+        " connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+LEDGER_ROWS_SHOWN = 50
+MAX_DEAL_ID = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ConsoleSettings:
+    enabled: bool
+    session_seconds: int
+    secret: str  # GATE_CONSOLE_SECRET, or the admin token when unset
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], settings: Settings) -> ConsoleSettings:
+        enabled = env_bool(env, "GATE_CONSOLE", settings.is_dev)
+        session_seconds = env_int(
+            env, "GATE_CONSOLE_SESSION_SECONDS", SESSION_SECONDS_DEFAULT, 60, 43_200
+        )
+        secret = env.get("GATE_CONSOLE_SECRET", "").strip()
+        if secret and len(secret) < SECRET_MIN_CHARS:
+            raise SettingsError(
+                f"GATE_CONSOLE_SECRET must be at least {SECRET_MIN_CHARS} characters"
+            )
+        return cls(enabled, session_seconds, secret or settings.admin_token.reveal())
+
+
+# An action: (gate, deal id, body, actor) -> the deal's admin view. Areas add theirs
+# (the waiting room's admission rate, the deal's mode) with register_action.
+Action = Callable[["Gate", int, Any, str], Awaitable[dict[str, Any]]]
+
+
+async def _rebucket(gate: Gate, deal_id: int, body: Any, actor: str) -> dict[str, Any]:
+    return await gate.deals.rebucket(deal_id, body, actor=actor)
+
+
+async def _stock(gate: Gate, deal_id: int, body: Any, actor: str) -> dict[str, Any]:
+    return await gate.deals.adjust_stock(deal_id, body, actor=actor)
+
+
+async def _window(gate: Gate, deal_id: int, body: Any, actor: str) -> dict[str, Any]:
+    return await gate.deals.set_window(deal_id, body, actor=actor)
+
+
+ACTIONS: dict[str, Action] = {"buckets": _rebucket, "stock": _stock, "window": _window}
+
+
+def register_action(name: str, action: Action) -> None:
+    """Add a console action (POST /console/api/deals/{id}/{name})."""
+    ACTIONS[name] = action
+
+
+def _static(name: str) -> bytes:
+    return importlib.resources.files("gate.console").joinpath("static", name).read_bytes()
+
+
+def bucket_advice(available: int, buckets: int) -> dict[str, Any]:
+    """docs/buckets.md's rule of thumb: 1 to 4 buckets, at least ~50 units each.
+    `gate deal buckets --advise` (gate/advise.py) replaces it where it exists."""
+    suggested = max(1, min(4, available // 50))
+    return {
+        "source": "docs/buckets.md",
+        "suggested": suggested,
+        "current": buckets,
+        "rule": (
+            "Most deals: 1 to 4 buckets (group commit makes one row enough for most);"
+            " keep at least ~50 available units per bucket; more buckets only for many"
+            " gate processes on one deal, confirmed by lock waits and DB retries rising."
+        ),
+    }
+
+
+class Console:
+    def __init__(self, gate: Gate, settings: ConsoleSettings) -> None:
+        self.gate = gate
+        self.settings = settings
+        self.signer = SessionSigner(settings.secret, settings.session_seconds)
+        self.snapshots = Snapshots(gate)
+        self._files = {name: _static(name) for name in STATIC_FILES}
+        self._page = _static("index.html")
+
+    # -- session ---------------------------------------------------------------------
+
+    async def session(self, request: Request) -> Session:
+        session = self.signer.verify(request.cookies.get(COOKIE_NAME))
+        try:
+            revoked = await self.gate.redis.exists(console_revoked(session.sid))
+        except RedisError:
+            # Whether the session was signed out cannot be known: refuse, briefly.
+            raise overloaded("Redis unavailable; the console session cannot be checked.") from None
+        if revoked:
+            raise unauthorized("The console session has ended; sign in again.")
+        return session
+
+    async def changing(self, request: Request) -> Session:
+        """A state-changing call: a session and its CSRF token."""
+        session = await self.session(request)
+        self.signer.check_csrf(session, request.headers.get(CSRF_HEADER))
+        return session
+
+    def _cookie(self, response: Response, request: Request, value: str, max_age: int) -> None:
+        response.set_cookie(
+            COOKIE_NAME,
+            value,
+            max_age=max_age,
+            path="/console",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+
+    # -- endpoints -------------------------------------------------------------------
+
+    async def page(self, request: Request) -> Response:
+        return Response(self._page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    async def static(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in self._files:
+            raise not_found("file")
+        return Response(self._files[name], media_type=STATIC_FILES[name], headers=PAGE_HEADERS)
+
+    async def sign_in(self, request: Request) -> Response:
+        body = await read_json(request, self.gate.settings.body_max_bytes)
+        if not isinstance(body, dict) or set(body) != {"token"} or not isinstance(
+            body["token"], str
+        ):
+            raise invalid('The body must be {"token": "<admin token>"}.')
+        try:
+            self.gate.admin_auth.check(f"Bearer {body['token']}")
+        except Problem:
+            log.warning("console: sign-in refused (wrong token)")
+            raise unauthorized("Wrong admin token.") from None
+        session, cookie = self.signer.issue()
+        log.warning("console: %s signed in", session.actor)
+        response = json_response(self._session_view(session))
+        self._cookie(response, request, cookie, self.settings.session_seconds)
+        return response
+
+    def _session_view(self, session: Session) -> dict[str, Any]:
+        return {
+            "signed_in": True,
+            "actor": session.actor,
+            "expires_at": session.expires_at,
+            "csrf_token": self.signer.csrf_token(session),
+        }
+
+    async def whoami(self, request: Request) -> Response:
+        session = await self.session(request)
+        return json_response(self._session_view(session))
+
+    async def sign_out(self, request: Request) -> Response:
+        session = await self.changing(request)
+        left = max(1, session.expires_at - int(time.time()))
+        await self.gate.redis.set(console_revoked(session.sid), "1", ex=left)
+        log.warning("console: %s signed out", session.actor)
+        response = json_response({"signed_in": False})
+        self._cookie(response, request, "", 0)
+        return response
+
+    async def snapshot(self, request: Request) -> Response:
+        await self.session(request)
+        return json_response(await self.snapshots.get())
+
+    @staticmethod
+    def _deal_id(request: Request) -> int:
+        deal_id = int(request.path_params["deal_id"])
+        if not 1 <= deal_id <= MAX_DEAL_ID:
+            raise not_found("deal")
+        return deal_id
+
+    async def ledger(self, request: Request) -> Response:
+        await self.session(request)
+        deal_id = self._deal_id(request)
+        return json_response(
+            await self.gate.deals.ledger(deal_id, 0, LEDGER_ROWS_SHOWN, newest_first=True)
+        )
+
+    async def advice(self, request: Request) -> Response:
+        await self.session(request)
+        deal_id = self._deal_id(request)
+        view = await self.gate.deals.admin_view(deal_id)
+        try:
+            advise = importlib.import_module("gate.advise")
+        except ImportError:
+            advise = None
+        hook = getattr(advise, "console_advice", None)
+        if hook is not None:
+            return json_response(await hook(self.gate, deal_id))
+        return json_response(bucket_advice(view["totals"]["available"], view["bucket_count"]))
+
+    async def act(self, request: Request) -> Response:
+        session = await self.changing(request)
+        deal_id = self._deal_id(request)
+        name = request.path_params["action"]
+        action = ACTIONS.get(name)
+        if action is None:
+            raise not_found("console action")
+        body = await read_json(request, self.gate.settings.body_max_bytes)
+        view = await action(self.gate, deal_id, body, session.actor)
+        # As the admin routes do: this process must not answer from a stale near-cache.
+        self.gate.soldout.forget(deal_id)
+        log.warning("console: %s did %s on deal %s: %s", session.actor, name, deal_id, body,
+                    extra={"deal_id": deal_id})
+        return json_response(view)
+
+    def routes(self) -> list[BaseRoute]:
+        deal = "/console/api/deals/{deal_id:int}"
+        return [
+            Route("/console", self.page, methods=["GET"]),
+            Route("/console/static/{name:str}", self.static, methods=["GET"]),
+            Route("/console/api/session", self.sign_in, methods=["POST"]),
+            Route("/console/api/session", self.whoami, methods=["GET"]),
+            Route("/console/api/session", self.sign_out, methods=["DELETE"]),
+            Route("/console/api/snapshot", self.snapshot, methods=["GET"]),
+            Route(deal + "/ledger", self.ledger, methods=["GET"]),
+            Route(deal + "/advice", self.advice, methods=["GET"]),
+            Route(deal + "/{action:str}", self.act, methods=["POST"]),
+        ]
+
+
+def install(gate: Gate) -> Extension:
+    settings = ConsoleSettings.from_env(gate.settings.environ, gate.settings)
+    if not settings.enabled:
+        return Extension(name="console")
+    return Extension(name="console", routes=Console(gate, settings).routes())
+
+
+def add_commands(sub: Any) -> None:
+    """The console has no command of its own: `gate serve` serves it."""
