@@ -55,6 +55,10 @@ def parse_room(value: Any) -> RoomConfig | None:
     if not isinstance(value, dict):
         raise invalid("'waiting_room' must be an object or null.")
     validate.no_unknown(value, ROOM_FIELDS)
+    for name in ("admission_ttl_seconds", "prequeue_seconds"):
+        # Optional, but an integer when given (the contract's type): null is refused.
+        if name in value and value[name] is None:
+            raise invalid(f"'{name}' must be an integer (omit it for the default).")
     return RoomConfig(
         admit_per_second=validate.integer(value, "admit_per_second", 1, ADMIT_PER_SECOND_MAX),
         admission_ttl_seconds=validate.integer(
