@@ -40,7 +40,8 @@ PUBLIC_CACHE_MAX = 10_000
 
 _DEAL_COLUMNS = (
     "id, title, unit_price, currency, bucket_count, layout_epoch, hold_seconds,"
-    " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, created_at, updated_at"
+    " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, created_at, updated_at,"
+    " mode"
 )
 
 
@@ -60,6 +61,8 @@ class Deal:
     ends_at: datetime | None
     created_at: datetime
     updated_at: datetime
+    # "sync" or "queue" (docs/queue-mode.md).
+    mode: str = "sync"
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Deal:
@@ -78,6 +81,7 @@ class Deal:
             ends_at=row[11],
             created_at=row[12],
             updated_at=row[13],
+            mode=str(row[14]),
         )
 
     def public(self, remaining: int) -> dict[str, Any]:
@@ -90,6 +94,7 @@ class Deal:
             "ends_at": iso(self.ends_at),
             "sold_out": remaining <= 0,
             "remaining_hint": max(0, remaining),
+            "mode": self.mode,
         }
 
     def admin(self) -> dict[str, Any]:
@@ -104,6 +109,7 @@ class Deal:
             "per_user_limit": self.per_user_limit,
             "max_per_order": self.max_per_order,
             "capture_mode": self.capture_mode,
+            "mode": self.mode,
             "starts_at": iso(self.starts_at),
             "ends_at": iso(self.ends_at),
             "created_at": iso(self.created_at),
@@ -152,6 +158,7 @@ CREATE_FIELDS = {
     "starts_at",
     "ends_at",
     "capture_mode",
+    "mode",
 }
 
 
@@ -178,6 +185,9 @@ class Deals:
         capture_mode = validate.string(body, "capture_mode", 16, default="automatic")
         if capture_mode not in ("automatic", "manual"):
             raise invalid("'capture_mode' must be 'automatic' or 'manual'.")
+        mode = validate.string(body, "mode", 8, default="sync")
+        if mode not in ("sync", "queue"):
+            raise invalid("'mode' must be 'sync' or 'queue'.")
         if per_user_limit is not None and max_per_order > per_user_limit:
             raise invalid("'max_per_order' cannot exceed 'per_user_limit'.")
         if starts_at and ends_at and ends_at <= starts_at:
@@ -188,8 +198,8 @@ class Deals:
             await cur.execute("START TRANSACTION")
             await cur.execute(
                 "INSERT INTO deals (title, unit_price, currency, bucket_count, hold_seconds,"
-                " per_user_limit, max_per_order, capture_mode, starts_at, ends_at)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, mode)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     title,
                     unit_price,
@@ -201,6 +211,7 @@ class Deals:
                     capture_mode,
                     starts_at,
                     ends_at,
+                    mode,
                 ),
             )
             deal_id = int(cur.lastrowid)

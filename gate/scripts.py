@@ -54,6 +54,10 @@ SCRIPT_NAMES = (
     "apply",
     "sync_deal",
     "lease",
+    # Queue mode (gate/queue/).
+    "enqueue",
+    "queue_take",
+    "queue_cancel",
 )
 
 

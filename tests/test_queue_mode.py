@@ -1,0 +1,246 @@
+"""Queue mode (issue #14, docs/queue-mode.md) against real Redis, MariaDB and gate
+processes: 202 QUEUED after the same admission, background group commits, exactly
+once through kills, switching, dead letters, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from gate.db import Database
+from gate.keys import deal_keys, queue_keys
+from tests.support import (
+    ADMIN,
+    Client,
+    GateProcess,
+    assert_invariants,
+    buyer,
+    create_deal,
+    redis_available,
+    reserve,
+)
+
+BUYERS = 3000
+STOCK = 500
+
+
+async def _read_all_pending(
+    client: Client, accepted: list[tuple[int, str]], timeout_seconds: float
+) -> dict[str, Any]:
+    """Poll every accepted order until none reads QUEUED; the last states."""
+    deadline = time.monotonic() + timeout_seconds
+    states: dict[str, Any] = {}
+    left = list(accepted)
+    while left and time.monotonic() < deadline:
+        answers = await asyncio.gather(
+            *(client.get(f"/v1/orders/{oid}", headers=buyer(uid)) for uid, oid in left)
+        )
+        still: list[tuple[int, str]] = []
+        for (uid, oid), r in zip(left, answers, strict=True):
+            assert r.status_code in (200, 503), r.text
+            body = r.json() if r.status_code == 200 else {"status": "QUEUED"}
+            states[oid] = body
+            if body["status"] == "QUEUED":
+                still.append((uid, oid))
+        left = still
+        if left:
+            await asyncio.sleep(0.2)
+    return states
+
+
+async def _queue_drained(rds: aioredis.Redis, deal_id: int, timeout_seconds: float = 20) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if await rds.xlen(queue_keys(deal_id).stream) == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"deal {deal_id}: queue not drained")
+
+
+async def _held(db: Database, deal_id: int) -> int:
+    row = await db.fetchone(
+        "SELECT COALESCE(SUM(quantity), 0) FROM orders WHERE deal_id = %s"
+        " AND status = 'PENDING_PAYMENT'",
+        (deal_id,),
+    )
+    assert row is not None
+    return int(row[0])
+
+
+async def _crowd(
+    client: Client, deal_id: int, base_user: int, n: int
+) -> tuple[Counter[int], list[tuple[int, str]]]:
+    responses = await asyncio.gather(
+        *(reserve(client, deal_id, base_user + i, f"q-{deal_id}-{i:06d}") for i in range(n))
+    )
+    statuses: Counter[int] = Counter(r.status_code for r in responses)
+    accepted: list[tuple[int, str]] = []
+    for i, r in enumerate(responses):
+        if r.status_code == 202:
+            body = r.json()
+            assert body["status"] == "QUEUED" and "expires_at" not in body, body
+            assert r.headers["Location"] == f"/v1/orders/{body['order_id']}"
+            accepted.append((base_user + i, body["order_id"]))
+        elif r.status_code == 201:
+            accepted.append((base_user + i, r.json()["order_id"]))
+        else:
+            # Refused at once, exactly as in sync mode.
+            assert r.json()["code"] in ("SOLD_OUT", "OVERLOADED"), r.text
+    return statuses, accepted
+
+
+async def test_queue_mode_3000_buyers_500_units(
+    client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    deal_id = await create_deal(client, stock=STOCK, buckets=4, mode="queue")
+    view = await client.get(f"/v1/admin/deals/{deal_id}", headers=ADMIN)
+    assert view.json()["mode"] == "queue"
+    assert (await client.get(f"/v1/deals/{deal_id}")).json()["mode"] == "queue"
+
+    statuses, accepted = await _crowd(client, deal_id, 14_000_000, BUYERS)
+    assert set(statuses) <= {202, 409, 503}, statuses
+    assert statuses[202] <= STOCK
+    assert statuses[202] == len(accepted)
+
+    # Every 202 reads PENDING_PAYMENT within 10 s.
+    states = await _read_all_pending(client, accepted, 10.0)
+    assert Counter(s["status"] for s in states.values()) == {"PENDING_PAYMENT": len(accepted)}
+    assert all(s["expires_at"] for s in states.values())
+    # A replay of a committed request answers 200 with the order.
+    uid, oid = accepted[0]
+    index = next(i for i in range(BUYERS) if 14_000_000 + i == uid)
+    again = await reserve(client, deal_id, uid, f"q-{deal_id}-{index:06d}")
+    assert again.status_code == 200 and again.json()["order_id"] == oid
+
+    # Units shed with a 503 are sellable again: buy until sold out.
+    i = 0
+    extra: list[tuple[int, str]] = []
+    while len(accepted) + len(extra) < STOCK and i < 5 * STOCK:
+        r = await reserve(client, deal_id, 15_000_000 + i, f"qm-{deal_id}-{i}")
+        assert r.status_code in (202, 503), r.text
+        if r.status_code == 202:
+            extra.append((15_000_000 + i, r.json()["order_id"]))
+        i += 1
+    states = await _read_all_pending(client, extra, 10.0)
+    assert all(s["status"] == "PENDING_PAYMENT" for s in states.values())
+    await _queue_drained(rds, deal_id)
+    assert await _held(db, deal_id) == STOCK
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": STOCK, "available": 0, "held": STOCK, "sold": 0}
+    assert await rds.hlen(deal_keys(deal_id).inflight) == 0
+
+
+async def test_queued_replay_answers_202_then_the_order(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, client: Client, gate: GateProcess
+) -> None:
+    """Without consumers the request stays queued: its replay is 202 again; cancel
+    gives the units back and it is never committed, even once consumers run."""
+    idle = GateProcess({**env, "GATE_QUEUE_CONSUMERS": "0"}, background=True)
+    try:
+        idle.wait_ready()
+        # The shared gate's consumers are frozen meanwhile (a real stall: its lease
+        # lapses and it takes a new one when it wakes up).
+        os.killpg(gate.proc.pid, signal.SIGSTOP)
+        c = Client(idle.url)
+        try:
+            deal_id = await create_deal(c, stock=5)
+            # Switched live: the process that switched follows at once.
+            r = await c.put(
+                f"/v1/admin/deals/{deal_id}/mode", json={"mode": "queue"}, headers=ADMIN
+            )
+            assert r.status_code == 200 and r.json()["mode"] == "queue", r.text
+            bad = await c.put(f"/v1/admin/deals/{deal_id}/mode", json={"mode": "x"}, headers=ADMIN)
+            assert bad.status_code == 400
+            assert bad.headers["Content-Type"].startswith("application/problem+json")
+
+            first = await reserve(c, deal_id, 16_000_001, "qr-000001")
+            assert first.status_code == 202, first.text
+            oid = first.json()["order_id"]
+            replay = await reserve(c, deal_id, 16_000_001, "qr-000001")
+            assert replay.status_code == 202 and replay.json()["order_id"] == oid
+            view = await c.get(f"/v1/orders/{oid}", headers=buyer(16_000_001))
+            assert view.status_code == 200 and view.json()["status"] == "QUEUED"
+            other = await c.get(f"/v1/orders/{oid}", headers=buyer(16_000_002))
+            assert other.status_code == 404
+            assert (await redis_available(rds, deal_id))[0] == 4
+
+            cancelled = await c.post(f"/v1/orders/{oid}/cancel", headers=buyer(16_000_001))
+            assert cancelled.status_code == 200, cancelled.text
+            assert cancelled.json()["status"] == "REJECTED"
+            assert cancelled.json()["reason"] == "CANCELLED"
+            assert (await redis_available(rds, deal_id))[0] == 5
+            view = await c.get(f"/v1/orders/{oid}", headers=buyer(16_000_001))
+            assert view.json() == {
+                "order_id": oid,
+                "status": "REJECTED",
+                "deal_id": deal_id,
+                "reason": "CANCELLED",
+            }
+            again = await c.post(f"/v1/orders/{oid}/cancel", headers=buyer(16_000_001))
+            assert again.status_code == 409
+        finally:
+            await c.close()
+    finally:
+        os.killpg(gate.proc.pid, signal.SIGCONT)
+        idle.stop()
+    # The shared gate's consumers meet the cancelled entry: acknowledged, never
+    # committed, its units not given back twice.
+    await _queue_drained(rds, deal_id)
+    row = await db.fetchone("SELECT COUNT(*) FROM orders WHERE id = %s", (oid,))
+    assert row is not None and int(row[0]) == 0
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": 5, "available": 5, "held": 0, "sold": 0}
+    view = await client.get(f"/v1/orders/{oid}", headers=buyer(16_000_001))
+    assert view.json()["reason"] == "CANCELLED"
+
+
+@pytest.mark.parametrize("attempts", [3])
+async def test_permanent_failure_ends_in_a_dead_letter(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, client: Client, attempts: int
+) -> None:
+    deal_id = await create_deal(client, stock=10, mode="queue")
+    trigger = f"gate_test_refuse_{deal_id}"
+    await db.execute(
+        f"CREATE TRIGGER {trigger} BEFORE INSERT ON orders FOR EACH ROW"
+        f" IF NEW.deal_id = {deal_id} THEN"
+        " SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'forced failure'; END IF"
+    )
+    worker = GateProcess(
+        {
+            **env,
+            "GATE_QUEUE_ATTEMPTS_MAX": str(attempts),
+            "GATE_QUEUE_RETRY_BASE_SECONDS": "0.05",
+        }
+    )
+    try:
+        worker.wait_ready()
+        c = Client(worker.url)
+        try:
+            r = await reserve(c, deal_id, 17_000_001, "dl-000001")
+            assert r.status_code == 202, r.text
+            oid = r.json()["order_id"]
+            states = await _read_all_pending(c, [(17_000_001, oid)], 20.0)
+        finally:
+            await c.close()
+    finally:
+        await db.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+        worker.stop()
+    assert states[oid]["status"] == "REJECTED" and states[oid]["reason"] == "DEAD_LETTER"
+    rows = await db.fetchall(
+        "SELECT order_id, attempts, last_error FROM queue_dead_letters WHERE deal_id = %s",
+        (deal_id,),
+    )
+    assert len(rows) == 1 and rows[0][0] == oid
+    # Its worker (3) or the shared gate (default 5) gave up on it.
+    assert int(rows[0][1]) >= attempts and "forced failure" in str(rows[0][2])
+    await _queue_drained(rds, deal_id)
+    # Units back exactly once: Redis = DB, all 10 available.
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": 10, "available": 10, "held": 0, "sold": 0}
