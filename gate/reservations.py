@@ -377,7 +377,7 @@ class Reservations:
             raise self._limited("global", adm.global_retry_ms)
 
         alloc = normalise_alloc(adm.detail)
-        if self.queue is not None and self.queue.modes.is_queue(req.deal_id):
+        if self.queue is not None and await self.queue.modes.is_queue(req.deal_id):
             return await self._enqueue(keys, req, fp, token, alloc)
         # An allocation over several buckets goes through gate_reserve with `alloc`;
         # the item's bucket (its first) is used only when it names one.

@@ -89,21 +89,31 @@ class QueueSettings:
 
 
 class ModeCache:
-    """The ids of the deals in queue mode, as this process last read them."""
+    """The ids of the deals in queue mode, as this process last read them. A deal
+    newer than that read (created since, perhaps in queue mode) is asked once."""
 
     def __init__(self, gate: Gate, refresh_seconds: float) -> None:
         self.gate = gate
         self.refresh_seconds = refresh_seconds
         self.queued: frozenset[int] = frozenset()
+        self.max_id = 0  # the highest deal id the last read saw
 
-    def is_queue(self, deal_id: int) -> bool:
+    async def is_queue(self, deal_id: int) -> bool:
+        if deal_id > self.max_id:
+            row = await self.gate.db.fetchone("SELECT mode FROM deals WHERE id = %s", (deal_id,))
+            if row is None:
+                return False
+            self.max_id = max(self.max_id, deal_id)
+            self.set(deal_id, str(row[0]))
         return deal_id in self.queued
 
     async def run_once(self) -> None:
         rows = await self.gate.db.fetchall(
             "SELECT id FROM deals WHERE mode = 'queue' ORDER BY id LIMIT %s", (QUEUE_DEALS_MAX,)
         )
+        top = await self.gate.db.fetchone("SELECT COALESCE(MAX(id), 0) FROM deals")
         self.queued = frozenset(int(r[0]) for r in rows)
+        self.max_id = int(top[0]) if top else 0
 
     def set(self, deal_id: int, mode: str) -> None:
         self.queued = self.queued | {deal_id} if mode == "queue" else self.queued - {deal_id}
@@ -233,10 +243,10 @@ class QueueService:
         return int(deal), str(status)
 
     async def view(self, order_id: str, user_id: int) -> dict[str, Any] | None:
-        """GET /v1/orders/{id} for an order the database does not hold (yet)."""
+        """GET /v1/orders/{id} for an order the database did not hold when asked."""
         found = await self._locate(order_id, user_id)
         if found is None:
-            return None
+            return await self._committed_meanwhile(order_id, user_id)
         deal_id, status = found
         if status.startswith("X|"):
             return {
@@ -247,9 +257,19 @@ class QueueService:
             }
         record = await self.gate.redis.hget(deal_keys(deal_id).inflight, order_id)
         if not record:
-            return None  # resolved meanwhile: the database answers now
+            return await self._committed_meanwhile(order_id, user_id)
         quantity = int(str(record).split("|")[2])
         return queued_body(order_id, deal_id, quantity, *await self._price(deal_id))
+
+    async def _committed_meanwhile(self, order_id: str, user_id: int) -> dict[str, Any] | None:
+        """A queued order committed between the caller's database read and the status
+        read (the consumer deletes the status once committed): the database again."""
+        if not await self.gate.redis.exists(queue_order_index(order_id)):
+            return None
+        order = await orders.get(self.gate.db, order_id)
+        if order is None or order.user_id != user_id:
+            return None
+        return order.view()
 
     async def cancel(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         """Cancel a queued order: None when this Redis holds no such queued order."""
