@@ -200,6 +200,17 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "requestBody": _body("ReservationRequest", "The quantity to reserve."),
                 "responses": {
                     "201": _json(_ref("Reservation"), "A new order holds the stock."),
+                    "202": _json(
+                        _ref("QueuedReservation"),
+                        "Queue mode: admitted and queued; poll `Location` (also a replay"
+                        " while it waits).",
+                        headers={
+                            "Location": {
+                                "description": "`/v1/orders/{order_id}`.",
+                                "schema": {"type": "string"},
+                            }
+                        },
+                    ),
                     "200": _json(
                         _ref("Reservation"),
                         "A repeat of an earlier request with this key and body.",
@@ -236,7 +247,10 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "security": BUYER,
                 "parameters": [_param("OrderId")],
                 "responses": {
-                    "200": _json(_ref("Order"), "The order."),
+                    "200": _json(
+                        {"oneOf": [_ref("Order"), _ref("QueuedOrder")]},
+                        "The order (QUEUED or REJECTED while, or after, it waited in a queue).",
+                    ),
                     **_problems("UNAUTHORIZED", "NOT_FOUND", "OVERLOADED"),
                 },
             }
@@ -249,7 +263,10 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "security": BUYER,
                 "parameters": [_param("OrderId")],
                 "responses": {
-                    "200": _json(_ref("Order"), "The order, now CANCELLED."),
+                    "200": _json(
+                        {"oneOf": [_ref("Order"), _ref("QueuedOrder")]},
+                        "The order, now CANCELLED (a queued one: REJECTED, reason CANCELLED).",
+                    ),
                     **_problems("UNAUTHORIZED", "NOT_FOUND", "CONFLICT", "OVERLOADED"),
                 },
             }
@@ -458,6 +475,8 @@ def _schemas() -> dict[str, Any]:
         "currency": CURRENCY,
         "starts_at": NULLABLE_TIMESTAMP,
         "ends_at": NULLABLE_TIMESTAMP,
+        # Queue mode (docs/queue-mode.md).
+        "mode": {"type": "string", "enum": ["sync", "queue"]},
     }
     admin_deal = {
         **deal_common,
@@ -562,6 +581,35 @@ def _schemas() -> dict[str, Any]:
                 "expires_at",
             ],
         ),
+        "QueuedReservation": _object(
+            {
+                "order_id": ORDER_ID,
+                "status": {"type": "string", "enum": ["QUEUED"]},
+                "deal_id": {"type": "integer"},
+                "quantity": {"type": "integer", "minimum": 1},
+                "unit_price": MINOR_UNITS,
+                "amount": MINOR_UNITS,
+                "currency": CURRENCY,
+            },
+            ["order_id", "status", "deal_id", "quantity", "unit_price", "amount", "currency"],
+        ),
+        "QueuedOrder": _object(
+            {
+                "order_id": ORDER_ID,
+                "status": {"type": "string", "enum": ["QUEUED", "REJECTED"]},
+                "deal_id": {"type": "integer"},
+                "quantity": {"type": "integer", "minimum": 1},
+                "unit_price": MINOR_UNITS,
+                "amount": MINOR_UNITS,
+                "currency": CURRENCY,
+                "reason": {
+                    "type": "string",
+                    "description": "REJECTED: a problem code (SOLD_OUT, LIMIT_EXCEEDED…),"
+                    " CANCELLED or DEAD_LETTER.",
+                },
+            },
+            ["order_id", "status", "deal_id"],
+        ),
         "Order": _object(
             {
                 "order_id": ORDER_ID,
@@ -647,6 +695,7 @@ def _schemas() -> dict[str, Any]:
                     "enum": ["automatic", "manual"],
                     "default": "automatic",
                 },
+                "mode": {"type": "string", "enum": ["sync", "queue"], "default": "sync"},
                 "starts_at": NULLABLE_TIMESTAMP,
                 "ends_at": NULLABLE_TIMESTAMP,
             },
