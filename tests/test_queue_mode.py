@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from typing import Any
 
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
@@ -19,6 +20,7 @@ from gate.keys import deal_keys, queue_keys
 from tests.support import (
     ADMIN,
     Client,
+    GateCommand,
     GateProcess,
     assert_invariants,
     buyer,
@@ -53,6 +55,16 @@ async def _read_all_pending(
         if left:
             await asyncio.sleep(0.2)
     return states
+
+
+def _command(env: dict[str, str], *args: str) -> tuple[int, str]:
+    """A `gate …` command run to its end: (exit status, its output)."""
+    cmd = GateCommand(env, *args)
+    try:
+        cmd.proc.wait(60)
+    finally:
+        code = cmd.stop()
+    return code, cmd.output()
 
 
 async def _queue_drained(rds: aioredis.Redis, deal_id: int, timeout_seconds: float = 20) -> None:
@@ -249,6 +261,32 @@ async def test_permanent_failure_ends_in_a_dead_letter(
     # Units back exactly once: Redis = DB, all 10 available.
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 10, "available": 10, "held": 0, "sold": 0}
+
+    # The operator's view, then one retry: committed exactly once.
+    status = _command(env, "queue", "status", "--deal", str(deal_id), "--json")
+    assert status[0] == 0, status[1]
+    (row,) = orjson.loads(status[1])
+    assert row["deal_id"] == deal_id and row["dead_letters"] == 1 and row["depth"] == 0
+    listed = _command(env, "queue", "dead-letters", "--deal", str(deal_id), "--json")
+    assert listed[0] == 0, listed[1]
+    (letter,) = orjson.loads(listed[1])
+    assert letter["order_id"] == oid
+    retried = _command(env, "queue", "retry", str(letter["entry_id"]))
+    assert retried[0] == 0, retried[1]
+    again = _command(env, "queue", "retry", str(letter["entry_id"]))
+    assert again[0] == 1 and "already retried" in again[1]
+    new_id = (
+        await db.fetchone(
+            "SELECT retried_order_id FROM queue_dead_letters WHERE order_id = %s", (oid,)
+        )
+        or [None]
+    )[0]
+    assert new_id and new_id != oid
+    states = await _read_all_pending(client, [(17_000_001, str(new_id))], 20.0)
+    assert states[str(new_id)]["status"] == "PENDING_PAYMENT"
+    await _queue_drained(rds, deal_id)
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": 10, "available": 9, "held": 1, "sold": 0}
 
 
 async def _fire(
