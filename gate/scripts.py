@@ -55,6 +55,7 @@ SCRIPT_NAMES = (
     "sync_deal",
     "lease",
     # Queue mode (gate/queue/).
+    "queue_index",
     "enqueue",
     "queue_take",
     "queue_cancel",

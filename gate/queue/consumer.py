@@ -283,16 +283,24 @@ class QueueConsumer:
         if not to_commit:
             return settled
         outcomes = await self._commit(deal_id, to_commit)
-        for entry, outcome in zip(to_commit, outcomes, strict=True):
-            if isinstance(outcome, str):
-                await self._committed_entry(deal_id, entry, outcome)
-                settled += 1
-            elif isinstance(outcome, DbCode):
+        committed = [(e, o) for e, o in zip(to_commit, outcomes, strict=True) if isinstance(o, str)]
+        if committed:
+            await self._committed_entries(deal_id, committed)
+
+        async def settle(entry: Entry, outcome: DbCode | BaseException) -> int:
+            if isinstance(outcome, DbCode):
                 await self._reject(deal_id, entry, _reason(outcome))
-                settled += 1
-            else:
-                settled += await self._failed(deal_id, entry, outcome)
-        return settled
+                return 1
+            return await self._failed(deal_id, entry, outcome)
+
+        rest = await asyncio.gather(
+            *(
+                settle(e, o)
+                for e, o in zip(to_commit, outcomes, strict=True)
+                if not isinstance(o, str)
+            )
+        )
+        return settled + len(committed) + sum(rest)
 
     async def _committed(self, tokens: set[str]) -> dict[str, str]:
         if not tokens:
@@ -374,10 +382,15 @@ class QueueConsumer:
             code = DbCode(int(row[0]))
             if code == DbCode.OK:
                 return str(row[1])
-            if code == DbCode.DUPLICATE:
+            # Any refusal may hide an earlier commit of this very request (a group whose
+            # connection was killed after its COMMIT answered an error; gate_reserve
+            # checks stock before it meets the order id): the order decides.
+            try:
                 held = await self._committed({e.token})
-                if e.token in held:
-                    return held[e.token]
+            except Exception as exc:
+                return exc
+            if e.token in held:
+                return held[e.token]
             return code
 
         return list(await asyncio.gather(*(single(e) for e in entries)))
@@ -394,14 +407,32 @@ class QueueConsumer:
             log.warning("queue: thread %s not seen gone: %r", exc.thread_id, wait_exc)
 
     async def _committed_entry(self, deal_id: int, e: Entry, alloc: str) -> None:
+        await self._committed_entries(deal_id, [(e, alloc)])
+
+    async def _committed_entries(self, deal_id: int, done: list[tuple[Entry, str]]) -> None:
+        """Confirm committed entries (the runner pipelines the scripts), then drop
+        their statuses and acknowledge them in one round trip."""
         keys = deal_keys(deal_id)
-        await self.gate.mirror.confirm(
-            keys, e.user_id, e.idempotency_key, e.token, e.fingerprint, alloc
+        qk = queue_keys(deal_id)
+        await asyncio.gather(
+            *(
+                self.gate.mirror.confirm(
+                    keys, e.user_id, e.idempotency_key, e.token, e.fingerprint, alloc
+                )
+                for e, alloc in done
+            )
         )
-        await self.gate.redis.delete(queue_keys(deal_id).status(e.token))
-        await self._ack(queue_keys(deal_id).stream, e.entry_id)
-        COMMITTED.labels(str(deal_id)).inc()
-        COMMIT_LAG.observe(max(0.0, time.time() - e.enqueued_ms / 1000))
+        pipe = self.gate.redis.pipeline(transaction=False)
+        for e, _ in done:
+            pipe.delete(qk.status(e.token))
+            pipe.xack(qk.stream, GROUP, e.entry_id)
+            pipe.xdel(qk.stream, e.entry_id)
+        await pipe.execute()
+        now = time.time()
+        for e, _ in done:
+            self._next_try.pop(e.entry_id, None)
+            COMMIT_LAG.observe(max(0.0, now - e.enqueued_ms / 1000))
+        COMMITTED.labels(str(deal_id)).inc(len(done))
 
     async def _reject(self, deal_id: int, e: Entry, reason: str) -> None:
         # The final status first: a consumer that redoes this finds it and only

@@ -97,15 +97,23 @@ class ModeCache:
         self.refresh_seconds = refresh_seconds
         self.queued: frozenset[int] = frozenset()
         self.max_id = 0  # the highest deal id the last read saw
+        self._reads: dict[int, asyncio.Future[None]] = {}
 
     async def is_queue(self, deal_id: int) -> bool:
         if deal_id > self.max_id:
-            row = await self.gate.db.fetchone("SELECT mode FROM deals WHERE id = %s", (deal_id,))
-            if row is None:
-                return False
+            # One read per new deal however many requests wait for it.
+            reading = self._reads.get(deal_id)
+            if reading is None:
+                reading = self._reads[deal_id] = asyncio.ensure_future(self._read(deal_id))
+                reading.add_done_callback(lambda _: self._reads.pop(deal_id, None))
+            await asyncio.shield(reading)
+        return deal_id in self.queued
+
+    async def _read(self, deal_id: int) -> None:
+        row = await self.gate.db.fetchone("SELECT mode FROM deals WHERE id = %s", (deal_id,))
+        if row is not None:
             self.max_id = max(self.max_id, deal_id)
             self.set(deal_id, str(row[0]))
-        return deal_id in self.queued
 
     async def run_once(self) -> None:
         rows = await self.gate.db.fetchall(
@@ -152,9 +160,22 @@ class QueueService:
         self.modes = ModeCache(gate, settings.mode_refresh_seconds)
         self.status_ttl_ms = settings.status_ttl_seconds * 1000
         self._prices: dict[int, tuple[int, str]] = {}
+        self._announced: set[int] = set()
+        self._price_reads: dict[int, asyncio.Future[tuple[int, str]]] = {}
         self.consumer: QueueConsumer | None = None
 
     async def _price(self, deal_id: int) -> tuple[int, str]:
+        known = self._prices.get(deal_id)
+        if known is not None:
+            return known
+        # One read per deal however many requests wait for it.
+        reading = self._price_reads.get(deal_id)
+        if reading is None:
+            reading = self._price_reads[deal_id] = asyncio.ensure_future(self._read_price(deal_id))
+            reading.add_done_callback(lambda _: self._price_reads.pop(deal_id, None))
+        return await asyncio.shield(reading)
+
+    async def _read_price(self, deal_id: int) -> tuple[int, str]:
         known = self._prices.get(deal_id)
         if known is None:
             row = await self.gate.db.fetchone(
@@ -179,14 +200,27 @@ class QueueService:
     ) -> dict[str, Any] | None:
         """The 202 body; None when the token is gone or the queue is full (the
         caller compensates and answers 503)."""
-        redis = self.gate.redis
         qk = queue_keys(deal_id)
         keys = deal_keys(deal_id)
         price = await self._price(deal_id)
-        # The index first: a crash before the script leaves an index to nothing (404).
-        await redis.set(queue_order_index(token), f"{deal_id}|{user_id}", px=self.status_ttl_ms)
-        await redis.sadd(QUEUE_DEALS, str(deal_id))
-        code, _entry = await self.gate.runner.call(
+        if deal_id not in self._announced and len(self._announced) < QUEUE_DEALS_MAX:
+            # Once per deal and process (the consumers walk this set, never shrunk),
+            # by the first request only: the others do not wait for it.
+            self._announced.add(deal_id)
+            try:
+                await self.gate.redis.sadd(QUEUE_DEALS, str(deal_id))
+            except Exception:
+                self._announced.discard(deal_id)
+                raise
+        # The index first, in the same pipeline (the runner sends one loop turn's calls
+        # in order): a crash between leaves an index to nothing (404), never a queued
+        # order without one.
+        index = self.gate.runner.call(
+            "queue_index",
+            (queue_order_index(token),),
+            (f"{deal_id}|{user_id}", self.status_ttl_ms),
+        )
+        enqueue = self.gate.runner.call(
             "enqueue",
             (keys.inflight, keys.inflight_times, qk.stream, qk.status(token)),
             (
@@ -200,6 +234,7 @@ class QueueService:
                 fp,
             ),
         )
+        _, (code, _entry) = await asyncio.gather(index, enqueue)
         if int(code) != 0:
             if int(code) == 2:
                 QUEUE_FULL.labels(str(deal_id)).inc()
@@ -266,9 +301,7 @@ class QueueService:
         read (the consumer deletes the status once committed): the database again."""
         if not await self.gate.redis.exists(queue_order_index(order_id)):
             return None
-        order = await orders.get(self.gate.db, order_id)
-        if order is None or order.user_id != user_id:
-            return None
+        order = await orders.get_for_buyer(self.gate.db, order_id, user_id)
         return order.view()
 
     async def cancel(self, order_id: str, user_id: int) -> dict[str, Any] | None:
