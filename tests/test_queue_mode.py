@@ -459,3 +459,34 @@ async def test_switch_sync_queue_sync_under_load(
     assert report["totals"]["available"] == stock - held
     view = await client.get(f"/v1/admin/deals/{deal_id}", headers=ADMIN)
     assert view.json()["mode"] == "sync"
+
+
+async def test_queue_cap_answers_503_and_gives_the_units_back(
+    env: dict[str, str], rds: aioredis.Redis, db: Database, client: Client, gate: GateProcess
+) -> None:
+    """GATE_QUEUE_DEPTH_MAX: an admitted request beyond it is given back, 503."""
+    capped = GateProcess({**env, "GATE_QUEUE_CONSUMERS": "0", "GATE_QUEUE_DEPTH_MAX": "2"})
+    try:
+        capped.wait_ready()
+        os.killpg(gate.proc.pid, signal.SIGSTOP)  # no consumer drains meanwhile
+        c = Client(capped.url)
+        try:
+            deal_id = await create_deal(c, stock=10, mode="queue")
+            answers = [
+                await reserve(c, deal_id, 21_000_000 + i, f"cap-{deal_id}-{i:06d}")
+                for i in range(3)
+            ]
+            assert [a.status_code for a in answers] == [202, 202, 503], [a.text for a in answers]
+            assert answers[2].json()["code"] == "OVERLOADED"
+            assert await rds.xlen(queue_keys(deal_id).stream) == 2
+            assert (await redis_available(rds, deal_id))[0] == 8
+            assert await rds.hlen(deal_keys(deal_id).inflight) == 2
+        finally:
+            await c.close()
+    finally:
+        os.killpg(gate.proc.pid, signal.SIGCONT)
+        capped.stop()
+    await _queue_drained(rds, deal_id)
+    assert await _held(db, deal_id) == 2
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": 10, "available": 8, "held": 2, "sold": 0}

@@ -22,6 +22,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import RedisError
+
 from gate import orders
 from gate.errors import Problem, overloaded
 from gate.keys import QUEUE_DEALS, deal_keys, queue_keys, queue_order_index
@@ -279,6 +281,12 @@ class QueueService:
 
     async def view(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         """GET /v1/orders/{id} for an order the database did not hold when asked."""
+        try:
+            return await self._view(order_id, user_id)
+        except (RedisError, OSError, TimeoutError):
+            raise overloaded("Order state unavailable; retry shortly.") from None
+
+    async def _view(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         found = await self._locate(order_id, user_id)
         if found is None:
             return await self._committed_meanwhile(order_id, user_id)
@@ -306,6 +314,12 @@ class QueueService:
 
     async def cancel(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         """Cancel a queued order: None when this Redis holds no such queued order."""
+        try:
+            return await self._cancel(order_id, user_id)
+        except (RedisError, OSError, TimeoutError):
+            raise overloaded("Order state unavailable; retry shortly.") from None
+
+    async def _cancel(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         found = await self._locate(order_id, user_id)
         if found is None:
             return None
