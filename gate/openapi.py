@@ -399,6 +399,24 @@ def _paths() -> dict[str, dict[str, Any]]:
                 },
             }
         },
+        admin_deal + "/mode": {
+            "put": {
+                "tags": ["admin"],
+                "summary": "Switch a deal between sync and queue mode, live (docs/queue-mode.md).",
+                "description": (
+                    "Every gate process follows within GATE_QUEUE_MODE_REFRESH_SECONDS (1 s). "
+                    "Requests already queued are still committed after a switch back to sync."
+                ),
+                "operationId": "setDealMode",
+                "security": ADMIN,
+                "parameters": [_param("DealId")],
+                "requestBody": _body("DealMode", "The new mode."),
+                "responses": {
+                    "200": _json(_ref("AdminDealView"), "The deal, in its new mode."),
+                    **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
+                },
+            }
+        },
         admin_deal + "/ledger": {
             "get": {
                 "tags": ["admin"],
@@ -580,6 +598,11 @@ def _schemas() -> dict[str, Any]:
                 "currency",
                 "expires_at",
             ],
+        ),
+        "DealMode": _object(
+            {"mode": {"type": "string", "enum": ["sync", "queue"]}},
+            ["mode"],
+            additionalProperties=False,
         ),
         "QueuedReservation": _object(
             {

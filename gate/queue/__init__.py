@@ -27,7 +27,6 @@ from gate import validate
 from gate.errors import invalid, not_found
 from gate.extensions import Extension, Worker
 from gate.http import json_response, read_json
-from gate.openapi import ADMIN, ADMIN_BODY_PROBLEMS, _problems, add_operation
 from gate.queue.consumer import QueueConsumer
 from gate.queue.service import MODES, QueueService, QueueSettings
 
@@ -51,46 +50,6 @@ async def admin_set_mode(request: Request) -> Response:
     assert gate.queue is not None
     gate.queue.modes.set(deal_id, mode)
     return json_response({**view, "mode": mode})
-
-
-add_operation(
-    "/v1/admin/deals/{deal_id}/mode",
-    "put",
-    {
-        "tags": ["admin"],
-        "summary": "Switch a deal between sync and queue mode, live (docs/queue-mode.md).",
-        "description": (
-            "Every gate process follows within GATE_QUEUE_MODE_REFRESH_SECONDS (1 s). "
-            "Requests already queued are still committed after a switch back to sync."
-        ),
-        "operationId": "setDealMode",
-        "security": ADMIN,
-        "parameters": [{"$ref": "#/components/parameters/DealId"}],
-        "requestBody": {
-            "required": True,
-            "description": "The new mode. At most 4 KiB, `Content-Type: application/json`.",
-            "content": {
-                "application/json": {
-                    "schema": {
-                        "type": "object",
-                        "properties": {"mode": {"type": "string", "enum": list(MODES)}},
-                        "required": ["mode"],
-                        "additionalProperties": False,
-                    }
-                }
-            },
-        },
-        "responses": {
-            "200": {
-                "description": "The deal's admin view, in its new mode.",
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/AdminDealView"}}
-                },
-            },
-            **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
-        },
-    },
-)
 
 
 def install(gate: Gate) -> Extension:
