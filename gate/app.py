@@ -255,6 +255,11 @@ class Reserve:
             await send_answer(send, busy.encoded(scope["path"]))
             return
         METRICS.reservation_latency.observe(time.perf_counter() - started)
+        if result.queued:
+            _count("queued")
+            location = {"location": f"/v1/orders/{result.body['order_id']}"}
+            await send_answer(send, json_answer(result.body, 202, location))
+            return
         if result.replayed:
             _count("replayed")
             await send_answer(send, json_answer(result.body, 200, _REPLAYED))
@@ -304,14 +309,30 @@ class FastLane:
 async def order_view(request: Request) -> Response:
     gate = _gate(request)
     user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
-    order = await orders.get_for_buyer(gate.db, request.path_params["order_id"], user_id)
+    order_id = request.path_params["order_id"]
+    try:
+        order = await orders.get_for_buyer(gate.db, order_id, user_id)
+    except Problem as problem:
+        # Not in the database: perhaps waiting in a queue (gate/queue/).
+        queued = await gate.queue.view(order_id, user_id) if gate.queue else None
+        if problem.code != "NOT_FOUND" or queued is None:
+            raise
+        return json_response(queued)
     return json_response(order.view())
 
 
 async def order_cancel(request: Request) -> Response:
     gate = _gate(request)
     user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
-    order = await orders.cancel(gate.db, gate.mirror, request.path_params["order_id"], user_id)
+    order_id = request.path_params["order_id"]
+    try:
+        order = await orders.cancel(gate.db, gate.mirror, order_id, user_id)
+    except Problem as problem:
+        # Not in the database: perhaps waiting in a queue (gate/queue/).
+        cancelled = await gate.queue.cancel(order_id, user_id) if gate.queue else None
+        if problem.code != "NOT_FOUND" or cancelled is None:
+            raise
+        return json_response(cancelled)
     # Units came back: this process must not keep answering "sold out" from memory.
     gate.soldout.forget(order.deal_id)
     return json_response(order.view())

@@ -44,7 +44,7 @@ PUBLIC_CACHE_MAX = 10_000
 _DEAL_COLUMNS = (
     "id, title, unit_price, currency, bucket_count, layout_epoch, hold_seconds,"
     " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, created_at, updated_at,"
-    " waiting_room"
+    " waiting_room, mode"
 )
 
 
@@ -65,6 +65,8 @@ class Deal:
     created_at: datetime
     updated_at: datetime
     waiting_room: str | None = None  # the room's JSON (gate/room/config.py), None: no room
+    # "sync" or "queue" (docs/queue-mode.md).
+    mode: str = "sync"
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Deal:
@@ -84,6 +86,7 @@ class Deal:
             created_at=row[12],
             updated_at=row[13],
             waiting_room=None if row[14] is None else str(row[14]),
+            mode=str(row[15]),
         )
 
     def public(self, remaining: int) -> dict[str, Any]:
@@ -96,6 +99,7 @@ class Deal:
             "ends_at": iso(self.ends_at),
             "sold_out": remaining <= 0,
             "remaining_hint": max(0, remaining),
+            "mode": self.mode,
         }
 
     def admin(self) -> dict[str, Any]:
@@ -110,6 +114,7 @@ class Deal:
             "per_user_limit": self.per_user_limit,
             "max_per_order": self.max_per_order,
             "capture_mode": self.capture_mode,
+            "mode": self.mode,
             "starts_at": iso(self.starts_at),
             "ends_at": iso(self.ends_at),
             "created_at": iso(self.created_at),
@@ -160,6 +165,7 @@ CREATE_FIELDS = {
     "ends_at",
     "capture_mode",
     "waiting_room",
+    "mode",
 }
 
 
@@ -186,6 +192,9 @@ class Deals:
         capture_mode = validate.string(body, "capture_mode", 16, default="automatic")
         if capture_mode not in ("automatic", "manual"):
             raise invalid("'capture_mode' must be 'automatic' or 'manual'.")
+        mode = validate.string(body, "mode", 8, default="sync")
+        if mode not in ("sync", "queue"):
+            raise invalid("'mode' must be 'sync' or 'queue'.")
         if per_user_limit is not None and max_per_order > per_user_limit:
             raise invalid("'max_per_order' cannot exceed 'per_user_limit'.")
         if starts_at and ends_at and ends_at <= starts_at:
@@ -197,8 +206,9 @@ class Deals:
             await cur.execute("START TRANSACTION")
             await cur.execute(
                 "INSERT INTO deals (title, unit_price, currency, bucket_count, hold_seconds,"
-                " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, waiting_room)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, waiting_room,"
+                " mode)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     title,
                     unit_price,
@@ -211,6 +221,7 @@ class Deals:
                     starts_at,
                     ends_at,
                     room.to_column() if room else None,
+                    mode,
                 ),
             )
             deal_id = int(cur.lastrowid)

@@ -25,7 +25,7 @@ Worker = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
 # Area modules, in installation order. Operations comes first so that its request
 # middleware (request ids, one log line and metrics per request) wraps all others.
-AREAS = ("gate.ops", "gate.payments", "gate.expiry", "gate.room", "gate.console")
+AREAS = ("gate.ops", "gate.payments", "gate.expiry", "gate.room", "gate.queue", "gate.console")
 
 
 @dataclass

@@ -131,3 +131,30 @@ def owner_keys(owner: str) -> OwnerKeys:
 def console_revoked(session_id: str) -> str:
     """A signed-out console session (gate/console/session.py), until it would expire."""
     return f"gate:console:revoked:{session_id}"
+
+
+# Queue mode (gate/queue/): deals that have (or had) a request queue, walked by the
+# consumers; outside any deal's slot, touched only by plain commands.
+QUEUE_DEALS = "gate:q:deals"
+
+
+def queue_order_index(order_id: str) -> str:
+    """string: the deal id of a queued order (GET /v1/orders/{id} finds its slot)."""
+    return f"gate:q:i:{order_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueKeys:
+    """A deal's request queue (docs/queue-mode.md), in the deal's slot."""
+
+    deal_id: int
+    stream: str  # stream: one entry per queued request; consumer group "gate"
+
+    def status(self, order_id: str) -> str:
+        """string: "Q|enqueued ms|attempts" waiting, "C|…" being committed,
+        "X|REASON" rejected (final)."""
+        return f"{{d:{self.deal_id}}}:q:o:{order_id}"
+
+
+def queue_keys(deal_id: int) -> QueueKeys:
+    return QueueKeys(deal_id=deal_id, stream=f"{{d:{deal_id}}}:q")

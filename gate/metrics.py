@@ -67,6 +67,17 @@ DELAY_BUCKETS_SECONDS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
 # The names every area agreed on (see the common brief); dashboards and alert rules
 # use exactly these. A metric outside this list is fine, but has no panel or alert.
 AGREED_NAMES: dict[str, tuple[str, ...]] = {
+    # Queue mode (gate/queue/, docs/queue-mode.md).
+    "queue": (
+        "gate_queue_enqueued_total",
+        "gate_queue_committed_total",
+        "gate_queue_rejected_total",
+        "gate_queue_retries_total",
+        "gate_queue_dead_letters_total",
+        "gate_queue_depth",
+        "gate_queue_oldest_age_seconds",
+        "gate_queue_commit_lag_seconds",
+    ),
     "core": (
         "gate_reservations_total",
         "gate_reservation_latency_seconds",

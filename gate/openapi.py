@@ -222,6 +222,17 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "requestBody": _body("ReservationRequest", "The quantity to reserve."),
                 "responses": {
                     "201": _json(_ref("Reservation"), "A new order holds the stock."),
+                    "202": _json(
+                        _ref("QueuedReservation"),
+                        "Queue mode: admitted and queued; poll `Location` (also a replay"
+                        " while it waits).",
+                        headers={
+                            "Location": {
+                                "description": "`/v1/orders/{order_id}`.",
+                                "schema": {"type": "string"},
+                            }
+                        },
+                    ),
                     "200": _json(
                         _ref("Reservation"),
                         "A repeat of an earlier request with this key and body.",
@@ -260,7 +271,10 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "security": BUYER,
                 "parameters": [_param("OrderId")],
                 "responses": {
-                    "200": _json(_ref("Order"), "The order."),
+                    "200": _json(
+                        {"oneOf": [_ref("Order"), _ref("QueuedOrder")]},
+                        "The order (QUEUED or REJECTED while, or after, it waited in a queue).",
+                    ),
                     **_problems("UNAUTHORIZED", "NOT_FOUND", "OVERLOADED"),
                 },
             }
@@ -273,7 +287,10 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "security": BUYER,
                 "parameters": [_param("OrderId")],
                 "responses": {
-                    "200": _json(_ref("Order"), "The order, now CANCELLED."),
+                    "200": _json(
+                        {"oneOf": [_ref("Order"), _ref("QueuedOrder")]},
+                        "The order, now CANCELLED (a queued one: REJECTED, reason CANCELLED).",
+                    ),
                     **_problems("UNAUTHORIZED", "NOT_FOUND", "CONFLICT", "OVERLOADED"),
                 },
             }
@@ -420,6 +437,24 @@ def _paths() -> dict[str, dict[str, Any]]:
                 },
             }
         },
+        admin_deal + "/mode": {
+            "put": {
+                "tags": ["admin"],
+                "summary": "Switch a deal between sync and queue mode, live (docs/queue-mode.md).",
+                "description": (
+                    "Every gate process follows within GATE_QUEUE_MODE_REFRESH_SECONDS (1 s). "
+                    "Requests already queued are still committed after a switch back to sync."
+                ),
+                "operationId": "setDealMode",
+                "security": ADMIN,
+                "parameters": [_param("DealId")],
+                "requestBody": _body("DealMode", "The new mode."),
+                "responses": {
+                    "200": _json(_ref("AdminDealView"), "The deal, in its new mode."),
+                    **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
+                },
+            }
+        },
         admin_deal + "/ledger": {
             "get": {
                 "tags": ["admin"],
@@ -496,6 +531,8 @@ def _schemas() -> dict[str, Any]:
         "currency": CURRENCY,
         "starts_at": NULLABLE_TIMESTAMP,
         "ends_at": NULLABLE_TIMESTAMP,
+        # Queue mode (docs/queue-mode.md).
+        "mode": {"type": "string", "enum": ["sync", "queue"]},
     }
     admin_deal = {
         **deal_common,
@@ -605,6 +642,40 @@ def _schemas() -> dict[str, Any]:
                 "expires_at",
             ],
         ),
+        "DealMode": _object(
+            {"mode": {"type": "string", "enum": ["sync", "queue"]}},
+            ["mode"],
+            additionalProperties=False,
+        ),
+        "QueuedReservation": _object(
+            {
+                "order_id": ORDER_ID,
+                "status": {"type": "string", "enum": ["QUEUED"]},
+                "deal_id": {"type": "integer"},
+                "quantity": {"type": "integer", "minimum": 1},
+                "unit_price": MINOR_UNITS,
+                "amount": MINOR_UNITS,
+                "currency": CURRENCY,
+            },
+            ["order_id", "status", "deal_id", "quantity", "unit_price", "amount", "currency"],
+        ),
+        "QueuedOrder": _object(
+            {
+                "order_id": ORDER_ID,
+                "status": {"type": "string", "enum": ["QUEUED", "REJECTED"]},
+                "deal_id": {"type": "integer"},
+                "quantity": {"type": "integer", "minimum": 1},
+                "unit_price": MINOR_UNITS,
+                "amount": MINOR_UNITS,
+                "currency": CURRENCY,
+                "reason": {
+                    "type": "string",
+                    "description": "REJECTED: a problem code (SOLD_OUT, LIMIT_EXCEEDED…),"
+                    " CANCELLED or DEAD_LETTER.",
+                },
+            },
+            ["order_id", "status", "deal_id"],
+        ),
         "Order": _object(
             {
                 "order_id": ORDER_ID,
@@ -690,6 +761,7 @@ def _schemas() -> dict[str, Any]:
                     "enum": ["automatic", "manual"],
                     "default": "automatic",
                 },
+                "mode": {"type": "string", "enum": ["sync", "queue"], "default": "sync"},
                 "starts_at": NULLABLE_TIMESTAMP,
                 "ends_at": NULLABLE_TIMESTAMP,
                 "waiting_room": {

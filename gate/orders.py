@@ -169,8 +169,11 @@ async def get_for_buyer(db: Database, order_id: str, user_id: int) -> Order:
     """The buyer's own order; another buyer's order is indistinguishable from none."""
     try:
         order = await get(db, order_id)
-    except DbUnavailable:
-        raise overloaded("Database unavailable; retry shortly.") from None
+    except Exception as exc:
+        # A connection lost mid-query (killed, a failover) is a 503 too, never a 500.
+        if isinstance(exc, DbUnavailable) or is_connection_error(exc):
+            raise overloaded("Database unavailable; retry shortly.") from None
+        raise
     if order is None or order.user_id != user_id:
         raise not_found("order")
     return order

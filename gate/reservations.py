@@ -33,7 +33,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pymysql
 
@@ -54,6 +54,9 @@ from gate.mirror import Mirror
 from gate.settings import Settings
 from gate.soldout import SoldOutCache
 from gate.unknown_deals import UnknownDeals
+
+if TYPE_CHECKING:
+    from gate.queue.service import QueueService
 
 log = logging.getLogger("gate.reservations")
 
@@ -189,6 +192,8 @@ class Admission:
 class Reserved:
     body: dict[str, Any]
     replayed: bool
+    # Answered 202: the request waits in its deal's queue (docs/queue-mode.md).
+    queued: bool = False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -247,6 +252,9 @@ class Reservations:
         # (deal, user, Admission-Token header) -> what lua/admit.lua is told; the
         # waiting room (gate/room/) installs its token check here.
         self.admission_arg: Callable[[int, int, str | None], str] = _no_admission
+        # Queue mode (gate/queue/), set by its area: an admitted reservation of a deal
+        # in queue mode is handed to the deal's queue instead of the database.
+        self.queue: QueueService | None = None
         self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
         self.groups = (
             ReservationGroups(
@@ -344,6 +352,11 @@ class Reservations:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
         if adm.code == AdmitCode.REPLAY:
             return await self._replay(adm.detail, req.user_id, fp)
+        if adm.code == AdmitCode.IN_PROGRESS and self.queue is not None:
+            # A replay of a request that waits in its deal's queue: 202 again.
+            queued = await self.queue.replay(req.deal_id, req.user_id, req.idempotency_key, fp)
+            if queued is not None:
+                return Reserved(queued, replayed=True, queued=True)
         if adm.code != AdmitCode.OK:
             # A refusal of a known buyer may hide a replay whose Redis record was lost:
             # the database is asked. Not for a rate limit: a 429 is a "later", never a
@@ -374,6 +387,8 @@ class Reservations:
             raise self._limited("global", adm.global_retry_ms)
 
         alloc = normalise_alloc(adm.detail)
+        if self.queue is not None and await self.queue.modes.is_queue(req.deal_id):
+            return await self._enqueue(keys, req, fp, token, alloc)
         # An allocation over several buckets goes through gate_reserve with `alloc`;
         # the item's bucket (its first) is used only when it names one.
         item = self._item(token, req, fp, int(alloc.split(":", 1)[0]), owner)
@@ -552,6 +567,25 @@ class Reservations:
             if existing is not None:
                 return existing
             raise from_db(db_code)
+
+    async def _enqueue(
+        self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, alloc: str
+    ) -> Reserved:
+        """Queue mode: the admitted request goes to its deal's queue (202)."""
+        assert self.queue is not None
+        try:
+            body = await self.queue.enqueue(
+                req.deal_id, token, req.user_id, req.quantity, alloc, req.idempotency_key, fp
+            )
+        except Exception as exc:
+            # Not queued (the script never ran, or ran: then the token is in the queue
+            # and the consumers settle it; compensate acts only if it is not).
+            log.warning("reservation %s not queued: %r", token, exc)
+            body = None
+        if body is None:
+            await self._compensate(keys, req, token)
+            raise overloaded("The deal's queue is full; retry shortly.")
+        return Reserved(body, replayed=False, queued=True)
 
     def _item(
         self, token: str, req: ReserveRequest, fp: str, bucket: int, owner: str | None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gate.auth import AdminAuth, BuyerAuth
 from gate.db import Database
@@ -21,6 +21,9 @@ from gate.scripts import ScriptRunner, make_redis, read_scripts
 from gate.settings import Settings
 from gate.soldout import SoldOutCache
 from gate.unknown_deals import UnknownDeals
+
+if TYPE_CHECKING:
+    from gate.queue.service import QueueService
 
 log = logging.getLogger("gate")
 
@@ -61,6 +64,8 @@ class Gate:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lease_task: asyncio.Task[None] | None = None
+        # Queue mode's service (gate/queue/), set by its area when installed.
+        self.queue: QueueService | None = None
         # Areas install last: they may use every core service above.
         self.extensions = install_all(self)
 

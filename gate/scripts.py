@@ -54,6 +54,11 @@ SCRIPT_NAMES = (
     "apply",
     "sync_deal",
     "lease",
+    # Queue mode (gate/queue/).
+    "queue_index",
+    "enqueue",
+    "queue_take",
+    "queue_cancel",
 )
 
 

@@ -17,6 +17,8 @@ User classes (each a scenario; mix them by naming several):
   PayingBuyer       (needs payments, #4) reserve, open the payment session twice
                     (idempotent), then signed callbacks duplicated and reordered;
                     the order must end PAID
+  QueueBuyer        queue mode (#14): a crowd on a deal in queue mode; every 202 is
+                    polled until it reads PENDING_PAYMENT (within 10 s)
   LatePayer         (needs payments #4 and the expiry sweeper #5) short holds that
                     expire while the buyer pays; the late payment must end PAID
                     (stock re-taken) or REFUND_PENDING/REFUNDED
@@ -94,6 +96,7 @@ ROLES = {
     "PayingBuyer": "pay",
     "LatePayer": "late",
     "WaitingRoomBuyer": "room",
+    "QueueBuyer": "queue",
 }
 PAYMENT_CLASSES = ("PayingBuyer", "LatePayer")
 # The detail of the gate's 503 when GATE_PAYMENT_PROVIDER_URL is unset.
@@ -133,6 +136,9 @@ class Run:
             raise StopUser()
         return deal_id
 
+
+# A queued order must read PENDING_PAYMENT within this (issue #14: 10 s).
+QUEUE_SETTLE_SECONDS = 10.0
 
 RUN = Run()
 
@@ -177,7 +183,7 @@ def _options(parser: Any) -> None:
     )
     g.add_argument("--record", env_var="LOADTEST_RECORD", default="", help="client record path")
     g.add_argument("--user-base", type=int, env_var="LOADTEST_USER_BASE", default=0)
-    for role in ("flash", "reader", "pay", "late", "room"):
+    for role in ("flash", "reader", "pay", "late", "room", "queue"):
         g.add_argument(
             f"--{role}-deal", type=int, env_var=f"LOADTEST_{role.upper()}_DEAL", default=0
         )
@@ -224,6 +230,8 @@ def _deal_body(role: str, opts: Any, users: int) -> dict[str, Any]:
             buckets=opts.buckets,
             waiting_room={"admit_per_second": opts.room_rate, "admission_ttl_seconds": 10},
         )
+    elif role == "queue":
+        body.update(stock=opts.stock, buckets=opts.buckets, mode="queue")
     elif role == "late":
         body.update(stock=max(100, 20 * users), buckets=4, hold_seconds=opts.late_hold_seconds)
     else:
@@ -393,6 +401,15 @@ class Buyer(FastHttpUser):
                 else:
                     resp.success()
                     RUN.order_seen(str(body["order_id"]), user, deal_id)
+            elif status == 202:
+                # Queue mode (docs/queue-mode.md): queued, committed in the background.
+                if body.get("status") != "QUEUED" or body.get("deal_id") != deal_id:
+                    resp.failure(f"202 without this deal's queued order: {body}")
+                elif resp.headers.get("Location") != f"/v1/orders/{body.get('order_id')}":
+                    resp.failure("202 without its Location")
+                else:
+                    resp.success()
+                    RUN.order_seen(str(body["order_id"]), user, deal_id)
             elif status == 409 and code in ("SOLD_OUT", "IDEMPOTENCY_IN_PROGRESS"):
                 resp.success()
             elif status in (429, 503):
@@ -451,6 +468,44 @@ class FlashSaleBuyer(Buyer):
         deal_id = RUN.deal("flash")
         user = RUN.next_user()
         self.reserve_until_answered(deal_id, user, f"fs-{RUN.run_tag}-{user}")
+
+
+class QueueBuyer(Buyer):
+    """Queue mode: a crowd of new buyers on a deal in queue mode; each 202 is polled
+    until it reads PENDING_PAYMENT, which must happen within QUEUE_SETTLE_SECONDS."""
+
+    weight = 10
+    wait_time = between(0.0, 0.02)
+
+    @task
+    def click(self) -> None:
+        deal_id = RUN.deal("queue")
+        user = RUN.next_user()
+        status, _, body = self.reserve_until_answered(deal_id, user, f"qm-{RUN.run_tag}-{user}")
+        if status != 202:
+            return
+        order_id = str(body["order_id"])
+        deadline = time.monotonic() + QUEUE_SETTLE_SECONDS
+        while True:
+            with self.client.get(
+                f"/v1/orders/{order_id}",
+                headers=self.auth(user),
+                name="order (queued)",
+                catch_response=True,
+            ) as resp:
+                state = _json(resp).get("status") if resp.status_code == 200 else None
+                if state == "PENDING_PAYMENT":
+                    resp.success()
+                    return
+                if state == "QUEUED" or resp.status_code == 503:
+                    resp.success()
+                else:
+                    resp.failure(f"queued order {order_id}: {resp.status_code} {_text(resp)}")
+                    return
+            if time.monotonic() >= deadline:
+                RUN.record.outcome(deal_id, "QUEUED_TOO_LONG")
+                return
+            gevent.sleep(0.2)
 
 
 class DuplicateClicker(Buyer):

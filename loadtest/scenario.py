@@ -87,6 +87,15 @@ SCENARIOS = {
         8,
         "every scenario at once (payment users stop when payments are missing)",
     ),
+    "queue-mode": Scenario(
+        ("QueueBuyer",),
+        300,
+        300,
+        "30s",
+        2000,
+        8,
+        "a crowd on a deal in queue mode: 202, then PENDING_PAYMENT within 10 s",
+    ),
     "ci": Scenario(
         ("FlashSaleBuyer", "DuplicateClicker", "Reader"),
         30,

@@ -58,6 +58,7 @@ async def test_create_and_view(client: Client, db: Database, rds: aioredis.Redis
         "ends_at": "2099-01-01T00:00:00.000000Z",
         "sold_out": False,
         "remaining_hint": 10,
+        "mode": "sync",
     }
 
 

@@ -119,3 +119,41 @@ def test_a_waiting_room_run_passes_the_verifier(
     verdict = (out / "verify.txt").read_text()
     assert re.search(rf"deal {room} \[room\]: OK  stock=30 .* oversold=0 lost=0", verdict), verdict
     assert re.search(r"room: waiting=\d+ admitted=\d+ spent=\d+", verdict), verdict
+
+
+@pytest.mark.slow
+def test_a_short_queue_mode_run_passes_the_verifier(
+    gate: GateProcess, env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue #14: the `queue-mode` scenario (202, then PENDING_PAYMENT within 10 s)."""
+    out = tmp_path / "queue"
+    result = run_module(
+        env,
+        "loadtest.scenario",
+        "queue-mode",
+        "--host",
+        gate.url,
+        "--run-time",
+        "6s",
+        "--stock",
+        "40",
+        "--users",
+        "30",
+        "--out",
+        str(out),
+        timeout_seconds=180,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "verifier: all checks hold" in result.stdout
+    with (out / "stats_stats.csv").open() as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    assert int(rows["Aggregated"]["Failure Count"]) == 0
+    record = ClientRecord.read(out / "client.json")
+    deal = record.deals["queue"]
+    assert record.outcomes[deal].get("202")
+    assert not record.outcomes[deal].get("QUEUED_TOO_LONG")
+    assert record.violations == []
+    verdict = (out / "verify.txt").read_text()
+    assert re.search(rf"deal {deal} \[queue\]: OK .* oversold=0 lost=0  redis: equal", verdict), (
+        verdict
+    )

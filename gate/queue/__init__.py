@@ -1,0 +1,80 @@
+"""Queue mode (issue #14, docs/queue-mode.md): accept at Redis speed, commit in the
+background, switch per deal live.
+
+    PUT /v1/admin/deals/{id}/mode {"mode": "queue"|"sync"} ──> deals.mode ──> every
+        process follows within GATE_QUEUE_MODE_REFRESH_SECONDS (ModeCache)
+    reservation of a queue-mode deal ──> admit.lua ──> enqueue.lua ──> 202 QUEUED
+        (gate/queue/service.py)
+    consumers in `gate serve` ──> gate_reserve_group ──> confirm / compensate
+        (gate/queue/consumer.py)
+    gate queue status | dead-letters | retry (gate/queue/cli.py)
+
+The area hooks into the core at four small points: `Reservations.queue` (after a
+successful admission, and for a replay of a queued key), the order view and cancel
+(an order the database does not hold yet), and the deals' `mode` field.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gate import validate
+from gate.errors import invalid, not_found
+from gate.extensions import Extension, Worker
+from gate.http import json_response, read_json
+from gate.queue.consumer import QueueConsumer
+from gate.queue.service import MODES, QueueService, QueueSettings
+
+if TYPE_CHECKING:
+    from gate.runtime import Gate
+
+
+async def admin_set_mode(request: Request) -> Response:
+    gate: Gate = request.app.state.gate
+    gate.admin_auth.check(request.headers.get("authorization"))
+    deal_id: int = request.path_params["deal_id"]
+    if not 1 <= deal_id <= validate.MAX_ID:
+        raise not_found("deal")
+    body = validate.obj(await read_json(request, gate.settings.body_max_bytes))
+    validate.no_unknown(body, {"mode"})
+    mode = validate.string(body, "mode", 8)
+    if mode not in MODES:
+        raise invalid("'mode' must be 'sync' or 'queue'.")
+    await gate.db.execute("UPDATE deals SET mode = %s WHERE id = %s", (mode, deal_id))
+    view = await gate.deals.admin_view(deal_id)  # 404 for an unknown deal
+    assert gate.queue is not None
+    gate.queue.modes.set(deal_id, mode)
+    return json_response({**view, "mode": mode})
+
+
+def install(gate: Gate) -> Extension:
+    from gate import app as _app  # noqa: F401  (registers the route's "id" path convertor)
+
+    settings = QueueSettings.from_env(gate.settings)
+    service = QueueService(gate, settings)
+    gate.queue = service
+    gate.reservations.queue = service
+    consumer = QueueConsumer(gate, settings, service)
+    service.consumer = consumer
+    workers: list[Worker] = [service.modes.run]
+    if settings.consumers_in_serve:
+        workers.append(consumer.run)
+    return Extension(
+        name="queue",
+        routes=[
+            Route("/v1/admin/deals/{deal_id:id}/mode", admin_set_mode, methods=["PUT"]),
+        ],
+        workers=workers,
+        on_start=[service.modes.run_once],
+    )
+
+
+def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
+    from gate.queue.cli import add_commands as add
+
+    add(sub)

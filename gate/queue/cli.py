@@ -1,0 +1,218 @@
+"""`gate queue status | dead-letters | retry` (docs/cli.md, docs/queue-mode.md).
+
+status       per deal with a queue: depth, oldest age, consumers, pending
+             (delivered, not yet settled), retrying, dead letters
+dead-letters the queue_dead_letters rows (newest first, at most DEAD_LETTERS_MAX)
+retry ID     claims the dead letter (retried_at set once, so a second retry is
+             refused), then submits its request again through the normal
+             reservation path: a fresh admission (its units went back when it was
+             dead-lettered), queued or committed like any request, exactly once
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from gate.settings import SettingsError
+
+DEAD_LETTERS_MAX = 1000
+DEALS_MAX = 1000
+
+
+def _print(data: Any, as_json: bool, lines: list[str]) -> None:
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print("\n".join(lines) if lines else "(none)")
+
+
+async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
+    from gate.keys import QUEUE_DEALS, queue_keys
+    from gate.queue.consumer import GROUP
+
+    redis = gate.redis
+    deals = [deal] if deal else sorted(int(d) for d in await redis.smembers(QUEUE_DEALS))
+    out: list[dict[str, Any]] = []
+    counts = {
+        int(r[0]): int(r[1])
+        for r in await gate.db.fetchall(
+            "SELECT deal_id, COUNT(*) FROM queue_dead_letters GROUP BY deal_id"
+        )
+    }
+    modes = {int(r[0]): str(r[1]) for r in await gate.db.fetchall("SELECT id, mode FROM deals")}
+    for deal_id in deals[:DEALS_MAX]:
+        stream = queue_keys(deal_id).stream
+        depth = int(await redis.xlen(stream))
+        age = 0.0
+        if depth:
+            first: Any = await redis.xrange(stream, "-", "+", count=1)
+            if first:
+                raw = first[0][0]
+                ms = int((raw.decode() if isinstance(raw, bytes) else str(raw)).split("-")[0])
+                age = max(0.0, time.time() - ms / 1000)
+        consumers = pending = retrying = 0
+        try:
+            for c in await redis.xinfo_consumers(stream, GROUP):
+                consumers += 1
+                pending += int(c["pending"])
+            summary: Any = await redis.xpending_range(stream, GROUP, "-", "+", DEALS_MAX)
+            retrying = sum(1 for p in summary if int(p["times_delivered"]) > 1)
+        except Exception:
+            pass  # no group yet: no consumer has read this stream
+        out.append(
+            {
+                "deal_id": deal_id,
+                "mode": modes.get(deal_id, "?"),
+                "depth": depth,
+                "oldest_age_seconds": round(age, 3),
+                "consumers": consumers,
+                "pending": pending,
+                "retrying": retrying,
+                "dead_letters": counts.get(deal_id, 0),
+            }
+        )
+    return out
+
+
+async def _dead_letters(gate: Any, deal: int | None) -> list[dict[str, Any]]:
+    sql = (
+        "SELECT id, order_id, deal_id, user_id, quantity, attempts, last_error, created_at,"
+        " retried_order_id, retried_at FROM queue_dead_letters"
+    )
+    args: tuple[Any, ...] = ()
+    if deal:
+        sql += " WHERE deal_id = %s"
+        args = (deal,)
+    sql += " ORDER BY id DESC LIMIT %s"
+    rows = await gate.db.fetchall(sql, (*args, DEAD_LETTERS_MAX))
+    names = (
+        "entry_id",
+        "order_id",
+        "deal_id",
+        "user_id",
+        "quantity",
+        "attempts",
+        "last_error",
+        "created_at",
+        "retried_order_id",
+        "retried_at",
+    )
+    return [dict(zip(names, r, strict=True)) for r in rows]
+
+
+async def _retry(gate: Any, entry_id: int) -> tuple[int, str]:
+    from gate.errors import Problem
+    from gate.reservations import ReserveRequest
+
+    row = await gate.db.fetchone(
+        "SELECT deal_id, user_id, quantity, idempotency_key FROM queue_dead_letters WHERE id = %s",
+        (entry_id,),
+    )
+    if row is None:
+        return 1, f"no dead letter {entry_id}"
+    # Claimed once: a second retry of the same dead letter is refused.
+    claimed = await gate.db.execute(
+        "UPDATE queue_dead_letters SET retried_at = NOW(6) WHERE id = %s AND retried_at IS NULL",
+        (entry_id,),
+    )
+    if not claimed:
+        return 1, f"dead letter {entry_id} was already retried"
+    deal_id, user_id, quantity, key = int(row[0]), int(row[1]), int(row[2]), str(row[3])
+    try:
+        result = await gate.reservations.reserve(
+            ReserveRequest(deal_id, user_id, quantity, key, "127.0.0.1", None)
+        )
+    except Problem as problem:
+        if problem.code == "OVERLOADED":
+            # Nothing was admitted: the dead letter may be retried again later.
+            await gate.db.execute(
+                "UPDATE queue_dead_letters SET retried_at = NULL WHERE id = %s", (entry_id,)
+            )
+        return 1, f"retry of {entry_id} refused: {problem.code} {problem.detail}"
+    order_id = str(result.body["order_id"])
+    await gate.db.execute(
+        "UPDATE queue_dead_letters SET retried_order_id = %s WHERE id = %s", (order_id, entry_id)
+    )
+    return 0, f"dead letter {entry_id} re-submitted as order {order_id} ({result.body['status']})"
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    from gate.logs import configure
+    from gate.runtime import Gate, StartupError
+    from gate.settings import load_settings
+
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        print(f"gate: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure(settings.log_level)
+
+    async def main() -> int:
+        try:
+            gate = Gate(settings)
+        except SettingsError as exc:
+            print(f"gate: configuration error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            await gate.start(background=False)
+        except StartupError as exc:
+            print(f"gate: {exc}", file=sys.stderr)
+            await gate.stop()
+            return 2
+        try:
+            if args.queue_cmd == "status":
+                data = await _status(gate, args.deal)
+                _print(
+                    data,
+                    args.json,
+                    [
+                        f"deal {d['deal_id']} ({d['mode']}): depth {d['depth']}, oldest"
+                        f" {d['oldest_age_seconds']}s, consumers {d['consumers']}, pending"
+                        f" {d['pending']}, retrying {d['retrying']}, dead letters"
+                        f" {d['dead_letters']}"
+                        for d in data
+                    ],
+                )
+                return 0
+            if args.queue_cmd == "dead-letters":
+                letters = await _dead_letters(gate, args.deal)
+                _print(
+                    letters,
+                    args.json,
+                    [
+                        f"{d['entry_id']}: order {d['order_id']} deal {d['deal_id']} user"
+                        f" {d['user_id']} x{d['quantity']} after {d['attempts']} attempts:"
+                        f" {d['last_error']}"
+                        + (f" (retried as {d['retried_order_id']})" if d["retried_at"] else "")
+                        for d in letters
+                    ],
+                )
+                return 0
+            code, message = await _retry(gate, args.entry_id)
+            print(message, file=sys.stdout if code == 0 else sys.stderr)
+            return code
+        finally:
+            await gate.stop()
+
+    return asyncio.run(main())
+
+
+def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
+    q = sub.add_parser("queue", help="queue mode: status, dead letters, retry")
+    qs = q.add_subparsers(dest="queue_cmd", required=True)
+    s = qs.add_parser("status", help="depth, oldest age, consumers, retries, dead letters")
+    s.add_argument("--deal", type=int, default=None, help="only this deal")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    d = qs.add_parser("dead-letters", help="list the queue's dead letters")
+    d.add_argument("--deal", type=int, default=None, help="only this deal")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    r = qs.add_parser("retry", help="re-submit one dead letter (exactly once)")
+    r.add_argument("entry_id", type=int, help="the dead letter's id (gate queue dead-letters)")
+    for p in (s, d, r):
+        p.set_defaults(fn=cmd_queue)

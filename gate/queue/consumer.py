@@ -1,0 +1,494 @@
+"""Queue mode's consumers: commit each deal's queued requests in groups, exactly once.
+
+Every `gate serve` process runs one consumer (`run()`), a member named per process
+of the group "gate" of each deal's stream {d:ID}:q. One pass (`run_once()`), per
+deal in gate:q:deals, takes at most GATE_QUEUE_BATCH_MAX entries:
+
+    its own unacknowledged entries whose retry backoff has passed
+    + entries another consumer left unacknowledged for GATE_QUEUE_CLAIM_IDLE_SECONDS
+      (it died: XAUTOCLAIM; the claim idle exceeds any commit's deadline)
+    + new entries (XREADGROUP >)
+        ──> queue_take.lua per entry: "Q"/"C" -> "C" (attempt n; cancel now refused)
+            "X|…" (rejected or cancelled) ──> compensate (acts once) ──> ack
+        ──> a retried or claimed entry whose order the database already holds
+            (an earlier attempt committed, the answer was lost) ──> confirm ──> ack
+        ──> CALL gate_reserve_group for the rest (one transaction, gate/groups.py's
+            procedure); an item it cannot take whole goes through gate_reserve alone
+            ├─ committed ──> confirm (token leaves the in-flight hash) ──> ack
+            ├─ refused (SOLD_OUT, LIMIT_EXCEEDED…) ──> status "X|CODE" ──> compensate
+            │   ──> ack
+            └─ failed (database down, connection lost: its server thread is ended
+               first) ──> stays unacknowledged, retried after a backoff; at the
+               GATE_QUEUE_ATTEMPTS_MAX-th failure ──> queue_dead_letters row,
+               status "X|DEAD_LETTER", compensate ──> ack
+
+Exactly once: an order id is the primary key of `orders`, so a second commit of one
+request can only fail (DUPLICATE, then the order is found and confirmed); units go
+back only through compensate.lua, which acts only for the call that removes the
+token; an entry is acknowledged (and deleted) only after its outcome is in Redis, so
+a consumer killed anywhere leaves it to another that redoes the same steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import pymysql
+from redis.exceptions import ResponseError
+
+from gate.codes import DbCode
+from gate.db import DbUnavailable, OutcomeUnknown
+from gate.errors import from_db
+from gate.groups import reservation_call
+from gate.keys import QUEUE_DEALS, deal_keys, queue_keys
+from gate.metrics import METRICS
+
+if TYPE_CHECKING:
+    from gate.queue.service import QueueService, QueueSettings
+    from gate.runtime import Gate
+
+log = logging.getLogger("gate.queue.consumer")
+
+GROUP = "gate"
+DEALS_PER_PASS_MAX = 1000
+SINGLES_CONCURRENCY = 4
+LAST_ERROR_MAX_CHARS = 500
+RETRY_BACKOFF_MAX_SECONDS = 30.0
+TRACKED_MAX = 100_000
+
+COMMITTED = METRICS.counter(
+    "gate_queue_committed_total", "Queued reservations committed (PENDING_PAYMENT).", ["deal"]
+)
+REJECTED = METRICS.counter(
+    "gate_queue_rejected_total",
+    "Queued reservations rejected (reason: the problem code, CANCELLED, DEAD_LETTER).",
+    ["deal", "reason"],
+)
+RETRIES = METRICS.counter(
+    "gate_queue_retries_total",
+    "Commit attempts of queued reservations that failed and wait for a retry.",
+    ["deal"],
+)
+DEAD_LETTERS = METRICS.counter(
+    "gate_queue_dead_letters_total",
+    "Queued reservations moved to queue_dead_letters after GATE_QUEUE_ATTEMPTS_MAX failures.",
+    ["deal"],
+)
+DEPTH = METRICS.gauge(
+    "gate_queue_depth", "Requests in the deal's queue (waiting or being committed).", ["deal"]
+)
+OLDEST_AGE = METRICS.gauge(
+    "gate_queue_oldest_age_seconds", "Age of the oldest request in the deal's queue.", ["deal"]
+)
+COMMIT_LAG = METRICS.histogram(
+    "gate_queue_commit_lag_seconds",
+    "From enqueue (202) to committed (PENDING_PAYMENT), per queued reservation.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+
+
+@dataclass
+class Entry:
+    entry_id: str
+    token: str
+    user_id: int
+    quantity: int
+    alloc: str
+    idempotency_key: str
+    fingerprint: str
+    enqueued_ms: int
+    attempts: int = 0
+
+    @classmethod
+    def parse(cls, entry_id: Any, fields: dict[Any, Any]) -> Entry | None:
+        f = {_s(k): _s(v) for k, v in fields.items()}
+        try:
+            return cls(
+                _s(entry_id),
+                f["token"],
+                int(f["user"]),
+                int(f["qty"]),
+                f["alloc"],
+                f["key"],
+                f["fp"],
+                int(f["ms"]),
+            )
+        except (KeyError, ValueError):
+            return None
+
+
+def _reason(code: DbCode) -> str:
+    """The REJECTED order's reason: the problem code the sync path would answer."""
+    if code in (
+        DbCode.SOLD_OUT,
+        DbCode.LIMIT_EXCEEDED,
+        DbCode.NOT_FOUND,
+        DbCode.NOT_ACTIVE,
+        DbCode.BAD_QUANTITY,
+    ):
+        return from_db(code).code
+    return code.name
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class QueueConsumer:
+    def __init__(self, gate: Gate, settings: QueueSettings, service: QueueService) -> None:
+        self.gate = gate
+        self.settings = settings
+        self.service = service
+        self.name = f"c-{secrets.token_hex(6)}"
+        self.claim_idle_ms = int(settings.claim_idle_seconds * 1000)
+        self.timeout_seconds = gate.settings.reservation_db_timeout_seconds
+        self._groups: set[int] = set()
+        # Entry id -> loop time before which its retry waits (this consumer's own).
+        self._next_try: dict[str, float] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            done = 0
+            try:
+                done = await self.run_once()
+            except Exception as exc:
+                log.warning("queue pass failed: %r", exc)
+            if done:
+                continue
+            try:
+                await asyncio.wait_for(stop.wait(), 0.02)
+            except TimeoutError:
+                pass
+
+    async def run_once(self) -> int:
+        """One bounded batch per deal with a queue; how many entries it settled."""
+        raw = await self.gate.redis.srandmember(QUEUE_DEALS, DEALS_PER_PASS_MAX)
+        settled = 0
+        for deal in raw or []:
+            settled += await self.drain(int(deal))
+        return settled
+
+    async def _ensure_group(self, stream: str, deal_id: int) -> None:
+        if deal_id in self._groups:
+            return
+        try:
+            await self.gate.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        if len(self._groups) < TRACKED_MAX:
+            self._groups.add(deal_id)
+
+    async def drain(self, deal_id: int) -> int:
+        redis = self.gate.redis
+        stream = queue_keys(deal_id).stream
+        await self._ensure_group(stream, deal_id)
+        room = self.settings.batch_max
+        loop = asyncio.get_running_loop()
+        picked: list[tuple[Any, Any]] = []
+        own: Any = await redis.xreadgroup(GROUP, self.name, {stream: "0"}, count=room)
+        for _, delivered in own or []:
+            for entry_id, fields in delivered:
+                if self._next_try.get(_s(entry_id), 0.0) <= loop.time():
+                    picked.append((entry_id, fields))
+        if len(picked) < room:
+            claimed: Any = await redis.xautoclaim(
+                stream,
+                GROUP,
+                self.name,
+                self.claim_idle_ms,
+                start_id="0-0",
+                count=room - len(picked),
+            )
+            picked.extend(claimed[1] if claimed else [])
+        if len(picked) < room:
+            new: Any = await redis.xreadgroup(
+                GROUP, self.name, {stream: ">"}, count=room - len(picked)
+            )
+            for _, delivered in new or []:
+                picked.extend(delivered)
+        await self._observe(deal_id, stream)
+        if not picked:
+            return 0
+        entries: list[Entry] = []
+        seen: set[str] = set()
+        for entry_id, fields in picked:
+            entry = Entry.parse(entry_id, fields) if fields else None
+            if entry is None:
+                # Trimmed while pending, or not ours to read: nothing left to settle.
+                await self._ack(stream, _s(entry_id))
+                continue
+            if entry.entry_id not in seen:
+                seen.add(entry.entry_id)
+                entries.append(entry)
+        return await self._settle(deal_id, entries)
+
+    async def _observe(self, deal_id: int, stream: str) -> None:
+        depth = int(await self.gate.redis.xlen(stream))
+        label = str(deal_id)
+        DEPTH.labels(label).set(depth)
+        age = 0.0
+        if depth:
+            first: Any = await self.gate.redis.xrange(stream, "-", "+", count=1)
+            if first:
+                age = max(0.0, time.time() - int(_s(first[0][0]).split("-")[0]) / 1000)
+        OLDEST_AGE.labels(label).set(age)
+
+    async def _ack(self, stream: str, entry_id: str) -> None:
+        pipe = self.gate.redis.pipeline(transaction=False)
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        await pipe.execute()
+        self._next_try.pop(entry_id, None)
+
+    async def _settle(self, deal_id: int, entries: list[Entry]) -> int:
+        qk = queue_keys(deal_id)
+        ttl_ms = self.service.status_ttl_ms
+        takes = await asyncio.gather(
+            *(
+                self.gate.runner.call("queue_take", (qk.status(e.token),), (ttl_ms,))
+                for e in entries
+            )
+        )
+        to_commit: list[Entry] = []
+        settled = 0
+        for entry, (code, _detail, attempts) in zip(entries, takes, strict=True):
+            if int(code) == 1:
+                # Rejected or cancelled before: make sure the units went back.
+                await self._give_back(deal_id, entry)
+                await self._ack(qk.stream, entry.entry_id)
+                settled += 1
+                continue
+            entry.attempts = int(attempts) if int(code) == 0 else 1
+            to_commit.append(entry)
+        if not to_commit:
+            return settled
+        # An earlier attempt may have committed (its answer lost, its consumer killed).
+        held = await self._committed({e.token for e in to_commit if e.attempts > 1})
+        if held:
+            fresh: list[Entry] = []
+            for e in to_commit:
+                if e.token in held:
+                    await self._committed_entry(deal_id, e, held[e.token])
+                    settled += 1
+                else:
+                    fresh.append(e)
+            to_commit = fresh
+        if not to_commit:
+            return settled
+        outcomes = await self._commit(deal_id, to_commit)
+        committed = [(e, o) for e, o in zip(to_commit, outcomes, strict=True) if isinstance(o, str)]
+        if committed:
+            await self._committed_entries(deal_id, committed)
+
+        async def settle(entry: Entry, outcome: DbCode | BaseException) -> int:
+            if isinstance(outcome, DbCode):
+                await self._reject(deal_id, entry, _reason(outcome))
+                return 1
+            return await self._failed(deal_id, entry, outcome)
+
+        rest = await asyncio.gather(
+            *(
+                settle(e, o)
+                for e, o in zip(to_commit, outcomes, strict=True)
+                if not isinstance(o, str)
+            )
+        )
+        return settled + len(committed) + sum(rest)
+
+    async def _committed(self, tokens: set[str]) -> dict[str, str]:
+        if not tokens:
+            return {}
+        marks = ",".join(["%s"] * len(tokens))
+        rows = await self.gate.db.fetchall(
+            f"SELECT id, alloc FROM orders WHERE id IN ({marks})", tuple(sorted(tokens))
+        )
+        return {str(r[0]): str(r[1]) for r in rows}
+
+    async def _commit(
+        self, deal_id: int, entries: list[Entry]
+    ) -> list[str | DbCode | BaseException]:
+        """Per entry: its committed allocation, the database's refusal, or the error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_seconds
+        grouped = [e for e in entries if "," not in e.alloc]
+        if len(grouped) > 1 and len(grouped) == len(entries):
+            items = orjson.dumps(
+                [
+                    [
+                        e.token,
+                        e.user_id,
+                        e.quantity,
+                        int(e.alloc.split(":")[0]),
+                        e.idempotency_key,
+                        e.fingerprint,
+                    ]
+                    for e in entries
+                ]
+            ).decode()
+            try:
+                row = await reservation_call(
+                    self.gate.db,
+                    "CALL gate_reserve_group(%s, %s)",
+                    (deal_id, items),
+                    deadline,
+                    len(entries),
+                )
+            except OutcomeUnknown as exc:
+                await self._thread_gone(exc)
+                return [exc] * len(entries)
+            except DbUnavailable as exc:
+                return [exc] * len(entries)
+            except (pymysql.err.MySQLError, TimeoutError):
+                row = (int(DbCode.FALL_BACK),)
+            code = DbCode(int(row[0]))
+            if code == DbCode.OK:
+                nb = int(row[5])
+                return [f"{int(e.alloc.split(':')[0]) % nb}:{e.quantity}" for e in entries]
+            if code in (DbCode.NOT_FOUND, DbCode.NOT_ACTIVE):
+                return [code] * len(entries)
+        slots = asyncio.Semaphore(SINGLES_CONCURRENCY)
+
+        async def single(e: Entry) -> str | DbCode | BaseException:
+            async with slots:
+                try:
+                    row = await reservation_call(
+                        self.gate.db,
+                        "CALL gate_reserve(%s, %s, %s, %s, %s, %s, %s, %s)",
+                        (
+                            e.token,
+                            deal_id,
+                            e.user_id,
+                            e.quantity,
+                            e.alloc,
+                            e.idempotency_key,
+                            e.fingerprint,
+                            f"user:{e.user_id}",
+                        ),
+                        loop.time() + self.timeout_seconds,
+                        1,
+                    )
+                except OutcomeUnknown as exc:
+                    await self._thread_gone(exc)
+                    return exc
+                except Exception as exc:
+                    return exc
+            code = DbCode(int(row[0]))
+            if code == DbCode.OK:
+                return str(row[1])
+            # Any refusal may hide an earlier commit of this very request (a group whose
+            # connection was killed after its COMMIT answered an error; gate_reserve
+            # checks stock before it meets the order id): the order decides.
+            try:
+                held = await self._committed({e.token})
+            except Exception as exc:
+                return exc
+            if e.token in held:
+                return held[e.token]
+            return code
+
+        return list(await asyncio.gather(*(single(e) for e in entries)))
+
+    async def _thread_gone(self, exc: OutcomeUnknown) -> None:
+        """A lost connection's server thread is ended before the entry is retried or
+        given up, so the database's answer afterwards is final."""
+        if exc.thread_id is None or exc.connected_at is None:
+            return
+        age = asyncio.get_running_loop().time() - exc.connected_at
+        try:
+            await self.gate.db.wait_thread_gone(exc.thread_id, age)
+        except Exception as wait_exc:
+            log.warning("queue: thread %s not seen gone: %r", exc.thread_id, wait_exc)
+
+    async def _committed_entry(self, deal_id: int, e: Entry, alloc: str) -> None:
+        await self._committed_entries(deal_id, [(e, alloc)])
+
+    async def _committed_entries(self, deal_id: int, done: list[tuple[Entry, str]]) -> None:
+        """Confirm committed entries (the runner pipelines the scripts), then drop
+        their statuses and acknowledge them in one round trip."""
+        keys = deal_keys(deal_id)
+        qk = queue_keys(deal_id)
+        await asyncio.gather(
+            *(
+                self.gate.mirror.confirm(
+                    keys, e.user_id, e.idempotency_key, e.token, e.fingerprint, alloc
+                )
+                for e, alloc in done
+            )
+        )
+        pipe = self.gate.redis.pipeline(transaction=False)
+        for e, _ in done:
+            pipe.delete(qk.status(e.token))
+            pipe.xack(qk.stream, GROUP, e.entry_id)
+            pipe.xdel(qk.stream, e.entry_id)
+        await pipe.execute()
+        now = time.time()
+        for e, _ in done:
+            self._next_try.pop(e.entry_id, None)
+            COMMIT_LAG.observe(max(0.0, now - e.enqueued_ms / 1000))
+        COMMITTED.labels(str(deal_id)).inc(len(done))
+
+    async def _reject(self, deal_id: int, e: Entry, reason: str) -> None:
+        # The final status first: a consumer that redoes this finds it and only
+        # compensates (which acts once).
+        await self.gate.redis.set(
+            queue_keys(deal_id).status(e.token), f"X|{reason}", px=self.service.status_ttl_ms
+        )
+        await self._give_back(deal_id, e)
+        await self._ack(queue_keys(deal_id).stream, e.entry_id)
+        REJECTED.labels(str(deal_id), reason).inc()
+
+    async def _give_back(self, deal_id: int, e: Entry) -> None:
+        if await self.gate.mirror.compensate(
+            deal_keys(deal_id), e.user_id, e.idempotency_key, e.token
+        ):
+            METRICS.compensations.inc()
+            self.gate.soldout.forget(deal_id)
+
+    async def _failed(self, deal_id: int, e: Entry, exc: BaseException) -> int:
+        """A transient failure: retried after a backoff, or a dead letter."""
+        if e.attempts < self.settings.attempts_max:
+            RETRIES.labels(str(deal_id)).inc()
+            backoff = min(
+                RETRY_BACKOFF_MAX_SECONDS, self.settings.retry_base_seconds * 2 ** (e.attempts - 1)
+            )
+            if len(self._next_try) >= TRACKED_MAX:
+                self._next_try.clear()
+            self._next_try[e.entry_id] = asyncio.get_running_loop().time() + backoff
+            log.info("queue: order %s attempt %d failed: %r", e.token, e.attempts, exc)
+            return 0
+        # The last attempt failed: a committed order (an answer lost) is confirmed,
+        # anything else becomes a dead letter for a person.
+        held = await self._committed({e.token})
+        if e.token in held:
+            await self._committed_entry(deal_id, e, held[e.token])
+            return 1
+        await self.gate.db.execute(
+            "INSERT IGNORE INTO queue_dead_letters (order_id, deal_id, user_id, quantity,"
+            " idempotency_key, attempts, last_error) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            (
+                e.token,
+                deal_id,
+                e.user_id,
+                e.quantity,
+                e.idempotency_key,
+                e.attempts,
+                repr(exc)[:LAST_ERROR_MAX_CHARS],
+            ),
+        )
+        log.error(
+            "queue: order %s of deal %s dead-lettered after %d attempts: %r",
+            e.token,
+            deal_id,
+            e.attempts,
+            exc,
+        )
+        DEAD_LETTERS.labels(str(deal_id)).inc()
+        await self._reject(deal_id, e, "DEAD_LETTER")
+        return 1

@@ -1,0 +1,356 @@
+"""Queue mode's request side: which deals sell through the queue, enqueueing an
+admitted request, and what a queued order reads (docs/queue-mode.md).
+
+    POST reservation ──> admit.lua (unchanged: every refusal answered at once)
+        └─ OK, deal in queue mode ──> enqueue.lua: XADD to {d:ID}:q, token leaves the
+           janitor's in-flight times (it stays in the in-flight hash: its units count
+           as in flight), status "Q" ──> 202 QUEUED, Location /v1/orders/{id}
+           └─ queue full (GATE_QUEUE_DEPTH_MAX) ──> compensate ──> 503
+    replay of the key while queued (admit: IN_PROGRESS) ──> 202, the queued body
+    GET /v1/orders/{id}: the database first; else the status key: QUEUED or REJECTED
+    cancel of a queued order: queue_cancel.lua "Q" -> "X|CANCELLED", compensate
+
+Which deals are in queue mode is read from the database by every process at most
+`GATE_QUEUE_MODE_REFRESH_SECONDS` apart (`ModeCache.run`), so a switch is followed
+everywhere within that time; the process that switched follows at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from gate import orders
+from gate.errors import Problem, overloaded
+from gate.keys import QUEUE_DEALS, deal_keys, queue_keys, queue_order_index
+from gate.metrics import METRICS
+
+if TYPE_CHECKING:
+    from gate.queue.consumer import QueueConsumer
+    from gate.runtime import Gate
+    from gate.settings import Settings
+
+log = logging.getLogger("gate.queue")
+
+# Deals in queue mode one process remembers (more are read as sync: bounded).
+QUEUE_DEALS_MAX = 10_000
+MODES = ("sync", "queue")
+
+QUEUED = METRICS.counter(
+    "gate_queue_enqueued_total", "Reservations answered 202 QUEUED (queue mode).", ["deal"]
+)
+QUEUE_FULL = METRICS.counter(
+    "gate_queue_full_total",
+    "Admitted reservations refused 503 because the deal's queue was at GATE_QUEUE_DEPTH_MAX.",
+    ["deal"],
+)
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    attempts_max: int
+    depth_max: int
+    batch_max: int
+    claim_idle_seconds: float
+    retry_base_seconds: float
+    mode_refresh_seconds: float
+    status_ttl_seconds: int
+    consumers_in_serve: bool
+
+    @classmethod
+    def from_env(cls, settings: Settings) -> QueueSettings:
+        from gate.groups import GROUP_MAX_LIMIT
+        from gate.settings import SettingsError, env_bool, env_float, env_int
+
+        env = settings.environ
+        # Default: past any commit's deadline (the reservation database timeout).
+        default_claim = max(5.0, settings.reservation_db_timeout_seconds + 1.0)
+        claim = env_float(env, "GATE_QUEUE_CLAIM_IDLE_SECONDS", default_claim, 0.5, 600.0)
+        if claim <= settings.reservation_db_timeout_seconds:
+            # A live consumer's commit must be over before another may take its entry.
+            raise SettingsError(
+                "GATE_QUEUE_CLAIM_IDLE_SECONDS must exceed GATE_RESERVATION_DB_TIMEOUT_SECONDS"
+                f" ({settings.reservation_db_timeout_seconds:g})"
+            )
+        return cls(
+            attempts_max=env_int(env, "GATE_QUEUE_ATTEMPTS_MAX", 5, 1, 100),
+            depth_max=env_int(env, "GATE_QUEUE_DEPTH_MAX", 100_000, 1, 10_000_000),
+            batch_max=env_int(env, "GATE_QUEUE_BATCH_MAX", 256, 1, GROUP_MAX_LIMIT),
+            claim_idle_seconds=claim,
+            retry_base_seconds=env_float(env, "GATE_QUEUE_RETRY_BASE_SECONDS", 0.2, 0.01, 60.0),
+            mode_refresh_seconds=env_float(env, "GATE_QUEUE_MODE_REFRESH_SECONDS", 1.0, 0.05, 2.0),
+            status_ttl_seconds=env_int(
+                env, "GATE_QUEUE_STATUS_TTL_SECONDS", 86_400, 60, 30 * 86_400
+            ),
+            consumers_in_serve=env_bool(env, "GATE_QUEUE_CONSUMERS", True),
+        )
+
+
+class ModeCache:
+    """The ids of the deals in queue mode, as this process last read them. A deal
+    newer than that read (created since, perhaps in queue mode) is asked once."""
+
+    def __init__(self, gate: Gate, refresh_seconds: float) -> None:
+        self.gate = gate
+        self.refresh_seconds = refresh_seconds
+        self.queued: frozenset[int] = frozenset()
+        self.max_id = 0  # the highest deal id the last read saw
+        self._reads: dict[int, asyncio.Future[None]] = {}
+
+    async def is_queue(self, deal_id: int) -> bool:
+        if deal_id > self.max_id:
+            # One read per new deal however many requests wait for it.
+            reading = self._reads.get(deal_id)
+            if reading is None:
+                reading = self._reads[deal_id] = asyncio.ensure_future(self._read(deal_id))
+                reading.add_done_callback(lambda _: self._reads.pop(deal_id, None))
+            await asyncio.shield(reading)
+        return deal_id in self.queued
+
+    async def _read(self, deal_id: int) -> None:
+        row = await self.gate.db.fetchone("SELECT mode FROM deals WHERE id = %s", (deal_id,))
+        if row is not None:
+            self.max_id = max(self.max_id, deal_id)
+            self.set(deal_id, str(row[0]))
+
+    async def run_once(self) -> None:
+        rows = await self.gate.db.fetchall(
+            "SELECT id FROM deals WHERE mode = 'queue' ORDER BY id LIMIT %s", (QUEUE_DEALS_MAX,)
+        )
+        top = await self.gate.db.fetchone("SELECT COALESCE(MAX(id), 0) FROM deals")
+        self.queued = frozenset(int(r[0]) for r in rows)
+        self.max_id = int(top[0]) if top else 0
+
+    def set(self, deal_id: int, mode: str) -> None:
+        self.queued = self.queued | {deal_id} if mode == "queue" else self.queued - {deal_id}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.run_once()
+            except Exception as exc:
+                # Keep the last known modes: a database blip must not flip deals.
+                log.warning("deal modes not refreshed: %r", exc)
+            try:
+                await asyncio.wait_for(stop.wait(), self.refresh_seconds)
+            except TimeoutError:
+                pass
+
+
+def queued_body(
+    order_id: str, deal_id: int, quantity: int, unit_price: int, currency: str
+) -> dict[str, Any]:
+    return {
+        "order_id": order_id,
+        "status": "QUEUED",
+        "deal_id": deal_id,
+        "quantity": quantity,
+        "unit_price": unit_price,
+        "amount": unit_price * quantity,
+        "currency": currency,
+    }
+
+
+class QueueService:
+    def __init__(self, gate: Gate, settings: QueueSettings) -> None:
+        self.gate = gate
+        self.settings = settings
+        self.modes = ModeCache(gate, settings.mode_refresh_seconds)
+        self.status_ttl_ms = settings.status_ttl_seconds * 1000
+        self._prices: dict[int, tuple[int, str]] = {}
+        self._announced: set[int] = set()
+        self._price_reads: dict[int, asyncio.Future[tuple[int, str]]] = {}
+        self.consumer: QueueConsumer | None = None
+
+    async def _price(self, deal_id: int) -> tuple[int, str]:
+        known = self._prices.get(deal_id)
+        if known is not None:
+            return known
+        # One read per deal however many requests wait for it.
+        reading = self._price_reads.get(deal_id)
+        if reading is None:
+            reading = self._price_reads[deal_id] = asyncio.ensure_future(self._read_price(deal_id))
+            reading.add_done_callback(lambda _: self._price_reads.pop(deal_id, None))
+        return await asyncio.shield(reading)
+
+    async def _read_price(self, deal_id: int) -> tuple[int, str]:
+        known = self._prices.get(deal_id)
+        if known is None:
+            row = await self.gate.db.fetchone(
+                "SELECT unit_price, currency FROM deals WHERE id = %s", (deal_id,)
+            )
+            assert row is not None, "an admitted deal exists"
+            known = (int(row[0]), str(row[1]))
+            if len(self._prices) >= QUEUE_DEALS_MAX:
+                self._prices.clear()
+            self._prices[deal_id] = known
+        return known
+
+    async def enqueue(
+        self,
+        deal_id: int,
+        token: str,
+        user_id: int,
+        quantity: int,
+        alloc: str,
+        idempotency_key: str,
+        fp: str,
+    ) -> dict[str, Any] | None:
+        """The 202 body; None when the token is gone or the queue is full (the
+        caller compensates and answers 503)."""
+        qk = queue_keys(deal_id)
+        keys = deal_keys(deal_id)
+        price = await self._price(deal_id)
+        if deal_id not in self._announced and len(self._announced) < QUEUE_DEALS_MAX:
+            # Once per deal and process (the consumers walk this set, never shrunk),
+            # by the first request only: the others do not wait for it.
+            self._announced.add(deal_id)
+            try:
+                await self.gate.redis.sadd(QUEUE_DEALS, str(deal_id))
+            except Exception:
+                self._announced.discard(deal_id)
+                raise
+        # The index first, in the same pipeline (the runner sends one loop turn's calls
+        # in order): a crash between leaves an index to nothing (404), never a queued
+        # order without one.
+        index = self.gate.runner.call(
+            "queue_index",
+            (queue_order_index(token),),
+            (f"{deal_id}|{user_id}", self.status_ttl_ms),
+        )
+        enqueue = self.gate.runner.call(
+            "enqueue",
+            (keys.inflight, keys.inflight_times, qk.stream, qk.status(token)),
+            (
+                token,
+                self.settings.depth_max,
+                self.status_ttl_ms,
+                user_id,
+                quantity,
+                alloc,
+                idempotency_key,
+                fp,
+            ),
+        )
+        _, (code, _entry) = await asyncio.gather(index, enqueue)
+        if int(code) != 0:
+            if int(code) == 2:
+                QUEUE_FULL.labels(str(deal_id)).inc()
+            return None
+        QUEUED.labels(str(deal_id)).inc()
+        return queued_body(token, deal_id, quantity, *price)
+
+    async def replay(
+        self, deal_id: int, user_id: int, idempotency_key: str, fp: str
+    ) -> dict[str, Any] | None:
+        """A replay of a key whose request waits in the queue: its 202 body."""
+        keys = deal_keys(deal_id)
+        seen = await self.gate.redis.get(keys.idempotency(user_id, idempotency_key))
+        if not seen:
+            return None
+        state, seen_fp, token = str(seen).split("|", 2)
+        if state != "P" or seen_fp != fp:
+            return None
+        status = await self.gate.redis.get(queue_keys(deal_id).status(token))
+        if not status or str(status)[0] not in "QC":
+            return None
+        record = await self.gate.redis.hget(keys.inflight, token)
+        if not record:
+            return None
+        quantity = int(str(record).split("|")[2])
+        return queued_body(token, deal_id, quantity, *await self._price(deal_id))
+
+    async def _locate(self, order_id: str, user_id: int) -> tuple[int, str] | None:
+        """(deal id, status) of the buyer's queued order, if this Redis knows it."""
+        if not orders.valid_order_id(order_id):
+            return None
+        index = await self.gate.redis.get(queue_order_index(order_id))
+        if index is None:
+            return None
+        deal, owner = str(index).split("|")
+        if int(owner) != user_id:
+            return None  # another buyer's order is indistinguishable from none
+        status = await self.gate.redis.get(queue_keys(int(deal)).status(order_id))
+        if status is None:
+            return None
+        return int(deal), str(status)
+
+    async def view(self, order_id: str, user_id: int) -> dict[str, Any] | None:
+        """GET /v1/orders/{id} for an order the database did not hold when asked."""
+        try:
+            return await self._view(order_id, user_id)
+        except (RedisError, OSError, TimeoutError):
+            raise overloaded("Order state unavailable; retry shortly.") from None
+
+    async def _view(self, order_id: str, user_id: int) -> dict[str, Any] | None:
+        found = await self._locate(order_id, user_id)
+        if found is None:
+            return await self._committed_meanwhile(order_id, user_id)
+        deal_id, status = found
+        if status.startswith("X|"):
+            return {
+                "order_id": order_id,
+                "status": "REJECTED",
+                "deal_id": deal_id,
+                "reason": status[2:],
+            }
+        record = await self.gate.redis.hget(deal_keys(deal_id).inflight, order_id)
+        if not record:
+            return await self._committed_meanwhile(order_id, user_id)
+        quantity = int(str(record).split("|")[2])
+        return queued_body(order_id, deal_id, quantity, *await self._price(deal_id))
+
+    async def _committed_meanwhile(self, order_id: str, user_id: int) -> dict[str, Any] | None:
+        """A queued order committed between the caller's database read and the status
+        read (the consumer deletes the status once committed): the database again."""
+        if not await self.gate.redis.exists(queue_order_index(order_id)):
+            return None
+        order = await orders.get_for_buyer(self.gate.db, order_id, user_id)
+        return order.view()
+
+    async def cancel(self, order_id: str, user_id: int) -> dict[str, Any] | None:
+        """Cancel a queued order: None when this Redis holds no such queued order."""
+        try:
+            return await self._cancel(order_id, user_id)
+        except (RedisError, OSError, TimeoutError):
+            raise overloaded("Order state unavailable; retry shortly.") from None
+
+    async def _cancel(self, order_id: str, user_id: int) -> dict[str, Any] | None:
+        found = await self._locate(order_id, user_id)
+        if found is None:
+            return None
+        deal_id, status = found
+        keys = deal_keys(deal_id)
+        record = await self.gate.redis.hget(keys.inflight, order_id)
+        if status.startswith("X|") or not record:
+            raise Problem(
+                "CONFLICT",
+                "Order is REJECTED; only a queued or PENDING_PAYMENT order can be cancelled.",
+                extra={"status": "REJECTED"},
+            )
+        parts = str(record).split("|")
+        code, _detail = await self.gate.runner.call(
+            "queue_cancel", (queue_keys(deal_id).status(order_id),), (self.status_ttl_ms,)
+        )
+        if int(code) == 1:
+            raise overloaded("The order is being committed; retry shortly.")
+        if int(code) != 0:
+            raise Problem(
+                "CONFLICT",
+                "Order is REJECTED; only a queued or PENDING_PAYMENT order can be cancelled.",
+                extra={"status": "REJECTED"},
+            )
+        # Only the call that removes the token gives units back (a consumer that meets
+        # the entry later calls it again: a no-op).
+        await self.gate.mirror.compensate(keys, user_id, parts[5], order_id)
+        self.gate.soldout.forget(deal_id)
+        return {
+            "order_id": order_id,
+            "status": "REJECTED",
+            "deal_id": deal_id,
+            "reason": "CANCELLED",
+        }

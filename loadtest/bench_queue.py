@@ -1,0 +1,197 @@
+"""Queue mode benchmark (issue #14, docs/queue-mode.md "Benchmark").
+
+    GATE_MYSQL_URL=mysql://root@127.0.0.1:3306/gate_bench \\
+    GATE_REDIS_URL=redis://127.0.0.1:6379/14 GATE_ENV=dev \\
+    .venv/bin/python loadtest/bench_queue.py --requests 5000 --concurrency 200
+
+Starts one `gate serve` (one worker, background loops on: its queue consumer runs in
+the same process as the requests it answers), then, each with `--requests` fresh
+buyers sent `--concurrency` at a time:
+  1. sold out: a deal of 1 unit, sold; the rejections/s of the same process
+  2. queue: a deal in queue mode with a unit per request; accepted (202)/s, and the
+     drain rate: requests / (first request sent → queue empty and every order
+     committed)
+  3. sync: the same deal shape in sync mode; commits (201)/s
+  4. commit lag (enqueue → committed) p50/p99 from the gate's histogram (upper
+     bucket bounds)
+Prints one JSON line with the ratios the issue targets (accepted/sold-out ≥ 0.8,
+drain/sync ≥ 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import redis.asyncio as aioredis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gate.keys import queue_keys  # noqa: E402
+from gate.migrate import migrate  # noqa: E402
+from gate.settings import load_settings  # noqa: E402
+from loadtest.procs import Server, free_port  # noqa: E402
+from loadtest.tokens import TokenMint  # noqa: E402
+
+DRAIN_POLLS_MAX = 60_000  # 5 ms apart: at most about 5 minutes
+
+
+async def _admin(session: aiohttp.ClientSession, url: str, token: str, body: dict[str, Any]) -> int:
+    async with session.post(
+        url + "/v1/admin/deals", json=body, headers={"Authorization": f"Bearer {token}"}
+    ) as r:
+        assert r.status == 201, await r.text()
+        return int((await r.json())["id"])
+
+
+async def _burst(
+    session: aiohttp.ClientSession,
+    url: str,
+    deal_id: int,
+    headers: list[dict[str, str]],
+    concurrency: int,
+) -> tuple[float, dict[int, int]]:
+    """Every buyer once, `concurrency` at a time: (seconds, count per status)."""
+    counts: dict[int, int] = {}
+    it = iter(headers)
+
+    async def worker() -> None:
+        for h in it:
+            async with session.post(
+                f"{url}/v1/deals/{deal_id}/reservations", json={"quantity": 1}, headers=h
+            ) as r:
+                await r.read()
+                counts[r.status] = counts.get(r.status, 0) + 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - start, counts
+
+
+def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    for bound, count in buckets:
+        if count >= q * total:
+            return bound
+    return None
+
+
+async def _lag(session: aiohttp.ClientSession, url: str) -> tuple[float | None, float | None]:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    buckets: list[tuple[float, float]] = []
+    for line in text.splitlines():
+        if line.startswith("gate_queue_commit_lag_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.split()[-1])))
+    buckets.sort()
+    return _quantile(buckets, 0.5), _quantile(buckets, 0.99)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    settings = load_settings()
+    await migrate(settings.mysql)
+    env = dict(os.environ)
+    env.setdefault("GATE_LOG_LEVEL", "WARNING")
+    env.setdefault("GATE_LIMIT_DEAL", "off")
+    env.setdefault("GATE_LIMIT_USER", "off")
+    env.setdefault("GATE_LIMIT_IP", "off")
+    env.setdefault("GATE_LIMIT_DEVICE", "off")
+    env.setdefault("GATE_LIMIT_GLOBAL", "off")
+    port = free_port()
+    gate_bin = str(ROOT / ".venv" / "bin" / "gate")
+    server = Server(
+        "gate",
+        [gate_bin, "serve", "--port", str(port), "--workers", "1"],
+        env,
+        port,
+        ROOT / ".local" / f"bench-queue-{port}.log",
+        ROOT,
+    )
+    rds = aioredis.Redis.from_url(settings.redis_url)
+    try:
+        server.wait_ready("/readyz")
+        mint = TokenMint(settings.jwt_secret.reveal(), ttl_seconds=3600)
+        base = int(time.time()) % 10**6 * 10**6
+        n = args.requests
+
+        def buyers(offset: int) -> list[dict[str, str]]:
+            return [
+                {
+                    "Authorization": mint.header(base + offset + i),
+                    "Idempotency-Key": f"bq-{base}-{offset + i}",
+                }
+                for i in range(n)
+            ]
+
+        connector = aiohttp.TCPConnector(limit=args.concurrency)
+        async with aiohttp.ClientSession(connector=connector) as s:
+            deal = {
+                "title": "bench queue",
+                "unit_price": 100,
+                "currency": "EUR",
+                "buckets": args.buckets,
+            }
+            admin = settings.admin_token.reveal()
+            sold = await _admin(s, server.url, admin, {**deal, "stock": 1})
+            await _burst(s, server.url, sold, buyers(0)[:1], 1)
+            t_sold, c_sold = await _burst(s, server.url, sold, buyers(n), args.concurrency)
+
+            queued = await _admin(s, server.url, admin, {**deal, "stock": n, "mode": "queue"})
+            heads = buyers(2 * n)
+            start = time.perf_counter()
+            t_queue, c_queue = await _burst(s, server.url, queued, heads, args.concurrency)
+            stream = queue_keys(queued).stream
+            for _ in range(DRAIN_POLLS_MAX):  # polled: the queue lives in another process
+                if await rds.xlen(stream) == 0:
+                    break
+                await asyncio.sleep(0.005)
+            t_drain = time.perf_counter() - start
+
+            synced = await _admin(s, server.url, admin, {**deal, "stock": n})
+            t_sync, c_sync = await _burst(s, server.url, synced, buyers(3 * n), args.concurrency)
+            p50, p99 = await _lag(s, server.url)
+    finally:
+        server.stop()
+        await rds.aclose()
+    sold_rps = c_sold.get(409, 0) / t_sold
+    accepted_rps = c_queue.get(202, 0) / t_queue
+    drain_rps = c_queue.get(202, 0) / t_drain
+    sync_rps = c_sync.get(201, 0) / t_sync
+    return {
+        "requests": n,
+        "concurrency": args.concurrency,
+        "sold_out_per_s": round(sold_rps),
+        "accepted_202_per_s": round(accepted_rps),
+        "accepted_vs_sold_out": round(accepted_rps / sold_rps, 2),
+        "drain_per_s": round(drain_rps),
+        "sync_commits_per_s": round(sync_rps),
+        "drain_vs_sync": round(drain_rps / sync_rps, 2),
+        "commit_lag_p50_le_s": p50,
+        "commit_lag_p99_le_s": p99,
+        "statuses": {"sold_out": c_sold, "queue": c_queue, "sync": c_sync},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=5000)
+    p.add_argument("--concurrency", type=int, default=200)
+    p.add_argument("--buckets", type=int, default=8)
+    args = p.parse_args()
+    print(orjson.dumps(asyncio.run(run(args)), option=orjson.OPT_NON_STR_KEYS).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
