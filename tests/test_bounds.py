@@ -113,6 +113,11 @@ def _body_schema(doc: dict[str, Any], op: dict[str, Any]) -> tuple[str, dict[str
     if body is None:
         return None
     schema = body["content"]["application/json"]["schema"]
+    if "$ref" not in schema:
+        # A nullable body (e.g. PUT …/waiting-room: the object or null): its object.
+        refs = [s for s in schema.get("oneOf", schema.get("anyOf", [])) if "$ref" in s]
+        assert len(refs) == 1, schema
+        schema = refs[0]
     name = schema["$ref"].rsplit("/", 1)[1]
     return name, _resolve(doc, schema)
 
