@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -24,7 +23,7 @@ from gate import logs, orders, validate
 from gate.db import Database, DbUnavailable
 from gate.errors import Problem, invalid, not_found, overloaded
 from gate.guard import Guard
-from gate.http import json_answer, json_response, read_json, receive_json, send_answer
+from gate.http import exact_paths, json_answer, json_response, read_json, receive_json, send_answer
 from gate.limits import client_ip, device_id
 from gate.logs import configure
 from gate.metrics import METRICS
@@ -451,11 +450,7 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     for ext in gate.extensions:
         all_routes.extend(ext.routes)
         middleware.extend(ext.middleware)
-    for route in all_routes:
-        if isinstance(route, Route) and route.path_regex.pattern.endswith("$"):
-            # Python's $ also matches before a final newline: "/v1/deals/1%0A" (the
-            # path is percent-decoded) was the deal's route. \Z is the very end.
-            route.path_regex = re.compile(route.path_regex.pattern[:-1] + r"\Z")
+    exact_paths(all_routes)
     lanes = [r for r in all_routes if isinstance(r, Route) and r.name in FAST_LANE_ROUTES]
     assert any(r.name == "reserve" for r in lanes), "the reservation route is missing"
     # Inside the request middleware (its metrics and X-Request-Id cover the guard's

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Send
 
 from gate.errors import Encoded, Problem, RawResponse, encode_answer, invalid, raw_headers
 from gate.validate import digits
 
 JSON_CONTENT_TYPE = b"application/json"
+
+
+def exact_paths(routes: Iterable[BaseRoute]) -> None:
+    """Make each Route's path pattern match the whole path and nothing more.
+
+    Starlette ends the pattern in `$`, which in Python also matches before a final
+    newline: "/v1/deals/1%0A" (the path is percent-decoded) was the deal's route.
+    `\\Z` is the very end. Used by the gate and the sandbox alike."""
+    for route in routes:
+        if isinstance(route, Route) and route.path_regex.pattern.endswith("$"):
+            route.path_regex = re.compile(route.path_regex.pattern[:-1] + r"\Z")
 
 
 def json_answer(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Encoded:
