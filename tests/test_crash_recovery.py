@@ -51,10 +51,10 @@ STOCK = 700
 CONNECTIONS_MAX = 200
 ORDERS_BEFORE_KILL = 100
 LOCK_SECONDS = 2.0
-# The target is 5 s after the kill; this loaded 2-core machine gets a margin, still
-# far below the 30 s after which the janitor's age rule would hide a failure (and
-# below the shared suite gate's 15 s, should it be running beside this test).
-RECOVERY_BOUND_SECONDS = 11.0
+# The target is 5 s after the kill (issue #12.9); measured 3-4 s. One second of margin
+# for a loaded 2-core machine, and no more: a bound far above the target would pass a
+# gate that missed it (the 30 s age rule would hide a failure only much later).
+RECOVERY_BOUND_SECONDS = 6.0
 
 
 def _env(env: dict[str, str]) -> dict[str, str]:
