@@ -148,7 +148,12 @@ async def test_a_killed_gate_leaves_no_ghost_stock(
             f" units missing at the kill; all back {recovered:.2f} s after it"
         )
         # The kill landed with reservations in flight: there was something to recover.
-        assert markers_at_kill > 0 and ghost_at_kill > 0, (markers_at_kill, ghost_at_kill)
+        # (On the idle database the ones in flight may all have committed at that
+        # instant: markers to confirm, no unit missing yet. With the orders locked,
+        # none can have.)
+        assert markers_at_kill > 0, (markers_at_kill, ghost_at_kill)
+        if orders_locked:
+            assert ghost_at_kill > 0, (markers_at_kill, ghost_at_kill)
         assert recovered < RECOVERY_BOUND_SECONDS, recovered
 
         # Drain the deal through the survivor: the buyers whose request died retry with
