@@ -1,12 +1,19 @@
 """The HTTP guard: what one worker's requests may hold, and for how long (issue #12).
 
-    request ─▶ RequestObserver ─▶ Guard ─▶ FastLane ─▶ router ─▶ endpoint
-                                    │                              │ receive()
-           in flight ≥ http_concurrency_max?                       ▼
-             yes ─▶ 503 OVERLOADED at once,           the body, bounded: not all in
-                    Connection: close                 within body_timeout_seconds of
-                                                      the request's start ─▶ 408
-                                                      REQUEST_TIMEOUT, Connection: close
+    request ─▶ RequestObserver ─▶ FastLane (the guard's checks, then the hot routes)
+                                    │      ─▶ router ─▶ endpoint
+                                    │                     │ receive()
+           in flight ≥ http_concurrency_max?              ▼
+             yes ─▶ 503 OVERLOADED at once,    the body, bounded: not all in within
+                    Connection: close          body_timeout_seconds of the request's
+                                               start ─▶ 408 REQUEST_TIMEOUT,
+                                               Connection: close
+
+    the body's first receive() is stepped once, right away (`Guard.body_receive`):
+      done, the whole body in it (the usual small POST) ─▶ replayed to the endpoint;
+                                                           nothing registered
+      done, more to come / not done (it would wait) ─▶ the bounded reader
+                                                       (`BodyReceive`, the watchdog)
 
 A client that sends its headers and then a body slowly (or never) would otherwise
 hold an application task, and its connection, for as long as it likes; enough of
@@ -23,17 +30,24 @@ overloaded worker must still be seen, not restarted for failing its probes.
 The deadline is enforced where the body is read (`receive`), as a Problem, so each
 endpoint answers it the way it answers its other problems; it is kept to within
 WATCH_SECONDS (see `Guard`).
+
+The guard is no ASGI layer of its own: the fast lane (gate/app.py), the innermost
+middleware, which every request passes anyway, does its two checks. A layer of its
+own, with a bounded reader registered for every POST, cost the sold-out rejection
+a quarter of its time (docs/hotpath.md, issue #12).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import types
+from collections.abc import Coroutine, Generator
+from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive
 
 from gate.errors import Problem
-from gate.http import send_answer
 
 # Not counted in the bound: probes and scrapes must reach an overloaded worker.
 UNGUARDED_PATHS = frozenset(("/healthz", "/readyz", "/metrics"))
@@ -52,15 +66,71 @@ def body_timeout(timeout_seconds: float) -> Problem:
     )
 
 
-class _BodyReceive:
+class _Started:
+    """Awaits a coroutine whose first step already ran (it yielded `step`, the future
+    it waits on): the rest of that receive(), driven by whichever task awaits this."""
+
+    __slots__ = ("coro", "step")
+
+    def __init__(self, coro: Coroutine[Any, Any, Message], step: Any) -> None:
+        self.coro = coro
+        self.step = step
+
+    def __await__(self) -> Generator[Any, Any, Message]:
+        coro, step = self.coro, self.step
+        while True:
+            try:
+                sent = yield step
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # thrown in by the task: a cancellation
+                try:
+                    step = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+            else:
+                try:
+                    step = coro.send(sent)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.coro.close()
+
+
+async def _awaiting(pending: Any) -> Message:
+    message: Message = await pending
+    return message
+
+
+def _replaying(message: Message, receive: Receive) -> Receive:
+    """`receive` that first gives back `message`, already received."""
+    first: Message | None = message
+
+    async def replay() -> Message:
+        nonlocal first
+        if first is not None:
+            taken, first = first, None
+            return taken
+        return await receive()
+
+    return replay
+
+
+class BodyReceive:
     """`receive` for a request whose body is due by `deadline` (time.monotonic()); while
-    the body is not all in, it is listed in the guard's `waiting`."""
+    the body is not all in, it is listed in the guard's `waiting`. It starts with
+    what the guard's first step of receive() left: a part of the body to give back
+    (`first`), or that receive() itself, to resume (`started`)."""
 
     __slots__ = (
         "deadline",
         "expired",
+        "first",
         "receive",
         "receiving",
+        "started",
         "task",
         "timeout_seconds",
         "waiting",
@@ -69,19 +139,27 @@ class _BodyReceive:
     def __init__(
         self,
         receive: Receive,
-        waiting: dict[int, _BodyReceive],
+        waiting: dict[int, BodyReceive],
         deadline: float,
         timeout_seconds: float,
+        first: Message | None,
+        started: _Started | None,
     ) -> None:
         self.receive = receive
         self.waiting = waiting
         self.deadline = deadline
         self.timeout_seconds = timeout_seconds
+        self.first = first
+        self.started = started
         self.task: asyncio.Task[object] | None = None
         self.receiving = False  # awaiting the next part of the body right now
         self.expired = False  # the watchdog cancelled that wait
 
     async def __call__(self) -> Message:
+        if self.first is not None:
+            # The first part, with more to come (the guard saw more_body).
+            message, self.first = self.first, None
+            return message
         if id(self) not in self.waiting:
             # The body is in: only a disconnect can come, which a streaming answer
             # may wait for as long as it streams.
@@ -91,7 +169,8 @@ class _BodyReceive:
         self.task = asyncio.current_task()
         self.receiving = True
         try:
-            message = await self.receive()
+            started, self.started = self.started, None
+            message = await (started if started is not None else self.receive())
         except asyncio.CancelledError:
             if not self.expired:
                 raise
@@ -105,28 +184,39 @@ class _BodyReceive:
             del self.waiting[id(self)]
         return message
 
+    def close(self) -> None:
+        """The request is over: off the list, and a receive() left started is closed."""
+        self.waiting.pop(id(self), None)
+        if self.started is not None:
+            self.started.close()
+            self.started = None
+
 
 class Guard:
     """Bounds the requests in flight in this worker and the time each may take to
-    send its body (see the module docstring).
+    send its body (see the module docstring). The fast lane calls it: `busy` when
+    `in_flight` is at `concurrency_max`, else `in_flight` counted up and down around
+    the request, and `body_receive` for a request with a body.
 
     The deadline is kept by one watchdog task per worker, not by a timer per request:
     in a micro-benchmark on the (shared, loaded) development machine `asyncio.timeout`
     around each read cost ~27 µs a POST on uvloop (a libuv timer made, started,
-    stopped and freed), this registration 3-5 µs. The watchdog runs while some body is awaited,
-    every `WATCH_SECONDS` (at most), and cancels only a wait *for the body* that is
-    past its deadline; the body reader turns that cancellation into the 408."""
+    stopped and freed), a registration 3-5 µs. And the usual POST needs neither: its
+    body came with its headers, so the first receive() returns without waiting, and
+    the guard hands it on as it is. Only a body that is not all in gets the bounded
+    reader. The watchdog runs while some body is awaited, every `WATCH_SECONDS` (at
+    most), and cancels only a wait *for the body* that is past its deadline; the body
+    reader turns that cancellation into the 408."""
 
-    def __init__(self, app: ASGIApp, *, concurrency_max: int, body_timeout_seconds: float) -> None:
+    def __init__(self, *, concurrency_max: int, body_timeout_seconds: float) -> None:
         assert concurrency_max >= 1 and body_timeout_seconds > 0
-        self.app = app
         self.concurrency_max = concurrency_max
         self.body_timeout_seconds = body_timeout_seconds
         self.watch_seconds = min(WATCH_SECONDS, body_timeout_seconds / 4)
         self.in_flight = 0
-        self._waiting: dict[int, _BodyReceive] = {}
+        self._waiting: dict[int, BodyReceive] = {}
         self._watchdog: asyncio.Task[None] | None = None
-        self._busy = Problem(
+        self.busy = Problem(
             "OVERLOADED",
             "Too many requests in progress on this server; retry shortly.",
             retry_after_seconds=1,
@@ -134,32 +224,41 @@ class Guard:
             cacheable=True,
         )
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNGUARDED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        if self.in_flight >= self.concurrency_max:
-            await send_answer(send, self._busy.encoded(scope["path"]))
-            return
-        self.in_flight += 1
-        body: _BodyReceive | None = None
-        try:
-            if scope["method"] in BODY_METHODS:
-                body = _BodyReceive(
-                    receive,
-                    self._waiting,
-                    time.monotonic() + self.body_timeout_seconds,
-                    self.body_timeout_seconds,
-                )
-                self._waiting[id(body)] = body
-                if self._watchdog is None or self._watchdog.done():
-                    self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-                receive = body
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight -= 1
-            if body is not None:
-                self._waiting.pop(id(body), None)
+    def body_receive(self, receive: Receive) -> Receive:
+        """The `receive` to give the endpoint of a request with a body: the server's
+        own, with the first message given back, when the body is all in already;
+        else a `BodyReceive`, which the caller closes when the request ends.
+
+        One step of the server's receive() is taken here, synchronously: if it
+        completes, the first message is in hand without a wait."""
+        pending = receive()
+        if type(pending) is types.CoroutineType:
+            try:
+                step = pending.send(None)
+            except StopIteration as done:
+                message: Message = done.value
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return _replaying(message, receive)
+                return self._bounded(receive, message, None)
+            return self._bounded(receive, None, _Started(pending, step))
+        # Not a coroutine (no server of ours): every read bounded.
+        return self._bounded(receive, None, _Started(_awaiting(pending), None))
+
+    def _bounded(
+        self, receive: Receive, first: Message | None, started: _Started | None
+    ) -> BodyReceive:
+        body = BodyReceive(
+            receive,
+            self._waiting,
+            time.monotonic() + self.body_timeout_seconds,
+            self.body_timeout_seconds,
+            first,
+            started,
+        )
+        self._waiting[id(body)] = body
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        return body
 
     def expire(self, now: float) -> int:
         """Cancel the body waits past their deadline; how many were cancelled."""

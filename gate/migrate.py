@@ -44,7 +44,7 @@ import aiomysql
 import pymysql
 
 from gate.db import connect_kwargs
-from gate.settings import MysqlTarget, Secret, SettingsError
+from gate.settings import DEV_PASSWORDS, MysqlTarget, Secret, SettingsError, refuse_dev_value
 
 log = logging.getLogger("gate.migrate")
 
@@ -448,6 +448,8 @@ def load_app_user(env: Mapping[str, str], admin: MysqlTarget) -> AppUser | None:
     if not _APP_HOST_RE.fullmatch(host):
         raise SettingsError("GATE_MYSQL_APP_HOST must be a MariaDB host pattern such as % or 10.%")
     password = env.get("GATE_MYSQL_APP_PASSWORD", "")
+    dev = env.get("GATE_ENV", "production").strip().lower() == "dev"
+    refuse_dev_value("GATE_MYSQL_APP_PASSWORD", password, DEV_PASSWORDS, dev)
     if len(password) < APP_PASSWORD_MIN_CHARS:
         raise SettingsError(
             f"GATE_MYSQL_APP_PASSWORD is required with GATE_MYSQL_APP_USER"

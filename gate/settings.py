@@ -5,6 +5,8 @@ Secrets are wrapped in `Secret` so that no repr, log line or traceback prints th
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +22,37 @@ DEV_ADMIN_TOKEN = "gate-dev-admin-token"
 DEV_ADMISSION_SECRET = "gate-dev-admission-secret-not-for-production-0"
 # base64 of "gate-dev-webhook-secret-0123456789"
 DEV_WEBHOOK_SECRET = "whsec_Z2F0ZS1kZXYtd2ViaG9vay1zZWNyZXQtMDEyMzQ1Njc4OQ=="
+# Published in docker-compose.dev.yml, so public too: the sandbox's API key and the
+# passwords of the development database and Redis. Refused outside GATE_ENV=dev.
+DEV_SANDBOX_API_KEY = "gate-dev-sandbox-api-key"
+DEV_PASSWORDS = frozenset(("gate-dev-app-password", "gate-dev-root", "gate-dev-redis"))
+DEV_ONLY = (
+    "the public development value; set a secret of your own"
+    " (the built-in one is accepted only with GATE_ENV=dev)"
+)
+
+
+def webhook_key(secret: str) -> bytes | None:
+    """The key bytes of a whsec_<base64> secret, padded or not (the way the signer
+    decodes it), or None if it is not one. The dev secret is compared as these bytes:
+    written without its "==" it is still the same, public, key."""
+    if not secret.startswith("whsec_"):
+        return None
+    body = secret[len("whsec_") :]
+    try:
+        return base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+DEV_WEBHOOK_KEY = webhook_key(DEV_WEBHOOK_SECRET)
+
+
+def refuse_dev_value(name: str, value: str | None, dev_values: frozenset[str], dev: bool) -> None:
+    """Outside dev, a value published for development (compared whitespace-stripped)
+    is refused: SettingsError naming the variable, never the value."""
+    if not dev and value is not None and value.strip() in dev_values:
+        raise SettingsError(f"{name} is {DEV_ONLY}")
 
 
 # A per-deal buyer limit is on by default (no human clicks 20 times a second); the
@@ -225,6 +258,14 @@ class Settings:
         return self.env == "dev"
 
 
+def _is_dev_value(entry: str, dev_value: str) -> bool:
+    if entry == dev_value:
+        return True
+    # A webhook secret is its key bytes: unpadded (or otherwise re-encoded) base64 of
+    # the dev key is the dev key.
+    return dev_value == DEV_WEBHOOK_SECRET and webhook_key(entry) == DEV_WEBHOOK_KEY
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read every setting once. Raises SettingsError with a clear message."""
     env = os.environ if environ is None else environ
@@ -237,11 +278,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         if value:
             # The development values are public (they are in this file): outside dev
             # they would let anyone mint tokens, act as admin or forge callbacks.
-            if not dev and dev_value in value.split():
-                raise SettingsError(
-                    f"{name} is the public development value; set a secret of your own"
-                    " (the built-in one is accepted only with GATE_ENV=dev)"
-                )
+            if not dev and any(_is_dev_value(entry, dev_value) for entry in value.split()):
+                raise SettingsError(f"{name} is {DEV_ONLY}")
             return value
         if dev:
             dev_used.append(name)
@@ -295,6 +333,14 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     if log_level not in LOG_LEVELS:
         raise SettingsError(f"GATE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
     mysql = MysqlTarget.parse(env.get("GATE_MYSQL_URL", "mysql://root@127.0.0.1:3306/gate"))
+    refuse_dev_value("GATE_MYSQL_URL (its password)", mysql.password.reveal(), DEV_PASSWORDS, dev)
+    redis_password = urlsplit(redis_url).password
+    refuse_dev_value(
+        "GATE_REDIS_URL (its password)",
+        unquote(redis_password) if redis_password else None,
+        DEV_PASSWORDS,
+        dev,
+    )
 
     settings = Settings(
         env=gate_env,

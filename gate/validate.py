@@ -15,6 +15,10 @@ IDEMPOTENCY_KEY_RE = re.compile(r"[A-Za-z0-9_.:-]{8,255}")
 MAX_ID = 2**63 - 1
 
 
+# At most this many digits go to int() as they are, without the length check first.
+_SHORT_DIGITS = 18
+
+
 def digits(text: str, hi: int) -> int | None:
     """The value of `text` if it is ASCII digits worth at most `hi`, else None.
 
@@ -24,10 +28,14 @@ def digits(text: str, hi: int) -> int | None:
     """
     if not (text.isascii() and text.isdigit()):
         return None
-    significant = text.lstrip("0") or "0"
-    if len(significant) > len(str(hi)):
-        return None
-    value = int(significant)
+    if len(text) <= _SHORT_DIGITS:
+        # The usual case (a Content-Length, a path id): int() of a few digits is cheap.
+        value = int(text)
+    else:
+        significant = text.lstrip("0") or "0"
+        if len(significant) > len(str(hi)):
+            return None
+        value = int(significant)
     return value if value <= hi else None
 
 

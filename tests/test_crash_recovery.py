@@ -51,10 +51,10 @@ STOCK = 700
 CONNECTIONS_MAX = 200
 ORDERS_BEFORE_KILL = 100
 LOCK_SECONDS = 2.0
-# The target is 5 s after the kill; this loaded 2-core machine gets a margin, still
-# far below the 30 s after which the janitor's age rule would hide a failure (and
-# below the shared suite gate's 15 s, should it be running beside this test).
-RECOVERY_BOUND_SECONDS = 11.0
+# The target is 5 s after the kill (issue #12.9); measured 3-4 s. One second of margin
+# for a loaded 2-core machine, and no more: a bound far above the target would pass a
+# gate that missed it (the 30 s age rule would hide a failure only much later).
+RECOVERY_BOUND_SECONDS = 6.0
 
 
 def _env(env: dict[str, str]) -> dict[str, str]:
@@ -148,7 +148,12 @@ async def test_a_killed_gate_leaves_no_ghost_stock(
             f" units missing at the kill; all back {recovered:.2f} s after it"
         )
         # The kill landed with reservations in flight: there was something to recover.
-        assert markers_at_kill > 0 and ghost_at_kill > 0, (markers_at_kill, ghost_at_kill)
+        # (On the idle database the ones in flight may all have committed at that
+        # instant: markers to confirm, no unit missing yet. With the orders locked,
+        # none can have.)
+        assert markers_at_kill > 0, (markers_at_kill, ghost_at_kill)
+        if orders_locked:
+            assert ghost_at_kill > 0, (markers_at_kill, ghost_at_kill)
         assert recovered < RECOVERY_BOUND_SECONDS, recovered
 
         # Drain the deal through the survivor: the buyers whose request died retry with

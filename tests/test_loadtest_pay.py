@@ -54,6 +54,8 @@ def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProce
         gate_port = free_port()
         genv = {
             **env,
+            # Plain http to the sandbox: a gate takes that only in dev (#12.5).
+            "GATE_ENV": "dev",
             "GATE_PAYMENT_PROVIDER_URL": sandbox_url,
             "GATE_PAYMENT_API_KEY": SANDBOX_KEY,
             "GATE_SANDBOX_API_KEY": SANDBOX_KEY,

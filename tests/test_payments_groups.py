@@ -248,3 +248,28 @@ async def test_a_group_that_fails_is_run_one_event_at_a_time(
     again = await PaymentMachine(core.db, core.mirror, "test-groups").record("sandbox", first)
     assert again.code == EventCode.APPLIED
     await assert_invariants(db, rds, deal)
+
+
+async def test_the_group_scratch_table_compares_provider_ids_in_binary(db: Database) -> None:
+    """gate_cb_scratch's id columns take ascii_bin, as the tables' own do since
+    007_binary_ids.sql: ids that differ only by case are two ids inside a group too."""
+    async with db.connection() as conn, conn.cursor() as cur:
+        await cur.execute("CALL gate_cb_scratch()")
+        await cur.execute(
+            "SELECT column_name, collation_name FROM information_schema.columns"
+            " WHERE table_schema = DATABASE() AND table_name = 'gate_cb_events'"
+            " AND column_name IN ('event_id', 'payment_id', 'refund_id')"
+        )
+        rows = await cur.fetchall()
+        await cur.execute(
+            "INSERT INTO gate_cb_events (n, event_id) VALUES (1, 'evt-Case'), (2, 'evt-case')"
+        )
+        await cur.execute("SELECT COUNT(*) FROM gate_cb_events WHERE event_id = 'evt-case'")
+        same = await cur.fetchone()
+        await cur.execute("DROP TEMPORARY TABLE gate_cb_events, gate_cb_parts")
+    collations = {str(name).lower(): coll for name, coll in rows}
+    # information_schema lists temporary tables' columns in MariaDB >= 11.2 only; the
+    # comparison below holds everywhere.
+    if collations:
+        assert collations == dict.fromkeys(("event_id", "payment_id", "refund_id"), "ascii_bin")
+    assert same == (1,)

@@ -43,6 +43,12 @@ def test_the_built_in_dev_secrets_are_refused_outside_dev(
         ("GATE_WEBHOOK_SECRET", DEV_WEBHOOK_SECRET),
         # Also as one entry of a rotation list.
         ("GATE_WEBHOOK_SECRET", f"{WEBHOOK_SECRET} {DEV_WEBHOOK_SECRET}"),
+        # The same key bytes written without the base64 padding (the signer re-pads).
+        ("GATE_WEBHOOK_SECRET", DEV_WEBHOOK_SECRET.rstrip("=")),
+        ("GATE_WEBHOOK_SECRET", f"{WEBHOOK_SECRET} {DEV_WEBHOOK_SECRET.rstrip('=')}"),
+        # Whitespace around a value is not a different value.
+        ("GATE_JWT_SECRET", f"  {DEV_JWT_SECRET}\t"),
+        ("GATE_ADMIN_TOKEN", f"\n{DEV_ADMIN_TOKEN} "),
     ):
         given = {**env, "GATE_ENV": gate_env, name: value}
         with pytest.raises(SettingsError, match=f"{name} is the public development value"):
@@ -52,6 +58,54 @@ def test_the_built_in_dev_secrets_are_refused_outside_dev(
         assert f"{name} is the public development value" in out.stderr
         assert "Traceback" not in out.stderr
         assert value.split()[-1] not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("gate_env", ["production", "test"])
+def test_the_values_published_in_the_dev_compose_file_are_refused_outside_dev(
+    env: dict[str, str], gate_env: str
+) -> None:
+    """docker-compose.dev.yml publishes the sandbox's API key and the development
+    database and Redis passwords; a gate outside dev refuses them (exit 2, named)."""
+    for name, value in (
+        ("GATE_PAYMENT_API_KEY", "gate-dev-sandbox-api-key"),
+        ("GATE_MYSQL_URL", "mysql://gate_app:gate-dev-app-password@127.0.0.1:3306/gate"),
+        ("GATE_MYSQL_URL", "mysql://root:gate-dev-root@127.0.0.1:3306/gate"),
+        ("GATE_REDIS_URL", "redis://:gate-dev-redis@127.0.0.1:6379/0"),
+    ):
+        given = {**env, "GATE_ENV": gate_env, name: value}
+        if name == "GATE_PAYMENT_API_KEY":
+            given["GATE_PAYMENT_PROVIDER_URL"] = "https://psp.example.com"
+            with pytest.raises(SettingsError, match=f"{name} is the public development value"):
+                load_payment_settings(given)
+        else:
+            with pytest.raises(SettingsError, match=f"{name} \\(its password\\) is the public"):
+                load_settings(given)
+        out = serve(given)
+        assert out.returncode == 2, (name, out.stderr)
+        assert f"{name}" in out.stderr and "public development value" in out.stderr
+        assert "Traceback" not in out.stderr
+        assert "gate-dev-" not in out.stdout + out.stderr
+    # And migrate refuses the published app-user password.
+    out = subprocess.run(
+        [GATE_BIN, "migrate"],
+        env={
+            **env,
+            "GATE_ENV": gate_env,
+            "GATE_MYSQL_APP_USER": "gate_app_fix",
+            "GATE_MYSQL_APP_PASSWORD": "gate-dev-app-password",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "GATE_MYSQL_APP_PASSWORD is the public development value" in out.stderr
+    # In dev they are what the compose file runs with.
+    dev = {**env, "GATE_ENV": "dev", "GATE_PAYMENT_API_KEY": "gate-dev-sandbox-api-key"}
+    assert load_payment_settings(dev).provider_api_key is not None
+    url = "mysql://gate_app:gate-dev-app-password@127.0.0.1:3306/gate"
+    assert load_settings({**dev, "GATE_MYSQL_URL": url}).mysql.user == "gate_app"
 
 
 def test_dev_mode_still_takes_the_dev_secrets(env: dict[str, str]) -> None:
@@ -80,8 +134,11 @@ def test_the_payment_provider_needs_https_and_a_key_outside_dev(
         ("http://10.0.0.5:8090", API_KEY, "GATE_PAYMENT_PROVIDER_URL must be https://"),
         # A name is not trusted to be loopback: it resolves.
         ("http://localhost:8090", API_KEY, "GATE_PAYMENT_PROVIDER_URL must be https://"),
+        # Nor a loopback address: https without exception outside dev (#12.5).
+        ("http://127.0.0.1:8090", API_KEY, "GATE_PAYMENT_PROVIDER_URL must be https://"),
+        ("http://[::1]:8090", API_KEY, "GATE_PAYMENT_PROVIDER_URL must be https://"),
         ("https://psp.example.com", "", "GATE_PAYMENT_API_KEY is required"),
-        ("http://127.0.0.1:8090", "", "GATE_PAYMENT_API_KEY is required"),
+        ("https://127.0.0.1:8443", "", "GATE_PAYMENT_API_KEY is required"),
     ):
         given = {**base, "GATE_PAYMENT_PROVIDER_URL": url, "GATE_PAYMENT_API_KEY": key}
         with pytest.raises(SettingsError, match=message):
@@ -90,8 +147,8 @@ def test_the_payment_provider_needs_https_and_a_key_outside_dev(
         assert out.returncode == 2, (url, out.stderr)
         assert message in out.stderr and "Traceback" not in out.stderr
         assert not key or key not in out.stdout + out.stderr
-    # https with a key; plain http to a loopback address (a sidecar, the test sandbox).
-    for url in ("https://psp.example.com", "http://127.0.0.1:8090", "http://[::1]:8090"):
+    # https with a key, to a name or an address.
+    for url in ("https://psp.example.com", "https://127.0.0.1:8443", "https://[::1]:8443"):
         payments = load_payment_settings(
             {**base, "GATE_PAYMENT_PROVIDER_URL": url, "GATE_PAYMENT_API_KEY": API_KEY}
         )

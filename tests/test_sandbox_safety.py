@@ -314,3 +314,29 @@ async def test_controls_of_the_wrong_type_are_refused_and_change_nothing(
         assert stats["payments"] == 0
     finally:
         await client.close()
+
+
+async def test_a_path_with_a_trailing_newline_matches_no_sandbox_route(
+    keyed_sandbox: SandboxProcess,
+) -> None:
+    """The sandbox's paths match exactly, as the gate's do: "$" also matched before a
+    final newline, so "/sandbox/stats%0A" (percent-decoded) was /sandbox/stats."""
+    client = Client(keyed_sandbox.url)
+    try:
+        r = await client.get("/sandbox/stats", headers=AUTH)
+        assert r.status_code == 200 and r.json()["sessions"] == 0
+        for method, path in (
+            ("GET", "/sandbox/stats%0A"),
+            ("GET", "/healthz%0A"),
+            ("POST", "/v1/sessions%0A"),
+            ("POST", "/v1/payments/x_123/capture%0A"),
+        ):
+            r = await client.request(
+                method, path, json={}, headers={**AUTH, "Idempotency-Key": "nl-1"}
+            )
+            assert r.status_code == 404, (method, path, r.status_code, r.text)
+        # The refused session was not created.
+        r = await client.get("/sandbox/stats", headers=AUTH)
+        assert r.status_code == 200 and r.json()["sessions"] == 0
+    finally:
+        await client.close()

@@ -12,17 +12,20 @@ DELIMITER $$
 CREATE OR REPLACE PROCEDURE gate_cb_scratch()
 SQL SECURITY INVOKER
 BEGIN
+    -- The provider's ids (event, payment, refund) take ascii_bin, as the tables'
+    -- columns do since 007_binary_ids.sql: ids differing only by case stay distinct
+    -- within a group too.
     -- Already there: nothing to create (the handled error leaves no warning).
     DECLARE CONTINUE HANDLER FOR 1050 BEGIN END;
     CREATE TEMPORARY TABLE gate_cb_events (
         n           INT UNSIGNED NOT NULL,
-        event_id    VARCHAR(191) CHARACTER SET ascii NULL,
+        event_id    VARCHAR(191) CHARACTER SET ascii COLLATE ascii_bin NULL,
         event_type  VARCHAR(64) CHARACTER SET ascii NULL,
         order_id    CHAR(26) CHARACTER SET ascii NULL,
-        payment_id  VARCHAR(191) CHARACTER SET ascii NULL,
+        payment_id  VARCHAR(191) CHARACTER SET ascii COLLATE ascii_bin NULL,
         amount      BIGINT UNSIGNED NULL,
         currency    CHAR(3) CHARACTER SET ascii NULL,
-        refund_id   VARCHAR(191) CHARACTER SET ascii NULL,
+        refund_id   VARCHAR(191) CHARACTER SET ascii COLLATE ascii_bin NULL,
         payload     MEDIUMTEXT CHARACTER SET utf8mb4 NULL,
         created     DATETIME(6) NULL,
         tx_id       CHAR(26) CHARACTER SET ascii NULL,

@@ -8,14 +8,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gate.settings import Secret, SettingsError, env_bool, env_float, env_int
+from gate.settings import (
+    DEV_SANDBOX_API_KEY,
+    Secret,
+    SettingsError,
+    env_bool,
+    env_float,
+    env_int,
+    refuse_dev_value,
+)
 
 PROVIDER_NAME_MAX = 32
 # The providers an adapter exists for (gate/payments/adapters.py names their modules).
 PROVIDER_NAMES = ("sandbox", "stripe", "alipay", "wechatpay")
 # `sandbox-<label>`: the sandbox under a name of its own, so that a test suite's rows
 # stay apart from other suites' in a shared database (tests/test_reconcile.py).
-SANDBOX_LABEL_RE = re.compile(r"^sandbox-[a-z0-9]{1,24}$")
+SANDBOX_LABEL_RE = re.compile(r"sandbox-[a-z0-9]{1,24}")
 
 
 def provider_name(env: Mapping[str, str]) -> str:
@@ -29,11 +37,24 @@ def provider_name(env: Mapping[str, str]) -> str:
             "GATE_PAYMENT_PROVIDER is required outside GATE_ENV=dev"
             f" (one of {', '.join(PROVIDER_NAMES)})"
         )
-    if name not in PROVIDER_NAMES and not SANDBOX_LABEL_RE.match(name):
+    if name not in PROVIDER_NAMES and not SANDBOX_LABEL_RE.fullmatch(name):
         raise SettingsError(
             f"GATE_PAYMENT_PROVIDER must be one of {', '.join(PROVIDER_NAMES)}, got {name[:40]!r}"
         )
     return name
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether `host` is a loopback IP literal (names are not trusted: they resolve).
+    Only the real providers' API bases (GATE_STRIPE_API_BASE, GATE_ALIPAY_GATEWAY_URL,
+    GATE_WECHATPAY_API_BASE) may be plain http to one outside dev: the tests' local
+    fakes of those providers; GATE_PAYMENT_PROVIDER_URL may not."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _url(env: Mapping[str, str], name: str) -> str | None:
@@ -46,30 +67,16 @@ def _url(env: Mapping[str, str], name: str) -> str | None:
     return raw.rstrip("/")
 
 
-def is_loopback_host(host: str | None) -> bool:
-    """Whether `host` is a loopback IP literal (names are not trusted: they resolve)."""
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _check_provider_security(env: Mapping[str, str], url: str | None, api_key: str) -> None:
-    """Outside GATE_ENV=dev the gate talks to its provider over TLS and with a key.
-
-    Plain http stays allowed to a loopback address only (a sidecar or a local test
-    provider): that traffic never leaves the machine, so TLS would protect nothing.
-    """
-    if url is None or env.get("GATE_ENV", "production").strip().lower() == "dev":
+    """Outside GATE_ENV=dev the gate talks to its provider over TLS and with a key of
+    its own: https without exception (a loopback address too: what listens there is
+    not necessarily the provider), and never the sandbox's published dev key."""
+    dev = env.get("GATE_ENV", "production").strip().lower() == "dev"
+    refuse_dev_value("GATE_PAYMENT_API_KEY", api_key, frozenset((DEV_SANDBOX_API_KEY,)), dev)
+    if url is None or dev:
         return
-    parts = urlsplit(url)
-    if parts.scheme != "https" and not is_loopback_host(parts.hostname):
-        raise SettingsError(
-            "GATE_PAYMENT_PROVIDER_URL must be https:// outside GATE_ENV=dev"
-            " (plain http only to a loopback address such as 127.0.0.1)"
-        )
+    if urlsplit(url).scheme != "https":
+        raise SettingsError("GATE_PAYMENT_PROVIDER_URL must be https:// outside GATE_ENV=dev")
     if not api_key:
         raise SettingsError(
             "GATE_PAYMENT_API_KEY is required when GATE_PAYMENT_PROVIDER_URL is set"

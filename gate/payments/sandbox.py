@@ -75,6 +75,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gate.http import exact_paths
 from gate.payments.signing import decode_secret, sign_headers
 from gate.settings import (
     DEV_WEBHOOK_SECRET,
@@ -1099,6 +1100,8 @@ def build_sandbox_app(config: SandboxConfig) -> Starlette:
         middleware=[Middleware(ApiKeyGuard, api_key=config.api_key)],
         lifespan=lifespan,
     )
+    # Its paths, external input too, match exactly (\Z), as the gate's do.
+    exact_paths(app.routes)
     app.state.sandbox = sandbox
     return app
 
