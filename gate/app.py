@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -46,26 +45,8 @@ def _gate(request: Request) -> Gate:
     return gate
 
 
-class IdConvertor(Convertor[int]):
-    """A path id: digits, converted without int() ever seeing more than 19 of them
-    (4,400 digits made Starlette's int convertor raise ValueError: a 500, or on the
-    fast lane a reset connection). An id past MAX_ID converts to 0, which no row
-    has: the endpoint answers 404 as for any unknown id."""
-
-    regex = "[0-9]+"
-
-    def convert(self, value: str) -> int:
-        # The regex let only ASCII digits through; up to 18 of them are below MAX_ID.
-        if len(value) <= 18:
-            return int(value)
-        return validate.digits(value, MAX_ID) or 0
-
-    def to_string(self, value: int) -> str:
-        assert 0 <= value <= MAX_ID
-        return str(value)
-
-
-register_url_convertor("id", IdConvertor())
+# The "id" path convertor (bounded digits) is registered by gate.http, which every
+# area imports before it builds its routes.
 
 
 def _deal_id(request: Request) -> int:
@@ -517,9 +498,11 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     if settings.docs:
         all_routes.extend(apidocs.routes())
     middleware = []
+    inner = []
     for ext in gate.extensions:
         all_routes.extend(ext.routes)
         middleware.extend(ext.middleware)
+        inner.extend(ext.inner_middleware)
     exact_paths(all_routes)
     lanes = [r for r in all_routes if isinstance(r, Route) and r.name in FAST_LANE_ROUTES]
     assert any(r.name == "reserve" for r in lanes), "the reservation route is missing"
@@ -532,6 +515,7 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
             body_timeout_seconds=settings.body_timeout_seconds,
         )
     )
+    middleware.extend(inner)
     app = Starlette(
         routes=all_routes,
         middleware=middleware,

@@ -36,6 +36,10 @@ class Extension:
     # stop event and must return soon after it is set.
     workers: list[Worker] = field(default_factory=list)
     middleware: list[Middleware] = field(default_factory=list)
+    # Inside the fast lane (gate/app.py FastLane): behind the HTTP guard, and never
+    # reached by a reservation (the fast lane answers those first), so a lane of an
+    # area's own costs the hot path nothing.
+    inner_middleware: list[Middleware] = field(default_factory=list)
     on_start: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 

@@ -47,6 +47,7 @@ BASE_BODIES: dict[str, dict[str, Any]] = {
     "DealCreate": {"title": "bounds", "unit_price": 100, "currency": "EUR", "stock": 5},
     "StockAdjustment": {"delta": 1, "reason": "bounds test"},
     "Rebucket": {"count": 2},
+    "WaitingRoom": {"admit_per_second": 10, "admission_ttl_seconds": 60, "prequeue_seconds": 0},
     "PaymentEvent": {
         "id": "evt_bounds",
         "type": "payment.succeeded",

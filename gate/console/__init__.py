@@ -275,7 +275,7 @@ class Console:
         return json_response(view)
 
     def routes(self) -> list[BaseRoute]:
-        deal = "/console/api/deals/{deal_id:int}"
+        deal = "/console/api/deals/{deal_id:id}"
         return [
             Route("/console", self.page, methods=["GET"]),
             Route("/console/static/{name:str}", self.static, methods=["GET"]),

@@ -61,6 +61,13 @@ SINGLES_CONCURRENCY = 4
 LAST_ERROR_MAX_CHARS = 500
 RETRY_BACKOFF_MAX_SECONDS = 30.0
 TRACKED_MAX = 100_000
+# The pause after a pass that settled nothing: doubled while the queues stay empty, up
+# to the maximum, and back to the minimum as soon as this process enqueues (or a pass
+# settles something). An idle gate then asks Redis twice a second, not fifty times,
+# and a request queued here is picked up at once; one queued by another process waits
+# at most IDLE_MAX_SECONDS for this consumer (its own process's consumer is woken).
+IDLE_MIN_SECONDS = 0.02
+IDLE_MAX_SECONDS = 0.5
 
 COMMITTED = METRICS.counter(
     "gate_queue_committed_total", "Queued reservations committed (PENDING_PAYMENT).", ["deal"]
@@ -153,18 +160,28 @@ class QueueConsumer:
         self._next_try: dict[str, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            done = 0
-            try:
-                done = await self.run_once()
-            except Exception as exc:
-                log.warning("queue pass failed: %r", exc)
-            if done:
-                continue
-            try:
-                await asyncio.wait_for(stop.wait(), 0.02)
-            except TimeoutError:
-                pass
+        idle = IDLE_MIN_SECONDS
+        wake = self.service.wake
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                wake.clear()
+                done = 0
+                try:
+                    done = await self.run_once()
+                except Exception as exc:
+                    log.warning("queue pass failed: %r", exc)
+                if done:
+                    idle = IDLE_MIN_SECONDS
+                    continue
+                waking = asyncio.ensure_future(wake.wait())
+                try:
+                    await asyncio.wait((stopping, waking), timeout=idle)
+                finally:
+                    waking.cancel()
+                idle = IDLE_MIN_SECONDS if wake.is_set() else min(idle * 2, IDLE_MAX_SECONDS)
+        finally:
+            stopping.cancel()
 
     async def run_once(self) -> int:
         """One bounded batch per deal with a queue; how many entries it settled."""

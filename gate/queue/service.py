@@ -165,6 +165,8 @@ class QueueService:
         self._announced: set[int] = set()
         self._price_reads: dict[int, asyncio.Future[tuple[int, str]]] = {}
         self.consumer: QueueConsumer | None = None
+        # Set by every enqueue: this process's idle consumer starts a pass at once.
+        self.wake = asyncio.Event()
 
     async def _price(self, deal_id: int) -> tuple[int, str]:
         known = self._prices.get(deal_id)
@@ -242,6 +244,7 @@ class QueueService:
                 QUEUE_FULL.labels(str(deal_id)).inc()
             return None
         QUEUED.labels(str(deal_id)).inc()
+        self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
 
     async def replay(

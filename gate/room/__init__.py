@@ -77,7 +77,7 @@ def install(gate: Gate) -> Extension:
         await room.configure(deal_id, body)
         return json_response(await gate.deals.admin_view(deal_id))
 
-    deal = "/v1/deals/{deal_id:int}"
+    deal = "/v1/deals/{deal_id:id}"
     queue = [
         Route(deal + "/queue", join, methods=["POST"]),
         Route(deal + "/queue", read, methods=["GET"]),
@@ -86,10 +86,12 @@ def install(gate: Gate) -> Extension:
         name="room",
         routes=[
             *queue,
-            Route("/v1/admin/deals/{deal_id:int}/waiting-room", configure, methods=["PUT"]),
+            Route("/v1/admin/deals/{deal_id:id}/waiting-room", configure, methods=["PUT"]),
         ],
         workers=[room.run],
-        middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
+        inner_middleware=[
+            Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)
+        ],
     )
 
 

@@ -31,12 +31,14 @@ class QueueLane:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not scope.get("root_path"):
             route = self.routes.get(scope["method"])
-            if route is not None:
+            if route is not None and scope["path"].endswith("/queue"):
                 match = route.path_regex.match(scope["path"])
                 if match is not None:
                     scope["route"] = route
                     scope["endpoint"] = route.endpoint
-                    scope["path_params"] = {"deal_id": int(match["deal_id"])}
+                    # The route's own converter: bounded digits, never int() of 4,400.
+                    convert = route.param_convertors["deal_id"].convert
+                    scope["path_params"] = {"deal_id": convert(match["deal_id"])}
                     await self._answer(scope, send, scope["method"] == "POST")
                     return
         await self.app(scope, receive, send)
