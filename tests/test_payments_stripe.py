@@ -620,7 +620,8 @@ def test_the_signature_the_fake_sends_is_the_one_stripe_documents() -> None:
     ],
 )
 def test_start_up_refuses_incomplete_stripe_settings(change: dict[str, str], message: str) -> None:
-    env = {**stripe_env("http://127.0.0.1:9"), **change}
+    # Production rules (stripe_env is a dev env, for the plain-http sandbox).
+    env = {**stripe_env("http://127.0.0.1:9"), "GATE_ENV": "test", **change}
     out = subprocess.run(
         [GATE_BIN, "serve", "--port", "1"],
         env=env,

@@ -40,6 +40,9 @@ def test_the_demo_sells_and_takes_a_payment_then_stops_on_ctrl_c(
             cwd=ROOT,
             env={
                 **{k: v for k, v in env.items() if k != "GATE_PAYMENT_PROVIDER_URL"},
+                # The demo is a development stack (scripts/run's own default): its
+                # sandbox speaks plain http, which only GATE_ENV=dev accepts.
+                "GATE_ENV": "dev",
                 "GATE_SANDBOX_API_KEY": SANDBOX_KEY,
             },
             stdout=out,
