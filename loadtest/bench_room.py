@@ -86,6 +86,8 @@ class RoomBench:
                 "GATE_ADMIN_TOKEN": self.admin["Authorization"].split(" ", 1)[1],
                 "GATE_WEBHOOK_SECRET": "whsec_" + base64.b64encode(os.urandom(24)).decode(),
                 "GATE_ADMISSION_SECRET": "bench-admission-" + secrets.token_hex(24),
+                # Required outside dev (issue #18); nothing here pays.
+                "GATE_PAYMENT_PROVIDER": "sandbox",
                 "GATE_LOG_LEVEL": "WARNING",
                 # Buyers cycle faster than the production advice (1-10 s) would allow.
                 "GATE_ROOM_POLL_MIN_MS": "100",
