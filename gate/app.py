@@ -25,7 +25,7 @@ from gate.guard import BODY_METHODS, UNGUARDED_PATHS, BodyReceive, Guard
 from gate.http import exact_paths, json_answer, json_response, read_json, receive_json, send_answer
 from gate.limits import client_ip, device_id
 from gate.logs import configure
-from gate.metrics import METRICS
+from gate.metrics import METRICS, CounterTally
 from gate.reservations import MAX_QUANTITY, ReserveRequest
 from gate.runtime import Gate
 from gate.settings import Settings, load_settings
@@ -152,14 +152,14 @@ _RESERVE_HEADERS = frozenset(
         b"admission-token",
     )
 )
-_OUTCOMES: dict[str, Any] = {}
+_OUTCOMES: dict[str, CounterTally] = {}
 _REPLAYED = {"Idempotent-Replayed": "true"}
 
 
 def _count(outcome: str) -> None:
     counter = _OUTCOMES.get(outcome)
     if counter is None:
-        counter = _OUTCOMES[outcome] = METRICS.reservations.labels(outcome)
+        counter = _OUTCOMES[outcome] = METRICS.counter_tally(METRICS.reservations.labels(outcome))
     counter.inc()
 
 

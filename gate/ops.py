@@ -21,7 +21,6 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from prometheus_client import Counter, Histogram
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,7 +29,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gate import logs, openapi
 from gate.extensions import Extension
-from gate.metrics import METRICS, forget_dead_processes, process_stopping
+from gate.metrics import (
+    METRICS,
+    TALLY_FLUSH_SECONDS,
+    CounterTally,
+    HistogramTally,
+    forget_dead_processes,
+    process_stopping,
+)
 from gate.resp import parse_redis_url
 from gate.settings import SettingsError, env_float
 
@@ -70,8 +76,8 @@ class RequestObserver:
         # Caches keep the per-request cost to dictionary lookups: label resolution and
         # prometheus-client's labels() (a lock and a tuple build) run once per series.
         self._labels: dict[int, str] = {}
-        self._counters: dict[tuple[str, str, int], Counter] = {}
-        self._timers: dict[str, Histogram] = {}
+        self._counters: dict[tuple[str, str, int], CounterTally] = {}
+        self._timers: dict[str, HistogramTally] = {}
 
     def _route(self, scope: Scope) -> str:
         route = scope.get("route")
@@ -103,7 +109,9 @@ class RequestObserver:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), rid_header]}
+                # The message is made for this one send (send_answer, Starlette's
+                # responses); its header list may be kept by its maker, so a new list.
+                message["headers"] = [*message.get("headers", ()), rid_header]
             await send(message)
 
         # The context is not reset on the way out: the request's task ends with the
@@ -121,12 +129,13 @@ class RequestObserver:
         key = (route, method, status)
         counter = self._counters.get(key)
         if counter is None:
-            counter = METRICS.http_requests.labels(route, method, str(status))
+            series = METRICS.http_requests.labels(route, method, str(status))
+            counter = METRICS.counter_tally(series)
             self._counters[key] = counter
         counter.inc()
         timer = self._timers.get(route)
         if timer is None:
-            timer = METRICS.http_request_seconds.labels(route)
+            timer = METRICS.histogram_tally(METRICS.http_request_seconds.labels(route))
             self._timers[route] = timer
         timer.observe(elapsed)
         if (self.log_all or (self.log_errors and status >= 500)) and log.isEnabledFor(logging.INFO):
@@ -174,6 +183,19 @@ class PoolSampler:
                 ops_log.exception("sampling the database pool failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval_seconds)
+
+
+async def flush_tallies(stop: asyncio.Event, interval_seconds: float = TALLY_FLUSH_SECONDS) -> None:
+    """Adds this process's metric tallies (gate/metrics.py) to the metrics every
+    interval, so that under several workers a scrape, which reads the shared files,
+    is at most that late."""
+    while not stop.is_set():
+        try:
+            METRICS.flush()
+        except Exception:
+            ops_log.exception("flushing the metric tallies failed")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_seconds)
 
 
 def _secrets(settings: Settings) -> list[str]:
@@ -230,7 +252,9 @@ def install(gate: Gate) -> Extension:
         if dead:
             ops_log.info("dropped live gauges of ended workers", extra={"pids": dead})
         stop.clear()
-        tasks.append(asyncio.get_running_loop().create_task(sampler.run(stop)))
+        loop = asyncio.get_running_loop()
+        tasks.append(loop.create_task(sampler.run(stop)))
+        tasks.append(loop.create_task(flush_tallies(stop)))
 
     async def finish() -> None:
         stop.set()

@@ -168,6 +168,12 @@ async def test_sold_out_rejections_are_counted_across_workers(
                 break
     finally:
         await fresh.close()
+    # Each worker adds its tallies to its file every TALLY_FLUSH_SECONDS.
+    for _ in range(50):
+        by_pid = per_process_values(metrics_dir, "gate_reservations_total", outcome="SOLD_OUT")
+        if sum(by_pid.values()) == rejected:
+            break
+        await asyncio.sleep(gm.TALLY_FLUSH_SECONDS)
     assert sum(1 for v in by_pid.values() if v > 0) >= 2, by_pid
     assert sum(by_pid.values()) == rejected
 
@@ -244,3 +250,51 @@ async def test_a_successful_reservation_counts_once(mp_client: Client) -> None:
 
     assert delta("created") == 1
     assert delta("ERROR") == 0
+
+
+# -- tallies ---------------------------------------------------------------------------
+
+
+def test_tallies_add_up_to_what_the_metrics_would_have_counted() -> None:
+    """A tally flushed gives the same samples as the metric recorded directly: the
+    bucket of each observation (bounds included), the sum, the count."""
+    registry = gm.CollectorRegistry()
+    direct = Histogram("h_direct", "d", ["r"], registry=registry, buckets=(0.1, 1.0))
+    tallied = Histogram("h_tallied", "d", ["r"], registry=registry, buckets=(0.1, 1.0))
+    counted = Counter("c_tallied", "d", ["r"], registry=registry)
+    metrics = gm.Metrics()
+    h = metrics.histogram_tally(tallied.labels("x"))
+    c = metrics.counter_tally(counted.labels("x"))
+    for value in (0.0, 0.05, 0.1, 0.5, 1.0, 2.0, 7.5):
+        direct.labels("x").observe(value)
+        h.observe(value)
+        c.inc()
+    # Nothing reaches the metric before a flush.
+    assert registry.get_sample_value("c_tallied_total", {"r": "x"}) == 0.0
+    metrics.flush()
+    for le in ("0.1", "1.0", "+Inf"):
+        labels = {"r": "x", "le": le}
+        assert registry.get_sample_value("h_tallied_bucket", labels) == (
+            registry.get_sample_value("h_direct_bucket", labels)
+        )
+    assert registry.get_sample_value("h_tallied_sum", {"r": "x"}) == pytest.approx(
+        registry.get_sample_value("h_direct_sum", {"r": "x"})
+    )
+    assert registry.get_sample_value("c_tallied_total", {"r": "x"}) == 7.0
+    metrics.flush()  # a second flush adds nothing
+    assert registry.get_sample_value("c_tallied_total", {"r": "x"}) == 7.0
+
+
+def test_reading_the_registry_adds_the_tallies_first() -> None:
+    """The gate's own registry flushes its tallies on every collection."""
+    series = METRICS.reservations.labels("tally-probe")
+    tally = METRICS.counter_tally(series)
+    before = METRICS.registry.get_sample_value(
+        "gate_reservations_total", {"outcome": "tally-probe"}
+    )
+    tally.inc()
+    tally.inc()
+    after = METRICS.registry.get_sample_value(
+        "gate_reservations_total", {"outcome": "tally-probe"}
+    )
+    assert after == (before or 0.0) + 2

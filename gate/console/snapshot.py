@@ -60,6 +60,7 @@ DEAL_EXTRAS: list[DealExtras] = []
 
 def _samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     if multiprocess_active():
+        METRICS.flush()
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         families = registry.collect()
