@@ -59,6 +59,7 @@ SCRIPT_NAMES = (
     "enqueue",
     "queue_take",
     "queue_cancel",
+    "queue_reject",
 )
 
 

@@ -60,6 +60,7 @@ class QueueSettings:
     mode_refresh_seconds: float
     status_ttl_seconds: int
     consumers_in_serve: bool
+    drains: int
 
     @classmethod
     def from_env(cls, settings: Settings) -> QueueSettings:
@@ -87,6 +88,7 @@ class QueueSettings:
                 env, "GATE_QUEUE_STATUS_TTL_SECONDS", 86_400, 60, 30 * 86_400
             ),
             consumers_in_serve=env_bool(env, "GATE_QUEUE_CONSUMERS", True),
+            drains=env_int(env, "GATE_QUEUE_DRAINS", 2, 1, 8),
         )
 
 
