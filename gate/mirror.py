@@ -182,7 +182,15 @@ class Mirror:
     async def confirm(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str
     ) -> bool:
-        result = await self.runner.call(
+        result = await self.confirm_call(keys, user_id, idempotency_key, token, fp, alloc)
+        return int(result) == 1
+
+    def confirm_call(
+        self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str
+    ) -> asyncio.Future[Any]:
+        """`confirm`'s script call, queued now (a batch's calls share a pipeline
+        without a task each); the future resolves to its raw reply."""
+        return self.runner.call(
             "confirm",
             (
                 keys.meta,
@@ -194,7 +202,6 @@ class Mirror:
             ),
             (token, fp, self.settings.idempotency_ttl_seconds, alloc, RESOLVED_RETENTION_MS),
         )
-        return int(result) == 1
 
     async def compensate(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str

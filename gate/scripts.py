@@ -60,6 +60,7 @@ SCRIPT_NAMES = (
     "queue_take",
     "queue_cancel",
     "queue_reject",
+    "queue_ack",
 )
 
 

@@ -119,7 +119,12 @@ class Entry:
 
     @classmethod
     def parse(cls, entry_id: Any, fields: dict[Any, Any]) -> Entry | None:
-        f = {_s(k): _s(v) for k, v in fields.items()}
+        # The client decodes replies (str); bytes only from another client's reply.
+        f = (
+            fields
+            if isinstance(next(iter(fields), ""), str)
+            else {_s(k): _s(v) for k, v in fields.items()}
+        )
         try:
             return cls(
                 _s(entry_id),
@@ -353,10 +358,7 @@ class QueueConsumer:
         OLDEST_AGE.labels(label).set(age)
 
     async def _ack(self, stream: str, entry_id: str) -> None:
-        pipe = self.gate.redis.pipeline(transaction=False)
-        pipe.xack(stream, GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        await pipe.execute()
+        await self.gate.runner.call("queue_ack", (stream,), (GROUP, entry_id))
         self._next_try.pop(entry_id, None)
 
     async def _settle(self, deal_id: int, entries: list[Entry], owner: str) -> int:
@@ -531,23 +533,22 @@ class QueueConsumer:
 
     async def _committed_entries(self, deal_id: int, done: list[tuple[Entry, str]]) -> None:
         """Confirm committed entries (the runner pipelines the scripts), then drop
-        their statuses and acknowledge them in one round trip."""
+        their statuses and acknowledge them in one call (queue_ack.lua)."""
         keys = deal_keys(deal_id)
         qk = queue_keys(deal_id)
         await asyncio.gather(
-            *(
-                self.gate.mirror.confirm(
+            *[
+                self.gate.mirror.confirm_call(
                     keys, e.user_id, e.idempotency_key, e.token, e.fingerprint, alloc
                 )
                 for e, alloc in done
-            )
+            ]
         )
-        pipe = self.gate.redis.pipeline(transaction=False)
-        for e, _ in done:
-            pipe.delete(qk.status(e.token))
-            pipe.xack(qk.stream, GROUP, e.entry_id)
-            pipe.xdel(qk.stream, e.entry_id)
-        await pipe.execute()
+        await self.gate.runner.call(
+            "queue_ack",
+            (qk.stream, *(qk.status(e.token) for e, _ in done)),
+            (GROUP, *(e.entry_id for e, _ in done)),
+        )
         now = time.time()
         for e, _ in done:
             self._next_try.pop(e.entry_id, None)
