@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -224,8 +225,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await rds.aclose()
 
     def median(key: str) -> float:
-        values = sorted(float(row[key]) for row in rounds)
-        return values[len(values) // 2]
+        return round(statistics.median(float(row[key]) for row in rounds), 2)
 
     def spread(key: str) -> list[float]:
         return [min(float(row[key]) for row in rounds), max(float(row[key]) for row in rounds)]

@@ -187,10 +187,13 @@ class QueueConsumer:
     async def _loop(self, stop: asyncio.Event, slot: int) -> None:
         idle = IDLE_MIN_SECONDS
         wake = self.service.wake
+        loop = asyncio.get_running_loop()
+        linger = self.settings.linger_seconds
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 wake.clear()
+                started = loop.time()
                 done = 0
                 try:
                     done = await self.run_once(slot)
@@ -201,6 +204,12 @@ class QueueConsumer:
                     self._own_read.clear()
                 if done:
                     idle = IDLE_MIN_SECONDS
+                    if done < self.settings.batch_max and linger > 0:
+                        # A partial batch: the next pass starts GATE_QUEUE_LINGER_SECONDS
+                        # after this one started, so that a flood of requests is committed
+                        # in full groups (fewer passes, each costing round trips and a
+                        # transaction) rather than a few at a time.
+                        await asyncio.wait((stopping,), timeout=started + linger - loop.time())
                     continue
                 waking = asyncio.ensure_future(wake.wait())
                 try:

@@ -61,6 +61,7 @@ class QueueSettings:
     status_ttl_seconds: int
     consumers_in_serve: bool
     drains: int
+    linger_seconds: float
 
     @classmethod
     def from_env(cls, settings: Settings) -> QueueSettings:
@@ -89,6 +90,7 @@ class QueueSettings:
             ),
             consumers_in_serve=env_bool(env, "GATE_QUEUE_CONSUMERS", True),
             drains=env_int(env, "GATE_QUEUE_DRAINS", 2, 1, 8),
+            linger_seconds=env_float(env, "GATE_QUEUE_LINGER_SECONDS", 0.1, 0.0, 2.0),
         )
 
 
