@@ -8,7 +8,8 @@ deal in gate:q:deals, takes at most GATE_QUEUE_BATCH_MAX entries:
     + entries another consumer left unacknowledged for GATE_QUEUE_CLAIM_IDLE_SECONDS
       (it died: XAUTOCLAIM; the claim idle exceeds any commit's deadline)
     + new entries (XREADGROUP >)
-        ──> queue_take.lua per entry: "Q"/"C" -> "C" (attempt n; cancel now refused)
+        ──> queue_take.lua, one call for the batch: "Q"/"C" -> "C" (attempt n;
+            cancel now refused)
             "X|…" (rejected or cancelled) ──> compensate (acts once) ──> ack
         ──> a retried or claimed entry whose order the database already holds
             (an earlier attempt committed, the answer was lost) ──> confirm ──> ack
@@ -373,11 +374,8 @@ class QueueConsumer:
     async def _settle(self, deal_id: int, entries: list[Entry], owner: str) -> int:
         qk = queue_keys(deal_id)
         ttl_ms = self.service.status_ttl_ms
-        takes = await asyncio.gather(
-            *(
-                self.gate.runner.call("queue_take", (qk.status(e.token),), (ttl_ms,))
-                for e in entries
-            )
+        takes = await self.gate.runner.call(
+            "queue_take", [qk.status(e.token) for e in entries], (ttl_ms,)
         )
         to_commit: list[Entry] = []
         settled = 0
