@@ -404,7 +404,12 @@ class Reservations:
                 assert queue is not None
                 # Queued already: rejected first, so that no consumer commits it (one
                 # already committing it wins: then the request is queued).
-                if not await queue.unqueue(req.deal_id, token, "RATE_LIMITED"):
+                try:
+                    rejected = await queue.unqueue(req.deal_id, token, "RATE_LIMITED")
+                except Exception as exc:
+                    log.warning("queued reservation %s not rejected: %r", token, exc)
+                    rejected = False  # it stays queued: the consumers commit it
+                if not rejected:
                     return await self._queued(req, token, index)
             await self._compensate(keys, req, token)
             self.refusals.remember(req, "global", adm.global_retry_ms, sent)

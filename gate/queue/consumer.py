@@ -379,9 +379,14 @@ class QueueConsumer:
         )
         to_commit: list[Entry] = []
         settled = 0
-        for entry, (code, _detail, attempts) in zip(entries, takes, strict=True):
+        for entry, (code, detail, attempts) in zip(entries, takes, strict=True):
             if int(code) == 1:
-                # Rejected or cancelled before: make sure the units went back.
+                # Rejected or cancelled before: make sure the units went back (and a
+                # dead letter's row exists: its consumer may have died before it).
+                if str(detail) == "X|DEAD_LETTER":
+                    await self._dead_letter_row(
+                        deal_id, entry, self.settings.attempts_max, "(recorded by a later pass)"
+                    )
                 await self._give_back(deal_id, entry)
                 await self._ack(qk.stream, entry.entry_id)
                 settled += 1
@@ -562,10 +567,10 @@ class QueueConsumer:
             COMMIT_LAG.observe(max(0.0, now - e.enqueued_ms / 1000))
         COMMITTED.labels(str(deal_id)).inc(len(done))
 
-    async def _reject(self, deal_id: int, e: Entry, reason: str) -> bool:
-        """The final status first, only if this attempt still owns the entry (a
+    async def _fence(self, deal_id: int, e: Entry, reason: str) -> bool:
+        """The final status "X|REASON", only if this attempt still owns the entry (a
         consumer that took it over meanwhile, after this one stalled, decides it
-        instead); then the units back (acts once) and the entry acknowledged."""
+        instead): False then, and nothing is to be done with it here."""
         code, _detail = await self.gate.runner.call(
             "queue_reject",
             (queue_keys(deal_id).status(e.token),),
@@ -573,6 +578,13 @@ class QueueConsumer:
         )
         if int(code) == 2:
             log.warning("queue: order %s was taken over; its rejection is left", e.token)
+            return False
+        return True
+
+    async def _reject(self, deal_id: int, e: Entry, reason: str) -> bool:
+        """The final status first (fenced), then the units back (acts once) and the
+        entry acknowledged."""
+        if not await self._fence(deal_id, e, reason):
             return False
         await self._give_back(deal_id, e)
         await self._ack(queue_keys(deal_id).stream, e.entry_id)
@@ -604,26 +616,16 @@ class QueueConsumer:
         if e.token in held:
             await self._committed_entry(deal_id, e, held[e.token])
             return 1
-        await self.gate.db.execute(
-            "INSERT IGNORE INTO queue_dead_letters (order_id, deal_id, user_id, quantity,"
-            " idempotency_key, attempts, last_error) VALUES (%s, %s, %s, %s, %s, %s, %s)",
-            (
-                e.token,
-                deal_id,
-                e.user_id,
-                e.quantity,
-                e.idempotency_key,
-                e.attempts,
-                repr(exc)[:LAST_ERROR_MAX_CHARS],
-            ),
-        )
-        if not await self._reject(deal_id, e, "DEAD_LETTER"):
-            # Another consumer owns the request now: not a dead letter of this one.
-            await self.gate.db.execute(
-                "DELETE FROM queue_dead_letters WHERE order_id = %s AND retried_at IS NULL",
-                (e.token,),
-            )
+        # Fenced first (a consumer that took the entry over decides instead), then the
+        # row, then the units back and the acknowledgement: a consumer killed between
+        # leaves "X|DEAD_LETTER", and whoever meets the entry next writes the row
+        # (`_dead_letter_row`, idempotent) before acknowledging it.
+        if not await self._fence(deal_id, e, "DEAD_LETTER"):
             return 0
+        await self._dead_letter_row(deal_id, e, e.attempts, repr(exc)[:LAST_ERROR_MAX_CHARS])
+        await self._give_back(deal_id, e)
+        await self._ack(queue_keys(deal_id).stream, e.entry_id)
+        REJECTED.labels(str(deal_id), "DEAD_LETTER").inc()
         log.error(
             "queue: order %s of deal %s dead-lettered after %d attempts: %r",
             e.token,
@@ -633,3 +635,10 @@ class QueueConsumer:
         )
         DEAD_LETTERS.labels(str(deal_id)).inc()
         return 1
+
+    async def _dead_letter_row(self, deal_id: int, e: Entry, attempts: int, error: str) -> None:
+        await self.gate.db.execute(
+            "INSERT IGNORE INTO queue_dead_letters (order_id, deal_id, user_id, quantity,"
+            " idempotency_key, attempts, last_error) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            (e.token, deal_id, e.user_id, e.quantity, e.idempotency_key, attempts, error),
+        )
