@@ -24,6 +24,7 @@ class AdmitCode(IntEnum):
     RATE_LIMITED = 9
     ADMISSION_REQUIRED = 10
     ADMISSION_INVALID = 11
+    QUEUE_FULL = 12
 
 
 class RoomCode(IntEnum):

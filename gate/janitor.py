@@ -94,7 +94,7 @@ class Janitor:
                 else:
                     markers[token] = parse_marker(str(record))
             # Proven before the look-ups below, so that they read the final outcome.
-            dead = await self._dead_owners(m.owner for m in markers.values() if m.owner)
+            dead = await self.dead_owners(m.owner for m in markers.values() if m.owner)
             tokens = [
                 t
                 for t, score in pairs
@@ -163,7 +163,7 @@ class Janitor:
                 )
         return resolved
 
-    async def _dead_owners(self, owners: Iterable[str]) -> set[str]:
+    async def dead_owners(self, owners: Iterable[str]) -> set[str]:
         """The owners among these whose lease has lapsed and whose server threads are
         all gone: nothing of theirs can commit any more."""
         named = set(owners)

@@ -111,11 +111,45 @@ class Mirror:
         limiter_args: Sequence[int],
         owner: str,
         admission: str = "",
+        queue: tuple[tuple[str, str], tuple[int, int]] | None = None,
     ) -> asyncio.Future[Any]:
         """Queue the admission script (see lua/admit.lua); the future resolves to its
         raw {code, detail}. Queued now, so calls made in the same event-loop turn
-        (the global limiter, say) travel in the same pipeline."""
+        (the global limiter, say) travel in the same pipeline. `queue`: a deal in
+        queue mode, ((stream, status key), (queue cap, status TTL ms)): an admitted
+        request is also queued by this same call."""
         in_progress_ms = int(self.settings.inflight_max_seconds * 1000) + 60_000
+        if queue is not None:
+            return self.runner.call(
+                "admit",
+                (
+                    keys.meta,
+                    keys.buckets,
+                    keys.users,
+                    keys.idempotency(user_id, idempotency_key),
+                    keys.inflight,
+                    keys.inflight_times,
+                    *limiter_keys,
+                    keys.buyers,
+                    keys.room,
+                    keys.room_admitted,
+                    keys.room_expiry,
+                    *queue[0],
+                ),
+                (
+                    user_id,
+                    quantity,
+                    fingerprint,
+                    token,
+                    start,
+                    in_progress_ms,
+                    idempotency_key,
+                    *limiter_args,
+                    owner,
+                    admission,
+                    *queue[1],
+                ),
+            )
         return self.runner.call(
             "admit",
             (
@@ -148,7 +182,15 @@ class Mirror:
     async def confirm(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str
     ) -> bool:
-        result = await self.runner.call(
+        result = await self.confirm_call(keys, user_id, idempotency_key, token, fp, alloc)
+        return int(result) == 1
+
+    def confirm_call(
+        self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str
+    ) -> asyncio.Future[Any]:
+        """`confirm`'s script call, queued now (a batch's calls share a pipeline
+        without a task each); the future resolves to its raw reply."""
+        return self.runner.call(
             "confirm",
             (
                 keys.meta,
@@ -160,7 +202,6 @@ class Mirror:
             ),
             (token, fp, self.settings.idempotency_ttl_seconds, alloc, RESOLVED_RETENTION_MS),
         )
-        return int(result) == 1
 
     async def compensate(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str

@@ -331,7 +331,19 @@ class Reservations:
         sent = time.monotonic()
         # Read once: the marker and the transaction must name the same owner.
         owner = self.lease.owner if self.lease is not None else ""
-        adm = await self._admit(keys, req, fp, token, start, owner)
+        # Queue mode (docs/queue-mode.md): the admission queues the request in its own
+        # call, the order's index travelling in the same pipeline (one round trip).
+        # The mode is known without a wait for every deal up to the last read of the
+        # modes; a newer deal is admitted as sync and, if it is in queue mode after
+        # all, queued by a second call (`_enqueue`).
+        queue = self.queue
+        mode = queue.modes.known(req.deal_id) if queue is not None else False
+        queue_args: tuple[tuple[str, str], tuple[int, int]] | None = None
+        index: asyncio.Future[Any] | None = None
+        if mode:
+            assert queue is not None
+            queue_args, index = queue.admission(req.deal_id, token, req.user_id)
+        adm = await self._admit(keys, req, fp, token, start, owner, queue_args)
         if adm.code == AdmitCode.NOT_LOADED:
             # An unknown deal id (a flood of random ones, say) is answered before any
             # snapshot or load.
@@ -347,9 +359,15 @@ class Reservations:
             if not found:
                 await self.unknown_deals.learn(req.deal_id, generation)
                 raise not_found("deal")
-            adm = await self._admit(keys, req, fp, token, start, owner)
+            adm = await self._admit(keys, req, fp, token, start, owner, queue_args)
             if adm.code == AdmitCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
+        if index is not None and adm.code != AdmitCode.OK:
+            assert queue is not None
+            queue.drop_index(token, index)  # nothing was queued
+            if adm.code == AdmitCode.QUEUE_FULL:
+                queue.full(req.deal_id)
+                raise overloaded("The deal's queue is full; retry shortly.")
         if adm.code == AdmitCode.REPLAY:
             return await self._replay(adm.detail, req.user_id, fp)
         if adm.code == AdmitCode.IN_PROGRESS and self.queue is not None:
@@ -382,12 +400,25 @@ class Reservations:
         if adm.global_retry_ms is not None:
             # The global limiter ran in the same pipeline; if it refused, give back
             # what the admission took before anything reaches the database.
+            if index is not None:
+                assert queue is not None
+                # Queued already: rejected first, so that no consumer commits it (one
+                # already committing it wins: then the request is queued).
+                try:
+                    rejected = await queue.unqueue(req.deal_id, token, "RATE_LIMITED")
+                except Exception as exc:
+                    log.warning("queued reservation %s not rejected: %r", token, exc)
+                    rejected = False  # it stays queued: the consumers commit it
+                if not rejected:
+                    return await self._queued(req, token, index)
             await self._compensate(keys, req, token)
             self.refusals.remember(req, "global", adm.global_retry_ms, sent)
             raise self._limited("global", adm.global_retry_ms)
 
+        if index is not None:
+            return await self._queued(req, token, index)
         alloc = normalise_alloc(adm.detail)
-        if self.queue is not None and await self.queue.modes.is_queue(req.deal_id):
+        if mode is None and await queue.modes.is_queue(req.deal_id):  # type: ignore[union-attr]
             return await self._enqueue(keys, req, fp, token, alloc)
         # An allocation over several buckets goes through gate_reserve with `alloc`;
         # the item's bucket (its first) is used only when it names one.
@@ -436,7 +467,14 @@ class Reservations:
         raise from_db(db_code)
 
     async def _admit(
-        self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, start: int, owner: str
+        self,
+        keys: DealKeys,
+        req: ReserveRequest,
+        fp: str,
+        token: str,
+        start: int,
+        owner: str,
+        queued: tuple[tuple[str, str], tuple[int, int]] | None = None,
     ) -> Admission:
         """Run the admission (and the global limiter in the same pipeline)."""
         admit = self.mirror.admit(
@@ -451,6 +489,7 @@ class Reservations:
             self._scoped_args if req.device is not None else self._scoped_args_no_device,
             owner,
             self.admission_arg(req.deal_id, req.user_id, req.admission_token),
+            queued,
         )
         spec = self.settings.limit_global
         limit = (
@@ -568,10 +607,34 @@ class Reservations:
                 return existing
             raise from_db(db_code)
 
+    async def _queued(
+        self, req: ReserveRequest, token: str, index: asyncio.Future[Any]
+    ) -> Reserved:
+        """Queue mode: the admission queued the request (202)."""
+        assert self.queue is not None
+        try:
+            await index
+        except Exception as exc:
+            # Queued, but its order could not be found by id: rejected at once if no
+            # consumer has taken it yet (then given back), else answered as queued.
+            log.warning("reservation %s queued without its index: %r", token, exc)
+            try:
+                rejected = await self.queue.unqueue(req.deal_id, token, "OVERLOADED")
+            except Exception:
+                rejected = False  # the consumers settle it; the order reads once committed
+            if rejected:
+                await self._compensate(deal_keys(req.deal_id), req, token)
+                raise overloaded("Admission service unavailable; retry shortly.") from None
+        body = self.queue.queued(req.deal_id, token, req.quantity)
+        if body is None:
+            body = await self.queue.queued_first(req.deal_id, token, req.quantity)
+        return Reserved(body, replayed=False, queued=True)
+
     async def _enqueue(
         self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, alloc: str
     ) -> Reserved:
-        """Queue mode: the admitted request goes to its deal's queue (202)."""
+        """Queue mode, a deal newer than this process's last read of the modes: the
+        request was admitted as sync; a second call queues it (202)."""
         assert self.queue is not None
         try:
             body = await self.queue.enqueue(

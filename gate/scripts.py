@@ -59,6 +59,8 @@ SCRIPT_NAMES = (
     "enqueue",
     "queue_take",
     "queue_cancel",
+    "queue_reject",
+    "queue_ack",
 )
 
 

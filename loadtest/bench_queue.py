@@ -14,8 +14,10 @@ buyers sent `--concurrency` at a time:
   3. sync: the same deal shape in sync mode; commits (201)/s
   4. commit lag (enqueue → committed) p50/p99 from the gate's histogram (upper
      bucket bounds)
-Prints one JSON line with the ratios the issue targets (accepted/sold-out ≥ 0.8,
-drain/sync ≥ 1.0).
+Prints one JSON line per round with the ratios the issue targets (accepted/sold-out
+≥ 0.8, drain/sync ≥ 1.0) and the gate's CPU per answer in each phase (utime + stime
+of the server's process group from /proc: what a busy machine disturbs least), then
+one with the medians and spreads over the rounds (`--rounds`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,6 +77,22 @@ async def _burst(
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return time.perf_counter() - start, counts
+
+
+def _group_cpu(pgid: int) -> float:
+    """User + system CPU seconds of every process of the server's group."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # fields[0] is the state: pgrp is the 5th field
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -135,6 +154,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ]
 
         connector = aiohttp.TCPConnector(limit=args.concurrency)
+        pgid = server.proc.pid  # its own session: the group id is its pid
+        rounds: list[dict[str, Any]] = []
         async with aiohttp.ClientSession(connector=connector) as s:
             deal = {
                 "title": "bench queue",
@@ -143,43 +164,88 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "buckets": args.buckets,
             }
             admin = settings.admin_token.reveal()
-            sold = await _admin(s, server.url, admin, {**deal, "stock": 1})
-            await _burst(s, server.url, sold, buyers(0)[:1], 1)
-            t_sold, c_sold = await _burst(s, server.url, sold, buyers(n), args.concurrency)
+            for r in range(args.rounds):
+                offset = 4 * n * r
+                sold = await _admin(s, server.url, admin, {**deal, "stock": 1})
+                await _burst(s, server.url, sold, buyers(offset)[:1], 1)
+                cpu0 = _group_cpu(pgid)
+                t_sold, c_sold = await _burst(
+                    s, server.url, sold, buyers(offset + n), args.concurrency
+                )
+                cpu_sold = _group_cpu(pgid) - cpu0
 
-            queued = await _admin(s, server.url, admin, {**deal, "stock": n, "mode": "queue"})
-            heads = buyers(2 * n)
-            start = time.perf_counter()
-            t_queue, c_queue = await _burst(s, server.url, queued, heads, args.concurrency)
-            stream = queue_keys(queued).stream
-            for _ in range(DRAIN_POLLS_MAX):  # polled: the queue lives in another process
-                if await rds.xlen(stream) == 0:
-                    break
-                await asyncio.sleep(0.005)
-            t_drain = time.perf_counter() - start
+                queued = await _admin(s, server.url, admin, {**deal, "stock": n, "mode": "queue"})
+                heads = buyers(offset + 2 * n)
+                cpu0 = _group_cpu(pgid)
+                start = time.perf_counter()
+                t_queue, c_queue = await _burst(s, server.url, queued, heads, args.concurrency)
+                cpu_burst = _group_cpu(pgid) - cpu0
+                stream = queue_keys(queued).stream
+                for _ in range(DRAIN_POLLS_MAX):  # polled: the queue lives in another process
+                    if await rds.xlen(stream) == 0:
+                        break
+                    await asyncio.sleep(0.005)
+                t_drain = time.perf_counter() - start
+                cpu_queue = _group_cpu(pgid) - cpu0
 
-            synced = await _admin(s, server.url, admin, {**deal, "stock": n})
-            t_sync, c_sync = await _burst(s, server.url, synced, buyers(3 * n), args.concurrency)
+                synced = await _admin(s, server.url, admin, {**deal, "stock": n})
+                cpu0 = _group_cpu(pgid)
+                t_sync, c_sync = await _burst(
+                    s, server.url, synced, buyers(offset + 3 * n), args.concurrency
+                )
+                cpu_sync = _group_cpu(pgid) - cpu0
+                sold_rps = c_sold.get(409, 0) / t_sold
+                accepted_rps = c_queue.get(202, 0) / t_queue
+                drain_rps = c_queue.get(202, 0) / t_drain
+                sync_rps = c_sync.get(201, 0) / t_sync
+                us = 1e6
+                row = {
+                    "sold_out_per_s": round(sold_rps),
+                    "accepted_202_per_s": round(accepted_rps),
+                    "accepted_vs_sold_out": round(accepted_rps / sold_rps, 2),
+                    "drain_per_s": round(drain_rps),
+                    "sync_commits_per_s": round(sync_rps),
+                    "drain_vs_sync": round(drain_rps / sync_rps, 2),
+                    # The gate's CPU per answer: what a busy machine disturbs least.
+                    "cpu_us_per_409": round(cpu_sold * us / max(1, c_sold.get(409, 0)), 1),
+                    # While the 202s were answered, its consumers draining meanwhile.
+                    "cpu_us_per_202_burst": round(cpu_burst * us / max(1, c_queue.get(202, 0)), 1),
+                    # Accepted and committed: the whole queue phase per order.
+                    "cpu_us_per_queued_commit": round(
+                        cpu_queue * us / max(1, c_queue.get(202, 0)), 1
+                    ),
+                    "cpu_us_per_sync_commit": round(cpu_sync * us / max(1, c_sync.get(201, 0)), 1),
+                    "statuses": {"sold_out": c_sold, "queue": c_queue, "sync": c_sync},
+                }
+                rounds.append(row)
+                print(orjson.dumps(row, option=orjson.OPT_NON_STR_KEYS).decode(), flush=True)
             p50, p99 = await _lag(s, server.url)
     finally:
         server.stop()
         await rds.aclose()
-    sold_rps = c_sold.get(409, 0) / t_sold
-    accepted_rps = c_queue.get(202, 0) / t_queue
-    drain_rps = c_queue.get(202, 0) / t_drain
-    sync_rps = c_sync.get(201, 0) / t_sync
+
+    def median(key: str) -> float:
+        return round(statistics.median(float(row[key]) for row in rounds), 2)
+
+    def spread(key: str) -> list[float]:
+        return [min(float(row[key]) for row in rounds), max(float(row[key]) for row in rounds)]
+
+    keys = (
+        "accepted_vs_sold_out",
+        "drain_vs_sync",
+        "cpu_us_per_409",
+        "cpu_us_per_202_burst",
+        "cpu_us_per_queued_commit",
+        "cpu_us_per_sync_commit",
+    )
     return {
         "requests": n,
         "concurrency": args.concurrency,
-        "sold_out_per_s": round(sold_rps),
-        "accepted_202_per_s": round(accepted_rps),
-        "accepted_vs_sold_out": round(accepted_rps / sold_rps, 2),
-        "drain_per_s": round(drain_rps),
-        "sync_commits_per_s": round(sync_rps),
-        "drain_vs_sync": round(drain_rps / sync_rps, 2),
+        "rounds": len(rounds),
+        "median": {k: median(k) for k in keys},
+        "spread": {k: spread(k) for k in keys},
         "commit_lag_p50_le_s": p50,
         "commit_lag_p99_le_s": p99,
-        "statuses": {"sold_out": c_sold, "queue": c_queue, "sync": c_sync},
     }
 
 
@@ -188,6 +254,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=5000)
     p.add_argument("--concurrency", type=int, default=200)
     p.add_argument("--buckets", type=int, default=8)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="sold out, queue, sync again, each round fresh"
+    )
     args = p.parse_args()
     print(orjson.dumps(asyncio.run(run(args)), option=orjson.OPT_NON_STR_KEYS).decode())
     return 0

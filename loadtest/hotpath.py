@@ -15,6 +15,8 @@ user + system), which a busy machine disturbs far less than requests per second:
   limited     a reservation refused by the per-user limiter (GATE_LIMIT_USER,
               "1/m burst 1" unless set; the buyers spent their limit first)
   committed   a reservation that commits (one buyer per request)
+  queued      a reservation of a deal in queue mode answered 202 (one buyer per
+              request; no consumer runs in this process: the entries wait)
 
 `--profile PATH` also writes a cProfile of the measured requests per path
 (PATH.<case>.prof) and prints the functions with the most time of their own.
@@ -37,7 +39,7 @@ from typing import Any
 import orjson
 
 Scope = dict[str, Any]
-CASES = ("healthz", "sold_out", "limited", "committed")
+CASES = ("healthz", "sold_out", "limited", "committed", "queued")
 USER_BASE = 5 * 10**12
 BIG_STOCK = 50_000_000
 
@@ -100,7 +102,7 @@ class Probe:
             raise RuntimeError(f"{method} {path} answered {status}: {out!r}")
         return orjson.loads(out)
 
-    async def deal(self, stock: int) -> int:
+    async def deal(self, stock: int, mode: str = "sync") -> int:
         body = await self.admin_json(
             "POST",
             "/v1/admin/deals",
@@ -112,6 +114,7 @@ class Probe:
                 "buckets": 16,
                 "hold_seconds": 3600,
                 "max_per_order": 1,
+                "mode": mode,
             },
         )
         return int(body["id"])
@@ -215,10 +218,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         few = [USER_BASE + i for i in range(32)]
         reps = args.repeat
         fresh = [USER_BASE + 1000 + i for i in range(n * reps)]
+        queue_deal = await probe.deal(BIG_STOCK, "queue")
+        queue_fresh = [USER_BASE + 1000 + n * reps + i for i in range(n * reps)]
         # Warm: every token verified once, every few-buyer's limit spent.
         await drive([probe.reserve_call(sold, u) for u in few] * 4, c)
         await drive([probe.reserve_call(open_deal, u) for u in few] * 4, c)
-        for u in fresh:
+        for u in fresh + queue_fresh:
             app.state.gate.buyer_auth.user_id(f"Bearer {mint.token(u)}")
         health = [functools.partial(probe.call, "GET", "/healthz", []) for _ in range(n)]
         cases: dict[str, list[Callable[[], Awaitable[tuple[int, bytes]]]]] = {
@@ -226,14 +231,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "sold_out": [probe.reserve_call(sold, few[i % len(few)]) for i in range(n)],
             "limited": [probe.reserve_call(open_deal, few[i % len(few)]) for i in range(n)],
             "committed": [probe.reserve_call(open_deal, u) for u in fresh],
+            "queued": [probe.reserve_call(queue_deal, u) for u in queue_fresh],
         }
         # Committed: its buyers buy once (the per-user limit), so each run its own.
         parts = {
-            "committed": [cases["committed"][r * n : (r + 1) * n] for r in range(reps)],
+            name: [cases[name][r * n : (r + 1) * n] for r in range(reps)]
+            for name in ("committed", "queued")
         }
         for name in args.cases:
-            # Once unmeasured to warm caches, except committed (its buyers buy once).
-            if name != "committed":
+            # Once unmeasured to warm caches, except the buyers who buy once.
+            if name not in parts:
                 await drive(cases[name][: min(n, 2000)], c)
             profiler = cProfile.Profile() if args.profile else None
             samples = []

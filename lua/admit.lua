@@ -28,6 +28,8 @@
   KEYS[12] room           hash   {d:ID}:room  on ("1": the deal has a waiting room), spent
   KEYS[13] room admitted  hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
   KEYS[14] room expiry    zset   {d:ID}:rx    user -> expires_ms
+  KEYS[15] queue          stream {d:ID}:q          } only for a deal in queue mode
+  KEYS[16] queue status   string {d:ID}:q:o:TOKEN  } (gate/queue/, docs/queue-mode.md)
 
   ARGV[1] user id
   ARGV[2] quantity (integer >= 1, checked by the caller)
@@ -43,6 +45,14 @@
   ARGV[17] admission: "" no Admission-Token header, "-" a token that failed its
           signature, buyer, deal or expiry check (gate/room/tokens.py), else the
           admission sequence number the verified token names
+  ARGV[18] queue mode only: requests the deal's queue may hold (GATE_QUEUE_DEPTH_MAX)
+  ARGV[19] queue mode only: status TTL (ms), also the in-progress marker's
+
+  Queue mode (KEYS[15], KEYS[16] given): an admitted request is also appended to the
+  deal's queue in this same call, its status set to "Q|enqueue ms|0"; its token goes
+  to the in-flight hash but not to the in-flight times (the janitor walks only those:
+  the stream entry owns a queued token, docs/queue-mode.md). The sync path's call is
+  unchanged (14 keys): the branch costs it one comparison.
 
   Returns {code, detail}:
     0 OK              detail = allocation "bucket:qty[,bucket:qty…]"
@@ -59,6 +69,8 @@
     9 RATE_LIMITED    detail = "scope|retry after (ms)"
    10 ADMISSION_REQUIRED  the deal has a waiting room and no token was sent
    11 ADMISSION_INVALID   the token names no unspent, unexpired admission of this user
+   12 QUEUE_FULL      queue mode: the deal's queue holds ARGV[18] requests (nothing
+                      taken, no limiter consumed)
   Rejections 2, 3, 4, 5, 10 and 11 carry a fourth element, 1 when the user is in the
   buyers set: this request may then be a replay whose Redis record was lost (a
   flush), and the caller asks the database before answering. Rejection 9 does not:
@@ -141,6 +153,12 @@ if room_on then
   end
 end
 
+-- Queue mode: a full queue is answered before the limiters (a 503 consumes none).
+local queued = #KEYS > 14
+if queued and redis.call('XLEN', KEYS[15]) >= tonumber(ARGV[18]) then
+  return {12, ''}
+end
+
 -- Rate limiters: judge every enabled scope first, write only if all admit.
 local scopes = {'deal', 'user', 'ip', 'device'}
 local tats = {}
@@ -212,11 +230,19 @@ if limit > 0 then
   redis.call('HINCRBY', KEYS[3], user, qty)
 end
 local token = ARGV[4]
-redis.call('SET', KEYS[4], 'P|' .. fp .. '|' .. token, 'PX', ARGV[6])
+-- A queued request may wait longer than a synchronous one: its key's marker lives as
+-- long as its status.
+redis.call('SET', KEYS[4], 'P|' .. fp .. '|' .. token, 'PX', queued and ARGV[19] or ARGV[6])
 redis.call('HSET', KEYS[5], token,
   'T|' .. user .. '|' .. qty .. '|' .. alloc_s .. '|' .. now_ms .. '|' .. ARGV[7] .. '|' .. fp
     .. '|' .. ARGV[16])
-redis.call('ZADD', KEYS[6], now_ms, token)
+if queued then
+  redis.call('XADD', KEYS[15], '*', 'token', token, 'user', user, 'qty', qty,
+    'alloc', alloc_s, 'key', ARGV[7], 'fp', fp, 'ms', now_ms)
+  redis.call('SET', KEYS[16], 'Q|' .. now_ms .. '|0', 'PX', ARGV[19])
+else
+  redis.call('ZADD', KEYS[6], now_ms, token)
+end
 redis.call('SADD', KEYS[11], user)
 if room_on then
   -- The admission is spent with the units it bought: it cannot buy twice.

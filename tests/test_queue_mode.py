@@ -318,7 +318,9 @@ async def test_sigkill_mid_drain_a_new_gate_finishes(
 ) -> None:
     stock = 300
     deal_id = await create_deal(client, stock=stock, buckets=2, mode="queue")
-    slow = {**env, "GATE_QUEUE_BATCH_MAX": "4", "GATE_QUEUE_CLAIM_IDLE_SECONDS": "6"}
+    # A claim idle far beyond the 10 s bound: the dead gate's entries can only be taken
+    # over in time because its lease is gone (named consumers), not by their age.
+    slow = {**env, "GATE_QUEUE_BATCH_MAX": "4", "GATE_QUEUE_CLAIM_IDLE_SECONDS": "60"}
     first = GateProcess(slow)
     first.wait_ready()
     os.killpg(gate.proc.pid, signal.SIGSTOP)
@@ -344,7 +346,8 @@ async def test_sigkill_mid_drain_a_new_gate_finishes(
             second.wait_ready()
             c2 = Client(second.url)
             try:
-                states = await _read_all_pending(c2, accepted, 30.0)
+                # Every 202 reads PENDING_PAYMENT within 10 s (issue #14).
+                states = await _read_all_pending(c2, accepted, 10.0)
             finally:
                 await c2.close()
             assert Counter(s["status"] for s in states.values()) == {
@@ -398,7 +401,8 @@ async def test_db_connections_killed_mid_drain(
     try:
         results = await _fire(client, deal_id, 19_000_000, 1500, "dbk")
         accepted = _accepted(results)
-        states = await _read_all_pending(client, accepted, 30.0)
+        # Every 202 reads PENDING_PAYMENT within 10 s (issue #14).
+        states = await _read_all_pending(client, accepted, 10.0)
     finally:
         stop.set()
         await task

@@ -8,7 +8,8 @@ deal in gate:q:deals, takes at most GATE_QUEUE_BATCH_MAX entries:
     + entries another consumer left unacknowledged for GATE_QUEUE_CLAIM_IDLE_SECONDS
       (it died: XAUTOCLAIM; the claim idle exceeds any commit's deadline)
     + new entries (XREADGROUP >)
-        ──> queue_take.lua per entry: "Q"/"C" -> "C" (attempt n; cancel now refused)
+        ──> queue_take.lua, one call for the batch: "Q"/"C" -> "C" (attempt n;
+            cancel now refused)
             "X|…" (rejected or cancelled) ──> compensate (acts once) ──> ack
         ──> a retried or claimed entry whose order the database already holds
             (an earlier attempt committed, the answer was lost) ──> confirm ──> ack
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,7 +46,7 @@ from gate.codes import DbCode
 from gate.db import DbUnavailable, OutcomeUnknown
 from gate.errors import from_db
 from gate.groups import reservation_call
-from gate.keys import QUEUE_DEALS, deal_keys, queue_keys
+from gate.keys import QUEUE_DEALS, deal_keys, owner_keys, queue_keys
 from gate.metrics import METRICS
 
 if TYPE_CHECKING:
@@ -66,6 +66,12 @@ TRACKED_MAX = 100_000
 # settles something). An idle gate then asks Redis twice a second, not fifty times,
 # and a request queued here is picked up at once; one queued by another process waits
 # at most IDLE_MAX_SECONDS for this consumer (its own process's consumer is woken).
+# How often a deal's own pending entries are re-read (no retry waiting) and its dead
+# consumers looked for, per process.
+RECHECK_SECONDS = 0.5
+CONSUMERS_SEEN_MAX = 1000
+# A consumer idle this long with nothing pending, whose lease is gone, is forgotten.
+FORGET_IDLE_MS = 600_000
 IDLE_MIN_SECONDS = 0.02
 IDLE_MAX_SECONDS = 0.5
 
@@ -114,7 +120,12 @@ class Entry:
 
     @classmethod
     def parse(cls, entry_id: Any, fields: dict[Any, Any]) -> Entry | None:
-        f = {_s(k): _s(v) for k, v in fields.items()}
+        # The client decodes replies (str); bytes only from another client's reply.
+        f = (
+            fields
+            if isinstance(next(iter(fields), ""), str)
+            else {_s(k): _s(v) for k, v in fields.items()}
+        )
         try:
             return cls(
                 _s(entry_id),
@@ -143,6 +154,12 @@ def _reason(code: DbCode) -> str:
     return code.name
 
 
+def _owner_of(consumer: str) -> str | None:
+    """The lease id a consumer is named by ("OWNER-SLOT"); None for another name."""
+    owner, _, slot = consumer.rpartition("-")
+    return owner if owner and slot.isdigit() else None
+
+
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -152,27 +169,48 @@ class QueueConsumer:
         self.gate = gate
         self.settings = settings
         self.service = service
-        self.name = f"c-{secrets.token_hex(6)}"
+        self.drains = settings.drains
         self.claim_idle_ms = int(settings.claim_idle_seconds * 1000)
         self.timeout_seconds = gate.settings.reservation_db_timeout_seconds
         self._groups: set[int] = set()
-        # Entry id -> loop time before which its retry waits (this consumer's own).
+        # Entry id -> loop time before which its retry waits (this process's own).
         self._next_try: dict[str, float] = {}
+        # (deal, consumer) -> loop time its own pending entries were last read; deal ->
+        # loop time dead consumers were last looked for.
+        self._own_read: dict[tuple[int, str], float] = {}
+        self._checked: dict[int, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
+        """GATE_QUEUE_DRAINS drain loops, each a consumer of its own (so a deal has
+        that many groups in flight per process, as sync mode keeps two)."""
+        await asyncio.gather(*(self._loop(stop, slot) for slot in range(self.drains)))
+
+    async def _loop(self, stop: asyncio.Event, slot: int) -> None:
         idle = IDLE_MIN_SECONDS
         wake = self.service.wake
+        loop = asyncio.get_running_loop()
+        linger = self.settings.linger_seconds
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 wake.clear()
+                started = loop.time()
                 done = 0
                 try:
-                    done = await self.run_once()
+                    done = await self.run_once(slot)
                 except Exception as exc:
                     log.warning("queue pass failed: %r", exc)
+                    # Entries read by the failed pass stay pending under this consumer:
+                    # read its own pending entries again at the next pass.
+                    self._own_read.clear()
                 if done:
                     idle = IDLE_MIN_SECONDS
+                    if done < self.settings.batch_max and linger > 0:
+                        # A partial batch: the next pass starts GATE_QUEUE_LINGER_SECONDS
+                        # after this one started, so that a flood of requests is committed
+                        # in full groups (fewer passes, each costing round trips and a
+                        # transaction) rather than a few at a time.
+                        await asyncio.wait((stopping,), timeout=started + linger - loop.time())
                     continue
                 waking = asyncio.ensure_future(wake.wait())
                 try:
@@ -183,12 +221,18 @@ class QueueConsumer:
         finally:
             stopping.cancel()
 
-    async def run_once(self) -> int:
+    def consumer_name(self, slot: int = 0) -> tuple[str, str]:
+        """(owner, consumer name): a consumer is named by its process's lease, so that
+        once that lease is gone its entries are taken over at once (`_claim_dead`)."""
+        owner = self.gate.lease.owner
+        return owner, f"{owner}-{slot}"
+
+    async def run_once(self, slot: int = 0) -> int:
         """One bounded batch per deal with a queue; how many entries it settled."""
         raw = await self.gate.redis.srandmember(QUEUE_DEALS, DEALS_PER_PASS_MAX)
         settled = 0
         for deal in raw or []:
-            settled += await self.drain(int(deal))
+            settled += await self.drain(int(deal), slot)
         return settled
 
     async def _ensure_group(self, stream: str, deal_id: int) -> None:
@@ -202,35 +246,50 @@ class QueueConsumer:
         if len(self._groups) < TRACKED_MAX:
             self._groups.add(deal_id)
 
-    async def drain(self, deal_id: int) -> int:
+    async def drain(self, deal_id: int, slot: int = 0) -> int:
         redis = self.gate.redis
         stream = queue_keys(deal_id).stream
         await self._ensure_group(stream, deal_id)
+        owner, name = self.consumer_name(slot)
         room = self.settings.batch_max
         loop = asyncio.get_running_loop()
+        now = loop.time()
         picked: list[tuple[Any, Any]] = []
-        own: Any = await redis.xreadgroup(GROUP, self.name, {stream: "0"}, count=room)
-        for _, delivered in own or []:
-            for entry_id, fields in delivered:
-                if self._next_try.get(_s(entry_id), 0.0) <= loop.time():
-                    picked.append((entry_id, fields))
+        # Its own pending entries (failed attempts waiting for their backoff, a pass
+        # that failed half-way): read while retries wait, else now and then.
+        if self._next_try or now - self._own_read.get((deal_id, name), -1e9) >= RECHECK_SECONDS:
+            if len(self._own_read) >= TRACKED_MAX:
+                self._own_read.clear()
+            self._own_read[(deal_id, name)] = now
+            own: Any = await redis.xreadgroup(GROUP, name, {stream: "0"}, count=room)
+            for _, delivered in own or []:
+                for entry_id, fields in delivered:
+                    if self._next_try.get(_s(entry_id), 0.0) <= now:
+                        picked.append((entry_id, fields))
+        if now - self._checked.get(deal_id, -1e9) >= RECHECK_SECONDS:
+            # Now and then, per deal: what dead consumers left, and the gauges.
+            if len(self._checked) >= TRACKED_MAX:
+                self._checked.clear()
+            self._checked[deal_id] = now
+            if len(picked) < room:
+                picked.extend(await self._claim_dead(stream, owner, name, room - len(picked)))
+            if len(picked) < room:
+                # Any consumer idle past GATE_QUEUE_CLAIM_IDLE_SECONDS (one whose lease
+                # could not be proven gone, a name from before leases named them).
+                claimed: Any = await redis.xautoclaim(
+                    stream,
+                    GROUP,
+                    name,
+                    self.claim_idle_ms,
+                    start_id="0-0",
+                    count=room - len(picked),
+                )
+                picked.extend(claimed[1] if claimed else [])
+            await self._observe(deal_id, stream)
         if len(picked) < room:
-            claimed: Any = await redis.xautoclaim(
-                stream,
-                GROUP,
-                self.name,
-                self.claim_idle_ms,
-                start_id="0-0",
-                count=room - len(picked),
-            )
-            picked.extend(claimed[1] if claimed else [])
-        if len(picked) < room:
-            new: Any = await redis.xreadgroup(
-                GROUP, self.name, {stream: ">"}, count=room - len(picked)
-            )
+            new: Any = await redis.xreadgroup(GROUP, name, {stream: ">"}, count=room - len(picked))
             for _, delivered in new or []:
                 picked.extend(delivered)
-        await self._observe(deal_id, stream)
         if not picked:
             return 0
         entries: list[Entry] = []
@@ -244,7 +303,58 @@ class QueueConsumer:
             if entry.entry_id not in seen:
                 seen.add(entry.entry_id)
                 entries.append(entry)
-        return await self._settle(deal_id, entries)
+        return await self._settle(deal_id, entries, owner)
+
+    async def _claim_dead(self, stream: str, owner: str, name: str, room: int) -> list[Any]:
+        """The pending entries of consumers whose process is gone (its lease lapsed and
+        its recorded server threads ended: nothing of its can commit any more), taken
+        over at once rather than after GATE_QUEUE_CLAIM_IDLE_SECONDS."""
+        redis = self.gate.redis
+        infos: Any = await redis.xinfo_consumers(stream, GROUP)
+        holders: dict[str, list[str]] = {}
+        idle_empty: dict[str, list[str]] = {}
+        for info in infos[:CONSUMERS_SEEN_MAX]:
+            cname = _s(info["name"])
+            other = _owner_of(cname)
+            if other is None or other == owner:
+                continue
+            if int(info["pending"]) > 0:
+                holders.setdefault(other, []).append(cname)
+            elif int(info["idle"]) > FORGET_IDLE_MS:
+                idle_empty.setdefault(other, []).append(cname)
+        picked: list[Any] = []
+        if holders:
+            dead = await self.gate.janitor.dead_owners(holders)
+            for other in sorted(dead):
+                for cname in holders[other]:
+                    if len(picked) >= room:
+                        break
+                    rows: Any = await redis.xpending_range(
+                        stream, GROUP, "-", "+", room - len(picked), consumername=cname
+                    )
+                    ids = [row["message_id"] for row in rows]
+                    if not ids:
+                        continue
+                    claimed: Any = await redis.xclaim(stream, GROUP, name, 0, ids)
+                    picked.extend(claimed or [])
+                    log.warning(
+                        "queue: took over %d entries of %s (its gate is gone)", len(ids), cname
+                    )
+        if idle_empty:
+            # Long idle, nothing pending, lease gone: forgotten (the list stays short).
+            alive = await self._leases_alive(list(idle_empty))
+            for other, names in idle_empty.items():
+                if other not in alive:
+                    for cname in names:
+                        await redis.xgroup_delconsumer(stream, GROUP, cname)
+        return picked
+
+    async def _leases_alive(self, owners: list[str]) -> set[str]:
+        pipe = self.gate.redis.pipeline(transaction=False)
+        for other in owners:
+            pipe.exists(owner_keys(other).lease)
+        found = await pipe.execute()
+        return {o for o, alive in zip(owners, found, strict=True) if alive}
 
     async def _observe(self, deal_id: int, stream: str) -> None:
         depth = int(await self.gate.redis.xlen(stream))
@@ -258,26 +368,25 @@ class QueueConsumer:
         OLDEST_AGE.labels(label).set(age)
 
     async def _ack(self, stream: str, entry_id: str) -> None:
-        pipe = self.gate.redis.pipeline(transaction=False)
-        pipe.xack(stream, GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
-        await pipe.execute()
+        await self.gate.runner.call("queue_ack", (stream,), (GROUP, entry_id))
         self._next_try.pop(entry_id, None)
 
-    async def _settle(self, deal_id: int, entries: list[Entry]) -> int:
+    async def _settle(self, deal_id: int, entries: list[Entry], owner: str) -> int:
         qk = queue_keys(deal_id)
         ttl_ms = self.service.status_ttl_ms
-        takes = await asyncio.gather(
-            *(
-                self.gate.runner.call("queue_take", (qk.status(e.token),), (ttl_ms,))
-                for e in entries
-            )
+        takes = await self.gate.runner.call(
+            "queue_take", [qk.status(e.token) for e in entries], (ttl_ms,)
         )
         to_commit: list[Entry] = []
         settled = 0
-        for entry, (code, _detail, attempts) in zip(entries, takes, strict=True):
+        for entry, (code, detail, attempts) in zip(entries, takes, strict=True):
             if int(code) == 1:
-                # Rejected or cancelled before: make sure the units went back.
+                # Rejected or cancelled before: make sure the units went back (and a
+                # dead letter's row exists: its consumer may have died before it).
+                if str(detail) == "X|DEAD_LETTER":
+                    await self._dead_letter_row(
+                        deal_id, entry, self.settings.attempts_max, "(recorded by a later pass)"
+                    )
                 await self._give_back(deal_id, entry)
                 await self._ack(qk.stream, entry.entry_id)
                 settled += 1
@@ -299,15 +408,14 @@ class QueueConsumer:
             to_commit = fresh
         if not to_commit:
             return settled
-        outcomes = await self._commit(deal_id, to_commit)
+        outcomes = await self._commit(deal_id, to_commit, owner)
         committed = [(e, o) for e, o in zip(to_commit, outcomes, strict=True) if isinstance(o, str)]
         if committed:
             await self._committed_entries(deal_id, committed)
 
         async def settle(entry: Entry, outcome: DbCode | BaseException) -> int:
             if isinstance(outcome, DbCode):
-                await self._reject(deal_id, entry, _reason(outcome))
-                return 1
+                return int(await self._reject(deal_id, entry, _reason(outcome)))
             return await self._failed(deal_id, entry, outcome)
 
         rest = await asyncio.gather(
@@ -329,9 +437,14 @@ class QueueConsumer:
         return {str(r[0]): str(r[1]) for r in rows}
 
     async def _commit(
-        self, deal_id: int, entries: list[Entry]
+        self, deal_id: int, entries: list[Entry], owner: str
     ) -> list[str | DbCode | BaseException]:
-        """Per entry: its committed allocation, the database's refusal, or the error."""
+        """Per entry: its committed allocation, the database's refusal, or the error.
+        Every transaction runs on a connection recorded under the consumer's lease
+        (gate/lease.py): once that lease is gone and those threads ended, nothing of
+        this consumer can commit any more, and its entries are taken over at once."""
+        lease = self.gate.lease
+        owners = {owner}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
         grouped = [e for e in entries if "," not in e.alloc]
@@ -356,6 +469,8 @@ class QueueConsumer:
                     (deal_id, items),
                     deadline,
                     len(entries),
+                    lease,
+                    owners,
                 )
             except OutcomeUnknown as exc:
                 await self._thread_gone(exc)
@@ -390,6 +505,8 @@ class QueueConsumer:
                         ),
                         loop.time() + self.timeout_seconds,
                         1,
+                        lease,
+                        owners,
                     )
                 except OutcomeUnknown as exc:
                     await self._thread_gone(exc)
@@ -428,38 +545,51 @@ class QueueConsumer:
 
     async def _committed_entries(self, deal_id: int, done: list[tuple[Entry, str]]) -> None:
         """Confirm committed entries (the runner pipelines the scripts), then drop
-        their statuses and acknowledge them in one round trip."""
+        their statuses and acknowledge them in one call (queue_ack.lua)."""
         keys = deal_keys(deal_id)
         qk = queue_keys(deal_id)
         await asyncio.gather(
-            *(
-                self.gate.mirror.confirm(
+            *[
+                self.gate.mirror.confirm_call(
                     keys, e.user_id, e.idempotency_key, e.token, e.fingerprint, alloc
                 )
                 for e, alloc in done
-            )
+            ]
         )
-        pipe = self.gate.redis.pipeline(transaction=False)
-        for e, _ in done:
-            pipe.delete(qk.status(e.token))
-            pipe.xack(qk.stream, GROUP, e.entry_id)
-            pipe.xdel(qk.stream, e.entry_id)
-        await pipe.execute()
+        await self.gate.runner.call(
+            "queue_ack",
+            (qk.stream, *(qk.status(e.token) for e, _ in done)),
+            (GROUP, *(e.entry_id for e, _ in done)),
+        )
         now = time.time()
         for e, _ in done:
             self._next_try.pop(e.entry_id, None)
             COMMIT_LAG.observe(max(0.0, now - e.enqueued_ms / 1000))
         COMMITTED.labels(str(deal_id)).inc(len(done))
 
-    async def _reject(self, deal_id: int, e: Entry, reason: str) -> None:
-        # The final status first: a consumer that redoes this finds it and only
-        # compensates (which acts once).
-        await self.gate.redis.set(
-            queue_keys(deal_id).status(e.token), f"X|{reason}", px=self.service.status_ttl_ms
+    async def _fence(self, deal_id: int, e: Entry, reason: str) -> bool:
+        """The final status "X|REASON", only if this attempt still owns the entry (a
+        consumer that took it over meanwhile, after this one stalled, decides it
+        instead): False then, and nothing is to be done with it here."""
+        code, _detail = await self.gate.runner.call(
+            "queue_reject",
+            (queue_keys(deal_id).status(e.token),),
+            (e.attempts, reason, self.service.status_ttl_ms),
         )
+        if int(code) == 2:
+            log.warning("queue: order %s was taken over; its rejection is left", e.token)
+            return False
+        return True
+
+    async def _reject(self, deal_id: int, e: Entry, reason: str) -> bool:
+        """The final status first (fenced), then the units back (acts once) and the
+        entry acknowledged."""
+        if not await self._fence(deal_id, e, reason):
+            return False
         await self._give_back(deal_id, e)
         await self._ack(queue_keys(deal_id).stream, e.entry_id)
         REJECTED.labels(str(deal_id), reason).inc()
+        return True
 
     async def _give_back(self, deal_id: int, e: Entry) -> None:
         if await self.gate.mirror.compensate(
@@ -486,19 +616,16 @@ class QueueConsumer:
         if e.token in held:
             await self._committed_entry(deal_id, e, held[e.token])
             return 1
-        await self.gate.db.execute(
-            "INSERT IGNORE INTO queue_dead_letters (order_id, deal_id, user_id, quantity,"
-            " idempotency_key, attempts, last_error) VALUES (%s, %s, %s, %s, %s, %s, %s)",
-            (
-                e.token,
-                deal_id,
-                e.user_id,
-                e.quantity,
-                e.idempotency_key,
-                e.attempts,
-                repr(exc)[:LAST_ERROR_MAX_CHARS],
-            ),
-        )
+        # Fenced first (a consumer that took the entry over decides instead), then the
+        # row, then the units back and the acknowledgement: a consumer killed between
+        # leaves "X|DEAD_LETTER", and whoever meets the entry next writes the row
+        # (`_dead_letter_row`, idempotent) before acknowledging it.
+        if not await self._fence(deal_id, e, "DEAD_LETTER"):
+            return 0
+        await self._dead_letter_row(deal_id, e, e.attempts, repr(exc)[:LAST_ERROR_MAX_CHARS])
+        await self._give_back(deal_id, e)
+        await self._ack(queue_keys(deal_id).stream, e.entry_id)
+        REJECTED.labels(str(deal_id), "DEAD_LETTER").inc()
         log.error(
             "queue: order %s of deal %s dead-lettered after %d attempts: %r",
             e.token,
@@ -507,5 +634,11 @@ class QueueConsumer:
             exc,
         )
         DEAD_LETTERS.labels(str(deal_id)).inc()
-        await self._reject(deal_id, e, "DEAD_LETTER")
         return 1
+
+    async def _dead_letter_row(self, deal_id: int, e: Entry, attempts: int, error: str) -> None:
+        await self.gate.db.execute(
+            "INSERT IGNORE INTO queue_dead_letters (order_id, deal_id, user_id, quantity,"
+            " idempotency_key, attempts, last_error) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            (e.token, deal_id, e.user_id, e.quantity, e.idempotency_key, attempts, error),
+        )

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from gate import orders
 from gate.errors import Problem, overloaded
-from gate.keys import QUEUE_DEALS, deal_keys, queue_keys, queue_order_index
+from gate.keys import QUEUE_DEALS, QueueKeys, deal_keys, queue_keys, queue_order_index
 from gate.metrics import METRICS
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ class QueueSettings:
     mode_refresh_seconds: float
     status_ttl_seconds: int
     consumers_in_serve: bool
+    drains: int
+    linger_seconds: float
 
     @classmethod
     def from_env(cls, settings: Settings) -> QueueSettings:
@@ -87,6 +89,8 @@ class QueueSettings:
                 env, "GATE_QUEUE_STATUS_TTL_SECONDS", 86_400, 60, 30 * 86_400
             ),
             consumers_in_serve=env_bool(env, "GATE_QUEUE_CONSUMERS", True),
+            drains=env_int(env, "GATE_QUEUE_DRAINS", 2, 1, 8),
+            linger_seconds=env_float(env, "GATE_QUEUE_LINGER_SECONDS", 0.1, 0.0, 2.0),
         )
 
 
@@ -100,6 +104,13 @@ class ModeCache:
         self.queued: frozenset[int] = frozenset()
         self.max_id = 0  # the highest deal id the last read saw
         self._reads: dict[int, asyncio.Future[None]] = {}
+
+    def known(self, deal_id: int) -> bool | None:
+        """Whether the deal is in queue mode, without a wait; None for a deal newer
+        than the last read (`is_queue` asks the database)."""
+        if deal_id > self.max_id:
+            return None
+        return deal_id in self.queued
 
     async def is_queue(self, deal_id: int) -> bool:
         if deal_id > self.max_id:
@@ -141,6 +152,12 @@ class ModeCache:
                 pass
 
 
+def _consume(fut: asyncio.Future[Any]) -> None:
+    """A call nobody waits for: its failure is only logged."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.info("queue index not dropped: %r", fut.exception())
+
+
 def queued_body(
     order_id: str, deal_id: int, quantity: int, unit_price: int, currency: str
 ) -> dict[str, Any]:
@@ -165,6 +182,10 @@ class QueueService:
         self._announced: set[int] = set()
         self._price_reads: dict[int, asyncio.Future[tuple[int, str]]] = {}
         self.consumer: QueueConsumer | None = None
+        self._admit_args = (settings.depth_max, self.status_ttl_ms)
+        # Per deal: its queue keys and its metric child (bounded like _prices).
+        self._queue_keys: dict[int, QueueKeys] = {}
+        self._queued_counters: dict[int, Any] = {}
         # Set by every enqueue: this process's idle consumer starts a pass at once.
         self.wake = asyncio.Event()
 
@@ -192,6 +213,81 @@ class QueueService:
             self._prices[deal_id] = known
         return known
 
+    # -- the admission's own queueing (lua/admit.lua's queue branch) -----------------
+
+    def admission(
+        self, deal_id: int, token: str, user_id: int
+    ) -> tuple[tuple[tuple[str, str], tuple[int, int]], asyncio.Future[Any]]:
+        """For an admission of a deal in queue mode, called just before it in the same
+        loop turn: the order's index is sent first in the same pipeline (a crash
+        between leaves an index to nothing, never a queued order without one), and
+        what admit.lua needs to queue the request."""
+        index = self.gate.runner.call(
+            "queue_index", (queue_order_index(token),), (f"{deal_id}|{user_id}", self.status_ttl_ms)
+        )
+        qk = self._queue_keys.get(deal_id)
+        if qk is None:
+            if len(self._queue_keys) >= QUEUE_DEALS_MAX:
+                self._queue_keys.clear()
+            qk = self._queue_keys[deal_id] = queue_keys(deal_id)
+        return ((qk.stream, qk.status(token)), self._admit_args), index
+
+    def drop_index(self, token: str, index: asyncio.Future[Any]) -> None:
+        """The admission queued nothing: its index goes (sent with the next
+        pipeline, not waited for; it would expire anyway)."""
+        index.add_done_callback(_consume)
+        drop = self.gate.runner.call("queue_index", (queue_order_index(token),), ("", 0))
+        drop.add_done_callback(_consume)
+
+    def full(self, deal_id: int) -> None:
+        QUEUE_FULL.labels(str(deal_id)).inc()
+
+    async def unqueue(self, deal_id: int, token: str, reason: str) -> bool:
+        """Reject a request the admission queued (the caller then gives its units
+        back); False when a consumer is committing it already."""
+        code, _detail = await self.gate.runner.call(
+            "queue_cancel", (queue_keys(deal_id).status(token),), (self.status_ttl_ms, reason)
+        )
+        return int(code) != 1
+
+    def queued(self, deal_id: int, token: str, quantity: int) -> dict[str, Any] | None:
+        """The 202 body of a request the admission queued; None on the deal's first
+        (its price not read yet, its queue not announced): `queued_first`."""
+        price = self._prices.get(deal_id)
+        counter = self._queued_counters.get(deal_id)
+        if price is None or counter is None:
+            return None
+        counter.inc()
+        self.wake.set()
+        return queued_body(token, deal_id, quantity, *price)
+
+    async def queued_first(self, deal_id: int, token: str, quantity: int) -> dict[str, Any]:
+        price = await self._price(deal_id)
+        try:
+            await self._announce(deal_id)
+        except Exception as exc:
+            # Queued all the same: the next request of the deal announces it.
+            log.warning("deal %s queue not announced: %r", deal_id, exc)
+        if len(self._queued_counters) >= QUEUE_DEALS_MAX:
+            self._queued_counters.clear()
+        counter = self._queued_counters[deal_id] = QUEUED.labels(str(deal_id))
+        counter.inc()
+        self.wake.set()
+        return queued_body(token, deal_id, quantity, *price)
+
+    async def _announce(self, deal_id: int) -> None:
+        if deal_id not in self._announced and len(self._announced) < QUEUE_DEALS_MAX:
+            # Once per deal and process (the consumers walk this set, never shrunk),
+            # by the first request only: the others do not wait for it.
+            self._announced.add(deal_id)
+            try:
+                await self.gate.redis.sadd(QUEUE_DEALS, str(deal_id))
+            except Exception:
+                self._announced.discard(deal_id)
+                raise
+
+    # -- the second call (a deal newer than the last read of the modes) ---------------
+
     async def enqueue(
         self,
         deal_id: int,
@@ -207,15 +303,7 @@ class QueueService:
         qk = queue_keys(deal_id)
         keys = deal_keys(deal_id)
         price = await self._price(deal_id)
-        if deal_id not in self._announced and len(self._announced) < QUEUE_DEALS_MAX:
-            # Once per deal and process (the consumers walk this set, never shrunk),
-            # by the first request only: the others do not wait for it.
-            self._announced.add(deal_id)
-            try:
-                await self.gate.redis.sadd(QUEUE_DEALS, str(deal_id))
-            except Exception:
-                self._announced.discard(deal_id)
-                raise
+        await self._announce(deal_id)
         # The index first, in the same pipeline (the runner sends one loop turn's calls
         # in order): a crash between leaves an index to nothing (404), never a queued
         # order without one.
