@@ -252,6 +252,9 @@ class Reservations:
         # (deal, user, Admission-Token header) -> what lua/admit.lua is told; the
         # waiting room (gate/room/) installs its token check here.
         self.admission_arg: Callable[[int, int, str | None], str] = _no_admission
+        # Gives back the admission a reservation spent when that reservation is tried
+        # once more after its lease was found lapsed (see reserve); the room installs it.
+        self.admission_restore: Callable[[ReserveRequest], Awaitable[None]] | None = None
         # Queue mode (gate/queue/), set by its area: an admitted reservation of a deal
         # in queue mode is handed to the deal's queue instead of the database.
         self.queue: QueueService | None = None
@@ -315,6 +318,10 @@ class Reservations:
                     except Exception as exc:
                         log.warning("process lease not replaced: %r", exc)
                         raise overloaded("Database unavailable; retry shortly.") from None
+                    if self.admission_restore is not None and req.admission_token:
+                        # The first try spent the buyer's waiting-room admission
+                        # and bought nothing: the same request may use it again.
+                        await self.admission_restore(req)
                     try:
                         return await self._reserve(req)
                     except LeaseLapsed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from starlette.middleware import Middleware
@@ -16,6 +17,7 @@ from gate import openapi
 from gate.errors import not_found
 from gate.extensions import Extension
 from gate.http import json_response, read_json
+from gate.keys import deal_keys
 from gate.room import api_doc
 from gate.room.config import load_room_settings
 from gate.room.lane import QueueLane
@@ -24,9 +26,12 @@ from gate.room.tokens import AdmissionTokens
 from gate.scripts import Script, ScriptMissing, lua_dir
 
 if TYPE_CHECKING:
+    from gate.reservations import ReserveRequest
     from gate.runtime import Gate
 
-SCRIPTS = ("room_ticket", "room_advance")
+log = logging.getLogger("gate.room")
+
+SCRIPTS = ("room_ticket", "room_advance", "room_restore")
 
 for (_path, _method), _operation in api_doc.operations().items():
     openapi.add_operation(_path, _method, _operation)
@@ -59,6 +64,24 @@ def install(gate: Gate) -> Extension:
     room = Room(settings, gate.db, gate.mirror, gate.runner, tokens)
     gate.mirror.before_sync.append(room.before_sync)
     gate.reservations.admission_arg = tokens.admission_arg
+
+    async def restore(req: ReserveRequest) -> None:
+        """lua/room_restore.lua for a reservation tried again after a lapsed lease."""
+        held = tokens.admission(req.deal_id, req.user_id, req.admission_token)
+        if held is None:
+            return
+        keys = deal_keys(req.deal_id)
+        try:
+            await gate.runner.call(
+                "room_restore",
+                (keys.room, keys.room_admitted, keys.room_expiry),
+                (req.user_id, held[0], held[1]),
+            )
+        except Exception as exc:
+            # The retry then answers ADMISSION_INVALID, as it would have without this.
+            log.warning("admission of user %s not restored: %r", req.user_id, exc)
+
+    gate.reservations.admission_restore = restore
 
     async def join(request: Request) -> Response:
         user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))

@@ -55,3 +55,12 @@ class AdmissionTokens:
         if expires_ms <= time.time() * 1000:
             return BAD_TOKEN
         return str(seq)
+
+    def admission(self, deal_id: int, user_id: int, header: str | None) -> tuple[int, int] | None:
+        """(sequence number, expiry in ms) of a valid token of this buyer for this
+        deal, else None."""
+        seq = self.admission_arg(deal_id, user_id, header)
+        if seq in (NO_TOKEN, BAD_TOKEN):
+            return None
+        assert header is not None
+        return int(seq), int(header.strip().split(".")[3])
