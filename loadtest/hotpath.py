@@ -15,6 +15,8 @@ user + system), which a busy machine disturbs far less than requests per second:
   limited     a reservation refused by the per-user limiter (GATE_LIMIT_USER,
               "1/m burst 1" unless set; the buyers spent their limit first)
   committed   a reservation that commits (one buyer per request)
+  join        a first join of a deal's waiting room (one buyer per request)
+  poll        a read of a waiting ticket (GATE_ROOM_POLL_MIN_MS/MAX_MS 100 unless set)
 
 `--profile PATH` also writes a cProfile of the measured requests per path
 (PATH.<case>.prof) and prints the functions with the most time of their own.
@@ -37,7 +39,7 @@ from typing import Any
 import orjson
 
 Scope = dict[str, Any]
-CASES = ("healthz", "sold_out", "limited", "committed")
+CASES = ("healthz", "sold_out", "limited", "committed", "join", "poll")
 USER_BASE = 5 * 10**12
 BIG_STOCK = 50_000_000
 
@@ -100,21 +102,28 @@ class Probe:
             raise RuntimeError(f"{method} {path} answered {status}: {out!r}")
         return orjson.loads(out)
 
-    async def deal(self, stock: int) -> int:
-        body = await self.admin_json(
-            "POST",
-            "/v1/admin/deals",
-            {
-                "title": "hotpath probe",
-                "unit_price": 1000,
-                "currency": "EUR",
-                "stock": stock,
-                "buckets": 16,
-                "hold_seconds": 3600,
-                "max_per_order": 1,
-            },
-        )
+    async def deal(self, stock: int, room: dict[str, int] | None = None) -> int:
+        spec: dict[str, Any] = {
+            "title": "hotpath probe",
+            "unit_price": 1000,
+            "currency": "EUR",
+            "stock": stock,
+            "buckets": 16,
+            "hold_seconds": 3600,
+            "max_per_order": 1,
+        }
+        if room:
+            spec["waiting_room"] = room
+        body = await self.admin_json("POST", "/v1/admin/deals", spec)
         return int(body["id"])
+
+    def queue_call(
+        self, method: str, deal_id: int, user: int
+    ) -> Callable[[], Awaitable[tuple[int, bytes]]]:
+        auth = f"Bearer {self.mint.token(user)}".encode()
+        return functools.partial(
+            self.call, method, f"/v1/deals/{deal_id}/queue", [(b"authorization", auth)]
+        )
 
     def reserve_call(self, deal_id: int, user: int) -> Callable[[], Awaitable[tuple[int, bytes]]]:
         auth = f"Bearer {self.mint.token(user)}".encode()
@@ -191,6 +200,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("GATE_LIMIT_USER", "1/m burst 1")
     env.setdefault("GATE_ENV", "dev")
+    env.setdefault("GATE_ROOM_POLL_MIN_MS", "100")
+    env.setdefault("GATE_ROOM_POLL_MAX_MS", "100")
     settings = load_settings(env)
     configure("WARNING")
     await migrate(settings.mysql)
@@ -218,22 +229,32 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         # Warm: every token verified once, every few-buyer's limit spent.
         await drive([probe.reserve_call(sold, u) for u in few] * 4, c)
         await drive([probe.reserve_call(open_deal, u) for u in few] * 4, c)
-        for u in fresh:
+        # The room's buyers: joiners are fresh each run, pollers joined once.
+        room_deal = await probe.deal(BIG_STOCK, {"admit_per_second": 1})
+        poll_deal = await probe.deal(BIG_STOCK, {"admit_per_second": 1})
+        joiners = [USER_BASE + 10_000_000 + i for i in range(n * reps)]
+        pollers = [USER_BASE + 20_000_000 + i for i in range(n)]
+        for u in [*fresh, *joiners, *pollers]:
             app.state.gate.buyer_auth.user_id(f"Bearer {mint.token(u)}")
+        if "poll" in args.cases:
+            await drive([probe.queue_call("POST", poll_deal, u) for u in pollers], c)
         health = [functools.partial(probe.call, "GET", "/healthz", []) for _ in range(n)]
         cases: dict[str, list[Callable[[], Awaitable[tuple[int, bytes]]]]] = {
             "healthz": health,
             "sold_out": [probe.reserve_call(sold, few[i % len(few)]) for i in range(n)],
             "limited": [probe.reserve_call(open_deal, few[i % len(few)]) for i in range(n)],
             "committed": [probe.reserve_call(open_deal, u) for u in fresh],
+            "join": [probe.queue_call("POST", room_deal, u) for u in joiners],
+            "poll": [probe.queue_call("GET", poll_deal, u) for u in pollers],
         }
         # Committed: its buyers buy once (the per-user limit), so each run its own.
         parts = {
             "committed": [cases["committed"][r * n : (r + 1) * n] for r in range(reps)],
+            "join": [cases["join"][r * n : (r + 1) * n] for r in range(reps)],
         }
         for name in args.cases:
             # Once unmeasured to warm caches, except committed (its buyers buy once).
-            if name != "committed":
+            if name not in parts:
                 await drive(cases[name][: min(n, 2000)], c)
             profiler = cProfile.Profile() if args.profile else None
             samples = []
