@@ -6,7 +6,10 @@ Two targets, on one gate process (one uvicorn worker unless --workers):
   ratio    joins/s and polls/s of the waiting room against the sold-out rejections/s
            of the same process (≥ 0.8 each): rounds alternate sold-out, join and poll
            runs (wrk, loadtest/wrk/room.lua and reserve.lua) so that a noisy
-           neighbour hits all three alike; the spread over the rounds is reported
+           neighbour hits all three alike; the spread over the rounds is reported,
+           and each run's gate CPU (user + system) per answer, with the same ratios
+           by CPU (sold-out CPU ÷ join or poll CPU), which a busy machine disturbs
+           far less than answers per second
   sellout  UNITS units to BUYERS buyers who all join the room, poll as advised and
            reserve once admitted: database reservation attempts per unit sold
            (gate_reservation_db_attempts_total, ≤ 1.05) and stored-procedure calls per
