@@ -225,6 +225,20 @@ class RespConnection:
         loop.call_later(self.timeout_seconds, self._check_deadline, last, writer)
         return futures
 
+    def send_packed(self, data: bytes, futures: list[asyncio.Future[Any]]) -> None:
+        """Write commands already packed in RESP (`data`), one caller's future per
+        command, resolved in order as `send`'s are (an error reply resolves to the
+        exception object). For a caller that packs most of its command once
+        (gate/room/wire.py) and wants no future of its own in between."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            raise RedisConnectionError("Redis connection is not open")
+        writer.write(data)
+        self._pending.extend(futures)
+        asyncio.get_running_loop().call_later(
+            self.timeout_seconds, self._check_deadline, futures[-1], writer
+        )
+
     def _check_deadline(self, fut: asyncio.Future[Any], writer: asyncio.StreamWriter) -> None:
         if not fut.done() and writer is self._writer:
             self.close(RedisTimeoutError(f"no Redis reply within {self.timeout_seconds} s"))

@@ -6,7 +6,10 @@ Two targets, on one gate process (one uvicorn worker unless --workers):
   ratio    joins/s and polls/s of the waiting room against the sold-out rejections/s
            of the same process (≥ 0.8 each): rounds alternate sold-out, join and poll
            runs (wrk, loadtest/wrk/room.lua and reserve.lua) so that a noisy
-           neighbour hits all three alike; the spread over the rounds is reported
+           neighbour hits all three alike; the spread over the rounds is reported,
+           and each run's gate CPU (user + system) per answer, with the same ratios
+           by CPU (sold-out CPU ÷ join or poll CPU), which a busy machine disturbs
+           far less than answers per second
   sellout  UNITS units to BUYERS buyers who all join the room, poll as advised and
            reserve once admitted: database reservation attempts per unit sold
            (gate_reservation_db_attempts_total, ≤ 1.05) and stored-procedure calls per
@@ -112,7 +115,7 @@ class RoomBench:
         client.close()
 
     def start(self) -> procs.Server:
-        port = procs.free_port()
+        port = self.args.port or procs.free_port()
         args = [GATE_BIN, "serve", "--port", str(port), "--workers", str(self.args.workers)]
         say("starting the gate: " + " ".join(["gate", *args[1:]]))
         gate = procs.Server("gate", args, self.env, port, self.out / "gate.log", ROOT)
@@ -169,18 +172,39 @@ class RoomBench:
         say("joining every buyer to the poll deal")
         wrkrun.room(gate.url, "POST", poll_deal, tokens, a.connections, a.warmup, a.threads)
         rounds = []
+        pids = gate.pids()
+
+        def cpu_us(run: Any) -> tuple[Any, float]:
+            """The run, and the gate's CPU (user + system) per answer, in µs: far less
+            disturbed by a busy machine than answers per second."""
+            before = procs.cpu_seconds(pids)
+            result = run()
+            spent = procs.cpu_seconds(pids) - before
+            return result, round(spent / max(1, result.requests) * 1e6, 1)
+
         for i in range(a.rounds):
-            sold_out = wrkrun.reserve_loop(
-                gate.url, sold, tokens, f"br{i}", a.connections, a.duration, a.threads
+            sold_out, sold_cpu = cpu_us(
+                lambda i=i: wrkrun.reserve_loop(
+                    gate.url, sold, tokens, f"br{i}", a.connections, a.duration, a.threads
+                )
             )
             join_deal = self.deal(0, {"admit_per_second": 1000})
-            joins = wrkrun.room(
-                gate.url, "POST", join_deal, tokens, a.connections, a.duration, a.threads
+            joins, join_cpu = cpu_us(
+                lambda d=join_deal: wrkrun.room(
+                    gate.url, "POST", d, tokens, a.connections, a.duration, a.threads
+                )
             )
-            polls = wrkrun.room(
-                gate.url, "GET", poll_deal, tokens, a.connections, a.duration, a.threads
+            polls, poll_cpu = cpu_us(
+                lambda: wrkrun.room(
+                    gate.url, "GET", poll_deal, tokens, a.connections, a.duration, a.threads
+                )
             )
             row = {
+                "gate_cpu_us_per_request": {
+                    "sold_out": sold_cpu,
+                    "join": join_cpu,
+                    "poll": poll_cpu,
+                },
                 "sold_out_per_s": round(sold_out.count(409) / sold_out.duration_s, 1),
                 "joins_per_s": round(joins.count(200, 201) / joins.duration_s, 1),
                 "polls_per_s": round(polls.count(200) / polls.duration_s, 1),
@@ -195,16 +219,25 @@ class RoomBench:
             }
             row["join_ratio"] = round(row["joins_per_s"] / max(1.0, row["sold_out_per_s"]), 3)
             row["poll_ratio"] = round(row["polls_per_s"] / max(1.0, row["sold_out_per_s"]), 3)
+            # The same ratios by the gate's CPU per answer (sold-out CPU ÷ join CPU).
+            row["join_ratio_by_cpu"] = round(sold_cpu / max(0.1, join_cpu), 3)
+            row["poll_ratio_by_cpu"] = round(sold_cpu / max(0.1, poll_cpu), 3)
             say(
                 f"round {i + 1}: sold-out {row['sold_out_per_s']}/s, joins"
                 f" {row['joins_per_s']}/s ({row['join_ratio']}x), polls"
-                f" {row['polls_per_s']}/s ({row['poll_ratio']}x)"
+                f" {row['polls_per_s']}/s ({row['poll_ratio']}x); gate CPU per answer"
+                f" {sold_cpu} / {join_cpu} / {poll_cpu} µs"
+                f" ({row['join_ratio_by_cpu']}x, {row['poll_ratio_by_cpu']}x)"
             )
             rounds.append(row)
         joins_r = [r["join_ratio"] for r in rounds]
         polls_r = [r["poll_ratio"] for r in rounds]
+        joins_c = [r["join_ratio_by_cpu"] for r in rounds]
+        polls_c = [r["poll_ratio_by_cpu"] for r in rounds]
         return {
             "rounds": rounds,
+            "join_ratio_by_cpu_median": statistics.median(joins_c),
+            "poll_ratio_by_cpu_median": statistics.median(polls_c),
             "join_ratio_median": statistics.median(joins_r),
             "poll_ratio_median": statistics.median(polls_r),
             "join_ratio_spread": [min(joins_r), max(joins_r)],
@@ -335,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_room", description=__doc__)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/7")
     p.add_argument("--mysql-url", default="mysql://root@127.0.0.1:3306/gate_test_room")
+    p.add_argument("--port", type=int, default=0, help="the gate's port (default: a free one)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--connections", type=int, default=64)

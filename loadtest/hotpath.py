@@ -17,6 +17,8 @@ user + system), which a busy machine disturbs far less than requests per second:
   committed   a reservation that commits (one buyer per request)
   queued      a reservation of a deal in queue mode answered 202 (one buyer per
               request; no consumer runs in this process: the entries wait)
+  join        a first join of a deal's waiting room (one buyer per request)
+  poll        a read of a waiting ticket (GATE_ROOM_POLL_MIN_MS/MAX_MS 100 unless set)
 
 `--profile PATH` also writes a cProfile of the measured requests per path
 (PATH.<case>.prof) and prints the functions with the most time of their own.
@@ -39,7 +41,7 @@ from typing import Any
 import orjson
 
 Scope = dict[str, Any]
-CASES = ("healthz", "sold_out", "limited", "committed", "queued")
+CASES = ("healthz", "sold_out", "limited", "committed", "queued", "join", "poll")
 USER_BASE = 5 * 10**12
 BIG_STOCK = 50_000_000
 
@@ -102,22 +104,31 @@ class Probe:
             raise RuntimeError(f"{method} {path} answered {status}: {out!r}")
         return orjson.loads(out)
 
-    async def deal(self, stock: int, mode: str = "sync") -> int:
-        body = await self.admin_json(
-            "POST",
-            "/v1/admin/deals",
-            {
-                "title": "hotpath probe",
-                "unit_price": 1000,
-                "currency": "EUR",
-                "stock": stock,
-                "buckets": 16,
-                "hold_seconds": 3600,
-                "max_per_order": 1,
-                "mode": mode,
-            },
-        )
+    async def deal(
+        self, stock: int, room: dict[str, int] | None = None, mode: str = "sync"
+    ) -> int:
+        spec: dict[str, Any] = {
+            "title": "hotpath probe",
+            "unit_price": 1000,
+            "currency": "EUR",
+            "stock": stock,
+            "buckets": 16,
+            "hold_seconds": 3600,
+            "max_per_order": 1,
+            "mode": mode,
+        }
+        if room:
+            spec["waiting_room"] = room
+        body = await self.admin_json("POST", "/v1/admin/deals", spec)
         return int(body["id"])
+
+    def queue_call(
+        self, method: str, deal_id: int, user: int
+    ) -> Callable[[], Awaitable[tuple[int, bytes]]]:
+        auth = f"Bearer {self.mint.token(user)}".encode()
+        return functools.partial(
+            self.call, method, f"/v1/deals/{deal_id}/queue", [(b"authorization", auth)]
+        )
 
     def reserve_call(self, deal_id: int, user: int) -> Callable[[], Awaitable[tuple[int, bytes]]]:
         auth = f"Bearer {self.mint.token(user)}".encode()
@@ -194,6 +205,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("GATE_LIMIT_USER", "1/m burst 1")
     env.setdefault("GATE_ENV", "dev")
+    env.setdefault("GATE_ROOM_POLL_MIN_MS", "100")
+    env.setdefault("GATE_ROOM_POLL_MAX_MS", "100")
     settings = load_settings(env)
     configure("WARNING")
     await migrate(settings.mysql)
@@ -218,13 +231,20 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         few = [USER_BASE + i for i in range(32)]
         reps = args.repeat
         fresh = [USER_BASE + 1000 + i for i in range(n * reps)]
-        queue_deal = await probe.deal(BIG_STOCK, "queue")
+        queue_deal = await probe.deal(BIG_STOCK, mode="queue")
         queue_fresh = [USER_BASE + 1000 + n * reps + i for i in range(n * reps)]
         # Warm: every token verified once, every few-buyer's limit spent.
         await drive([probe.reserve_call(sold, u) for u in few] * 4, c)
         await drive([probe.reserve_call(open_deal, u) for u in few] * 4, c)
-        for u in fresh + queue_fresh:
+        # The room's buyers: joiners are fresh each run, pollers joined once.
+        room_deal = await probe.deal(BIG_STOCK, {"admit_per_second": 1})
+        poll_deal = await probe.deal(BIG_STOCK, {"admit_per_second": 1})
+        joiners = [USER_BASE + 10_000_000 + i for i in range(n * reps)]
+        pollers = [USER_BASE + 20_000_000 + i for i in range(n)]
+        for u in [*fresh, *queue_fresh, *joiners, *pollers]:
             app.state.gate.buyer_auth.user_id(f"Bearer {mint.token(u)}")
+        if "poll" in args.cases:
+            await drive([probe.queue_call("POST", poll_deal, u) for u in pollers], c)
         health = [functools.partial(probe.call, "GET", "/healthz", []) for _ in range(n)]
         cases: dict[str, list[Callable[[], Awaitable[tuple[int, bytes]]]]] = {
             "healthz": health,
@@ -232,14 +252,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "limited": [probe.reserve_call(open_deal, few[i % len(few)]) for i in range(n)],
             "committed": [probe.reserve_call(open_deal, u) for u in fresh],
             "queued": [probe.reserve_call(queue_deal, u) for u in queue_fresh],
+            "join": [probe.queue_call("POST", room_deal, u) for u in joiners],
+            "poll": [probe.queue_call("GET", poll_deal, u) for u in pollers],
         }
-        # Committed: its buyers buy once (the per-user limit), so each run its own.
+        # Committed, queued, join: their buyers act once, so each run its own.
         parts = {
             name: [cases[name][r * n : (r + 1) * n] for r in range(reps)]
-            for name in ("committed", "queued")
+            for name in ("committed", "queued", "join")
         }
         for name in args.cases:
-            # Once unmeasured to warm caches, except the buyers who buy once.
+            # Once unmeasured to warm caches, except the buyers who act once.
             if name not in parts:
                 await drive(cases[name][: min(n, 2000)], c)
             profiler = cProfile.Profile() if args.profile else None

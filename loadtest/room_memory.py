@@ -56,10 +56,10 @@ async def measure(url: str, tickets: int, prequeue: bool) -> dict[str, float]:
                     keys.room_admitted,
                     keys.meta,
                     "join",
-                    base + user,
-                    secrets.randbits(50),
                     1000,
                     10_000,
+                    base + user,
+                    secrets.randbits(50),
                 )
             await pipe.execute()
         elapsed = time.perf_counter() - started

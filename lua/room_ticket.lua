@@ -1,6 +1,8 @@
 --[[
   room_ticket: join a deal's waiting room, or read one's ticket, in one call.
-  O(log n) in the number of tickets: a hash look-up, a sorted-set rank, no loop.
+  O(log n) in the number of tickets, no loop: a hash look-up and write, and at most
+  one sorted-set rank (a first join in join order needs only ZCARD: it is last;
+  a ticket read while nothing is available needs only ZSCORE: no position).
 
   The ticket's state is derived here, never stored per ticket:
     admitted   the user holds an unspent, unexpired admission      (KEYS[4])
@@ -23,9 +25,11 @@
   KEYS[5] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
 
   ARGV[1] "join" | "read"
-  ARGV[2] user id
-  ARGV[3] random score in [0, 2^50) for a prequeue joiner (drawn by the caller)
-  ARGV[4] poll_after_ms floor      ARGV[5] poll_after_ms ceiling
+  ARGV[2] poll_after_ms floor      ARGV[3] poll_after_ms ceiling
+  ARGV[4] user id
+  ARGV[5] join: random score in [0, 2^50) for a prequeue joiner (drawn by the
+          caller); absent on a read
+  (The caller packs ARGV[1..3] once per deal: they come first.)
 
   Returns {code, created, position, joined_ms, avail, admission seq, expires_ms,
            poll_after_ms, aps, ms until the sale starts}; position, seq and
@@ -51,7 +55,6 @@ if cfg[1] ~= '1' then
   return {5}
 end
 local aps = tonumber(cfg[2]) or 1
-local pq_ms = tonumber(cfg[3]) or 0
 local avail = tonumber(meta[2]) or 0
 if avail < 0 then avail = 0 end
 local start_ms = tonumber(meta[3]) or 0
@@ -63,10 +66,13 @@ local ended = end_ms > 0 and now_ms >= end_ms
 local to_start = 0
 if start_ms > now_ms then to_start = start_ms - now_ms end
 
-local user = ARGV[2]
+local user = ARGV[4]
+local floor_ms, ceil_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 local record = redis.call('HGET', KEYS[3], user)
 local created = 0
 local joined_ms
+-- The ticket's state: CLOSED unless found otherwise below.
+local code, position, seq, expires, advice = 3, 0, 0, 0, ceil_ms
 if not record then
   if ARGV[1] ~= 'join' then
     return {6}
@@ -74,18 +80,27 @@ if not record then
   if ended then
     return {8}
   end
+  local prequeue = start_ms > 0 and now_ms < start_ms
   local score
-  if start_ms > 0 and now_ms < start_ms then
-    if now_ms < start_ms - pq_ms then
+  if prequeue then
+    if now_ms < start_ms - tonumber(cfg[3] or 0) then
       return {7}
     end
-    score = tonumber(ARGV[3])
+    score = tonumber(ARGV[5])
   else
     score = OPEN_BASE + redis.call('HINCRBY', KEYS[1], 'seq', 1)
   end
   redis.call('ZADD', KEYS[2], score, user)
   joined_ms = now_ms
   created = 1
+  -- A new ticket is waiting (never admitted yet). In join order it is the last one.
+  if avail == 0 then
+    code = 2
+  elseif prequeue then
+    code, position = 0, redis.call('ZRANK', KEYS[2], user) + 1
+  else
+    code, position = 0, redis.call('ZCARD', KEYS[2])
+  end
 else
   local next_poll
   joined_ms, next_poll = string.match(record, '^(%d+)|(%d+)$')
@@ -93,31 +108,37 @@ else
   if tonumber(next_poll) > now_ms then
     return {9, tonumber(next_poll) - now_ms}
   end
-end
-
-local floor_ms, ceil_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
-local code, position, seq, expires, advice = 3, 0, 0, 0, ceil_ms
-local held = redis.call('HGET', KEYS[4], user)
-if held and not ended then
-  local s, e = string.match(held, '^(%d+)|%d+|(%d+)$')
-  if tonumber(e) > now_ms then
-    -- Admitted buyers (a few: at most the units left) may look again soon.
-    code, seq, expires, advice = 1, tonumber(s), tonumber(e), floor_ms
-  end
-end
-if code == 3 and not ended then
-  local rank = redis.call('ZRANK', KEYS[2], user)
-  if rank then
+  if not ended then
+    -- In the queue (waiting or sold out) or not; a queued ticket is never admitted
+    -- (room_advance.lua pops it first), so the admissions are read only for the rest.
     if avail == 0 then
-      -- Units may come back (a hold expires, a cancel): worth a slow poll.
-      code, advice = 2, ceil_ms
+      if redis.call('ZSCORE', KEYS[2], user) then
+        code = 2
+      end
     else
-      code, position = 0, rank + 1
-      local eta_ms = to_start + math.ceil(position * 1000 / aps)
-      advice = math.min(ceil_ms, math.max(floor_ms, math.floor(eta_ms / 2)))
+      local rank = redis.call('ZRANK', KEYS[2], user)
+      if rank then
+        code, position = 0, rank + 1
+      end
+    end
+    if code == 3 then
+      local held = redis.call('HGET', KEYS[4], user)
+      if held then
+        local s, e = string.match(held, '^(%d+)|%d+|(%d+)$')
+        if tonumber(e) > now_ms then
+          -- Admitted buyers (a few: at most the units left) may look again soon.
+          code, seq, expires, advice = 1, tonumber(s), tonumber(e), floor_ms
+        end
+      end
     end
   end
 end
+
+if code == 0 then
+  local eta_ms = to_start + math.ceil(position * 1000 / aps)
+  advice = math.min(ceil_ms, math.max(floor_ms, math.floor(eta_ms / 2)))
+end
+-- Sold out: units may come back (a hold expires, a cancel), worth a slow poll.
 
 redis.call('HSET', KEYS[3], user, joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)))
 return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start}

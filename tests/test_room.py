@@ -4,6 +4,7 @@ bad input, a Redis flush. Real gate processes, real Redis and MariaDB."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -13,9 +14,15 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from gate.clock import iso
 from gate.db import Database
+from gate.errors import Problem
 from gate.keys import deal_keys
+from gate.room.service import Room, iso_ms
 from gate.room.tokens import AdmissionTokens
+from gate.room.wire import RandomScores, Wire
+from gate.runtime import Gate
+from gate.scripts import Script
 from gate.settings import Secret
 from tests.support import (
     ADMIN,
@@ -217,6 +224,10 @@ async def test_every_bad_buyer_input_gets_its_problem(client: Client) -> None:
         ends_at="2020-02-01T00:00:00Z",
     )
     problem(await join(client, 999_999_999, 1), 404, "NOT_FOUND")
+    # The lane reads the id without the route's regex when it can; never past MAX_ID.
+    problem(await join(client, 0, 1), 404, "NOT_FOUND")
+    problem(await client.post(f"/v1/deals/{'9' * 4400}/queue", headers=buyer(1)), 404, "NOT_FOUND")
+    problem(await client.get(f"/v1/deals/{'9' * 19}/queue", headers=buyer(1)), 404, "NOT_FOUND")
     problem(await join(client, plain, 1), 409, "NO_WAITING_ROOM")
     problem(await join(client, ended, 1), 409, "NOT_ACTIVE")
     problem(await read(client, deal_id, 32_000), 404, "NO_TICKET")
@@ -272,6 +283,79 @@ async def test_polling_sooner_than_advised_is_a_429(client: Client) -> None:
     problem(again, 429, "RATE_LIMITED")
     assert int(again.headers["retry-after"]) >= 1
     problem(await join(client, deal_id, 33_001), 429, "RATE_LIMITED")
+
+
+async def test_first_joins_queue_in_join_order_with_exact_positions(client: Client) -> None:
+    """A first join after the opening is last in line (room_ticket.lua counts the
+    queue rather than ranking the new ticket): its position is exact, as a read's."""
+    deal_id = await create_deal(client, stock=1, waiting_room=ROOM)
+    assert (await join(client, deal_id, 34_000)).status_code == 201
+    # The one unit's admission: the bound (unspent <= available) stops there.
+    await wait_state(client, deal_id, 34_000, "admitted")
+    users = list(range(34_001, 34_011))
+    tickets = []
+    for u in users:
+        r = await join(client, deal_id, u)
+        assert r.status_code == 201, r.text
+        tickets.append(r.json())
+    assert [t["state"] for t in tickets] == ["waiting"] * len(users)
+    assert [t["position"] for t in tickets] == list(range(1, len(users) + 1))
+    assert [t["eta_seconds"] for t in tickets] == [1] * len(users)
+    assert all(t["admission_token"] is None and t["joined_at"].endswith("Z") for t in tickets)
+    again = await read_ok(client, deal_id, users[-1])
+    assert again["position"] == len(users) and again["joined_at"] == tickets[-1]["joined_at"]
+
+
+def _room_of(gate: Gate) -> Room:
+    ext = next(e for e in gate.extensions if e.name == "room")
+    room = getattr(ext.workers[0], "__self__", None)
+    assert isinstance(room, Room)
+    return room
+
+
+async def test_a_script_lost_by_redis_is_loaded_again(client: Client, local_gate: Gate) -> None:
+    """NOSCRIPT (Redis restarted and lost its scripts): the room's own connection
+    (gate/room/wire.py) loads them again and calls once more; the buyer never sees it."""
+    deal_id = await create_deal(client, stock=0, waiting_room=ROOM)
+    room = _room_of(local_gate)
+    # A version of room_ticket.lua Redis has never seen, as after a restart.
+    script = room.runner.scripts["room_ticket"]
+    source = f"{script.source}\n-- {time.monotonic_ns()}\n"
+    fresh = Script("room_ticket", source, hashlib.sha1(source.encode()).hexdigest())
+    room.runner.scripts["room_ticket"] = fresh
+    room._prefixes.clear()
+    created, body = await room.ticket(deal_id, 35_001, "join")
+    assert created and body["state"] == "sold_out" and body["deal_id"] == deal_id
+
+
+async def test_redis_unreachable_is_a_503_for_the_buyer(client: Client, local_gate: Gate) -> None:
+    deal_id = await create_deal(client, stock=0, waiting_room=ROOM)
+    room = _room_of(local_gate)
+    room.wire = Wire("redis://127.0.0.1:1/0", 0.5, 16)
+    try:
+        with pytest.raises(Problem) as caught:
+            await room.ticket(deal_id, 35_002, "join")
+        assert caught.value.code == "OVERLOADED" and caught.value.status == 503
+    finally:
+        await room.wire.aclose()
+
+
+def test_ticket_timestamps_and_random_scores() -> None:
+    # The per-second cache formats as gate.clock.iso does.
+    for ms in (
+        1,
+        999,
+        1_000,
+        1_764_615_933_953,
+        4_102_444_799_999,
+        *range(1_700_000_000_000, 1_700_000_005_000, 7),
+    ):
+        assert iso_ms(ms) == iso(datetime.fromtimestamp(ms / 1000, UTC).replace(tzinfo=None))
+    assert iso_ms(0) is None
+    scores = RandomScores()
+    drawn = [scores.draw() for _ in range(5000)]  # past one batch of os.urandom
+    assert all(0 <= x < 2**50 for x in drawn) and len(set(drawn)) == len(drawn)
+    assert max(drawn) > 2**49 > min(drawn)
 
 
 # -- the sale -------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from gate.room.config import load_room_settings
 from gate.room.lane import QueueLane
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
+from gate.room.wire import Wire
 from gate.scripts import Script, ScriptMissing, lua_dir
 
 if TYPE_CHECKING:
@@ -61,7 +62,13 @@ def install(gate: Gate) -> Extension:
     tokens = AdmissionTokens(gate.settings.admission_secret)
     # The runner loads every script it holds at start-up (ScriptRunner.load).
     gate.runner.scripts.update(_scripts())
-    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens)
+    # The room's script calls on a connection of their own (gate/room/wire.py).
+    wire = Wire(
+        gate.settings.redis_url,
+        gate.settings.redis_timeout_seconds,
+        gate.settings.redis_pipeline_max,
+    )
+    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire)
     gate.mirror.before_sync.append(room.before_sync)
     gate.reservations.admission_arg = tokens.admission_arg
 
@@ -112,9 +119,8 @@ def install(gate: Gate) -> Extension:
             Route("/v1/admin/deals/{deal_id:id}/waiting-room", configure, methods=["PUT"]),
         ],
         workers=[room.run],
-        inner_middleware=[
-            Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)
-        ],
+        on_stop=[wire.aclose],
+        inner_middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
     )
 
 

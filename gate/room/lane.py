@@ -18,6 +18,10 @@ from gate.http import json_answer, send_answer
 from gate.room.service import Room
 
 MAX_ID = 2**63 - 1
+PREFIX, SUFFIX = "/v1/deals/", "/queue"
+PREFIX_LEN, SUFFIX_LEN = len(PREFIX), len(SUFFIX)
+# Up to 18 digits are below MAX_ID (gate/http.py IdConvertor does the same).
+SHORT_ID_DIGITS = 18
 
 
 class QueueLane:
@@ -31,16 +35,30 @@ class QueueLane:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not scope.get("root_path"):
             route = self.routes.get(scope["method"])
-            if route is not None and scope["path"].endswith("/queue"):
-                match = route.path_regex.match(scope["path"])
-                if match is not None:
-                    scope["route"] = route
-                    scope["endpoint"] = route.endpoint
+            path = scope["path"]
+            if route is not None and path.endswith("/queue"):
+                digits = path[PREFIX_LEN:-SUFFIX_LEN]
+                if (
+                    path.startswith(PREFIX)
+                    and 0 < len(digits) <= SHORT_ID_DIGITS
+                    and digits.isdigit()
+                    and digits.isascii()
+                ):
+                    # /v1/deals/<up to 18 ASCII digits>/queue: what the route's regex
+                    # and converter would give, without them.
+                    deal_id = int(digits)
+                else:
+                    match = route.path_regex.match(path)
+                    if match is None:
+                        await self.app(scope, receive, send)
+                        return
                     # The route's own converter: bounded digits, never int() of 4,400.
-                    convert = route.param_convertors["deal_id"].convert
-                    scope["path_params"] = {"deal_id": convert(match["deal_id"])}
-                    await self._answer(scope, send, scope["method"] == "POST")
-                    return
+                    deal_id = route.param_convertors["deal_id"].convert(match["deal_id"])
+                scope["route"] = route
+                scope["endpoint"] = route.endpoint
+                scope["path_params"] = {"deal_id": deal_id}
+                await self._answer(scope, send, scope["method"] == "POST")
+                return
         await self.app(scope, receive, send)
 
     async def _answer(self, scope: Scope, send: Send, join: bool) -> None:
@@ -52,7 +70,7 @@ class QueueLane:
                 break
         try:
             user_id = self.auth.user_id(authorization)
-            deal_id = scope["path_params"]["deal_id"]
+            deal_id: int = scope["path_params"]["deal_id"]
             if not 1 <= deal_id <= MAX_ID:
                 raise not_found("deal")
             created, body = await self.room.ticket(deal_id, user_id, "join" if join else "read")

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import secrets
 import time
-from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from gate.clock import iso
+from redis.exceptions import NoScriptError
+
 from gate.codes import RoomCode
 from gate.db import Database
 from gate.errors import from_room, not_found, overloaded
@@ -33,17 +31,14 @@ from gate.mirror import Mirror
 from gate.room import metrics
 from gate.room.config import RoomConfig, RoomSettings, parse_room
 from gate.room.tokens import AdmissionTokens
-from gate.scripts import ScriptRunner
+from gate.room.wire import RandomScores, Wire, command_prefix
+from gate.scripts import REDIS_ERRORS, ScriptRunner, error_kind
 
 log = logging.getLogger("gate.room")
 
-PREQUEUE_SCORE_BITS = 50
-STATES = {
-    RoomCode.WAITING: "waiting",
-    RoomCode.ADMITTED: "admitted",
-    RoomCode.SOLD_OUT: "sold_out",
-    RoomCode.CLOSED: "closed",
-}
+# A ticket's state by room_ticket.lua's code (0-3); a higher code is a refusal.
+STATE_NAMES = ("waiting", "admitted", "sold_out", "closed")
+WAITING, ADMITTED, CLOSED = int(RoomCode.WAITING), int(RoomCode.ADMITTED), int(RoomCode.CLOSED)
 # The room loop re-reads every room's configuration from the database this often
 # (a flushed Redis gets its rooms back even if no buyer asks), and the gauges.
 REFRESH_SECONDS = 5.0
@@ -54,11 +49,25 @@ KEYS_CACHE_MAX = 10_000
 RETAIN_AFTER_END_MS = 3_600_000
 
 
-def _iso_ms(ms: int) -> str | None:
-    """Redis milliseconds as the API's ISO 8601 UTC timestamps."""
+# "YYYY-MM-DDTHH:MM:SS" by epoch second: a ticket's timestamps are formatted from
+# this (datetime's way cost a tenth of a poll); joins crowd into few seconds.
+_ISO_SECONDS: dict[int, str] = {}
+ISO_SECONDS_MAX = 4096
+
+
+def iso_ms(ms: int) -> str | None:
+    """Redis milliseconds as the API's ISO 8601 UTC timestamps (gate.clock.iso's
+    format: microseconds and a Z)."""
     if ms <= 0:
         return None
-    return iso(datetime.fromtimestamp(ms / 1000, UTC).replace(tzinfo=None))
+    second, milli = divmod(ms, 1000)
+    head = _ISO_SECONDS.get(second)
+    if head is None:
+        if len(_ISO_SECONDS) >= ISO_SECONDS_MAX:
+            _ISO_SECONDS.clear()
+        head = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _ISO_SECONDS[second] = head
+    return f"{head}.{milli:03d}000Z"
 
 
 class Room:
@@ -69,6 +78,7 @@ class Room:
         mirror: Mirror,
         runner: ScriptRunner,
         tokens: AdmissionTokens,
+        wire: Wire,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -76,76 +86,101 @@ class Room:
         self.redis = mirror.redis
         self.runner = runner
         self.tokens = tokens
-        # deal -> the KEYS of room_ticket.lua, built once per deal rather than per poll
-        self._keys: dict[int, tuple[str, str, str, str, str]] = {}
+        self.wire = wire
+        # deal -> room_ticket.lua's packed command prefixes (join, read), built once
+        self._prefixes: dict[int, tuple[bytes, bytes]] = {}
+        self._scores = RandomScores()
 
     # -- buyers -----------------------------------------------------------------------
 
     async def ticket(self, deal_id: int, user_id: int, mode: str) -> tuple[bool, dict[str, Any]]:
         """Join ("join") or read ("read") a ticket: (created, body)."""
-        reply = await self._ticket_call(deal_id, user_id, mode)
-        if int(reply[0]) == RoomCode.NOT_LOADED:
-            try:
-                found = await self.mirror.load(deal_id)
-            except Exception as exc:
-                log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
-                raise overloaded("Deal state unavailable; retry shortly.") from None
-            if not found:
-                raise not_found("deal")
-            reply = await self._ticket_call(deal_id, user_id, mode)
-            if int(reply[0]) == RoomCode.NOT_LOADED:
-                raise overloaded("Deal state is being rebuilt; retry shortly.")
-        code = RoomCode(int(reply[0]))
-        if code not in STATES:
-            raise from_room(code, str(reply[1]) if len(reply) > 1 else "")
-        created, position, joined_ms, avail, seq, expires_ms, advice, aps, to_start = (
-            int(x) for x in reply[1:10]
-        )
+        join = mode == "join"
+        reply = await self._ticket_call(deal_id, user_id, join)
+        code: int = reply[0]
+        if code > CLOSED:
+            if code == RoomCode.NOT_LOADED:
+                try:
+                    found = await self.mirror.load(deal_id)
+                except Exception as exc:
+                    log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
+                    raise overloaded("Deal state unavailable; retry shortly.") from None
+                if not found:
+                    raise not_found("deal")
+                reply = await self._ticket_call(deal_id, user_id, join)
+                code = reply[0]
+                if code == RoomCode.NOT_LOADED:
+                    raise overloaded("Deal state is being rebuilt; retry shortly.")
+            if code > CLOSED:
+                raise from_room(RoomCode(code), str(reply[1]) if len(reply) > 1 else "")
+        # hiredis hands the script's integers over as ints: nothing to convert.
+        _, created, position, joined_ms, avail, seq, expires_ms, advice, aps, to_start = reply
+        waiting = code == WAITING
         token = None
-        if code == RoomCode.ADMITTED:
+        if code == ADMITTED:
             token = self.tokens.mint(deal_id, user_id, seq, expires_ms)
         body = {
             "deal_id": deal_id,
-            "state": STATES[code],
-            "position": position if code == RoomCode.WAITING else None,
-            "joined_at": _iso_ms(joined_ms),
-            "eta_seconds": (
-                math.ceil(to_start / 1000) + math.ceil(position / max(1, aps))
-                if code == RoomCode.WAITING
-                else None
-            ),
+            "state": STATE_NAMES[code],
+            "position": position if waiting else None,
+            "joined_at": iso_ms(joined_ms),
+            # ceil(to_start / 1000) + ceil(position / aps), in integers.
+            "eta_seconds": -(-to_start // 1000) - (-position // (aps if aps > 0 else 1))
+            if waiting
+            else None,
             "poll_after_ms": advice,
             "available_hint": avail,
             "admission_token": token,
-            "admission_expires_at": _iso_ms(expires_ms) if token else None,
+            "admission_expires_at": iso_ms(expires_ms) if token else None,
         }
         return created == 1, body
 
-    async def _ticket_call(self, deal_id: int, user_id: int, mode: str) -> list[Any]:
-        keys = self._keys.get(deal_id)
-        if keys is None:
-            if len(self._keys) >= KEYS_CACHE_MAX:
-                self._keys.clear()
+    def _prefix(self, deal_id: int, join: bool) -> bytes:
+        """room_ticket.lua's command for this deal up to the user id, packed once."""
+        packed = self._prefixes.get(deal_id)
+        if packed is None:
+            if len(self._prefixes) >= KEYS_CACHE_MAX:
+                self._prefixes.clear()
             k = deal_keys(deal_id)
             keys = (k.room, k.room_queue, k.room_tickets, k.room_admitted, k.meta)
-            self._keys[deal_id] = keys
-        try:
-            reply: list[Any] = await self.runner.call(
-                "room_ticket",
-                keys,
-                (
-                    mode,
-                    user_id,
-                    # Only a join may use it; a read skips the system call.
-                    secrets.randbits(PREQUEUE_SCORE_BITS) if mode == "join" else 0,
-                    self.settings.poll_min_ms,
-                    self.settings.poll_max_ms,
-                ),
+            sha = self.runner.scripts["room_ticket"].sha
+            floor, ceiling = str(self.settings.poll_min_ms), str(self.settings.poll_max_ms)
+            packed = (
+                # join: the user id and the random prequeue score follow; read: the user id.
+                command_prefix(sha, keys, ("join", floor, ceiling), 2),
+                command_prefix(sha, keys, ("read", floor, ceiling), 1),
             )
+            self._prefixes[deal_id] = packed
+        return packed[0] if join else packed[1]
+
+    async def _ticket_call(self, deal_id: int, user_id: int, join: bool) -> list[Any]:
+        user = b"%d" % user_id
+        if join:
+            # Only a prequeue join uses it (the script decides); drawn cheaply for all.
+            score = b"%d" % self._scores.draw()
+            data = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                self._prefix(deal_id, True),
+                len(user),
+                user,
+                len(score),
+                score,
+            )
+        else:
+            data = b"%s$%d\r\n%s\r\n" % (self._prefix(deal_id, False), len(user), user)
+        try:
+            reply: Any = await self.wire.call(data)
+            if type(reply) is not list:
+                if isinstance(reply, NoScriptError):
+                    # Redis lost its scripts (a restart): nothing ran; load and call again.
+                    await self.runner.load()
+                    reply = await self.wire.call(data)
+                if isinstance(reply, Exception):
+                    raise reply
         except Exception as exc:
+            REDIS_ERRORS.labels(error_kind(exc)).inc()
             log.warning("room ticket failed for deal %s: %r", deal_id, exc)
             raise overloaded("Waiting room unavailable; retry shortly.") from None
-        return reply
+        return cast(list[Any], reply)
 
     # -- admin ------------------------------------------------------------------------
 
