@@ -20,6 +20,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from gate.db import Database
+from gate.drain import yield_to_sweeper
 from gate.payments.metrics import OUTBOX_LAG, OUTBOX_UNPUBLISHED
 from gate.scripts import ScriptMissing, lua_dir
 
@@ -94,6 +95,8 @@ class OutboxRelay:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            # A crowd's stock comes back before the events saying so (gate/drain.py).
+            await yield_to_sweeper(stop)
             done = 0
             try:
                 done = await self.run_once()
