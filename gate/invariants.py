@@ -45,6 +45,7 @@ import redis.asyncio as aioredis
 
 from gate.check import check_deal
 from gate.db import Database
+from gate.drain import yield_to_sweeper
 from gate.metrics import METRICS
 from gate.sweeper import STATS
 
@@ -219,6 +220,9 @@ class InvariantMonitor:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            # A check reads every order of a deal and holds a snapshot open: not while
+            # this process's sweeper drains a backlog (gate/drain.py).
+            await yield_to_sweeper(stop)
             started = self.clock()
             try:
                 await self.run_once()

@@ -37,6 +37,7 @@ import orjson
 import pymysql
 
 from gate.db import Database, errno_of, is_connection_error, is_retryable
+from gate.drain import mark_draining
 from gate.metrics import METRICS
 from gate.mirror import Intent, Mirror
 
@@ -51,6 +52,9 @@ NEXT_DUE_PAUSE_MIN_SECONDS = 0.05
 # once this many times before the batch counts as failed.
 BATCH_ATTEMPTS_MAX = 3
 LOOKUP_CHUNK = 1000
+# A scan continues where the last full batch ended for at most this long, then starts
+# from the beginning of the due range again (see Sweeper._take).
+SCAN_RESTART_SECONDS = 1.0
 FAILURE_PAUSE_MAX_SECONDS = 2.0
 LAG_BUCKETS_SECONDS = (
     0.1,
@@ -170,6 +174,10 @@ class Sweeper:
         self.mirror = mirror
         self.config = config
         self.actor = (actor or default_actor())[:64]
+        # Per holding status, where the last full batch ended ((expires_at, id)) and
+        # when the scan last started from the beginning (see _take).
+        self._after: dict[str, tuple[str, str]] = {}
+        self._scan_started = 0.0
 
     # -- loops -----------------------------------------------------------------------
 
@@ -191,7 +199,9 @@ class Sweeper:
                 # far that a hold would wait long once they are back.
                 failures = min(failures + 1, 8)
                 pause = min(pause * 2**failures, max(pause, FAILURE_PAUSE_MAX_SECONDS))
-            if released < self.config.batch_max:
+            if released >= self.config.batch_max:
+                mark_draining()
+            else:
                 if failures == 0:
                     pause = await self._until_next_due(pause)
                 try:
@@ -251,11 +261,12 @@ class Sweeper:
     async def _batch(self, *, last_attempt: bool) -> int:
         batch: Batch | None = None
         thread: list[Any] = []
+        cursor: dict[str, tuple[str, str] | None] = {}
         try:
             async with self.db.connection() as conn:
                 thread[:] = [conn.thread_id(), conn.connected_time]
                 async with conn.cursor() as cur:
-                    orders = await self._take(cur)
+                    orders = await self._take(cur, cursor)
                     if not orders:
                         await cur.execute("COMMIT")
                         return 0
@@ -286,6 +297,11 @@ class Sweeper:
         assert row is not None and int(row[0]) == 0, f"gate_expire_batch returned {row!r}"
         released = int(row[1])
         assert released == len(batch.orders), "a batch releases all its orders or none"
+        for status, after in cursor.items():
+            if after is None:
+                self._after.pop(status, None)
+            else:
+                self._after[status] = after
         await self._apply(batch, True)
         self._released(batch)
         return released
@@ -310,29 +326,55 @@ class Sweeper:
             self._failed(batch, exc)
         raise exc
 
-    async def _take(self, cur: Any) -> list[Due]:
+    async def _take(self, cur: Any, cursor: dict[str, tuple[str, str] | None]) -> list[Due]:
         """Open the transaction and lock a batch of due holds, oldest deadline first.
 
         One index range per status, so the scan stops after `limit` rows: with
         `status IN (…)` the rows would be sorted after the scan, and every due row
-        would be locked first."""
+        would be locked first.
+
+        While a backlog drains, a scan continues after where the last full batch of
+        this sweeper ended instead of at the start of the range: the orders released
+        meanwhile leave delete-marked entries there until purge removes them, and
+        stepping over them made each batch slower than the one before (a crowd's
+        holds share one deadline, so they sit in one run of the index). The scan
+        starts from the beginning again after a short batch and at least every
+        `SCAN_RESTART_SECONDS`, so a hold passed over (locked by a payment then, or
+        moved earlier by an operator) waits at most that much longer."""
         limit = self.config.batch_max
         found: list[Due] = []
+        now = time.monotonic()
+        if now - self._scan_started >= SCAN_RESTART_SECONDS:
+            self._after.clear()
+        if not self._after:
+            self._scan_started = now
+        # Until this batch has committed, the next scan starts from the beginning: a
+        # batch that fails leaves its holds before the cursor it would have set.
+        start, self._after = self._after, {}
         await cur.execute("START TRANSACTION")
         for status in HOLDING:
-            if len(found) >= limit:
+            want = limit - len(found)
+            if want <= 0:
                 break
+            after = start.get(status)
             # One text column per row: the client parses rows in Python, and six typed
             # columns cost it about three times as much CPU as one.
-            await cur.execute(
+            sql = (
                 "SELECT CONCAT_WS('|', id, deal_id, user_id, quantity, alloc,"
-                " TIMESTAMPDIFF(MICROSECOND, expires_at, NOW(6))) FROM orders"
+                " TIMESTAMPDIFF(MICROSECOND, expires_at, NOW(6)), expires_at) FROM orders"
                 " WHERE status = %s AND expires_at <= NOW(6)"
-                " ORDER BY expires_at LIMIT %s FOR UPDATE SKIP LOCKED",
-                (status, limit - len(found)),
             )
-            for (text,) in await cur.fetchall():
-                order_id, deal_id, user_id, quantity, alloc, overdue_us = str(text).split("|")
+            args: tuple[Any, ...] = (status,)
+            if after is not None:
+                sql += " AND (expires_at > %s OR (expires_at = %s AND id > %s))"
+                args += (after[0], after[0], after[1])
+            await cur.execute(
+                sql + " ORDER BY expires_at, id LIMIT %s FOR UPDATE SKIP LOCKED", (*args, want)
+            )
+            rows = await cur.fetchall()
+            for (text,) in rows:
+                fields = str(text).split("|")
+                order_id, deal_id, user_id, quantity, alloc, overdue_us, expires = fields
                 found.append(
                     Due(
                         order_id,
@@ -343,6 +385,9 @@ class Sweeper:
                         int(overdue_us) / 1e6,
                     )
                 )
+            # Where the next scan of this status starts once this batch has committed
+            # (None: from the beginning; the due range is exhausted or all locked).
+            cursor[status] = (expires, order_id) if len(rows) >= want else None
         return found
 
     async def _intend(self, batch: Batch) -> None:

@@ -166,7 +166,8 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "target": f"expiry inside gate serve: {e['holds']:,} API-made holds released"
                 f" until the deal view shows every unit ≥ {e['target']:,}/s",
-                "measured": f"{e['elapsed_s']} s (gate CPU {_n(e['cpu_us_per_hold'])} µs per hold)",
+                "measured": f"{e['elapsed_s']} s (gate CPU {_n(e['cpu_us_per_hold'])} µs per hold,"
+                f" {e.get('view_polls', '?')} deal-view polls included)",
                 "value": f"{_n(e['holds_per_s'])}/s",
                 "ok": bool(e["released_all"]) and e["holds_per_s"] >= e["target"],
                 "kind": "speed",

@@ -22,6 +22,11 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local n = tonumber(ARGV[2])
 local applied = 0
+-- The counters move once per bucket for the whole call (a release of 500 holds
+-- touches a few buckets), not once per intent: the script runs atomically, so
+-- nothing can read the counters in between.
+local sums = {}
+local total = 0
 for i = 0, n - 1 do
   local id = ARGV[3 + i * 2]
   local rec = redis.call('HGET', KEYS[4], id)
@@ -30,13 +35,10 @@ for i = 0, n - 1 do
     redis.call('ZREM', KEYS[5], id)
     if ARGV[4 + i * 2] == '1' and nb then
       local user, units, deltas = string.match(rec, '^R|([^|]*)|([^|]*)|([^|]*)|')
-      local total = 0
       for b, d in string.gmatch(deltas, '(%d+):(-?%d+)') do
-        redis.call('HINCRBY', KEYS[2], tonumber(b) % nb, tonumber(d))
+        local bucket = tonumber(b) % nb
+        sums[bucket] = (sums[bucket] or 0) + tonumber(d)
         total = total + tonumber(d)
-      end
-      if total ~= 0 then
-        redis.call('HINCRBY', KEYS[1], 'avail', total)
       end
       units = tonumber(units)
       if limit > 0 and units ~= 0 and user ~= '0' then
@@ -49,6 +51,14 @@ for i = 0, n - 1 do
       applied = applied + 1
     end
   end
+end
+for bucket, d in pairs(sums) do
+  if d ~= 0 then
+    redis.call('HINCRBY', KEYS[2], bucket, d)
+  end
+end
+if total ~= 0 then
+  redis.call('HINCRBY', KEYS[1], 'avail', total)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now_ms - tonumber(ARGV[1]))
 return applied

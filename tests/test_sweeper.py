@@ -174,6 +174,42 @@ async def test_an_authorized_hold_expires_too(
     assert report["totals"] == {"total": 2, "available": 2, "held": 0, "sold": 0}
 
 
+async def test_a_hold_passed_over_while_locked_is_released_after_the_scan_moved_on(
+    client: Client, db: Database, rds: aioredis.Redis, local_gate: Gate
+) -> None:
+    """While a backlog drains the scan continues after the last full batch; a hold it
+    passed over (locked by a payment at the time) must still be released once free."""
+    deal_id = await create_deal(client, stock=5, buckets=2)
+    orders = sorted(await make_holds(client, deal_id, 5, user_base=836_000, concurrency=5))
+    sweeper = make_sweeper(local_gate, SweepConfig(batch_max=2, interval_seconds=0.05))
+    # Due in a second: time enough to lock the first (lowest id: first in the index)
+    # before any sweeper (this one or the test gate's) can take it.
+    await db.execute(
+        "UPDATE orders SET expires_at = NOW(6) + INTERVAL 1 SECOND WHERE deal_id = %s",
+        (deal_id,),
+    )
+    async with db.connection() as conn, conn.cursor() as cur:
+        await cur.execute("START TRANSACTION")
+        await cur.execute("SELECT id FROM orders WHERE id = %s FOR UPDATE", (orders[0],))
+        await asyncio.sleep(1.2)
+        # Full batches (of these or other tests' due holds) move the scan past the
+        # locked hold.
+        for _ in range(3):
+            await sweeper.run_once()
+        assert (await statuses(db, orders[:1]))[orders[0]] == "PENDING_PAYMENT"
+        await cur.execute("ROLLBACK")
+
+    async def all_released() -> bool:
+        for _ in range(5):
+            await sweeper.run_once()
+        return await holding(db, deal_id) == 0
+
+    await wait_until(all_released, 20, "the passed-over hold to expire")
+    assert set((await statuses(db, orders)).values()) == {"EXPIRED"}
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": 5, "available": 5, "held": 0, "sold": 0}
+
+
 async def test_a_failed_release_changes_nothing_and_is_counted(
     client: Client, db: Database, rds: aioredis.Redis, local_gate: Gate
 ) -> None:
