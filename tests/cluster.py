@@ -31,6 +31,19 @@ NODE_TIMEOUT_MS = 2000
 START_TIMEOUT_SECONDS = 60.0
 
 
+_CLUSTER_CLIENTS: list[bool] = []
+
+
+def mark_cluster_clients_used() -> None:
+    """This process used redis-py's asyncio cluster client (tests/conftest.py)."""
+    if not _CLUSTER_CLIENTS:
+        _CLUSTER_CLIENTS.append(True)
+
+
+def cluster_clients_used() -> bool:
+    return bool(_CLUSTER_CLIENTS)
+
+
 def cluster_supported() -> bool:
     """redis-server and redis-cli are installed, and the server is 7.x+ (cluster
     mode with CLUSTER SHARDS)."""
@@ -106,7 +119,8 @@ class LocalCluster:
         deadline = time.monotonic() + 10
         while True:
             try:
-                redis.Redis(port=port, socket_timeout=1).ping()
+                with redis.Redis(port=port, socket_timeout=1) as probe:
+                    probe.ping()
                 return
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
@@ -135,7 +149,8 @@ class LocalCluster:
             if proc.poll() is not None:
                 continue
             try:
-                info = redis.Redis(port=port, socket_timeout=1).cluster("info")
+                with redis.Redis(port=port, socket_timeout=1) as node:
+                    info = node.cluster("info")
             except redis.RedisError:
                 return False
             if info.get("cluster_state") != "ok" or int(info.get("cluster_slots_ok", 0)) != 16384:
@@ -143,7 +158,8 @@ class LocalCluster:
         return True
 
     def client(self) -> redis.RedisCluster:
-        return redis.RedisCluster(host="127.0.0.1", port=self.base_port, decode_responses=True)
+        port = next(p for p, proc in self.procs.items() if proc.poll() is None)
+        return redis.RedisCluster(host="127.0.0.1", port=port, decode_responses=True)
 
     def primary_port_of(self, key: str) -> int:
         c = self.client()
@@ -152,6 +168,55 @@ class LocalCluster:
             return int(node.port)
         finally:
             c.close()
+
+    def _live(self) -> redis.Redis:
+        port = next(p for p, proc in self.procs.items() if proc.poll() is None)
+        return redis.Redis(port=port, decode_responses=True, socket_timeout=5)
+
+    def primaries(self) -> dict[int, tuple[str, list[tuple[int, int]]]]:
+        """port -> (node id, slot ranges) of every live primary (CLUSTER NODES)."""
+        out: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        with self._live() as node:
+            text = str(node.execute_command("CLUSTER", "NODES"))
+        for line in text.splitlines():
+            parts = line.split()
+            if "master" not in parts[2] or "fail" in parts[2]:
+                continue
+            port = int(parts[1].split("@")[0].rsplit(":", 1)[1])
+            ranges = []
+            for r in parts[8:]:
+                if r.startswith("["):
+                    continue  # a slot being imported / migrated
+                lo, _, hi = r.partition("-")
+                ranges.append((int(lo), int(hi or lo)))
+            out[port] = (parts[0], ranges)
+        return out
+
+    def migrate_slot(self, slot: int, dst_port: int, batch: int = 10, pause: float = 0.05) -> int:
+        """Move one slot to the primary on `dst_port` as `redis-cli --cluster reshard`
+        does (IMPORTING / MIGRATING, MIGRATE a few keys at a time, SETSLOT NODE);
+        returns how many keys moved."""
+        nodes = self.primaries()
+        src_port = next(p for p, (_, rs) in nodes.items() if any(a <= slot <= b for a, b in rs))
+        src_id, dst_id = nodes[src_port][0], nodes[dst_port][0]
+        moved = 0
+        with (
+            redis.Redis(port=src_port, decode_responses=True, socket_timeout=10) as src,
+            redis.Redis(port=dst_port, decode_responses=True, socket_timeout=10) as dst,
+        ):
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
+                src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "KEYS", *keys)
+                moved += len(keys)
+                time.sleep(pause)
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        for port in nodes:
+            if port not in (src_port, dst_port):
+                with redis.Redis(port=port) as other:
+                    other.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        return moved
 
     def kill(self, port: int) -> None:
         """SIGKILL one node."""
@@ -164,9 +229,9 @@ class LocalCluster:
         for port, proc in self.procs.items():
             if proc.poll() is not None:
                 continue
-            r = redis.Redis(port=port, socket_timeout=2)
-            if r.info("replication").get("role") == "master":
-                r.flushall()
+            with redis.Redis(port=port, socket_timeout=2) as r:
+                if r.info("replication").get("role") == "master":
+                    r.flushall()
 
     def stop(self) -> None:
         for port in list(self.procs):

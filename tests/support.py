@@ -85,6 +85,20 @@ def base_env() -> dict[str, str]:
     return env
 
 
+def redis_client(url: str, decode_responses: bool = True) -> aioredis.Redis:
+    """A redis-py client for `url`: a cluster client when it names a cluster node."""
+    from typing import cast
+
+    from gate.redismode import detect_mode
+
+    if detect_mode(url, "auto", 2.0) == "cluster":
+        return cast(
+            aioredis.Redis,
+            aioredis.RedisCluster.from_url(url, decode_responses=decode_responses),
+        )
+    return aioredis.Redis.from_url(url, decode_responses=decode_responses)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

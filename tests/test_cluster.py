@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 
 from gate.db import Database
 from gate.keys import deal_keys
@@ -23,7 +24,7 @@ from gate.migrate import migrate
 from gate.redismode import detect_mode, make_redis
 from gate.runtime import Gate
 from gate.settings import SettingsError, load_settings
-from tests.cluster import LocalCluster, cluster_supported
+from tests.cluster import LocalCluster, cluster_supported, mark_cluster_clients_used
 from tests.support import (
     Client,
     GateCommand,
@@ -115,6 +116,7 @@ async def cdb(cenv: dict[str, str]) -> AsyncIterator[Database]:
 
 
 def _crds(cluster: LocalCluster) -> aioredis.Redis:
+    mark_cluster_clients_used()
     live = next(p for p, proc in cluster.procs.items() if proc.poll() is None)
     client: aioredis.Redis = make_redis(f"redis://127.0.0.1:{live}/0", 10, 5.0, "cluster")
     return client
@@ -198,6 +200,7 @@ async def test_time_is_read_on_the_deal_node(
     for deal in deals:
         r = await reserve(clients[0], deal, 6_000_000 + deal, f"time-{deal}-0000")
         assert r.status_code == 201, r.text
+    mark_cluster_clients_used()
     gate = Gate(load_settings(cenv))
     await gate.start(background=False)
     passes = 60
@@ -281,3 +284,63 @@ async def test_sigkill_of_a_hot_deal_primary_mid_sale(
     check = GateCommand(cenv, "check", "--deal", str(deal))
     check.proc.wait(60)
     assert check.stop() == 0, check.output()
+
+
+async def test_a_slot_migration_mid_sale_runs_nothing_twice(
+    clients: list[Client], cluster: LocalCluster, cdb: Database
+) -> None:
+    stock = 300
+    deal = await create_deal(clients[0], stock=stock, buckets=4)
+    slot = key_slot(deal_keys(deal).meta.encode())
+    src = cluster.primary_port_of(deal_keys(deal).meta)
+    dst = next(p for p in cluster.primaries() if p != src)
+    responses: list[Any] = []
+    stop = asyncio.Event()
+    quarter = asyncio.Event()
+    keys_used: list[str] = []
+    sold = 0
+
+    async def buyer(worker: int) -> None:
+        nonlocal sold
+        i = 0
+        while not stop.is_set():
+            key = f"mig-{deal}-{worker}-{i:05d}"
+            r = await reserve(clients[worker % 2], deal, 8_000_000 + worker * 100_000 + i, key)
+            responses.append(r)
+            keys_used.append(key)
+            if r.status_code == 201:
+                sold += 1
+                if sold >= stock // 4:
+                    quarter.set()
+            elif r.status_code == 409:
+                stop.set()
+            elif r.status_code == 503:
+                await asyncio.sleep(0.05)
+            i += 1
+
+    tasks = [asyncio.create_task(buyer(w)) for w in range(12)]
+    await asyncio.wait_for(quarter.wait(), 60)
+    moved = await asyncio.to_thread(cluster.migrate_slot, slot, dst)
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    finally:
+        stop.set()
+    assert moved > 0
+    assert cluster.primary_port_of(deal_keys(deal).meta) == dst
+    _no_redirects(responses)
+    statuses = Counter(r.status_code for r in responses)
+    assert set(statuses) <= {201, 409, 503}, statuses
+    assert statuses[201] == stock, statuses
+    # One order per answered 201, each key at most once: nothing ran twice.
+    rows = await cdb.fetchall(
+        "SELECT COUNT(*), COUNT(DISTINCT idempotency_key), COALESCE(SUM(quantity), 0)"
+        " FROM orders WHERE deal_id = %s",
+        (deal,),
+    )
+    count, distinct, units = (int(v) for v in rows[0])
+    assert count == distinct == units == stock
+    rds = _crds(cluster)
+    try:
+        await assert_invariants(cdb, rds, deal, timeout_seconds=10.0)
+    finally:
+        await _close(rds)
