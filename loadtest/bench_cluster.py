@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import secrets
 import statistics
@@ -177,7 +178,7 @@ async def _failover(
         await asyncio.sleep(3)
         killed_at = time.monotonic()
         cluster.kill(port)
-        await asyncio.to_thread(cluster.wait_ok, 60.0)
+        await asyncio.to_thread(cluster.wait_promoted, port)
         promoted_at = time.monotonic()
         await asyncio.sleep(5)
         stop.set()
@@ -185,7 +186,9 @@ async def _failover(
     ok = sorted(t for t, s in events if s == 201)
     before = [t for t in ok if t <= killed_at]
     after = [t for t in ok if t > killed_at]
-    gap = (after[0] - (before[-1] if before else killed_at)) if after else float("inf")
+    # The longest stretch without a 201 from the last one before the kill on.
+    marks = [before[-1] if before else killed_at, *after]
+    gap = max((b - a for a, b in itertools.pairwise(marks)), default=float("inf"))
     statuses: dict[str, int] = {}
     for _, s in events:
         statuses[str(s)] = statuses.get(str(s), 0) + 1
@@ -236,7 +239,7 @@ def main() -> int:
                 ROOT,
             )
         for s in servers.values():
-            s.wait_ready()
+            s.wait_ready("/readyz")
         deals = {k: _create_deal(s.url, admin) for k, s in servers.items()}
         for name, s in servers.items():  # warm-up
             wrkrun.reserve_loop(s.url, deals[name], tokens, "w", args.connections, 2)

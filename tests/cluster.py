@@ -218,6 +218,24 @@ class LocalCluster:
                     other.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
         return moved
 
+    def wait_promoted(self, dead_port: int, timeout: float = START_TIMEOUT_SECONDS) -> None:
+        """A replica of the (killed) primary on `dead_port` serves its slots, and the
+        cluster is healthy again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                masters = self.primaries()
+                served = sum(
+                    b - a + 1 for p, (_, rs) in masters.items() if p != dead_port for a, b in rs
+                )
+                if served == 16384 and self.healthy():
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no replica of {dead_port} promoted in time")
+            time.sleep(0.1)
+
     def kill(self, port: int) -> None:
         """SIGKILL one node."""
         proc = self.procs[port]
