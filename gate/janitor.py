@@ -47,6 +47,7 @@ from gate.metrics import METRICS
 from gate.mirror import Marker, Mirror, parse_marker
 from gate.redismode import redis_ms, redis_ms_per_node
 from gate.settings import Settings
+from gate.worklease import WorkLease
 
 log = logging.getLogger("gate.janitor")
 
@@ -67,6 +68,8 @@ class Janitor:
         # Owners whose lease lapsed and whose threads were seen gone: that never
         # changes (a lapsed lease is never renewed; a process takes a new owner id).
         self._gone: dict[str, None] = {}
+        # Set by the gate: the pass runs only while this process holds the lease.
+        self.work_lease: WorkLease | None = None
 
     async def run_once(self) -> int:
         """Resolve at most one batch of orphaned tokens per deal; returns how many."""
@@ -243,7 +246,8 @@ class Janitor:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                resolved = await self.run_once()
+                lease = self.work_lease
+                resolved = await self.run_once() if lease is None or await lease.held() else 0
             except Exception as exc:
                 log.warning("janitor pass failed: %r", exc)
                 resolved = 0

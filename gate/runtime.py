@@ -22,6 +22,7 @@ from gate.scripts import ScriptRunner, read_scripts
 from gate.settings import Settings
 from gate.soldout import SoldOutCache
 from gate.unknown_deals import UnknownDeals
+from gate.worklease import WorkLease
 
 if TYPE_CHECKING:
     from gate.queue.service import QueueService
@@ -70,6 +71,10 @@ class Gate:
         self.admin_auth = AdminAuth(settings.admin_token)
         self.janitor = Janitor(settings, self.db, self.redis, self.mirror)
         self.resync = Resync(settings, self.redis, self.mirror)
+        # Each background loop runs in one process at a time across hosts.
+        ttl = settings.background_lease_seconds
+        self.janitor.work_lease = WorkLease(self.runner, "janitor", ttl)
+        self.resync.work_lease = WorkLease(self.runner, "resync", ttl)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lease_task: asyncio.Task[None] | None = None

@@ -53,6 +53,7 @@ SCRIPT_NAMES = (
     "apply",
     "sync_deal",
     "lease",
+    "work_lease",
     # Queue mode (gate/queue/).
     "queue_index",
     "enqueue",
