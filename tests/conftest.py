@@ -98,13 +98,17 @@ def prepared(settings: Settings) -> None:
 
 @pytest.fixture(scope="session")
 def gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
-    """The shared gate: two worker processes, background loops on."""
-    proc = GateProcess(env, workers=2)
+    """The shared gate: two worker processes, background loops on. On a cluster run
+    a second `gate serve` shares the load (`client` alternates between the two)."""
+    procs = [GateProcess(env, workers=2) for _ in range(2 if CLUSTER_RUN else 1)]
     try:
-        proc.wait_ready()
-        yield proc
+        for proc in procs:
+            proc.wait_ready()
+        procs[0].peers = [p.url for p in procs]
+        yield procs[0]
     finally:
-        proc.stop()
+        for proc in procs:
+            proc.stop()
 
 
 @pytest.fixture
@@ -121,7 +125,7 @@ async def local_gate(settings: Settings, gate: GateProcess) -> AsyncIterator[Gat
 
 @pytest.fixture
 async def client(gate: GateProcess) -> AsyncIterator[Client]:
-    c = Client(gate.url)
+    c = Client(gate.url, peers=gate.peers)
     try:
         yield c
     finally:

@@ -172,6 +172,8 @@ class GateProcess(GateCommand):
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # Every gate serving the suite (a cluster run starts two): see Client.
+        self.peers: list[str] = [self.url]
         args = ["serve", "--port", str(self.port), "--workers", str(workers)]
         if not background:
             args.append("--no-background")
@@ -209,8 +211,11 @@ class Resp:
 class Client:
     """A small HTTP client over aiohttp with the surface the tests need."""
 
-    def __init__(self, base_url: str, limit: int = 400) -> None:
+    def __init__(self, base_url: str, limit: int = 400, peers: Sequence[str] = ()) -> None:
         self.base_url = base_url
+        # Requests alternate between these gates (one load balancer's view of them).
+        self._peers = list(peers) or [base_url]
+        self._turn = 0
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=limit),
             timeout=aiohttp.ClientTimeout(total=60),
@@ -235,7 +240,11 @@ class Client:
             kwargs["data"] = content
         if "Content-Type" not in kwargs["headers"]:
             kwargs["skip_auto_headers"] = ["Content-Type"]
-        async with self.session.request(method, self.base_url + path, **kwargs) as r:
+        base = self.base_url
+        if len(self._peers) > 1:
+            self._turn += 1
+            base = self._peers[self._turn % len(self._peers)]
+        async with self.session.request(method, base + path, **kwargs) as r:
             return Resp(r.status, r.headers, await r.read())
 
     async def get(self, path: str, **kw: Any) -> Resp:
