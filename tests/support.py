@@ -211,11 +211,14 @@ class Resp:
 class Client:
     """A small HTTP client over aiohttp with the surface the tests need."""
 
+    # Requests alternate between these gates when there are several (a cluster run):
+    # class defaults, for subclasses with their own __init__.
+    _peers: list[str] = []  # noqa: RUF012
+    _turn = 0
+
     def __init__(self, base_url: str, limit: int = 400, peers: Sequence[str] = ()) -> None:
         self.base_url = base_url
-        # Requests alternate between these gates (one load balancer's view of them).
         self._peers = list(peers) or [base_url]
-        self._turn = 0
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=limit),
             timeout=aiohttp.ClientTimeout(total=60),
