@@ -38,13 +38,3 @@ async def test_zero_turns_leases_off(local_gate: Gate) -> None:
     b = WorkLease(local_gate.runner, "test-off", 0)
     assert await a.held() and await b.held()
 
-
-async def test_the_shared_gate_holds_each_background_lease(
-    local_gate: Gate, rds: aioredis.Redis
-) -> None:
-    # The shared gate (two workers, background loops on) runs each loop in one of them.
-    deadline = asyncio.get_running_loop().time() + WAIT_SECONDS
-    for kind in ("janitor", "resync"):
-        while await rds.get(lease_key(kind)) is None:
-            assert asyncio.get_running_loop().time() < deadline, kind
-            await asyncio.sleep(0.05)
