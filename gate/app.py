@@ -112,10 +112,10 @@ async def readyz(request: Request) -> Response:
     checks["database"] = await probe.verdict()
     pool = gate.db.pool_stats()
     details = {
-        "redis_circuit": gate.reservations.breaker.state,
+        "redis_circuit": gate.reservations.circuit_state,
         "db_pool": pool,
     }
-    degraded = gate.reservations.breaker.state != "closed" or (
+    degraded = gate.reservations.circuit_state != "closed" or (
         pool["reservation_in_use"] >= pool["reservation_max"]
     )
     if all(v == "ok" for v in checks.values()):

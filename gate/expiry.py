@@ -19,6 +19,7 @@ from gate.extensions import Extension, Worker
 from gate.invariants import InvariantMonitor, MonitorConfig
 from gate.settings import SettingsError, env_bool, env_float, env_int
 from gate.sweeper import SweepConfig, Sweeper
+from gate.worklease import WorkLease
 
 if TYPE_CHECKING:
     from gate.runtime import Gate
@@ -99,7 +100,12 @@ def install(gate: Gate) -> Extension:
     if settings.sweeper_in_serve:
         workers.append(Sweeper(gate.db, gate.mirror, settings.sweep).run)
     if settings.invariants_in_serve:
-        workers.append(InvariantMonitor(gate.db, gate.redis, settings.monitor).run)
+        monitor = InvariantMonitor(gate.db, gate.redis, settings.monitor)
+        # One process at a time across hosts checks the invariants (gate/worklease.py).
+        monitor.work_lease = WorkLease(
+            gate.runner, "invariants", gate.settings.background_lease_seconds
+        )
+        workers.append(monitor.run)
     return Extension(name="expiry", workers=workers)
 
 

@@ -48,6 +48,7 @@ from gate.db import Database
 from gate.drain import yield_to_sweeper
 from gate.metrics import METRICS
 from gate.sweeper import STATS
+from gate.worklease import WorkLease
 
 log = logging.getLogger("gate.invariants")
 
@@ -217,6 +218,8 @@ class InvariantMonitor:
         )
         self.release_failures = Alert("release_failure", config.release_failure_ratio_max, 0)
         self.release_lag = Alert("release_lag", config.release_lag_max_seconds, 0)
+        # Set by the gate: the pass runs only while this process holds the lease.
+        self.work_lease: WorkLease | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -225,7 +228,9 @@ class InvariantMonitor:
             await yield_to_sweeper(stop)
             started = self.clock()
             try:
-                await self.run_once()
+                lease = self.work_lease
+                if lease is None or await lease.held():
+                    await self.run_once()
             except Exception as exc:
                 log.warning("invariant pass failed: %r", exc)
             try:

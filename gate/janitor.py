@@ -45,7 +45,9 @@ from gate.db import Database, errno_of
 from gate.keys import ACTIVE_DEALS, deal_keys, owner_keys
 from gate.metrics import METRICS
 from gate.mirror import Marker, Mirror, parse_marker
+from gate.redismode import redis_ms, redis_ms_per_node
 from gate.settings import Settings
+from gate.worklease import WorkLease
 
 log = logging.getLogger("gate.janitor")
 
@@ -66,17 +68,21 @@ class Janitor:
         # Owners whose lease lapsed and whose threads were seen gone: that never
         # changes (a lapsed lease is never renewed; a process takes a new owner id).
         self._gone: dict[str, None] = {}
+        # Set by the gate: the pass runs only while this process holds the lease.
+        self.work_lease: WorkLease | None = None
 
     async def run_once(self) -> int:
         """Resolve at most one batch of orphaned tokens per deal; returns how many."""
-        seconds, micros = await self.redis.time()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        cutoff_ms = now_ms - int(self.settings.inflight_max_seconds * 1000)
-        committed_cutoff_ms = now_ms - int(self.settings.janitor_committed_after_seconds * 1000)
         batch = self.settings.janitor_batch_max
         resolved = 0
+        # "Now" is read on the node that owns each deal's slot (once per node and
+        # pass): the markers' scores come from that node's clock.
+        now_by_node: dict[str, int] = {}
         for raw in await self.redis.smembers(ACTIVE_DEALS):
             keys = deal_keys(int(raw))
+            now_ms = await redis_ms_per_node(self.redis, keys.meta, now_by_node)
+            cutoff_ms = now_ms - int(self.settings.inflight_max_seconds * 1000)
+            committed_cutoff_ms = now_ms - int(self.settings.janitor_committed_after_seconds * 1000)
             # Young markers too: their owners decide whether they can wait.
             aged = await self.redis.zrangebyscore(
                 keys.inflight_times, "-inf", now_ms, start=0, num=batch, withscores=True
@@ -193,8 +199,8 @@ class Janitor:
             return False
         threads = {int(t): int(ms) for t, ms in record.items() if t != "_"}
         if threads:
-            seconds, micros = await self.redis.time()
-            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            # The record's times come from the owner's lease script, on its slot's node.
+            now_ms = await redis_ms(self.redis, owner_keys(owner).conns)
             row = await self.db.fetchone("SHOW GLOBAL STATUS LIKE 'Uptime'")
             uptime_seconds = float(row[1]) if row is not None else float("inf")
             # Thread ids start again when the server restarts: a connection opened
@@ -240,7 +246,8 @@ class Janitor:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                resolved = await self.run_once()
+                lease = self.work_lease
+                resolved = await self.run_once() if lease is None or await lease.held() else 0
             except Exception as exc:
                 log.warning("janitor pass failed: %r", exc)
                 resolved = 0

@@ -27,6 +27,7 @@ from gate.clock import epoch_ms
 from gate.codes import SyncCode
 from gate.db import Database
 from gate.keys import ACTIVE_DEALS, DealKeys, deal_keys
+from gate.redismode import redis_ms
 from gate.scripts import ScriptRunner
 from gate.settings import Settings
 
@@ -75,11 +76,6 @@ def parse_marker(record: str) -> Marker:
         return Marker("T", int(user), int(qty), alloc, int(ms), key, fp, owner)
     _, user, units, deltas, ms = parts
     return Marker("R", int(user), int(units), deltas, int(ms), "", "")
-
-
-async def _redis_ms(client: aioredis.Redis) -> int:
-    seconds, micros = await client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 class Mirror:
@@ -305,7 +301,8 @@ class Mirror:
         keys = deal_keys(deal_id)
         for hook in self.before_sync:
             await hook(deal_id, mode)
-        t0 = await _redis_ms(self.redis)
+        # From the deal's node: the resolved markers' scores come from its clock.
+        t0 = await redis_ms(self.redis, keys.meta)
         async with self.db.snapshot() as cur:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hkeys(keys.inflight)

@@ -232,6 +232,9 @@ class Reservations:
         self.breaker = Breaker(
             "redis", settings.redis_breaker_failures_max, settings.redis_breaker_open_seconds
         )
+        # On Redis Cluster one breaker per node (gate/scripts.py node_of): a failing
+        # primary pauses only the deals whose slots it serves. Standalone: just one.
+        self._breakers: dict[str, Breaker] = {}
         self._scoped = (
             settings.limit_deal,
             settings.limit_user,
@@ -272,6 +275,29 @@ class Reservations:
             else None
         )
 
+    def breaker_for(self, deal_id: int) -> Breaker:
+        """The breaker of the Redis node that serves the deal's slot."""
+        name = self.mirror.runner.node_of(deal_keys(deal_id).meta)
+        if name == "redis":
+            return self.breaker
+        breaker = self._breakers.get(name)
+        if breaker is None:
+            breaker = self._breakers[name] = Breaker(
+                name,
+                self.settings.redis_breaker_failures_max,
+                self.settings.redis_breaker_open_seconds,
+            )
+        return breaker
+
+    @property
+    def circuit_state(self) -> str:
+        """The worst state of the breakers ("closed" when all are)."""
+        states = {self.breaker.state, *(b.state for b in self._breakers.values())}
+        for state in ("open", "half_open"):
+            if state in states:
+                return state
+        return "closed"
+
     def sold_out_answer(
         self, deal_id: int, user_id: int, quantity: int, instance: str
     ) -> Encoded | None:
@@ -303,7 +329,7 @@ class Reservations:
             raise overloaded("Too many reservations in progress; retry shortly.")
         self._inflight += 1
         try:
-            with self.breaker.call() as allowed:
+            with self.breaker_for(req.deal_id).call() as allowed:
                 if not allowed:
                     return await self._without_redis(req)
                 try:
@@ -453,10 +479,10 @@ class Reservations:
                 await self.mirror.confirm(
                     keys, req.user_id, req.idempotency_key, token, fp, str(row[1])
                 )
-                self.breaker.success()
+                self.breaker_for(req.deal_id).success()
             except Exception as exc:
                 # The order is committed; the janitor confirms the token later.
-                self.breaker.failure()
+                self.breaker_for(req.deal_id).failure()
                 log.warning("order %s committed but not confirmed in Redis: %r", token, exc)
             return Reserved(self._body(token, req, row), replayed=False)
 
@@ -509,15 +535,16 @@ class Reservations:
         except Exception as exc:
             # Never re-run a script that may have run: if the admission did happen,
             # its token is in Redis and the janitor gives the units back.
-            self.breaker.failure()
+            breaker = self.breaker_for(keys.deal_id)
+            breaker.failure()
             if limit is not None:
                 await asyncio.gather(limit, return_exceptions=True)
             log.warning("admission failed for deal %s: %r", keys.deal_id, exc)
             raise overloaded(
                 "Admission service unavailable; retry shortly.",
-                self.breaker.retry_after_seconds(),
+                breaker.retry_after_seconds(),
             ) from None
-        self.breaker.success()
+        self.breaker_for(keys.deal_id).success()
         refused: int | None = None
         if limit is not None:
             try:
@@ -569,7 +596,7 @@ class Reservations:
 
     async def _without_redis(self, req: ReserveRequest) -> Reserved:
         """Redis is failing (the breaker is open)."""
-        retry = self.breaker.retry_after_seconds()
+        retry = self.breaker_for(req.deal_id).retry_after_seconds()
         if self.settings.redis_down_policy != "database":
             raise overloaded("Reservations are paused while admission recovers.", retry)
         if self._any_limit and not self.settings.limits_fail_open:
@@ -739,7 +766,7 @@ class Reservations:
             if await self.mirror.compensate(keys, req.user_id, req.idempotency_key, token):
                 METRICS.compensations.inc()
         except Exception as exc:
-            self.breaker.failure()
+            self.breaker_for(keys.deal_id).failure()
             log.warning("compensation of %s deferred to the janitor: %r", token, exc)
 
     @staticmethod

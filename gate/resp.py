@@ -139,15 +139,20 @@ def _error(reply: hiredis.ReplyError) -> ResponseError:
 
 
 class RespConnection:
-    def __init__(self, url: str, timeout_seconds: float) -> None:
+    def __init__(
+        self, url: str, timeout_seconds: float, address: tuple[str, int] | None = None
+    ) -> None:
+        """A connection to the server of `url`, or to `address` (a cluster node) with
+        the URL's credentials and TLS."""
         target = parse_redis_url(url)
-        self.unix_path = target.unix_path
-        self.host = target.host
-        self.port = target.port
+        self.unix_path = target.unix_path if address is None else None
+        self.host = target.host if address is None else address[0]
+        self.port = target.port if address is None else address[1]
         self.tls = target.tls
         self.username = target.username
         self.password = target.password
-        self.db = target.db
+        # A cluster node has database 0 only: never SELECT there.
+        self.db = target.db if address is None else 0
         self.timeout_seconds = timeout_seconds
         self._writer: asyncio.StreamWriter | None = None
         self._pending: deque[asyncio.Future[Any]] = deque()

@@ -19,6 +19,7 @@ from gate.keys import ACTIVE_DEALS, deal_keys
 from gate.metrics import METRICS
 from gate.mirror import Mirror
 from gate.settings import Settings
+from gate.worklease import WorkLease
 
 log = logging.getLogger("gate.resync")
 
@@ -28,6 +29,8 @@ class Resync:
         self.settings = settings
         self.redis = client
         self.mirror = mirror
+        # Set by the gate: the pass runs only while this process holds the lease.
+        self.work_lease: WorkLease | None = None
 
     async def run_once(self) -> int:
         """One pass over the active deals; returns how many drifts were repaired."""
@@ -51,7 +54,9 @@ class Resync:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                await self.run_once()
+                lease = self.work_lease
+                if lease is None or await lease.held():
+                    await self.run_once()
             except Exception as exc:
                 log.warning("resync pass failed: %r", exc)
             try:

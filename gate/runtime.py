@@ -15,12 +15,14 @@ from gate.janitor import Janitor
 from gate.lease import Lease
 from gate.migrate import pending
 from gate.mirror import Mirror
+from gate.redismode import detect_mode, make_redis
 from gate.reservations import Reservations
 from gate.resync import Resync
-from gate.scripts import ScriptRunner, make_redis, read_scripts
+from gate.scripts import ScriptRunner, read_scripts
 from gate.settings import Settings
 from gate.soldout import SoldOutCache
 from gate.unknown_deals import UnknownDeals
+from gate.worklease import WorkLease
 
 if TYPE_CHECKING:
     from gate.queue.service import QueueService
@@ -38,8 +40,15 @@ class Gate:
         # Read the scripts now: a missing script must stop start-up before any socket opens.
         scripts = read_scripts()
         self.db = Database(settings)
+        # "standalone" or "cluster" (GATE_REDIS_MODE=auto asks the node once).
+        self.redis_mode = detect_mode(
+            settings.redis_url, settings.redis_mode, settings.redis_timeout_seconds
+        )
         self.redis = make_redis(
-            settings.redis_url, settings.redis_pool_max, settings.redis_timeout_seconds
+            settings.redis_url,
+            settings.redis_pool_max,
+            settings.redis_timeout_seconds,
+            self.redis_mode,
         )
         self.runner = ScriptRunner(
             self.redis,
@@ -47,6 +56,7 @@ class Gate:
             settings.redis_pipeline_max,
             settings.redis_url,
             settings.redis_timeout_seconds,
+            mode=self.redis_mode,
         )
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
         self.soldout = SoldOutCache(self.redis, settings.sold_out_cache_seconds)
@@ -61,6 +71,10 @@ class Gate:
         self.admin_auth = AdminAuth(settings.admin_token)
         self.janitor = Janitor(settings, self.db, self.redis, self.mirror)
         self.resync = Resync(settings, self.redis, self.mirror)
+        # Each background loop runs in one process at a time across hosts.
+        ttl = settings.background_lease_seconds
+        self.janitor.work_lease = WorkLease(self.runner, "janitor", ttl)
+        self.resync.work_lease = WorkLease(self.runner, "resync", ttl)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lease_task: asyncio.Task[None] | None = None

@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gate.metrics import METRICS
-from gate.resp import RespConnection
+from gate.resp import RespConnection, parse_redis_url
 
 log = logging.getLogger("gate.scripts")
 
@@ -54,6 +53,7 @@ SCRIPT_NAMES = (
     "apply",
     "sync_deal",
     "lease",
+    "work_lease",
     # Queue mode (gate/queue/).
     "queue_index",
     "enqueue",
@@ -97,11 +97,45 @@ def read_scripts(directory: Path | None = None) -> dict[str, Script]:
 
 
 _Call = tuple[Script, Sequence[str], Sequence[Any], "asyncio.Future[Any]", float]
+_Addr = tuple[str, int]
+
+CLUSTER_SLOTS = 16384
+# A call redirected (MOVED, ASK) or told TRYAGAIN more often than this fails.
+REDIRECTS_MAX = 5
+TRYAGAIN_SECONDS = 0.05
+# The slot map is asked again at most this often (a failover makes every caller
+# of the lost node ask at once).
+REFRESH_MIN_SECONDS = 0.2
+# Nodes the runner ever learned of (a cluster of thousands is not a thing).
+NODES_MAX = 1000
+
+
+def _redirect(result: Any) -> tuple[str, int, _Addr | None] | None:
+    """("MOVED" | "ASK", slot, address) of a redirection, ("TRYAGAIN", 0, None), or
+    None. Each means the script did not run."""
+    if not isinstance(result, ResponseError) or isinstance(result, NoScriptError):
+        return None
+    text = str(result)
+    if text.startswith(("MOVED ", "ASK ")):
+        kind, slot, addr = text.split(" ", 2)
+        host, _, port = addr.rpartition(":")
+        return kind, int(slot), (host, int(port))
+    if text.startswith("TRYAGAIN"):
+        return "TRYAGAIN", 0, None
+    return None
 
 
 class ScriptRunner:
     """Runs scripts by name; calls issued in the same loop turn share one pipeline,
-    written to one of a few raw RESP connections (gate/resp.py)."""
+    written to one of a few raw RESP connections (gate/resp.py).
+
+    On Redis Cluster (mode "cluster") the runner keeps the cluster's slot map and a
+    few connections per primary; each loop turn's batch is split per node and the
+    parts go out at once, still one round trip. A `MOVED` reply (the slot moved: the
+    script did not run) refreshes the map and re-sends the call to the named node;
+    `ASK` (a slot being migrated) re-sends it there after `ASKING`; `TRYAGAIN`
+    re-sends after a short pause. Nothing else is ever re-sent: a call whose
+    connection failed or timed out may have run (the in-flight token decides)."""
 
     def __init__(
         self,
@@ -111,17 +145,131 @@ class ScriptRunner:
         url: str,
         timeout_seconds: float,
         connections: int = 2,
+        mode: str = "standalone",
     ) -> None:
         self.client = client
         self.scripts = scripts
         self.batch_max = batch_max
-        self._conns = [RespConnection(url, timeout_seconds) for _ in range(max(1, connections))]
+        self.cluster = mode == "cluster"
+        self._url = url
+        self._timeout = timeout_seconds
+        self._per_node = max(1, connections)
+        self._conns = (
+            []
+            if self.cluster
+            else [RespConnection(url, timeout_seconds) for _ in range(self._per_node)]
+        )
         self._pending: list[_Call] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        # Cluster mode: slot -> primary address, connections per node, every node
+        # seen (primaries and replicas: where to ask for the map after a failover).
+        self._slots: list[_Addr | None] = [None] * CLUSTER_SLOTS
+        self._node_conns: dict[_Addr, list[RespConnection]] = {}
+        target = parse_redis_url(url)
+        self._known: dict[_Addr, None] = {(target.host, target.port): None}
+        self._refreshing: asyncio.Future[None] | None = None
+        self._refreshed_at = -REFRESH_MIN_SECONDS
+        self.slot_map_refreshes = 0
+        self.redirects = 0
+
+    # -- cluster slot map ------------------------------------------------------------
+
+    def node_of(self, key: str) -> str:
+        """The name of the node a call on `key` goes to now ("redis" standalone):
+        the reservations keep one breaker per name."""
+        if not self.cluster:
+            return "redis"
+        addr = self._slots[key_slot(key.encode())]
+        return "redis" if addr is None else f"redis {addr[0]}:{addr[1]}"
+
+    def _conn_for(self, addr: _Addr) -> RespConnection:
+        conns = self._node_conns.get(addr)
+        if conns is None:
+            if len(self._node_conns) >= NODES_MAX:
+                raise RedisConnectionError("too many Redis Cluster nodes")
+            conns = self._node_conns[addr] = [
+                RespConnection(self._url, self._timeout, addr) for _ in range(self._per_node)
+            ]
+        return min(conns, key=lambda c: (not c.connected, c.pending))
+
+    async def refresh(self, force: bool = False) -> None:
+        """Read the slot map (CLUSTER SLOTS) from the first node that answers."""
+        if self._refreshing is not None:
+            return await asyncio.shield(self._refreshing)
+        loop = asyncio.get_running_loop()
+        if not force and loop.time() - self._refreshed_at < REFRESH_MIN_SECONDS:
+            return
+        self._refreshing = loop.create_future()
+        try:
+            await self._refresh()
+            self._refreshing.set_result(None)
+        except BaseException as exc:
+            self._refreshing.set_exception(exc)
+            self._refreshing.exception()
+            raise
+        finally:
+            self._refreshing = None
+            self._refreshed_at = loop.time()
+
+    async def _refresh(self) -> None:
+        last: Exception | None = None
+        # The nodes last seen serving slots first, then the others (the URL's, replicas).
+        primaries = {a: None for a in self._slots if a is not None}
+        for addr in [*primaries, *(a for a in self._known if a not in primaries)]:
+            try:
+                conn = self._conn_for(addr)
+                await conn.connect()
+                (reply,) = await asyncio.gather(*conn.send([("CLUSTER", "SLOTS")]))
+                if isinstance(reply, Exception):
+                    raise reply
+            except (RedisError, OSError) as exc:
+                last = exc
+                continue
+            slots: list[_Addr | None] = [None] * CLUSTER_SLOTS
+            for entry in reply:
+                start, end, primary = int(entry[0]), int(entry[1]), entry[2]
+                host = str(primary[0]) or addr[0]
+                node = (host, int(primary[1]))
+                slots[start : end + 1] = [node] * (end - start + 1)
+                for member in entry[2:]:
+                    if len(self._known) < NODES_MAX:
+                        self._known[(str(member[0]) or addr[0], int(member[1]))] = None
+            self._slots = slots
+            self.slot_map_refreshes += 1
+            return
+        raise RedisConnectionError(f"no Redis Cluster node gave its slot map: {last!r}")
+
+    def _refresh_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._refresh_quietly())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh()
+        except Exception as exc:
+            log.warning("redis cluster slot map not refreshed: %r", exc)
 
     async def load(self) -> None:
-        """SCRIPT LOAD every script; a failure here stops start-up."""
+        """SCRIPT LOAD every script (on every primary of a cluster); a failure here
+        stops start-up."""
+        if self.cluster:
+            await self.refresh(force=True)
+            for addr in {a: None for a in self._slots if a is not None}:
+                conn = self._conn_for(addr)
+                await conn.connect()
+                replies = await asyncio.gather(
+                    *conn.send([("SCRIPT", "LOAD", s.source) for s in self.scripts.values()])
+                )
+                for script, sha in zip(self.scripts.values(), replies, strict=True):
+                    if isinstance(sha, Exception):
+                        raise sha
+                    if sha != script.sha:
+                        raise ScriptMissing(
+                            f"Redis returned sha {sha} for {script.name}, expected {script.sha}"
+                        )
+            return
         for script in self.scripts.values():
             sha = await self.client.script_load(script.source)
             if sha != script.sha:
@@ -199,6 +347,8 @@ class ScriptRunner:
         return missing
 
     async def _execute(self, batch: list[_Call]) -> list[Any]:
+        if self.cluster:
+            return await self._execute_cluster(batch)
         conn = min(self._conns, key=lambda c: (not c.connected, c.pending))
         await conn.connect()
         futures = conn.send(
@@ -206,26 +356,90 @@ class ScriptRunner:
         )
         return list(await asyncio.gather(*futures))
 
+    async def _execute_cluster(self, batch: list[_Call]) -> list[Any]:
+        """One result per call (an exception object for a failed one): the batch split
+        per primary, the parts sent at once; redirections re-sent (module doc)."""
+        if all(a is None for a in self._slots):
+            await self.refresh(force=True)
+        results: list[Any] = [None] * len(batch)
+        todo = list(range(len(batch)))
+        asking: dict[int, _Addr] = {}
+        for attempt in range(REDIRECTS_MAX + 1):
+            groups: dict[tuple[_Addr, bool], list[int]] = {}
+            for i in todo:
+                keys = batch[i][1]
+                addr = asking.get(i)
+                if addr is None:
+                    addr = self._slots[key_slot(keys[0].encode())] if keys else None
+                if addr is None:
+                    results[i] = RedisConnectionError("no Redis Cluster node serves this slot")
+                    continue
+                groups.setdefault((addr, i in asking), []).append(i)
+            asking = {}
+            await asyncio.gather(
+                *(
+                    self._send_node(addr, ask, idx, batch, results)
+                    for (addr, ask), idx in groups.items()
+                )
+            )
+            todo = []
+            pause = False
+            for i in (i for idx in groups.values() for i in idx):
+                redirect = _redirect(results[i])
+                if redirect is None:
+                    continue
+                kind, slot, addr = redirect
+                if attempt == REDIRECTS_MAX:
+                    continue  # the error stays the caller's answer
+                self.redirects += 1
+                todo.append(i)
+                if kind == "MOVED":
+                    assert addr is not None
+                    self._slots[slot] = addr
+                    if len(self._known) < NODES_MAX:
+                        self._known[addr] = None
+                    self._refresh_soon()
+                elif kind == "ASK":
+                    assert addr is not None
+                    asking[i] = addr
+                else:
+                    pause = True
+            if not todo:
+                break
+            if pause:
+                await asyncio.sleep(TRYAGAIN_SECONDS)
+        return results
+
+    async def _send_node(
+        self, addr: _Addr, ask: bool, idx: list[int], batch: list[_Call], results: list[Any]
+    ) -> None:
+        commands: list[Sequence[Any]] = []
+        for i in idx:
+            script, keys, args = batch[i][0], batch[i][1], batch[i][2]
+            if ask:
+                commands.append(("ASKING",))
+            commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
+        try:
+            conn = self._conn_for(addr)
+            await conn.connect()
+            replies = list(await asyncio.gather(*conn.send(commands)))
+        except Exception as exc:
+            # The node failed (a failover, perhaps): the map is asked again; these calls
+            # may have run and are never re-sent.
+            self._refresh_soon()
+            for i in idx:
+                results[i] = exc
+            return
+        if ask:
+            replies = replies[1::2]
+        for i, reply in zip(idx, replies, strict=True):
+            results[i] = reply
+
     async def aclose(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for conn in self._conns:
             conn.close()
-
-
-def make_redis(url: str, pool_max: int, timeout_seconds: float) -> aioredis.Redis:
-    """A client that never retries on its own.
-
-    redis-py retries failed commands by default, timeouts included. A timed-out
-    admission may well have run, so re-sending it could take stock twice; the
-    in-flight token, not a blind retry, decides what happened.
-    """
-    return aioredis.Redis.from_url(
-        url,
-        decode_responses=True,
-        max_connections=pool_max,
-        socket_timeout=timeout_seconds,
-        socket_connect_timeout=timeout_seconds,
-        health_check_interval=0,
-        retry=Retry(NoBackoff(), 0),
-    )
+        for conns in self._node_conns.values():
+            for conn in conns:
+                conn.close()

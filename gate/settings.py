@@ -188,6 +188,8 @@ class Settings:
 
     # Redis bounds and what happens when Redis is in trouble.
     redis_pool_max: int = 64
+    # "auto" asks the node (INFO cluster) at start-up; "standalone" or "cluster".
+    redis_mode: str = "auto"
     redis_timeout_seconds: float = 0.5
     redis_pipeline_max: int = 512
     redis_breaker_failures_max: int = 5
@@ -226,6 +228,9 @@ class Settings:
     inflight_max_seconds: float = 30.0
     janitor_batch_max: int = 500
     janitor_interval_seconds: float = 1.0
+    # > 0: one process at a time runs each background loop (gate/worklease.py);
+    # 0 (the default): every process does, as before.
+    background_lease_seconds: float = 0.0
     janitor_committed_after_seconds: float = 2.0
     # Each gate process's liveness lease (gate/lease.py), renewed every third of it:
     # a janitor resolves a dead process's in-flight tokens once it has lapsed.
@@ -329,6 +334,18 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         parse_redis_url(redis_url)
     except RedisUrlError as exc:
         raise SettingsError(str(exc)) from None
+    redis_mode = env.get("GATE_REDIS_MODE", "auto").strip().lower() or "auto"
+    if redis_mode not in ("auto", "standalone", "cluster"):
+        raise SettingsError("GATE_REDIS_MODE must be 'auto', 'standalone' or 'cluster'")
+    if redis_mode == "cluster":
+        target = parse_redis_url(redis_url)
+        if target.db != 0:
+            raise SettingsError(
+                f"GATE_REDIS_URL names database {target.db}, but Redis Cluster has database 0"
+                " only: use redis://host:port/0 (or no database) with GATE_REDIS_MODE=cluster"
+            )
+        if target.unix_path is not None:
+            raise SettingsError("GATE_REDIS_URL: Redis Cluster cannot be reached over unix://")
     log_level = env.get("GATE_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if log_level not in LOG_LEVELS:
         raise SettingsError(f"GATE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
@@ -359,6 +376,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             env, "GATE_RESERVATION_DB_TIMEOUT_SECONDS", 10.0, 0.1, 120
         ),
         redis_pool_max=env_int(env, "GATE_REDIS_POOL_MAX", 64, 1, 10_000),
+        redis_mode=redis_mode,
         redis_timeout_seconds=env_float(env, "GATE_REDIS_TIMEOUT_SECONDS", 0.5, 0.01, 60),
         redis_breaker_failures_max=env_int(env, "GATE_REDIS_BREAKER_FAILURES", 5, 1, 10_000),
         redis_breaker_open_seconds=env_float(
@@ -393,6 +411,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         inflight_max_seconds=env_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),
         janitor_batch_max=env_int(env, "GATE_JANITOR_BATCH_MAX", 500, 1, 100_000),
         janitor_interval_seconds=env_float(env, "GATE_JANITOR_INTERVAL_SECONDS", 1.0, 0.05, 60),
+        background_lease_seconds=env_float(env, "GATE_BACKGROUND_LEASE_SECONDS", 0.0, 0, 60),
         janitor_committed_after_seconds=env_float(
             env, "GATE_JANITOR_COMMITTED_AFTER_SECONDS", 2.0, 0.1, 3600
         ),

@@ -31,6 +31,7 @@ import time
 import redis.asyncio as aioredis
 
 from gate.keys import deal_keys
+from gate.redismode import is_cluster, redis_ms
 
 log = logging.getLogger("gate.soldout")
 
@@ -43,6 +44,7 @@ BUYERS_MAX = 200_000
 class SoldOutCache:
     def __init__(self, client: aioredis.Redis, ttl_seconds: float) -> None:
         self.redis = client
+        self._cluster = is_cluster(client)
         self.ttl_seconds = ttl_seconds
         # deal -> (valid until (monotonic), size of the buyers set, the set, the
         # deal's max_per_order)
@@ -72,13 +74,16 @@ class SoldOutCache:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hmget(keys.meta, "avail", "start_ms", "end_ms", "buyers_ok", "max")
                 pipe.scard(keys.buyers)
-                pipe.time()
-                (
-                    (avail, start_ms, end_ms, buyers_ok, most),
-                    buyers,
-                    (sec, usec),
-                ) = await pipe.execute()
-            now_ms = int(sec) * 1000 + int(usec) // 1000
+                if not self._cluster:
+                    pipe.time()
+                replies = await pipe.execute()
+            (avail, start_ms, end_ms, buyers_ok, most), buyers = replies[0], replies[1]
+            if self._cluster:
+                # TIME of the deal's node (a cluster pipeline sends keyless TIME anywhere).
+                now_ms = await redis_ms(self.redis, keys.meta)
+            else:
+                sec, usec = replies[2]
+                now_ms = int(sec) * 1000 + int(usec) // 1000
             entry = self._entries.get(deal_id)
             still = (
                 entry is not None

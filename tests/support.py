@@ -85,6 +85,20 @@ def base_env() -> dict[str, str]:
     return env
 
 
+def redis_client(url: str, decode_responses: bool = True) -> aioredis.Redis:
+    """A redis-py client for `url`: a cluster client when it names a cluster node."""
+    from typing import cast
+
+    from gate.redismode import detect_mode
+
+    if detect_mode(url, "auto", 2.0) == "cluster":
+        return cast(
+            aioredis.Redis,
+            aioredis.RedisCluster.from_url(url, decode_responses=decode_responses),
+        )
+    return aioredis.Redis.from_url(url, decode_responses=decode_responses)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,6 +172,8 @@ class GateProcess(GateCommand):
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # Every gate serving the suite (a cluster run starts two): see Client.
+        self.peers: list[str] = [self.url]
         args = ["serve", "--port", str(self.port), "--workers", str(workers)]
         if not background:
             args.append("--no-background")
@@ -195,8 +211,14 @@ class Resp:
 class Client:
     """A small HTTP client over aiohttp with the surface the tests need."""
 
-    def __init__(self, base_url: str, limit: int = 400) -> None:
+    # Requests alternate between these gates when there are several (a cluster run):
+    # class defaults, for subclasses with their own __init__.
+    _peers: list[str] = []  # noqa: RUF012
+    _turn = 0
+
+    def __init__(self, base_url: str, limit: int = 400, peers: Sequence[str] = ()) -> None:
         self.base_url = base_url
+        self._peers = list(peers) or [base_url]
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=limit),
             timeout=aiohttp.ClientTimeout(total=60),
@@ -221,7 +243,11 @@ class Client:
             kwargs["data"] = content
         if "Content-Type" not in kwargs["headers"]:
             kwargs["skip_auto_headers"] = ["Content-Type"]
-        async with self.session.request(method, self.base_url + path, **kwargs) as r:
+        base = self.base_url
+        if len(self._peers) > 1:
+            self._turn += 1
+            base = self._peers[self._turn % len(self._peers)]
+        async with self.session.request(method, base + path, **kwargs) as r:
             return Resp(r.status, r.headers, await r.read())
 
     async def get(self, path: str, **kw: Any) -> Resp:

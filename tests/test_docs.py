@@ -40,6 +40,8 @@ def _python_sources() -> list[Path]:
         *sorted((ROOT / "gate").rglob("*.py")),
         *sorted((ROOT / "loadtest").rglob("*.py")),
         ROOT / "tests" / "support.py",
+        ROOT / "tests" / "conftest.py",
+        ROOT / "tests" / "test_cluster.py",
     ]
 
 

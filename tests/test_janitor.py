@@ -20,6 +20,7 @@ from tests.support import (
     create_deal,
     locked_buckets,
     redis_available,
+    redis_client,
     reserve,
     wait_for_reserve_statement,
 )
@@ -76,7 +77,7 @@ async def _kill_mid_reservation(
 
 
 async def _inflight(key: str, settings: Settings) -> list[str]:
-    client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    client = redis_client(settings.redis_url)
     try:
         return [str(t) for t in await client.hkeys(key)]
     finally:

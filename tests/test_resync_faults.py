@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from gate.db import Database
 from gate.keys import deal_keys
 from gate.settings import Settings
-from tests.support import Client, Traffic, assert_invariants, create_deal, reserve
+from tests.support import Client, Traffic, assert_invariants, create_deal, redis_client, reserve
 
 CONVERGE_SECONDS = 5.0
 STOCK = 400
@@ -53,7 +53,7 @@ async def test_a_fault_mid_sale_converges_without_oversell(
     names = deal_key_names(deal_id)
     keys = deal_keys(deal_id)
     traffic = Traffic(client, deal_id, 760_000 + 20_000 * len(fault), seed=len(fault))
-    raw = aioredis.Redis.from_url(settings.redis_url)  # bytes, as DUMP/RESTORE need
+    raw = redis_client(settings.redis_url, decode_responses=False)  # bytes: DUMP/RESTORE
     traffic.start(buyers=6)
     try:
         await asyncio.sleep(0.5)

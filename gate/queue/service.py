@@ -312,6 +312,10 @@ class QueueService:
             (queue_order_index(token),),
             (f"{deal_id}|{user_id}", self.status_ttl_ms),
         )
+        if self.gate.runner.cluster:
+            # On Redis Cluster the index's slot is on another node: the two calls would
+            # travel on two connections, unordered. The index is written first.
+            await index
         enqueue = self.gate.runner.call(
             "enqueue",
             (keys.inflight, keys.inflight_times, qk.stream, qk.status(token)),

@@ -1,0 +1,346 @@
+"""Gate on a Redis Cluster (3 primaries, 3 replicas; tests/cluster.py) with two
+`gate serve` processes: the mode and its refusal, deals on different primaries,
+TIME read on the deal's node, and the SIGKILL of a hot deal's primary mid-sale.
+
+The whole existing suite can run on a cluster too: GATE_TEST_REDIS_CLUSTER=1
+(tests/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.crc import key_slot
+
+from gate.db import Database
+from gate.keys import deal_keys
+from gate.migrate import migrate
+from gate.redismode import detect_mode, make_redis
+from gate.runtime import Gate
+from gate.settings import SettingsError, load_settings
+from tests.cluster import LocalCluster, cluster_supported, mark_cluster_clients_used
+from tests.support import (
+    Client,
+    GateCommand,
+    GateProcess,
+    assert_invariants,
+    base_env,
+    create_deal,
+    reserve,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not cluster_supported(), reason="redis-server 7+ with cluster mode needed"),
+]
+
+BASE_PORT = int(os.environ.get("GATE_TEST_CLUSTER_BASE_PORT", "18500"))
+# Callers may see 503 while a primary fails over; never a Redis redirection or a
+# cross-slot error.
+FORBIDDEN = ("MOVED", "ASK ", "CROSSSLOT", "TRYAGAIN", "CLUSTERDOWN")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    c = LocalCluster(BASE_PORT)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def cenv(cluster: LocalCluster) -> dict[str, str]:
+    env = base_env()
+    env["GATE_REDIS_URL"] = cluster.url
+    env["GATE_MYSQL_URL"] = env["GATE_MYSQL_URL"] + "_rc"
+    settings = load_settings(env)
+
+    async def reset() -> None:
+        import aiomysql
+
+        from gate.db import connect_kwargs
+
+        conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
+        try:
+            async with conn.cursor() as cur:
+                await cur.execute("SET SESSION sql_notes = 0")
+                await cur.execute(f"DROP DATABASE IF EXISTS `{settings.mysql.database}`")
+        finally:
+            conn.close()
+        await migrate(settings.mysql)
+
+    asyncio.run(reset())
+    cluster.flush()
+    return env
+
+
+@pytest.fixture(scope="module")
+def gates(cenv: dict[str, str]) -> Iterator[list[GateProcess]]:
+    """Two `gate serve` processes (two workers each) sharing the cluster."""
+    procs = [GateProcess(cenv, workers=2) for _ in range(2)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture
+async def clients(gates: list[GateProcess]) -> AsyncIterator[list[Client]]:
+    cs = [Client(g.url) for g in gates]
+    try:
+        yield cs
+    finally:
+        for c in cs:
+            await c.close()
+
+
+@pytest.fixture
+async def cdb(cenv: dict[str, str]) -> AsyncIterator[Database]:
+    database = Database(load_settings(cenv), pool_max=5)
+    await database.start()
+    try:
+        yield database
+    finally:
+        await database.close()
+
+
+def _crds(cluster: LocalCluster) -> aioredis.Redis:
+    mark_cluster_clients_used()
+    live = next(p for p, proc in cluster.procs.items() if proc.poll() is None)
+    client: aioredis.Redis = make_redis(f"redis://127.0.0.1:{live}/0", 10, 5.0, "cluster")
+    return client
+
+
+async def _close(client: aioredis.Redis) -> None:
+    try:
+        await client.aclose()
+    except RuntimeError:
+        pass
+
+
+def _no_redirects(responses: list[Any]) -> None:
+    for r in responses:
+        for word in FORBIDDEN:
+            assert word not in r.text, r.text
+
+
+async def _deals_on_two_primaries(client: Client, cluster: LocalCluster, stock: int) -> list[int]:
+    """Two deals whose slots are served by different primaries."""
+    first = await create_deal(client, stock=stock)
+    first_port = cluster.primary_port_of(deal_keys(first).meta)
+    for _ in range(20):
+        other = await create_deal(client, stock=stock)
+        if cluster.primary_port_of(deal_keys(other).meta) != first_port:
+            return [first, other]
+    raise AssertionError("no deal landed on another primary")
+
+
+def test_auto_mode_detects_the_cluster_and_refuses_a_database(
+    cluster: LocalCluster, cenv: dict[str, str]
+) -> None:
+    assert detect_mode(cluster.url, "auto", 2.0) == "cluster"
+    with pytest.raises(SettingsError, match="database 0 only"):
+        detect_mode(cluster.url.rsplit("/", 1)[0] + "/3", "auto", 2.0)
+    with pytest.raises(SettingsError, match="database 0 only"):
+        load_settings(
+            {**cenv, "GATE_REDIS_URL": cluster.url[:-1] + "3", "GATE_REDIS_MODE": "cluster"}
+        )
+    # `gate serve` stops at start-up with the message.
+    bad = GateCommand({**cenv, "GATE_REDIS_URL": cluster.url[:-1] + "3"}, "serve", "--port", "1")
+    bad.proc.wait(60)
+    assert bad.stop() == 2
+    assert "database 0 only" in bad.output()
+
+
+async def test_deals_on_different_primaries_sell_independently(
+    clients: list[Client], cluster: LocalCluster, cdb: Database
+) -> None:
+    stock = 60
+    deals = await _deals_on_two_primaries(clients[0], cluster, stock)
+    responses = await asyncio.gather(
+        *(
+            reserve(clients[i % 2], deal, 5_000_000 + deal * 1000 + i, f"ind-{deal}-{i:05d}")
+            for deal in deals
+            for i in range(stock + 40)
+        )
+    )
+    _no_redirects(responses)
+    by_deal: dict[int, Counter[int]] = {d: Counter() for d in deals}
+    for n, r in enumerate(responses):
+        by_deal[deals[n // (stock + 40)]][r.status_code] += 1
+    rds = _crds(cluster)
+    try:
+        for deal in deals:
+            statuses = by_deal[deal]
+            assert set(statuses) <= {201, 409, 503}, (
+                statuses,
+                [r.text for r in responses if r.status_code not in (201, 409, 503)][:2],
+            )
+            assert statuses[201] <= stock
+            await assert_invariants(cdb, rds, deal)
+    finally:
+        await _close(rds)
+
+
+async def test_time_is_read_on_the_deal_node(
+    clients: list[Client], cluster: LocalCluster, cenv: dict[str, str]
+) -> None:
+    deals = await _deals_on_two_primaries(clients[0], cluster, 10)
+    for deal in deals:
+        r = await reserve(clients[0], deal, 6_000_000 + deal, f"time-{deal}-0000")
+        assert r.status_code == 201, r.text
+    mark_cluster_clients_used()
+    gate = Gate(load_settings(cenv))
+    await gate.start(background=False)
+    passes = 60
+    try:
+        assert gate.redis_mode == "cluster"
+        for deal in deals:
+            port = cluster.primary_port_of(deal_keys(deal).meta)
+            nodes = {p: redis.Redis(port=p) for p, pr in cluster.procs.items() if pr.poll() is None}
+            try:
+                before = {p: _time_calls(n) for p, n in nodes.items()}
+                for _ in range(passes):
+                    await gate.mirror.resync(deal)  # reads TIME once per pass
+                grew = {p: _time_calls(n) - before[p] for p, n in nodes.items()}
+            finally:
+                for n in nodes.values():
+                    n.close()
+            # Every pass asked the deal's primary; the other nodes saw only the two
+            # gates' background loops (a few reads in the same moments).
+            assert grew[port] >= passes, (deal, port, grew)
+            assert all(g < passes for p, g in grew.items() if p != port), (deal, port, grew)
+    finally:
+        await gate.stop()
+
+
+def _time_calls(node: redis.Redis) -> int:
+    stats: Any = node.info("commandstats")
+    return int(stats.get("cmdstat_time", {}).get("calls", 0))
+
+
+async def test_sigkill_of_a_hot_deal_primary_mid_sale(
+    clients: list[Client], cluster: LocalCluster, cdb: Database, cenv: dict[str, str]
+) -> None:
+    stock = 400
+    deal = await create_deal(clients[0], stock=stock, buckets=4)
+    port = cluster.primary_port_of(deal_keys(deal).meta)
+    responses: list[Any] = []
+    stop = asyncio.Event()
+    quarter = asyncio.Event()
+    sold = 0
+
+    async def buyer(worker: int) -> None:
+        nonlocal sold
+        i = 0
+        while not stop.is_set():
+            user = 7_000_000 + worker * 100_000 + i
+            r = await reserve(clients[worker % 2], deal, user, f"fo-{deal}-{worker}-{i}")
+            responses.append(r)
+            if r.status_code == 201:
+                sold += 1
+                if sold >= stock // 4:
+                    quarter.set()
+            elif r.status_code == 409:
+                stop.set()
+            elif r.status_code == 503:
+                await asyncio.sleep(0.05)
+            i += 1
+
+    tasks = [asyncio.create_task(buyer(w)) for w in range(16)]
+    await asyncio.wait_for(quarter.wait(), 60)
+    cluster.kill(port)  # the hot deal's primary, mid-sale
+    await asyncio.to_thread(cluster.wait_promoted, port)  # its replica takes over
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    finally:
+        stop.set()
+    _no_redirects(responses)
+    statuses = Counter(r.status_code for r in responses)
+    assert set(statuses) <= {201, 409, 503}, statuses
+    assert statuses[201] == stock, statuses  # every unit sold once: none lost, no oversell
+    held = await cdb.fetchone(
+        "SELECT COALESCE(SUM(quantity), 0) FROM orders"
+        " WHERE deal_id = %s AND status <> 'CANCELLED'",
+        (deal,),
+    )
+    assert held is not None and int(held[0]) == stock
+    rds = _crds(cluster)
+    try:
+        await assert_invariants(cdb, rds, deal, timeout_seconds=10.0)  # Redis = DB in 10 s
+    finally:
+        await _close(rds)
+    check = GateCommand(cenv, "check", "--deal", str(deal))
+    check.proc.wait(60)
+    assert check.stop() == 0, check.output()
+
+
+async def test_a_slot_migration_mid_sale_runs_nothing_twice(
+    clients: list[Client], cluster: LocalCluster, cdb: Database
+) -> None:
+    stock = 300
+    deal = await create_deal(clients[0], stock=stock, buckets=4)
+    slot = key_slot(deal_keys(deal).meta.encode())
+    src = cluster.primary_port_of(deal_keys(deal).meta)
+    dst = next(p for p in cluster.primaries() if p != src)
+    responses: list[Any] = []
+    stop = asyncio.Event()
+    quarter = asyncio.Event()
+    keys_used: list[str] = []
+    sold = 0
+
+    async def buyer(worker: int) -> None:
+        nonlocal sold
+        i = 0
+        while not stop.is_set():
+            key = f"mig-{deal}-{worker}-{i:05d}"
+            r = await reserve(clients[worker % 2], deal, 8_000_000 + worker * 100_000 + i, key)
+            responses.append(r)
+            keys_used.append(key)
+            if r.status_code == 201:
+                sold += 1
+                if sold >= stock // 4:
+                    quarter.set()
+            elif r.status_code == 409:
+                stop.set()
+            elif r.status_code == 503:
+                await asyncio.sleep(0.05)
+            i += 1
+
+    tasks = [asyncio.create_task(buyer(w)) for w in range(12)]
+    await asyncio.wait_for(quarter.wait(), 60)
+    moved = await asyncio.to_thread(cluster.migrate_slot, slot, dst)
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    finally:
+        stop.set()
+    assert moved > 0
+    assert cluster.primary_port_of(deal_keys(deal).meta) == dst
+    _no_redirects(responses)
+    statuses = Counter(r.status_code for r in responses)
+    assert set(statuses) <= {201, 409, 503}, statuses
+    assert statuses[201] == stock, statuses
+    # One order per answered 201, each key at most once: nothing ran twice.
+    rows = await cdb.fetchall(
+        "SELECT COUNT(*), COUNT(DISTINCT idempotency_key), COALESCE(SUM(quantity), 0)"
+        " FROM orders WHERE deal_id = %s",
+        (deal,),
+    )
+    count, distinct, units = (int(v) for v in rows[0])
+    assert count == distinct == units == stock
+    rds = _crds(cluster)
+    try:
+        await assert_invariants(cdb, rds, deal, timeout_seconds=10.0)
+    finally:
+        await _close(rds)
