@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -104,12 +104,24 @@ def parse_redis_url(url: str, name: str = "GATE_REDIS_URL") -> RedisTarget:
 
 
 def pack(args: Sequence[Any]) -> bytes:
-    """One command in RESP: an array of bulk strings."""
+    """One command in RESP: an array of bulk strings. hiredis packs str, int, float and
+    bytes arguments in C, byte for byte as `_pack_py` does (an admission's 35 arguments:
+    about 5 µs against 13 µs, docs/hotpath.md); any other type falls back."""
+    try:
+        return _pack_command(args if type(args) is tuple else tuple(args))
+    except TypeError:
+        return _pack_py(args)
+
+
+def _pack_py(args: Sequence[Any]) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
         data = arg if isinstance(arg, bytes) else str(arg).encode()
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
+
+
+_pack_command: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
 
 
 def _error(reply: hiredis.ReplyError) -> ResponseError:

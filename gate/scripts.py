@@ -49,6 +49,7 @@ SCRIPT_NAMES = (
     "admit",
     "limit",
     "confirm",
+    "confirm_many",
     "compensate",
     "intend",
     "apply",
