@@ -10,6 +10,7 @@ the whole call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -72,6 +73,12 @@ class Script:
     name: str
     source: str
     sha: str
+
+    @functools.cached_property
+    def seconds(self) -> Any:
+        """Its `gate_redis_script_seconds` series, looked up once (prometheus-client's
+        labels() takes a lock and builds a key on every call)."""
+        return SCRIPT_SECONDS.labels(self.name)
 
 
 def lua_dir() -> Path:
@@ -189,7 +196,7 @@ class ScriptRunner:
             if isinstance(result, NoScriptError):
                 missing.append(call)
                 continue
-            SCRIPT_SECONDS.labels(call[0].name).observe(now - call[4])
+            call[0].seconds.observe(now - call[4])
             if isinstance(result, Exception):
                 REDIS_ERRORS.labels(error_kind(result)).inc()
                 fut.set_exception(result)
