@@ -147,6 +147,11 @@ class RespConnection:
         self._reader_task: asyncio.Task[None] | None = None
         self._parser = hiredis.Reader(encoding="utf-8", replyError=hiredis.ReplyError)
         self._connecting: asyncio.Future[None] | None = None
+        # The last future of every batch still unanswered, with its deadline, in the
+        # order sent (so in deadline order), and one timer for the oldest: replies come
+        # in order, so the oldest unanswered batch is the only one that can be late.
+        self._deadlines: deque[tuple[float, asyncio.Future[Any]]] = deque()
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
     @property
     def pending(self) -> int:
@@ -190,6 +195,10 @@ class RespConnection:
         self._parser = hiredis.Reader(encoding="utf-8", replyError=hiredis.ReplyError)
         self._writer = writer
         self._pending.clear()
+        self._deadlines.clear()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader, writer))
         setup: list[Sequence[Any]] = []
         if self.password is not None:
@@ -214,13 +223,30 @@ class RespConnection:
         futures = [loop.create_future() for _ in commands]
         writer.write(b"".join(pack(c) for c in commands))
         self._pending.extend(futures)
-        last = futures[-1]
-        loop.call_later(self.timeout_seconds, self._check_deadline, last, writer)
+        due = loop.time() + self.timeout_seconds
+        self._deadlines.append((due, futures[-1]))
+        if self._deadline_timer is None:
+            self._deadline_timer = loop.call_at(due, self._check_deadlines, writer)
         return futures
 
-    def _check_deadline(self, fut: asyncio.Future[Any], writer: asyncio.StreamWriter) -> None:
-        if not fut.done() and writer is self._writer:
+    def _check_deadlines(self, writer: asyncio.StreamWriter) -> None:
+        """Close the connection when its oldest unanswered batch is past its deadline;
+        otherwise wait for that batch's deadline (one timer per connection rather than
+        one per batch)."""
+        if writer is not self._writer:
+            return  # closed meanwhile (close() cancels the timer; this is a guard)
+        self._deadline_timer = None
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1].done():
+            deadlines.popleft()
+        if not deadlines:
+            return
+        loop = asyncio.get_running_loop()
+        due = deadlines[0][0]
+        if due <= loop.time():
             self.close(RedisTimeoutError(f"no Redis reply within {self.timeout_seconds} s"))
+            return
+        self._deadline_timer = loop.call_at(due, self._check_deadlines, writer)
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = self._parser
@@ -252,6 +278,10 @@ class RespConnection:
         """Close the connection and fail everything still pending on it."""
         writer, self._writer = self._writer, None
         pending, self._pending = self._pending, deque()
+        self._deadlines = deque()
+        timer, self._deadline_timer = self._deadline_timer, None
+        if timer is not None:
+            timer.cancel()
         failure = reason or RedisConnectionError("Redis connection closed")
         for fut in pending:
             if not fut.done():

@@ -206,11 +206,16 @@ class ScriptRunner:
 
     async def _execute(self, batch: list[_Call]) -> list[Any]:
         conn = min(self._conns, key=lambda c: (not c.connected, c.pending))
-        await conn.connect()
+        if not conn.connected:
+            await conn.connect()
         futures = conn.send(
             [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _, _ in batch]
         )
-        return list(await asyncio.gather(*futures))
+        # Replies resolve in the order sent, and a failed connection fails every
+        # future still pending at once: when the last is done, all are (no gather, so
+        # no callback per command).
+        await futures[-1]
+        return [f.result() for f in futures]
 
     async def aclose(self) -> None:
         if self._tasks:
