@@ -115,9 +115,7 @@ class Probe:
     async def run(self) -> str:
         await self.create_deal()
         stop = asyncio.Event()
-        tasks = [
-            asyncio.create_task(self.worker(stop, i)) for i in range(self.args.connections)
-        ]
+        tasks = [asyncio.create_task(self.worker(stop, i)) for i in range(self.args.connections)]
         await asyncio.sleep(self.args.warmup)
         n0, c0, t0, p0 = self.done, mariadb_cpu_seconds(), time.monotonic(), time.process_time()
         await asyncio.sleep(self.args.seconds)
@@ -128,7 +126,8 @@ class Probe:
         group = 1 if self.args.mode == "single" else self.args.group
         return (
             f"{self.args.mode:6} buckets={self.args.buckets} group={group}"
-            f" connections={self.args.connections} lanes={self.args.lanes}: {n / (t1 - t0):,.0f} reservations/s,"
+            f" connections={self.args.connections} lanes={self.args.lanes}:"
+            f" {n / (t1 - t0):,.0f} reservations/s,"
             f" MariaDB {1e6 * (c1 - c0) / n:.1f} µs/reservation ({(c1 - c0) / (t1 - t0):.2f}"
             f" cores), client {1e6 * (p1 - p0) / n:.1f} µs/reservation"
         )
