@@ -92,11 +92,12 @@ Single = Callable[[int, Item], Awaitable[Row]]
 
 
 class _Pending:
-    __slots__ = ("future", "item")
+    __slots__ = ("due", "future", "item")
 
-    def __init__(self, item: Item, future: asyncio.Future[Row]) -> None:
+    def __init__(self, item: Item, future: asyncio.Future[Row], due: float) -> None:
         self.item = item
         self.future = future
+        self.due = due  # event-loop time by which it must have left in a group
 
 
 class ReservationGroups:
@@ -122,6 +123,9 @@ class ReservationGroups:
         self._queues: dict[int, list[_Pending]] = {}
         self._in_flight: dict[int, int] = {}
         self._kick_scheduled: set[int] = set()
+        # One queue-wait timer per deal with a queue, armed for its oldest reservation
+        # (the queue is in arrival order), rather than one per reservation.
+        self._timers: dict[int, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def reserve(self, deal_id: int, item: Item) -> Row:
@@ -129,30 +133,43 @@ class ReservationGroups:
         expires_at, created_at, unit_price, currency). Raises what the single path
         raises (OutcomeUnknown, DbUnavailable, MySQLError, TimeoutError)."""
         loop = asyncio.get_running_loop()
-        pending = _Pending(item, loop.create_future())
+        pending = _Pending(item, loop.create_future(), loop.time() + self.queue_wait_seconds)
         self._queues.setdefault(deal_id, []).append(pending)
         # Started at the end of this loop turn, so that every reservation admitted by
         # the same Redis reply joins the same group.
         if deal_id not in self._kick_scheduled:
             self._kick_scheduled.add(deal_id)
             loop.call_soon(self._kick, deal_id)
-        timer = loop.call_later(self.queue_wait_seconds, self._give_up, deal_id, pending)
-        try:
-            # Shielded: a caller that goes away does not cancel the group's other items.
-            return await asyncio.shield(pending.future)
-        finally:
-            timer.cancel()
+        if deal_id not in self._timers:
+            self._timers[deal_id] = loop.call_at(pending.due, self._give_up, deal_id)
+        # Awaited directly (no shield: one future and one loop turn less per
+        # reservation). A caller that goes away cancels only its own future; the group
+        # settles only the futures still waiting, so its other items are not touched.
+        return await pending.future
 
-    def _give_up(self, deal_id: int, pending: _Pending) -> None:
-        """The reservation is still queued: its deal's groups are stuck in the database."""
+    def _give_up(self, deal_id: int) -> None:
+        """The deal's oldest queued reservations waited their limit: its groups are
+        stuck in the database. Then the timer is armed again for the oldest left."""
+        del self._timers[deal_id]
         queue = self._queues.get(deal_id)
-        if queue is None or pending not in queue:
-            return  # its group has left
-        queue.remove(pending)
-        POOL_REFUSED.labels("reservation").inc()
-        pending.future.set_exception(
-            DbUnavailable("the reservations' share of the database is busy")
-        )
+        if not queue:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        late = 0
+        while late < len(queue) and queue[late].due <= now:
+            late += 1
+        for pending in queue[:late]:
+            POOL_REFUSED.labels("reservation").inc()
+            if not pending.future.done():
+                pending.future.set_exception(
+                    DbUnavailable("the reservations' share of the database is busy")
+                )
+        del queue[:late]
+        if queue:
+            self._timers[deal_id] = loop.call_at(queue[0].due, self._give_up, deal_id)
+        else:
+            self._queues.pop(deal_id, None)
 
     def _kick(self, deal_id: int) -> None:
         self._kick_scheduled.discard(deal_id)
@@ -207,7 +224,8 @@ class ReservationGroups:
             row = await self._call(deal_id, group)
         except (OutcomeUnknown, DbUnavailable) as exc:
             for p in group:
-                p.future.set_exception(exc)
+                if not p.future.done():
+                    p.future.set_exception(exc)
             return
         except Exception as exc:
             # The group rolled back whole (retries spent on deadlocks, a failed
@@ -222,6 +240,8 @@ class ReservationGroups:
             expires_at, created_at, unit_price, currency, buckets = row[1:6]
             nb = int(buckets)
             for p in group:
+                if p.future.done():
+                    continue  # its caller went away
                 it = p.item
                 p.future.set_result(
                     (
@@ -236,7 +256,8 @@ class ReservationGroups:
             return
         if code in (DbCode.NOT_FOUND, DbCode.NOT_ACTIVE):
             for p in group:
-                p.future.set_result((int(code), "", None, None))
+                if not p.future.done():
+                    p.future.set_result((int(code), "", None, None))
             return
         assert code == DbCode.FALL_BACK, f"gate_reserve_group answered {code!r}"
         GROUP_RERUNS.labels("differs").inc(len(group))

@@ -16,6 +16,7 @@ a layout change and repairing drift never guess.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,34 @@ INTENT_BATCH_MAX = 500
 # The resolved log must outlive the longest sync pass by a margin.
 SYNC_WINDOW_MS = 5_000
 RESOLVED_RETENTION_MS = 15_000
+# Reservations confirmed by one lua/confirm_many.lua call at most (its keys and
+# arguments grow with it).
+CONFIRM_BATCH_MAX = 256
+
+# A confirmation waiting for its batch: idempotency key, token, fingerprint, the
+# allocation the database committed, and the caller's future.
+_Confirm = tuple[str, str, str, str, "asyncio.Future[Any]"]
+
+
+def _deliver_confirms(chunk: list[_Confirm], sent: asyncio.Future[Any]) -> None:
+    """Each caller of a confirmation batch gets its own code, or the batch's error."""
+    exc = sent.exception() if not sent.cancelled() else asyncio.CancelledError()
+    if exc is not None:
+        for c in chunk:
+            if not c[4].done():
+                c[4].set_exception(exc)
+        return
+    result = sent.result()
+    codes = result if isinstance(result, list) else [result]
+    if len(codes) != len(chunk):
+        wrong = RuntimeError(f"confirm answered {len(codes)} codes for {len(chunk)} tokens")
+        for c in chunk:
+            if not c[4].done():
+                c[4].set_exception(wrong)
+        return
+    for c, code in zip(chunk, codes, strict=True):
+        if not c[4].done():
+            c[4].set_result(code)
 
 
 @dataclass(frozen=True)
@@ -87,6 +116,9 @@ class Mirror:
         self.redis = client
         self.runner = runner
         self._loading: dict[int, asyncio.Future[bool]] = {}
+        # Confirmations asked in this event-loop turn, per deal (`confirm`).
+        self._confirms: dict[int, tuple[DealKeys, list[_Confirm]]] = {}
+        self._confirm_scheduled = False
         # Run before every sync pass of a deal with the deal and the pass's mode
         # ("load", "layout", "resync"): the waiting room (gate/room/) puts its
         # configuration in Redis before the deal's state.
@@ -178,8 +210,59 @@ class Mirror:
     async def confirm(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str
     ) -> bool:
-        result = await self.confirm_call(keys, user_id, idempotency_key, token, fp, alloc)
-        return int(result) == 1
+        """Retire a committed reservation's token (lua/confirm.lua). Confirmations of one
+        deal asked in the same event-loop turn (a reservation group's items resume
+        together) go to Redis as one lua/confirm_many.lua call: one script run and one
+        reply for the lot, with each caller's own answer."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        pending = self._confirms.get(keys.deal_id)
+        if pending is None:
+            pending = self._confirms[keys.deal_id] = (keys, [])
+            if not self._confirm_scheduled:
+                self._confirm_scheduled = True
+                loop.call_soon(self._flush_confirms)
+        pending[1].append((keys.idempotency(user_id, idempotency_key), token, fp, alloc, fut))
+        return int(await fut) == 1
+
+    def _flush_confirms(self) -> None:
+        self._confirm_scheduled = False
+        batches, self._confirms = self._confirms, {}
+        ttl = self.settings.idempotency_ttl_seconds
+        for keys, items in batches.values():
+            for i in range(0, len(items), CONFIRM_BATCH_MAX):
+                chunk = items[i : i + CONFIRM_BATCH_MAX]
+                if len(chunk) == 1:
+                    key, token, fp, alloc, _ = chunk[0]
+                    sent = self.runner.call(
+                        "confirm",
+                        (
+                            keys.meta,
+                            keys.buckets,
+                            keys.inflight,
+                            keys.inflight_times,
+                            keys.resolved,
+                            key,
+                        ),
+                        (token, fp, ttl, alloc, RESOLVED_RETENTION_MS),
+                    )
+                else:
+                    args: list[Any] = [ttl, RESOLVED_RETENTION_MS]
+                    for _, token, fp, alloc, _ in chunk:
+                        args += (token, fp, alloc)
+                    sent = self.runner.call(
+                        "confirm_many",
+                        (
+                            keys.meta,
+                            keys.buckets,
+                            keys.inflight,
+                            keys.inflight_times,
+                            keys.resolved,
+                            *(c[0] for c in chunk),
+                        ),
+                        args,
+                    )
+                sent.add_done_callback(functools.partial(_deliver_confirms, chunk))
 
     def confirm_call(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -104,31 +104,24 @@ def parse_redis_url(url: str, name: str = "GATE_REDIS_URL") -> RedisTarget:
 
 
 def pack(args: Sequence[Any]) -> bytes:
-    """One command in RESP: an array of bulk strings.
-
-    Built as one str and encoded once (about 30 % less than encoding and formatting
-    each argument on its own, for an admission's 35 arguments): exact while the text
-    is ASCII, where a character is a byte; anything else (bytes, other text) goes
-    through `_pack_bytes`."""
-    out = [f"*{len(args)}\r\n"]
-    for arg in args:
-        if type(arg) is not str:
-            if isinstance(arg, bytes | bytearray | memoryview):
-                return _pack_bytes(args)
-            arg = str(arg)
-        out.append(f"${len(arg)}\r\n{arg}\r\n")
-    text = "".join(out)
-    if text.isascii():
-        return text.encode()
-    return _pack_bytes(args)
+    """One command in RESP: an array of bulk strings. hiredis packs str, int, float and
+    bytes arguments in C, byte for byte as `_pack_py` does (an admission's 35 arguments:
+    about 5 µs against 13 µs, docs/hotpath.md); any other type falls back."""
+    try:
+        return _pack_command(args if type(args) is tuple else tuple(args))
+    except TypeError:
+        return _pack_py(args)
 
 
-def _pack_bytes(args: Sequence[Any]) -> bytes:
+def _pack_py(args: Sequence[Any]) -> bytes:
     out = [b"*%d\r\n" % len(args)]
     for arg in args:
         data = bytes(arg) if isinstance(arg, bytes | bytearray | memoryview) else str(arg).encode()
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
+
+
+_pack_command: Callable[[tuple[Any, ...]], bytes] = hiredis.pack_command
 
 
 def _error(reply: hiredis.ReplyError) -> ResponseError:
@@ -159,6 +152,11 @@ class RespConnection:
         self._reader_task: asyncio.Task[None] | None = None
         self._parser = hiredis.Reader(encoding="utf-8", replyError=hiredis.ReplyError)
         self._connecting: asyncio.Future[None] | None = None
+        # The last future of every batch still unanswered, with its deadline, in the
+        # order sent (so in deadline order), and one timer for the oldest: replies come
+        # in order, so the oldest unanswered batch is the only one that can be late.
+        self._deadlines: deque[tuple[float, asyncio.Future[Any]]] = deque()
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
     @property
     def pending(self) -> int:
@@ -202,6 +200,10 @@ class RespConnection:
         self._parser = hiredis.Reader(encoding="utf-8", replyError=hiredis.ReplyError)
         self._writer = writer
         self._pending.clear()
+        self._deadlines.clear()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
         self._reader_task = asyncio.get_running_loop().create_task(self._read(reader, writer))
         setup: list[Sequence[Any]] = []
         if self.password is not None:
@@ -226,8 +228,10 @@ class RespConnection:
         futures = [loop.create_future() for _ in commands]
         writer.write(b"".join(pack(c) for c in commands))
         self._pending.extend(futures)
-        last = futures[-1]
-        loop.call_later(self.timeout_seconds, self._check_deadline, last, writer)
+        due = loop.time() + self.timeout_seconds
+        self._deadlines.append((due, futures[-1]))
+        if self._deadline_timer is None:
+            self._deadline_timer = loop.call_at(due, self._check_deadlines, writer)
         return futures
 
     def send_packed(self, data: bytes, futures: list[asyncio.Future[Any]]) -> None:
@@ -238,15 +242,32 @@ class RespConnection:
         writer = self._writer
         if writer is None or writer.is_closing():
             raise RedisConnectionError("Redis connection is not open")
+        loop = asyncio.get_running_loop()
         writer.write(data)
         self._pending.extend(futures)
-        asyncio.get_running_loop().call_later(
-            self.timeout_seconds, self._check_deadline, futures[-1], writer
-        )
+        due = loop.time() + self.timeout_seconds
+        self._deadlines.append((due, futures[-1]))
+        if self._deadline_timer is None:
+            self._deadline_timer = loop.call_at(due, self._check_deadlines, writer)
 
-    def _check_deadline(self, fut: asyncio.Future[Any], writer: asyncio.StreamWriter) -> None:
-        if not fut.done() and writer is self._writer:
+    def _check_deadlines(self, writer: asyncio.StreamWriter) -> None:
+        """Close the connection when its oldest unanswered batch is past its deadline;
+        otherwise wait for that batch's deadline (one timer per connection rather than
+        one per batch)."""
+        if writer is not self._writer:
+            return  # closed meanwhile (close() cancels the timer; this is a guard)
+        self._deadline_timer = None
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1].done():
+            deadlines.popleft()
+        if not deadlines:
+            return
+        loop = asyncio.get_running_loop()
+        due = deadlines[0][0]
+        if due <= loop.time():
             self.close(RedisTimeoutError(f"no Redis reply within {self.timeout_seconds} s"))
+            return
+        self._deadline_timer = loop.call_at(due, self._check_deadlines, writer)
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = self._parser
@@ -278,6 +299,10 @@ class RespConnection:
         """Close the connection and fail everything still pending on it."""
         writer, self._writer = self._writer, None
         pending, self._pending = self._pending, deque()
+        self._deadlines = deque()
+        timer, self._deadline_timer = self._deadline_timer, None
+        if timer is not None:
+            timer.cancel()
         failure = reason or RedisConnectionError("Redis connection closed")
         for fut in pending:
             if not fut.done():

@@ -10,6 +10,7 @@ the whole call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -48,6 +49,7 @@ SCRIPT_NAMES = (
     "admit",
     "limit",
     "confirm",
+    "confirm_many",
     "compensate",
     "intend",
     "apply",
@@ -73,6 +75,12 @@ class Script:
     name: str
     source: str
     sha: str
+
+    @functools.cached_property
+    def seconds(self) -> Any:
+        """Its `gate_redis_script_seconds` series, looked up once (prometheus-client's
+        labels() takes a lock and builds a key on every call)."""
+        return SCRIPT_SECONDS.labels(self.name)
 
 
 def lua_dir() -> Path:
@@ -338,7 +346,7 @@ class ScriptRunner:
             if isinstance(result, NoScriptError):
                 missing.append(call)
                 continue
-            SCRIPT_SECONDS.labels(call[0].name).observe(now - call[4])
+            call[0].seconds.observe(now - call[4])
             if isinstance(result, Exception):
                 REDIS_ERRORS.labels(error_kind(result)).inc()
                 fut.set_exception(result)
@@ -350,11 +358,16 @@ class ScriptRunner:
         if self.cluster:
             return await self._execute_cluster(batch)
         conn = min(self._conns, key=lambda c: (not c.connected, c.pending))
-        await conn.connect()
+        if not conn.connected:
+            await conn.connect()
         futures = conn.send(
             [("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args, _, _ in batch]
         )
-        return list(await asyncio.gather(*futures))
+        # Replies resolve in the order sent, and a failed connection fails every
+        # future still pending at once: when the last is done, all are (no gather, so
+        # no callback per command).
+        await futures[-1]
+        return [f.result() for f in futures]
 
     async def _execute_cluster(self, batch: list[_Call]) -> list[Any]:
         """One result per call (an exception object for a failed one): the batch split

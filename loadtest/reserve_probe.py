@@ -73,12 +73,19 @@ class Probe:
         finally:
             conn.close()
 
-    def item(self) -> list[Any]:
+    def item(self, lane: int = 0) -> list[Any]:
         self.user += 1
         bucket = random.randrange(self.args.buckets)
+        lanes = self.args.lanes
+        if lanes > 1:
+            # Only the buckets of this connection's lane: groups of different lanes
+            # lock disjoint bucket rows.
+            bucket = bucket - bucket % lanes + lane % lanes
+            if bucket >= self.args.buckets:
+                bucket = lane % lanes
         return [orders.new_id(), self.user, 1, bucket, f"probe-{self.user}", fingerprint(1, 1)]
 
-    async def worker(self, stop: asyncio.Event) -> None:
+    async def worker(self, stop: asyncio.Event, lane: int) -> None:
         conn = await self.connect()
         try:
             async with conn.cursor() as cur:
@@ -91,7 +98,7 @@ class Probe:
                         )
                         n = 1
                     else:
-                        items = [self.item() for _ in range(self.args.group)]
+                        items = [self.item(lane) for _ in range(self.args.group)]
                         await cur.execute(
                             "CALL gate_reserve_group(%s, %s)",
                             (self.deal_id, orjson.dumps(items).decode()),
@@ -108,7 +115,7 @@ class Probe:
     async def run(self) -> str:
         await self.create_deal()
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(self.worker(stop)) for _ in range(self.args.connections)]
+        tasks = [asyncio.create_task(self.worker(stop, i)) for i in range(self.args.connections)]
         await asyncio.sleep(self.args.warmup)
         n0, c0, t0, p0 = self.done, mariadb_cpu_seconds(), time.monotonic(), time.process_time()
         await asyncio.sleep(self.args.seconds)
@@ -119,7 +126,8 @@ class Probe:
         group = 1 if self.args.mode == "single" else self.args.group
         return (
             f"{self.args.mode:6} buckets={self.args.buckets} group={group}"
-            f" connections={self.args.connections}: {n / (t1 - t0):,.0f} reservations/s,"
+            f" connections={self.args.connections} lanes={self.args.lanes}:"
+            f" {n / (t1 - t0):,.0f} reservations/s,"
             f" MariaDB {1e6 * (c1 - c0) / n:.1f} µs/reservation ({(c1 - c0) / (t1 - t0):.2f}"
             f" cores), client {1e6 * (p1 - p0) / n:.1f} µs/reservation"
         )
@@ -131,6 +139,12 @@ def main() -> None:
     p.add_argument("--buckets", type=int, default=1)
     p.add_argument("--group", type=int, default=16, help="reservations per group call")
     p.add_argument("--connections", type=int, default=4)
+    p.add_argument(
+        "--lanes",
+        type=int,
+        default=1,
+        help="connection i takes only the buckets b with b %% lanes == i %% lanes",
+    )
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--warmup", type=float, default=1.0)
     args = p.parse_args()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -110,3 +111,73 @@ async def test_failover_to_a_stale_replica_converges(
     assert sum(r.status_code == 201 for r in rest) == 15
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 30, "available": 0, "held": 30, "sold": 0}
+
+
+async def test_confirmations_asked_together_answer_each_as_one_at_a_time(
+    rds: aioredis.Redis, local_gate: Gate
+) -> None:
+    """Confirmations of one deal asked in the same loop turn go to Redis as one
+    confirm_many call; each caller gets what confirm.lua alone would have answered, and
+    Redis ends exactly where confirming them one at a time leaves it."""
+    mirror = local_gate.mirror
+    # Deal ids of no real deal: the scripts touch only these keys.
+    together, alone = 990_000_001, 990_000_002
+    tokens = [("tok-a", "0:1", "0:1"), ("tok-b", "1:2", "3:2"), ("tok-gone", "2:1", "2:1")]
+
+    async def prepare(deal_id: int) -> None:
+        keys = deal_keys(deal_id)
+        await rds.hset(keys.meta, mapping={"nb": 4})
+        await rds.hset(keys.buckets, mapping={"0": 10, "1": 10, "2": 10, "3": 10})
+        for i, (token, redis_alloc, _) in enumerate(tokens):
+            if token == "tok-gone":
+                continue  # the janitor resolved it first
+            qty = redis_alloc.split(":")[1]
+            record = f"T|{800_000 + i}|{qty}|{redis_alloc}|1|key-{i}|fp-{i}|owner"
+            await rds.hset(keys.inflight, token, record)
+            await rds.zadd(keys.inflight_times, {token: 1})
+
+    def confirm(deal_id: int, i: int) -> Any:
+        token, _, committed = tokens[i]
+        return mirror.confirm(
+            deal_keys(deal_id), 800_000 + i, f"key-{i}", token, f"fp-{i}", committed
+        )
+
+    async def state(deal_id: int) -> dict[str, Any]:
+        keys = deal_keys(deal_id)
+        resolved = await rds.zrange(keys.resolved, 0, -1)
+        return {
+            "buckets": await rds.hgetall(keys.buckets),
+            "inflight": await rds.hgetall(keys.inflight),
+            "times": await rds.zrange(keys.inflight_times, 0, -1),
+            "resolved": sorted(resolved),
+            "keys": [await rds.get(keys.idempotency(800_000 + i, f"key-{i}")) for i in range(3)],
+            "ttls": [
+                await rds.ttl(keys.idempotency(800_000 + i, f"key-{i}")) > 0 for i in range(3)
+            ],
+        }
+
+    try:
+        for deal_id in (together, alone):
+            await prepare(deal_id)
+        answers_together = await asyncio.gather(*(confirm(together, i) for i in range(3)))
+        answers_alone = [await confirm(alone, i) for i in range(3)]
+        assert answers_together == answers_alone == [True, True, False]
+        got, want = await state(together), await state(alone)
+        assert got == want
+        # What confirming means: the tokens are retired, the done records point at the
+        # orders, and the units the database took from bucket 3 instead of 1 moved.
+        assert got["inflight"] == {} and got["times"] == []
+        assert got["keys"] == ["D|fp-0|tok-a", "D|fp-1|tok-b", "D|fp-2|tok-gone"]
+        assert got["buckets"] == {"0": "10", "1": "12", "2": "10", "3": "8"}
+        assert got["resolved"] == ["tok-a|C|800000|1|0:1", "tok-b|C|800001|2|3:2"]
+    finally:
+        for deal_id in (together, alone):
+            keys = deal_keys(deal_id)
+            await rds.delete(
+                keys.meta,
+                keys.buckets,
+                keys.inflight,
+                keys.inflight_times,
+                keys.resolved,
+                *(keys.idempotency(800_000 + i, f"key-{i}") for i in range(3)),
+            )

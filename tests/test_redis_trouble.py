@@ -10,9 +10,11 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gate.db import Database
 from gate.keys import deal_keys
+from gate.resp import RespConnection
 from tests.support import (
     Client,
     GateProcess,
@@ -274,3 +276,33 @@ async def test_limiters_fail_closed_or_open_by_configuration(
     finally:
         await client.close()
         gate.stop()
+
+
+async def test_hot_path_connection_times_out_only_a_late_batch(
+    env: dict[str, str], proxy: TcpProxy
+) -> None:
+    """The hot path's Redis connection (gate/resp.py) keeps one deadline timer for its
+    oldest unanswered batch: batches answered in time never close it, however long it
+    lives; a batch whose reply is late fails with a timeout and closes it, failing what
+    is still pending on it; the next connect works again."""
+    conn = RespConnection(redis_via(env, proxy), 0.3)
+    await conn.connect()
+    try:
+        for _ in range(3):
+            (pong,) = conn.send([("PING",)])
+            assert await pong == "PONG"
+            # Past the timeout with nothing pending: the connection stays open.
+            await asyncio.sleep(0.4)
+            assert conn.connected
+        proxy.delay(1.0)
+        late = conn.send([("PING",), ("PING",)])
+        later = conn.send([("PING",)])
+        results = await asyncio.gather(*late, *later, return_exceptions=True)
+        assert all(isinstance(r, RedisTimeoutError) for r in results), results
+        assert not conn.connected
+        proxy.restore()
+        await conn.connect()
+        (pong,) = conn.send([("PING",)])
+        assert await pong == "PONG"
+    finally:
+        conn.close()
