@@ -108,6 +108,13 @@ class LocalCluster:
                 "",
                 "--appendonly",
                 "no",
+                # A replica's first full sync starts at once (the default waits 5 s
+                # for more replicas), and a replica may always stand for election:
+                # a test may kill a primary seconds after the cluster was made.
+                "--repl-diskless-sync-delay",
+                "0",
+                "--cluster-replica-validity-factor",
+                "0",
                 "--daemonize",
                 "no",
             ],
@@ -132,7 +139,24 @@ class LocalCluster:
             self.start_node(port)
         subprocess.run(create_command(self.ports), check=True, capture_output=True, timeout=60)
         self.wait_ok()
+        self.wait_replicas_synced()
         return self
+
+    def wait_replicas_synced(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
+        """Every replica has finished its first sync with its primary (a replica that
+        never synced cannot take over when its primary is killed)."""
+        deadline = time.monotonic() + timeout
+        for port, proc in self.procs.items():
+            if proc.poll() is not None:
+                continue
+            while True:
+                with redis.Redis(port=port, socket_timeout=1) as node:
+                    info = node.info("replication")
+                if info.get("role") != "slave" or info.get("master_link_status") == "up":
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {port} not synced in time")
+                time.sleep(0.1)
 
     def wait_ok(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
         """Every live node reports cluster_state:ok and all 16384 slots served."""
