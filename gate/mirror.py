@@ -147,65 +147,35 @@ class Mirror:
         queue mode, ((stream, status key), (queue cap, status TTL ms)): an admitted
         request is also queued by this same call."""
         in_progress_ms = int(self.settings.inflight_max_seconds * 1000) + 60_000
-        if queue is not None:
-            return self.runner.call(
-                "admit",
-                (
-                    keys.meta,
-                    keys.buckets,
-                    keys.users,
-                    keys.idempotency(user_id, idempotency_key),
-                    keys.inflight,
-                    keys.inflight_times,
-                    *limiter_keys,
-                    keys.buyers,
-                    keys.room,
-                    keys.room_admitted,
-                    keys.room_expiry,
-                    *queue[0],
-                ),
-                (
-                    user_id,
-                    quantity,
-                    fingerprint,
-                    token,
-                    start,
-                    in_progress_ms,
-                    idempotency_key,
-                    *limiter_args,
-                    owner,
-                    admission,
-                    *queue[1],
-                ),
-            )
-        return self.runner.call(
-            "admit",
-            (
-                keys.meta,
-                keys.buckets,
-                keys.users,
-                keys.idempotency(user_id, idempotency_key),
-                keys.inflight,
-                keys.inflight_times,
-                *limiter_keys,
-                keys.buyers,
-                keys.room,
-                keys.room_admitted,
-                keys.room_expiry,
-            ),
-            (
-                user_id,
-                quantity,
-                fingerprint,
-                token,
-                start,
-                in_progress_ms,
-                idempotency_key,
-                *limiter_args,
-                owner,
-                admission,
-            ),
+        keys_: tuple[str, ...] = (
+            keys.meta,
+            keys.buckets,
+            keys.users,
+            keys.idempotency(user_id, idempotency_key),
+            keys.inflight,
+            keys.inflight_times,
+            *limiter_keys,
+            keys.buyers,
+            keys.room,
+            keys.room_admitted,
+            keys.room_expiry,
         )
+        args: tuple[Any, ...] = (
+            user_id,
+            quantity,
+            fingerprint,
+            token,
+            start,
+            in_progress_ms,
+            idempotency_key,
+            *limiter_args,
+            owner,
+            admission,
+        )
+        if queue is not None:
+            keys_ += queue[0]
+            args += queue[1]
+        return self.runner.call("admit", keys_, args)
 
     async def confirm(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str
