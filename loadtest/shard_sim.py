@@ -168,7 +168,7 @@ def build_workload(seed: int, deals: int, users: int, ops: int, moves: int) -> l
                 user = rng.randint(1, users)
                 key = f"k{serial}-{rng.getrandbits(24):06x}"
                 deal = rng.choices(range(1, deals + 1), weights)[0]
-                qty = rng.randint(1, 3)
+                qty = rng.choice((1, 1, 1, 2, 3))  # mostly one unit, as in a sale
             order = _order_id(rng)
             keys.append((user, key, deal, qty))
             made.append(order)
@@ -458,37 +458,55 @@ class Router:
         return "created"
 
     async def _claim(self, deal_id: int, item: dict[str, Any]) -> str | None:
-        """Claim the buyer's key and index the order before the shard's transaction.
-        None: claimed; otherwise the answer (a replay or a mismatch)."""
+        """Claim the buyer's key and index the order before the shard's transaction,
+        in one directory transaction (one commit). None: claimed; otherwise the answer
+        (a replay or a mismatch)."""
         user, key, order = int(item["user"]), str(item["key"]), str(item["order"])
-        if self.idempotency == "global":
-            # (Not INSERT IGNORE: its duplicate is a warning.) A held key changes
-            # nothing and counts 0 rows.
-            claimed = await self._dir_exec(
-                "INSERT INTO idem_index (user_id, idempotency_key, order_id, deal_id)"
-                " VALUES (%s, %s, %s, %s) ON DUPLICATE KEY UPDATE user_id = user_id",
-                (user, key, order, deal_id),
-            )
-            if claimed != 1:
-                row = await self._dir_one(
-                    "SELECT order_id, deal_id FROM idem_index"
-                    " WHERE user_id = %s AND idempotency_key = %s",
-                    (user, key),
+        held: tuple[Any, ...] | None = None
+        async with self.directory.connection() as conn, conn.cursor() as cur:
+            await cur.execute("START TRANSACTION")
+            claimed = 1
+            if self.idempotency == "global":
+                # (Not INSERT IGNORE: its duplicate is a warning.) A held key changes
+                # nothing and counts 0 rows.
+                claimed = await cur.execute(
+                    "INSERT INTO idem_index (user_id, idempotency_key, order_id, deal_id)"
+                    " VALUES (%s, %s, %s, %s) ON DUPLICATE KEY UPDATE user_id = user_id",
+                    (user, key, order, deal_id),
                 )
-                assert row is not None, "a claim vanished"
-                return await self._existing(int(row[1]), str(row[0]), deal_id, int(item["qty"]))
-        await self._dir_exec(
-            "INSERT INTO order_index (order_id, deal_id) VALUES (%s, %s)", (order, deal_id)
-        )
-        return None
+                self.directory_statements += 1
+                if claimed != 1:
+                    await cur.execute(
+                        "SELECT order_id, deal_id FROM idem_index"
+                        " WHERE user_id = %s AND idempotency_key = %s",
+                        (user, key),
+                    )
+                    held = await cur.fetchone()
+                    self.directory_statements += 1
+            if claimed == 1:
+                await cur.execute(
+                    "INSERT INTO order_index (order_id, deal_id) VALUES (%s, %s)",
+                    (order, deal_id),
+                )
+                self.directory_statements += 1
+            await cur.execute("COMMIT")
+        if claimed == 1:
+            return None
+        assert held is not None, "a claim vanished"
+        return await self._existing(int(held[1]), str(held[0]), deal_id, int(item["qty"]))
 
     async def _unclaim(self, item: dict[str, Any]) -> None:
-        """The shard did not commit the order: its index rows go (a crash between the
-        two leaves them behind; a janitor would drop those whose order never appears)."""
+        """The shard did not commit the order: its index rows go, in one directory
+        transaction (a crash before this leaves them behind; a janitor would drop those
+        whose order never appears in its deal's shard)."""
         order = str(item["order"])
-        await self._dir_exec("DELETE FROM order_index WHERE order_id = %s", (order,))
-        if self.idempotency == "global":
-            await self._dir_exec("DELETE FROM idem_index WHERE order_id = %s", (order,))
+        async with self.directory.connection() as conn, conn.cursor() as cur:
+            await cur.execute("START TRANSACTION")
+            await cur.execute("DELETE FROM order_index WHERE order_id = %s", (order,))
+            if self.idempotency == "global":
+                await cur.execute("DELETE FROM idem_index WHERE order_id = %s", (order,))
+            await cur.execute("COMMIT")
+        self.directory_statements += 2 if self.idempotency == "global" else 1
 
     async def _existing(self, home_deal: int, order_id: str, deal_id: int, qty: int) -> str:
         """Replay or mismatch, from the order that holds the key (in its deal's shard)."""
@@ -955,7 +973,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m loadtest.shard_sim", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--shards", type=int, default=4, help=f"1..{SHARDS_MAX}")
-    parser.add_argument("--ops", type=int, default=1000)
+    parser.add_argument("--ops", type=int, default=500)
     parser.add_argument("--deals", type=int, default=24)
     parser.add_argument("--users", type=int, default=200)
     parser.add_argument("--moves", type=int, default=3, help="deals moved mid-run")
