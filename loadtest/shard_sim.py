@@ -737,10 +737,11 @@ class Router:
             )
             for table in DATA_TABLES:
                 cols = await _columns(cur, s, table)
+                # Rows in their source order (the ledger's order is its history).
+                order = " ORDER BY id" if "id" in cols else ""
                 if table in LOCAL_IDS:
                     cols = [c for c in cols if c != "id"]
                 names = ", ".join(f"`{c}`" for c in cols)
-                order = " ORDER BY id" if "id" in await _columns(cur, s, table) else ""
                 await cur.execute(
                     f"INSERT INTO `{d}`.{table} ({names}) SELECT {names} FROM `{s}`.{table}"
                     f" WHERE {where[table]}{order}"
