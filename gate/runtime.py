@@ -57,6 +57,7 @@ class Gate:
             settings.redis_url,
             settings.redis_timeout_seconds,
             mode=self.redis_mode,
+            flush_every=settings.redis_flush_every,
         )
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
         self.soldout = SoldOutCache(self.redis, settings.sold_out_cache_seconds)

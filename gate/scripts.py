@@ -154,10 +154,15 @@ class ScriptRunner:
         timeout_seconds: float,
         connections: int = 2,
         mode: str = "standalone",
+        flush_every: int = 0,
     ) -> None:
         self.client = client
         self.scripts = scripts
         self.batch_max = batch_max
+        # Calls waiting when a batch is written before the loop turn ends (0: at the
+        # end of the turn only). Redis starts on the first requests of a crowded
+        # turn while the gate still parses the rest, instead of idling until all are.
+        self.flush_every = flush_every if flush_every > 0 else batch_max
         self.cluster = mode == "cluster"
         self._url = url
         self._timeout = timeout_seconds
@@ -288,37 +293,86 @@ class ScriptRunner:
     def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((self.scripts[name], keys, args, fut, time.perf_counter()))
-        if not self._scheduled:
+        pending = self._pending
+        pending.append((self.scripts[name], keys, args, fut, time.perf_counter()))
+        if len(pending) >= self.flush_every:
+            self._write()
+        elif not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
         return fut
 
     def _flush(self) -> None:
         self._scheduled = False
+        if self._pending:
+            self._write()
+
+    def _write(self) -> None:
         pending, self._pending = self._pending, []
         for i in range(0, len(pending), self.batch_max):
-            task = asyncio.get_running_loop().create_task(
-                self._send(pending[i : i + self.batch_max])
-            )
+            batch = pending[i : i + self.batch_max]
+            if not self.cluster and self._write_now(batch):
+                continue
+            task = asyncio.get_running_loop().create_task(self._send(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _write_now(self, batch: list[_Call]) -> bool:
+        """Standalone, a connection open: the batch written in this loop turn, its
+        replies delivered by a callback on its last future (no task per batch).
+        False when no connection is open: `_send` connects first."""
+        conn = min(self._conns, key=lambda c: (not c.connected, c.pending))
+        if not conn.connected:
+            return False
+        try:
+            futures = conn.send(
+                [("EVALSHA", sc.sha, len(keys), *keys, *args) for sc, keys, args, _, _ in batch]
+            )
+        except RedisError:
+            return False  # closed meanwhile: `_send` reconnects or fails the callers
+        futures[-1].add_done_callback(lambda last: self._replied(batch, futures, last))
+        return True
+
+    def _replied(
+        self, batch: list[_Call], futures: list[asyncio.Future[Any]], last: asyncio.Future[Any]
+    ) -> None:
+        # Replies resolve in order and a failed connection fails every pending
+        # future at once: the last one's outcome is the batch's.
+        exc = RedisConnectionError("cancelled") if last.cancelled() else last.exception()
+        if exc is not None:
+            for fut in futures:  # retrieved: each failed with the connection
+                if not fut.cancelled():
+                    fut.exception()
+            self._fail(batch, exc)
+            return
+        retry = self._deliver(batch, [f.result() for f in futures])
+        if retry:
+            task = asyncio.get_running_loop().create_task(self._reload_and_retry(retry))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def _fail(batch: list[_Call], exc: BaseException) -> None:
+        """The whole pipeline failed: every caller learns why."""
+        REDIS_ERRORS.labels(error_kind(exc)).inc(len(batch))
+        for call in batch:
+            fut = call[3]
+            if not fut.done():
+                fut.set_exception(exc if isinstance(exc, Exception) else RedisError(str(exc)))
 
     async def _send(self, batch: list[_Call]) -> None:
         try:
             results = await self._execute(batch)
-        except BaseException as exc:  # the whole pipeline failed: every caller learns why
-            REDIS_ERRORS.labels(error_kind(exc)).inc(len(batch))
-            for call in batch:
-                fut = call[3]
-                if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, Exception) else RedisError(str(exc)))
+        except BaseException as exc:
+            self._fail(batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
         retry = self._deliver(batch, results)
-        if not retry:
-            return
+        if retry:
+            await self._reload_and_retry(retry)
+
+    async def _reload_and_retry(self, retry: list[_Call]) -> None:
         # NOSCRIPT means the script did not run (Redis restarted or was flushed of
         # scripts), so re-running it after a reload cannot apply anything twice.
         log.warning("redis lost %d script(s); reloading", len(retry))

@@ -192,6 +192,7 @@ class Settings:
     redis_mode: str = "auto"
     redis_timeout_seconds: float = 0.5
     redis_pipeline_max: int = 512
+    redis_flush_every: int = 0
     redis_breaker_failures_max: int = 5
     redis_breaker_open_seconds: float = 2.0
     # "reject": reservations answer 503 while Redis is unavailable (the database is
@@ -407,6 +408,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             env, "GATE_RESERVATION_GROUPS_IN_FLIGHT_MAX", 2, 1, 64
         ),
         redis_pipeline_max=env_int(env, "GATE_REDIS_PIPELINE_MAX", 512, 1, 100_000),
+        redis_flush_every=env_int(env, "GATE_REDIS_FLUSH_EVERY", 0, 0, 100_000),
         idempotency_ttl_seconds=env_int(env, "GATE_IDEMPOTENCY_TTL_SECONDS", 86_400, 86_400, 10**8),
         inflight_max_seconds=env_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),
         janitor_batch_max=env_int(env, "GATE_JANITOR_BATCH_MAX", 500, 1, 100_000),

@@ -99,6 +99,8 @@ class RoomBench:
                 **{name: "off" for name in LIMIT_VARS},
             }
         )
+        # --env NAME=VALUE: a setting under test (e.g. GATE_REDIS_FLUSH_EVERY=16).
+        self.env.update(dict(item.split("=", 1) for item in args.env))
         self.gate: procs.Server | None = None
 
     def reset(self) -> None:
@@ -381,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--room-rate", type=int, default=2000)
     p.add_argument("--sellout-seconds", type=float, default=60.0)
     p.add_argument("--only", nargs="+", default=["ratio", "sellout"])
+    p.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="gate setting to add"
+    )
     p.add_argument("--out")
     args = p.parse_args(argv)
     bench = RoomBench(args)

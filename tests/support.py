@@ -171,6 +171,7 @@ class GateProcess(GateCommand):
         port: int | None = None,
     ):
         self.port = port or free_port()
+        self.workers = workers
         self.url = f"http://127.0.0.1:{self.port}"
         # Every gate serving the suite (a cluster run starts two): see Client.
         self.peers: list[str] = [self.url]
@@ -180,16 +181,27 @@ class GateProcess(GateCommand):
         super().__init__(env, *args, log_name=f"gate-{self.port}")
 
     def wait_ready(self, timeout_seconds: float = 30.0) -> None:
+        """Ready when /readyz answers 200 on enough fresh connections in a row that
+        every worker has answered one: each worker listens before its start-up is
+        done, so a connection the kernel hands a starting worker times out here.
+        (One answer was not enough: a test could pause Redis while the second worker
+        was still taking its lease, and that worker's start-up then failed.)"""
         deadline = time.monotonic() + timeout_seconds
+        needed = 1 if self.workers <= 1 else 6 * self.workers
+        streak = 0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gate exited early: {self.log_path.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/readyz", timeout=1.0) as resp:
                     if resp.status == 200:
-                        return
+                        streak += 1
+                        if streak >= needed:
+                            return
+                        continue
             except (urllib.error.URLError, OSError):
                 pass
+            streak = 0
             time.sleep(0.1)
         raise RuntimeError(f"gate not ready: {self.log_path.read_text()[-3000:]}")
 

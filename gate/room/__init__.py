@@ -67,6 +67,7 @@ def install(gate: Gate) -> Extension:
         gate.settings.redis_url,
         gate.settings.redis_timeout_seconds,
         gate.settings.redis_pipeline_max,
+        gate.settings.redis_flush_every,
     )
     room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire)
     gate.mirror.before_sync.append(room.before_sync)

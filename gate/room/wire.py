@@ -64,9 +64,14 @@ class RandomScores:
 class Wire:
     """Packed script calls, coalesced per loop turn onto one connection."""
 
-    def __init__(self, url: str, timeout_seconds: float, batch_max: int) -> None:
+    def __init__(
+        self, url: str, timeout_seconds: float, batch_max: int, flush_every: int = 0
+    ) -> None:
         self.conn = RespConnection(url, timeout_seconds)
         self.batch_max = max(1, batch_max)
+        # Written before the loop turn ends once this many calls wait (0: at the end
+        # of the turn only), as the script runner's (GATE_REDIS_FLUSH_EVERY).
+        self.flush_every = flush_every if flush_every > 0 else self.batch_max
         self._data: list[bytes] = []
         self._futures: list[asyncio.Future[Any]] = []
         self._scheduled = False
@@ -80,13 +85,19 @@ class Wire:
         fut = loop.create_future()
         self._data.append(data)
         self._futures.append(fut)
-        if not self._scheduled:
+        if len(self._futures) >= self.flush_every:
+            self._write()
+        elif not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
         return fut
 
     def _flush(self) -> None:
         self._scheduled = False
+        if self._futures:
+            self._write()
+
+    def _write(self) -> None:
         data, futures = self._data, self._futures
         self._data, self._futures = [], []
         if not self.conn.connected:
