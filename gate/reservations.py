@@ -424,9 +424,17 @@ class Reservations:
         global_retry_ms: int | None = None
         adm: Admission | None = None
         keys = partition_keys(req.deal_id, home)
+        nb = self.mirror.bucket_count_of(req.deal_id)
         for i in range(parts):
-            keys = partition_keys(req.deal_id, (home + i) % parts)
-            start = random.getrandbits(30)
+            k = (home + i) % parts
+            keys = partition_keys(req.deal_id, k)
+            # A start bucket the partition owns (admit.lua walks from it, skipping
+            # empty fields: the other partitions' buckets are 0 here).
+            start = (
+                k + parts * random.randrange((nb - k + parts - 1) // parts)
+                if nb is not None
+                else random.getrandbits(30)
+            )
             # The global limiter judges the request once, beside its first admission.
             adm = await self._admit(keys, req, fp, token, start, owner, None, global_limit=i == 0)
             if i == 0:
