@@ -48,6 +48,8 @@ KEYS = (
     "redis_cpu_us_per_commit",
     "hottest_primary_cpu_us_per_commit",
     "redis_all_nodes_cpu_us_per_commit",
+    "script_calls_per_commit",
+    "script_us_per_commit",
 )
 
 
@@ -84,6 +86,19 @@ def _redis_cpu(ports: list[int]) -> dict[int, float]:
     return out
 
 
+def _scripts(ports: list[int]) -> tuple[int, int]:
+    """Script calls (EVALSHA) and their server time in µs, summed over these nodes
+    (INFO commandstats)."""
+    calls = usec = 0
+    for port in ports:
+        with redis.Redis(port=port, socket_timeout=5) as r:
+            stat = r.info("commandstats").get("cmdstat_evalsha")
+        if stat:
+            calls += int(stat["calls"])
+            usec += int(stat["usec"])
+    return calls, usec
+
+
 def _round(
     server: procs.Server,
     mysql: str,
@@ -98,6 +113,7 @@ def _round(
     before_orders = _orders(mysql, deal)
     before_cpu = procs.cpu_seconds(pids)
     before_redis = _redis_cpu(primaries)
+    before_scripts = _scripts(primaries)
     before_all = sum(_redis_cpu(all_nodes).values())
     before_busy = procs.machine_busy_seconds()
     started = time.monotonic()
@@ -105,6 +121,7 @@ def _round(
     elapsed = time.monotonic() - started
     cpu = procs.cpu_seconds(pids) - before_cpu
     after_redis = _redis_cpu(primaries)
+    after_scripts = _scripts(primaries)
     all_cpu = sum(_redis_cpu(all_nodes).values()) - before_all
     busy = procs.machine_busy_seconds() - before_busy
     committed = _orders(mysql, deal) - before_orders
@@ -118,6 +135,13 @@ def _round(
         "gate_cpu_us_per_commit": round(cpu * 1e6 / max(1, committed), 1),
         "redis_cpu_us_per_commit": round(sum(per_node.values()), 1),
         "hottest_primary_cpu_us_per_commit": max(per_node.values()),
+        # Script calls per commit and the servers' own time in them (commandstats).
+        "script_calls_per_commit": round(
+            (after_scripts[0] - before_scripts[0]) / max(1, committed), 2
+        ),
+        "script_us_per_commit": round(
+            (after_scripts[1] - before_scripts[1]) / max(1, committed), 1
+        ),
         # Replicas included (replication is part of a cluster's cost).
         "redis_all_nodes_cpu_us_per_commit": round(all_cpu * 1e6 / max(1, committed), 1),
         "redis_cpu_us_per_commit_by_primary": per_node,
