@@ -286,3 +286,47 @@ async def test_resync_is_exact_per_partition_under_live_traffic(
     assert outcomes.count(SyncCode.IN_SYNC) >= 55, outcomes
     report = await partitions_equal_database(db, rds, deal_id)
     assert report["totals"]["total"] == 3000 + 7 - 4 - 4
+
+
+async def test_concurrent_duplicates_after_a_fall_over_make_one_order(
+    client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    """Buyers whose home partition is empty send each key three times at once: one
+    order per key, one 201 per key, the others its replay or "in progress"."""
+    deal_id = await create_deal(client, stock=60, buckets=6, partitions=P, max_per_order=1)
+    # Drain partition 0 (buckets 0 and 3, 10 units each) with buyers at home there.
+    drainers = users_with_home(0, 20, 75_000_000)
+    drained = await asyncio.gather(
+        *(reserve(client, deal_id, u, f"drain-{deal_id}-{u}") for u in drainers)
+    )
+    assert all(r.status_code == 201 for r in drained), [r.text for r in drained]
+    assert await rds.hget(partition_keys(deal_id, 0).meta, "avail") == "0"
+
+    buyers = users_with_home(0, 30, 75_100_000)
+    sent = [(u, f"dup-{deal_id}-{u}") for u in buyers for _ in range(3)]
+    answers = await asyncio.gather(*(reserve(client, deal_id, u, key) for u, key in sent))
+    by_key: dict[str, list[Any]] = {}
+    for (_, key), r in zip(sent, answers, strict=True):
+        by_key.setdefault(key, []).append(r)
+    for key, rs in by_key.items():
+        codes = Counter(r.status_code for r in rs)
+        assert set(codes) <= {200, 201, 409, 503}, (key, [r.text for r in rs])
+        assert codes[201] <= 1, (key, [r.text for r in rs])
+        assert all(
+            r.json()["code"] == "IDEMPOTENCY_IN_PROGRESS" for r in rs if r.status_code == 409
+        )
+        ids = {r.json()["order_id"] for r in rs if r.status_code in (200, 201)}
+        assert len(ids) <= 1, (key, ids)
+    rows = await db.fetchall(
+        "SELECT idempotency_key, COUNT(*), MIN(alloc) FROM orders WHERE deal_id = %s"
+        " AND user_id >= 75100000 GROUP BY idempotency_key",
+        (deal_id,),
+    )
+    assert all(int(r[1]) == 1 for r in rows), rows
+    # They all fell over: their orders are in partitions 1 and 2.
+    assert all(int(str(r[2]).split(":")[0]) % P != 0 for r in rows), rows
+    ordered = {str(r[0]) for r in rows}
+    for key, rs in by_key.items():
+        if any(r.status_code in (200, 201) for r in rs):
+            assert key in ordered
+    await partitions_equal_database(db, rds, deal_id)
