@@ -330,3 +330,39 @@ async def test_concurrent_duplicates_after_a_fall_over_make_one_order(
         if any(r.status_code in (200, 201) for r in rs):
             assert key in ordered
     await partitions_equal_database(db, rds, deal_id)
+
+
+async def test_expired_holds_go_back_to_their_partitions(
+    client: Client, db: Database, rds: aioredis.Redis
+) -> None:
+    """The sweeper's releases (one intent per order) land in the partition that owns
+    each order's buckets, units and per-user counts alike."""
+    deal_id = await create_deal(
+        client, stock=30, buckets=6, partitions=P, per_user_limit=1, hold_seconds=1
+    )
+    users = [u for k in range(P) for u in users_with_home(k, 4, 76_000_000 + 1000 * k)]
+    answers = await asyncio.gather(
+        *(reserve(client, deal_id, u, f"expire-{deal_id}-{u}") for u in users)
+    )
+    assert all(r.status_code == 201 for r in answers), [r.text for r in answers]
+    deadline = asyncio.get_running_loop().time() + 20
+    held = None
+    while asyncio.get_running_loop().time() < deadline:
+        row = await db.fetchone(
+            "SELECT SUM(held), SUM(available) FROM deal_buckets WHERE deal_id = %s", (deal_id,)
+        )
+        held = row and (int(row[0]), int(row[1]))
+        if held == (0, 30):
+            break
+        await asyncio.sleep(0.5)
+    assert held == (0, 30), held
+    report = await partitions_equal_database(db, rds, deal_id)
+    assert report["totals"] == {"total": 30, "available": 30, "held": 0, "sold": 0}
+    for k in range(P):
+        assert await rds.hlen(partition_keys(deal_id, k).users) == 0
+    # Every buyer may buy again (their quota came back in their partition).
+    again = await asyncio.gather(
+        *(reserve(client, deal_id, u, f"expire-again-{deal_id}-{u}") for u in users)
+    )
+    assert all(r.status_code == 201 for r in again), [r.text for r in again]
+    await partitions_equal_database(db, rds, deal_id)
