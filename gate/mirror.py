@@ -320,7 +320,7 @@ class Mirror:
     async def intend(self, deal_id: int, intents: Sequence[Intent]) -> int:
         """Record intents before their transaction commits (in each partition an
         intent touches, for a partitioned deal)."""
-        parts = await self.partitions(deal_id)
+        parts = await self._partitions_of_loaded(deal_id)
         if parts == 1:
             return await self._intend(deal_keys(deal_id), intents)
         nb = await self._bucket_count(deal_id)
@@ -351,7 +351,7 @@ class Mirror:
         """Resolve intents after their transaction: apply the committed, drop the rest.
         A partitioned deal: in every partition (each acts only on the markers it holds);
         the count is then at most one per intent."""
-        parts = await self.partitions(deal_id)
+        parts = await self._partitions_of_loaded(deal_id)
         if parts == 1:
             return await self.apply_keys(deal_keys(deal_id), outcomes)
         applied = 0
@@ -464,10 +464,20 @@ class Mirror:
         nb, pp = await self.redis.hmget(deal_keys(deal_id).meta, ["nb", "pp"])
         if nb is None:
             return 1
-        parts = int(pp or 1)
-        if parts > 1:
-            return await self.partitions(deal_id)
-        return self._learn(deal_id, 1, int(nb))
+        return self._learn(deal_id, int(pp or 1), int(nb))
+
+    async def _partitions_of_loaded(self, deal_id: int) -> int:
+        """P for a caller that may hold a database transaction (a release records its
+        intents before it commits): from memory or partition 0's meta, the database
+        only when Redis does not have the deal (no second connection taken while the
+        pool may be exhausted by such callers, except for a deal Redis lacks)."""
+        parts = self.parts.get(deal_id)
+        if parts is not None:
+            return parts
+        nb, pp = await self.redis.hmget(deal_keys(deal_id).meta, ["nb", "pp"])
+        if nb is not None:
+            return self._learn(deal_id, int(pp or 1), int(nb))
+        return await self.partitions(deal_id)
 
     async def _bucket_count(self, deal_id: int) -> int:
         nb = self._nbs.get(deal_id)
