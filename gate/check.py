@@ -7,7 +7,10 @@ Database (one consistent snapshot):
   * the ledger's deltas summed per bucket equal the bucket's counters;
   * per-user quota units equal the units of the buyers' holding and paid orders.
 Redis, when nothing is in flight and the counters stay still while the database
-is read: each bucket and the total equal the database's available units.
+is read: each bucket and the total equal the database's available units. A deal of
+P > 1 partitions (docs/scale-out.md) is compared per partition: each bucket in the
+partition that owns it (b MOD P), the others' fields 0, each partition's total
+equal to its buckets' units in the database.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gate.db import Database
-from gate.keys import deal_keys
+from gate.keys import deal_keys, partition_keys
 from gate.room.check import room_report
 
 # An order's allocation "b:q[,b:q…]" as rows (b, q), by the server: the string made a
@@ -31,7 +34,11 @@ _HOLDING = "('PENDING_PAYMENT', 'AUTHORIZED', 'PAID')"
 MISMATCHES_SHOWN_MAX = 20
 
 
-async def _redis_state(client: aioredis.Redis, deal_id: int) -> tuple[Any, ...] | None:
+async def _redis_state(
+    client: aioredis.Redis, deal_id: int, parts: int = 1
+) -> tuple[Any, ...] | None:
+    if parts > 1:
+        return await _partitions_state(client, deal_id, parts)
     keys = deal_keys(deal_id)
     pipe = client.pipeline(transaction=True)
     pipe.hgetall(keys.meta)
@@ -47,6 +54,40 @@ async def _redis_state(client: aioredis.Redis, deal_id: int) -> tuple[Any, ...] 
         int(inflight),
         meta.get("drift"),
     )
+
+
+async def _partitions_state(
+    client: aioredis.Redis, deal_id: int, parts: int
+) -> tuple[Any, ...] | None:
+    """_redis_state of a partitioned deal: each bucket as its owner holds it, the
+    totals summed, and per partition its total and any foreign bucket not at 0."""
+    nb = 0
+    avail = 0
+    inflight = 0
+    merged: dict[int, int] = {}
+    per_total: list[int] = []
+    foreign: list[str] = []
+    for k in range(parts):
+        keys = partition_keys(deal_id, k)
+        pipe = client.pipeline(transaction=True)
+        pipe.hgetall(keys.meta)
+        pipe.hgetall(keys.buckets)
+        pipe.hlen(keys.inflight)
+        meta, buckets, n = await pipe.execute()
+        if not meta:
+            return None
+        nb = int(meta.get("nb", 0))
+        avail += int(meta.get("avail", 0))
+        per_total.append(int(meta.get("avail", 0)))
+        inflight += int(n)
+        for b, v in buckets.items():
+            if int(b) % parts == k:
+                merged[int(b)] = int(v)
+            elif int(v) != 0:
+                foreign.append(
+                    f"redis: partition {k} holds {v} in bucket {b} of partition {int(b) % parts}"
+                )
+    return (nb, avail, merged, inflight, None, tuple(per_total), tuple(foreign))
 
 
 async def check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) -> dict[str, Any]:
@@ -66,9 +107,15 @@ async def check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) 
 
 async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) -> dict[str, Any]:
     before = None
+    parts = 1
     if client is not None:
         try:
-            before = await _redis_state(client, deal_id)
+            row = await db.fetchone("SELECT partitions FROM deals WHERE id = %s", (deal_id,))
+            parts = int(row[0]) if row else 1
+        except Exception:
+            parts = 1
+        try:
+            before = await _redis_state(client, deal_id, parts)
         except Exception:
             before = None
     breaches: list[str] = []
@@ -195,12 +242,12 @@ async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int)
     redis_report: dict[str, Any] = {"loaded": False, "compared": False}
     if client is not None:
         try:
-            after = await _redis_state(client, deal_id)
+            after = await _redis_state(client, deal_id, parts)
         except Exception as exc:
             after = None
             redis_report["error"] = type(exc).__name__
         if after is not None:
-            r_nb, r_avail, r_buckets, inflight, drift = after
+            r_nb, r_avail, r_buckets, inflight, drift = after[:5]
             redis_report.update(
                 {"loaded": True, "available": r_avail, "in_flight": inflight, "drift": drift}
             )
@@ -221,6 +268,13 @@ async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int)
                         )
                 if r_avail != totals["available"]:
                     mismatches.append(f"redis: total {r_avail}, database {totals['available']}")
+                if parts > 1:
+                    per_total, foreign = after[5], after[6]
+                    mismatches.extend(foreign)
+                    for k, have in enumerate(per_total):
+                        want = sum(e["available"] for e in buckets if e["bucket"] % parts == k)
+                        if have != want:
+                            mismatches.append(f"redis: partition {k} total {have}, database {want}")
                 redis_report["mismatches"] = mismatches
                 breaches.extend(mismatches)
             else:

@@ -254,6 +254,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         "currency": args.currency,
         "stock": args.stock,
         "buckets": args.buckets,
+        "partitions": args.partitions,
         "hold_seconds": args.hold_seconds,
         "per_user_limit": args.per_user_limit,
         "max_per_order": args.max_per_order,
@@ -353,6 +354,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--currency", required=True, help="ISO 4217, e.g. USD")
     p.add_argument("--stock", type=int, required=True)
     p.add_argument("--buckets", type=int)
+    p.add_argument("--partitions", type=int, help="Redis partitions (docs/scale-out.md)")
     p.add_argument("--hold-seconds", type=int)
     p.add_argument("--per-user-limit", type=int)
     p.add_argument("--max-per-order", type=int)

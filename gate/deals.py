@@ -23,7 +23,7 @@ from gate.clock import iso
 from gate.codes import OrderStatus
 from gate.db import Database
 from gate.errors import Problem, invalid, not_found
-from gate.keys import deal_keys
+from gate.keys import PARTITIONS_MAX, deal_keys
 from gate.mirror import Intent, Mirror
 from gate.orders import new_id
 from gate.room.config import parse_room, room_view
@@ -44,7 +44,7 @@ PUBLIC_CACHE_MAX = 10_000
 _DEAL_COLUMNS = (
     "id, title, unit_price, currency, bucket_count, layout_epoch, hold_seconds,"
     " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, created_at, updated_at,"
-    " waiting_room, mode"
+    " waiting_room, mode, partitions"
 )
 
 
@@ -67,6 +67,9 @@ class Deal:
     waiting_room: str | None = None  # the room's JSON (gate/room/config.py), None: no room
     # "sync" or "queue" (docs/queue-mode.md).
     mode: str = "sync"
+    # Redis partitions of the deal (docs/scale-out.md, "Deal partitions"), fixed at
+    # creation.
+    partitions: int = 1
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Deal:
@@ -87,6 +90,7 @@ class Deal:
             updated_at=row[13],
             waiting_room=None if row[14] is None else str(row[14]),
             mode=str(row[15]),
+            partitions=int(row[16]),
         )
 
     def public(self, remaining: int) -> dict[str, Any]:
@@ -109,6 +113,7 @@ class Deal:
             "unit_price": self.unit_price,
             "currency": self.currency,
             "buckets": self.bucket_count,
+            "partitions": self.partitions,
             "layout_epoch": self.layout_epoch,
             "hold_seconds": self.hold_seconds,
             "per_user_limit": self.per_user_limit,
@@ -166,6 +171,7 @@ CREATE_FIELDS = {
     "capture_mode",
     "waiting_room",
     "mode",
+    "partitions",
 }
 
 
@@ -200,6 +206,13 @@ class Deals:
         if starts_at and ends_at and ends_at <= starts_at:
             raise invalid("'ends_at' must be after 'starts_at'.")
         room = parse_room(body.get("waiting_room"))
+        # Fixed for the deal's life: a partition owns the buckets b MOD P, so neither
+        # P nor the bucket count may change once buyers are routed (docs/scale-out.md).
+        partitions = validate.integer(body, "partitions", 1, PARTITIONS_MAX, default=1)
+        if partitions > buckets:
+            raise invalid("'partitions' cannot exceed 'buckets' (each partition owns buckets).")
+        if partitions > 1 and (room is not None or mode != "sync"):
+            raise invalid("'partitions' above 1 cannot go with a waiting room or queue mode.")
 
         shares = split_evenly(stock, buckets)
         async with self.db.connection() as conn, conn.cursor() as cur:
@@ -207,8 +220,8 @@ class Deals:
             await cur.execute(
                 "INSERT INTO deals (title, unit_price, currency, bucket_count, hold_seconds,"
                 " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, waiting_room,"
-                " mode)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                " mode, partitions)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     title,
                     unit_price,
@@ -222,6 +235,7 @@ class Deals:
                     ends_at,
                     room.to_column() if room else None,
                     mode,
+                    partitions,
                 ),
             )
             deal_id = int(cur.lastrowid)
@@ -365,13 +379,19 @@ class Deals:
             async with self.db.connection() as conn, conn.cursor() as cur:
                 await cur.execute("START TRANSACTION")
                 await cur.execute(
-                    "SELECT bucket_count, layout_epoch FROM deals WHERE id = %s FOR UPDATE",
+                    "SELECT bucket_count, layout_epoch, partitions FROM deals WHERE id = %s"
+                    " FOR UPDATE",
                     (deal_id,),
                 )
                 row = await cur.fetchone()
                 if row is None:
                     await cur.execute("ROLLBACK")
                     raise not_found("deal")
+                if int(row[2]) > 1:
+                    # Its partitions own buckets by number (b MOD P): a new layout would
+                    # move units between partitions under live markers.
+                    await cur.execute("ROLLBACK")
+                    raise Problem("CONFLICT", "A deal of several partitions cannot be rebucketed.")
                 epoch = int(row[1])
                 # Every stock transition locks its bucket rows, so holding all of them
                 # freezes held/sold while the orders are read below.

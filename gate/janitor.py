@@ -42,7 +42,7 @@ import pymysql
 import redis.asyncio as aioredis
 
 from gate.db import Database, errno_of
-from gate.keys import ACTIVE_DEALS, deal_keys, owner_keys
+from gate.keys import ACTIVE_DEALS, DealKeys, deal_keys, owner_keys
 from gate.metrics import METRICS
 from gate.mirror import Marker, Mirror, parse_marker
 from gate.redismode import redis_ms, redis_ms_per_node
@@ -78,8 +78,13 @@ class Janitor:
         # "Now" is read on the node that owns each deal's slot (once per node and
         # pass): the markers' scores come from that node's clock.
         now_by_node: dict[str, int] = {}
+        # Each partition of a partitioned deal is a state of its own (docs/scale-out.md).
+        states: list[DealKeys] = []
         for raw in await self.redis.smembers(ACTIVE_DEALS):
-            keys = deal_keys(int(raw))
+            deal_id = int(raw)
+            parts = await self.mirror.partitions(deal_id)
+            states += [deal_keys(deal_id)] if parts == 1 else self.mirror.keys_of(deal_id, parts)
+        for keys in states:
             now_ms = await redis_ms_per_node(self.redis, keys.meta, now_by_node)
             cutoff_ms = now_ms - int(self.settings.inflight_max_seconds * 1000)
             committed_cutoff_ms = now_ms - int(self.settings.janitor_committed_after_seconds * 1000)
@@ -157,7 +162,7 @@ class Janitor:
                         f" (its gate {marker.owner} is gone)" if marker.owner in dead else "",
                     )
             if intents:
-                applied = await self.mirror.apply(keys.deal_id, intents)
+                applied = await self.mirror.apply_keys(keys, intents)
                 resolved += len(intents)
                 METRICS.janitor_resolved.labels("intent_applied").inc(applied)
                 METRICS.janitor_resolved.labels("intent_dropped").inc(len(intents) - applied)

@@ -84,33 +84,62 @@ class DealKeys:
 
 
 _cache: dict[int, DealKeys] = {}
+_part_cache: dict[tuple[int, int], DealKeys] = {}
+
+# Deal partitions (docs/scale-out.md, "Deal partitions"): at most this many per deal.
+PARTITIONS_MAX = 16
 
 
 def deal_keys(deal_id: int) -> DealKeys:
     keys = _cache.get(deal_id)
     if keys is None:
-        tag = f"{{d:{deal_id}}}"
-        keys = DealKeys(
-            deal_id=deal_id,
-            tag=tag,
-            meta=f"{tag}:meta",
-            buckets=f"{tag}:b",
-            users=f"{tag}:u",
-            inflight=f"{tag}:f",
-            inflight_times=f"{tag}:ft",
-            resolved=f"{tag}:done",
-            sync_lock=f"{tag}:sl",
-            buyers=f"{tag}:buyers",
-            room=f"{tag}:room",
-            room_queue=f"{tag}:rq",
-            room_tickets=f"{tag}:rt",
-            room_admitted=f"{tag}:ra",
-            room_expiry=f"{tag}:rx",
-            room_window=f"{tag}:rw",
-        )
+        keys = _make_keys(deal_id, f"{{d:{deal_id}}}")
         if len(_cache) < 100_000:
             _cache[deal_id] = keys
     return keys
+
+
+def partition_keys(deal_id: int, k: int) -> DealKeys:
+    """The keys of partition k of a deal: partition 0 is the deal's own tag {d:ID}
+    (a deal of one partition is unchanged), partition k > 0 has the tag {d:ID:k}, so
+    on a Redis Cluster the partitions of one deal land in different slots. Each
+    holds the same fields for its own buckets (b MOD P = k) and the buyers routed to
+    it; its `deal_id` is the deal's."""
+    if k == 0:
+        return deal_keys(deal_id)
+    keys = _part_cache.get((deal_id, k))
+    if keys is None:
+        keys = _make_keys(deal_id, f"{{d:{deal_id}:{k}}}")
+        if len(_part_cache) < 100_000:
+            _part_cache[(deal_id, k)] = keys
+    return keys
+
+
+def home_partition(user_id: int, partitions: int) -> int:
+    """The partition a buyer is routed to first: stable for a buyer and a deal's P
+    (user ids are integers; the multiplier spreads consecutive ids)."""
+    return ((user_id * 0x9E3779B1) >> 7) % partitions
+
+
+def _make_keys(deal_id: int, tag: str) -> DealKeys:
+    return DealKeys(
+        deal_id=deal_id,
+        tag=tag,
+        meta=f"{tag}:meta",
+        buckets=f"{tag}:b",
+        users=f"{tag}:u",
+        inflight=f"{tag}:f",
+        inflight_times=f"{tag}:ft",
+        resolved=f"{tag}:done",
+        sync_lock=f"{tag}:sl",
+        buyers=f"{tag}:buyers",
+        room=f"{tag}:room",
+        room_queue=f"{tag}:rq",
+        room_tickets=f"{tag}:rt",
+        room_admitted=f"{tag}:ra",
+        room_expiry=f"{tag}:rx",
+        room_window=f"{tag}:rw",
+    )
 
 
 @dataclass(frozen=True, slots=True)

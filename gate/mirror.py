@@ -11,6 +11,14 @@ Markers resolved recently are logged for a few seconds. With both, one consisten
 database snapshot and one atomic script compute exactly what Redis should hold
 (lua/sync_deal.lua, docs/redis-mirror.md): loading after a flush, rebuilding after
 a layout change and repairing drift never guess.
+
+A deal of P > 1 partitions (docs/scale-out.md, "Deal partitions") has P such states,
+one per hash tag (gate/keys.py partition_keys), each mirroring the buckets it owns
+(b MOD P = k) exactly as above: the markers of a partition only ever name its own
+buckets, so every argument of docs/redis-mirror.md holds per partition. An intent
+that spans partitions (a stock adjustment) is recorded in each partition it touches,
+under the same id with that partition's deltas; the ledger (op_id) decides all of
+them alike.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import redis.asyncio as aioredis
 from gate.clock import epoch_ms
 from gate.codes import SyncCode
 from gate.db import Database
-from gate.keys import ACTIVE_DEALS, DealKeys, deal_keys
+from gate.keys import ACTIVE_DEALS, DealKeys, deal_keys, partition_keys
 from gate.redismode import redis_ms
 from gate.scripts import ScriptRunner
 from gate.settings import Settings
@@ -43,6 +51,8 @@ RESOLVED_RETENTION_MS = 15_000
 # Reservations confirmed by one lua/confirm_many.lua call at most (its keys and
 # arguments grow with it).
 CONFIRM_BATCH_MAX = 256
+# Deals whose partition count a process remembers (a deal's P never changes).
+PARTS_CACHE_MAX = 100_000
 
 # A confirmation waiting for its batch: idempotency key, token, fingerprint, the
 # allocation the database committed, and the caller's future.
@@ -97,6 +107,36 @@ class Marker:
     owner: str = ""
 
 
+def split_intent(intent: Intent, nb: int, partitions: int) -> dict[int, Intent]:
+    """An intent's part per partition (bucket b belongs to (b MOD nb) MOD P), under
+    the same id. The buyer's units go with the bucket deltas: a partition counts the
+    units of the orders whose buckets it owns (an order's buckets are all in one
+    partition; a late re-take may span several, its units then split as its deltas)."""
+    per: dict[int, list[str]] = {}
+    sums: dict[int, int] = {}
+    for part in intent.deltas.split(","):
+        if not part:
+            continue
+        b, d = part.split(":")
+        k = (int(b) % nb) % partitions
+        per.setdefault(k, []).append(part)
+        sums[k] = sums.get(k, 0) + int(d)
+    if not per:
+        return {0: intent}
+    total = sum(sums.values())
+    out: dict[int, Intent] = {}
+    first = next(iter(per))
+    for k, parts in per.items():
+        if intent.units == 0 or intent.user_id == 0:
+            units = 0
+        elif abs(total) == abs(intent.units):
+            units = abs(sums[k]) * (1 if intent.units > 0 else -1)
+        else:
+            units = intent.units if k == first else 0
+        out[k] = Intent(intent.id, intent.user_id, units, ",".join(parts))
+    return out
+
+
 def parse_marker(record: str) -> Marker:
     parts = record.split("|")
     if parts[0] == "T":
@@ -116,8 +156,13 @@ class Mirror:
         self.redis = client
         self.runner = runner
         self._loading: dict[int, asyncio.Future[bool]] = {}
+        # deal -> its partition count P (fixed at creation): read from the database
+        # once per process (`partitions`), or from partition 0's meta on the hot path
+        # (`partitions_hint`). Absent: not known yet.
+        self.parts: dict[int, int] = {}
+        self._nbs: dict[int, int] = {}  # bucket count of partitioned deals (fixed)
         # Confirmations asked in this event-loop turn, per deal (`confirm`).
-        self._confirms: dict[int, tuple[DealKeys, list[_Confirm]]] = {}
+        self._confirms: dict[str, tuple[DealKeys, list[_Confirm]]] = {}
         self._confirm_scheduled = False
         # Run before every sync pass of a deal with the deal and the pass's mode
         # ("load", "layout", "resync"): the waiting room (gate/room/) puts its
@@ -186,9 +231,10 @@ class Mirror:
         reply for the lot, with each caller's own answer."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        pending = self._confirms.get(keys.deal_id)
+        # Per hash tag: a partitioned deal's partitions are separate states (slots).
+        pending = self._confirms.get(keys.tag)
         if pending is None:
-            pending = self._confirms[keys.deal_id] = (keys, [])
+            pending = self._confirms[keys.tag] = (keys, [])
             if not self._confirm_scheduled:
                 self._confirm_scheduled = True
                 loop.call_soon(self._flush_confirms)
@@ -272,8 +318,22 @@ class Mirror:
     # -- releases and adjustments ------------------------------------------------------
 
     async def intend(self, deal_id: int, intents: Sequence[Intent]) -> int:
-        """Record intents before their transaction commits."""
-        keys = deal_keys(deal_id)
+        """Record intents before their transaction commits (in each partition an
+        intent touches, for a partitioned deal)."""
+        parts = await self._partitions_of_loaded(deal_id)
+        if parts == 1:
+            return await self._intend(deal_keys(deal_id), intents)
+        nb = await self._bucket_count(deal_id)
+        per: dict[int, list[Intent]] = {}
+        for intent in intents:
+            for k, piece in split_intent(intent, nb, parts).items():
+                per.setdefault(k, []).append(piece)
+        recorded = 0
+        for k, pieces in per.items():
+            recorded = max(recorded, await self._intend(partition_keys(deal_id, k), pieces))
+        return recorded
+
+    async def _intend(self, keys: DealKeys, intents: Sequence[Intent]) -> int:
         recorded = 0
         for i in range(0, len(intents), INTENT_BATCH_MAX):
             chunk = intents[i : i + INTENT_BATCH_MAX]
@@ -288,8 +348,19 @@ class Mirror:
         return recorded
 
     async def apply(self, deal_id: int, outcomes: Sequence[tuple[str, bool]]) -> int:
-        """Resolve intents after their transaction: apply the committed, drop the rest."""
-        keys = deal_keys(deal_id)
+        """Resolve intents after their transaction: apply the committed, drop the rest.
+        A partitioned deal: in every partition (each acts only on the markers it holds);
+        the count is then at most one per intent."""
+        parts = await self._partitions_of_loaded(deal_id)
+        if parts == 1:
+            return await self.apply_keys(deal_keys(deal_id), outcomes)
+        applied = 0
+        for k in range(parts):
+            applied += await self.apply_keys(partition_keys(deal_id, k), outcomes)
+        return min(applied, len(outcomes))
+
+    async def apply_keys(self, keys: DealKeys, outcomes: Sequence[tuple[str, bool]]) -> int:
+        """`apply` on one partition's state."""
         applied = 0
         for i in range(0, len(outcomes), INTENT_BATCH_MAX):
             chunk = outcomes[i : i + INTENT_BATCH_MAX]
@@ -333,15 +404,26 @@ class Mirror:
         it complete: only then may a gate answer "sold out" from its near-cache.
 
         Admissions during the rebuild add themselves (admit.lua), and every order
-        committed before the read below is in it, so the set is complete."""
-        keys = deal_keys(deal_id)
-        if await self.redis.hget(keys.meta, "buyers_ok"):
+        committed before the read below is in it, so the set is complete. A
+        partitioned deal: every partition's set gets all of the deal's buyers (a
+        superset of those it admitted: at worst a database look-up more, never a
+        near-cache answer to a buyer of the deal)."""
+        parts = await self.partitions(deal_id)
+        todo = []
+        for k in range(parts):
+            keys = partition_keys(deal_id, k)
+            if not await self.redis.hget(keys.meta, "buyers_ok"):
+                todo.append(keys)
+        if not todo:
             return
         async with self.db.connection() as conn, conn.cursor() as cur:
             await cur.execute("SELECT DISTINCT user_id FROM orders WHERE deal_id = %s", (deal_id,))
             while rows := await cur.fetchmany(BUYERS_CHUNK):
-                await self.redis.sadd(keys.buyers, *(int(r[0]) for r in rows))
-        await self.redis.hset(keys.meta, "buyers_ok", 1)
+                users = [int(r[0]) for r in rows]
+                for keys in todo:
+                    await self.redis.sadd(keys.buyers, *users)
+        for keys in todo:
+            await self.redis.hset(keys.meta, "buyers_ok", 1)
 
     async def resync(self, deal_id: int) -> tuple[SyncCode, str] | None:
         """Repair drift exactly. None: the deal no longer exists in the database."""
@@ -350,18 +432,83 @@ class Mirror:
             await self.load(deal_id)
         return result
 
+    # -- partitions ----------------------------------------------------------------------
+
+    async def partitions(self, deal_id: int) -> int:
+        """The deal's partition count P (1 for a deal that does not exist)."""
+        parts = self.parts.get(deal_id)
+        if parts is not None:
+            return parts
+        row = await self.db.fetchone(
+            "SELECT partitions, bucket_count FROM deals WHERE id = %s", (deal_id,)
+        )
+        if row is None:
+            return 1
+        return self._learn(deal_id, int(row[0]), int(row[1]))
+
+    def _learn(self, deal_id: int, parts: int, nb: int) -> int:
+        if len(self.parts) >= PARTS_CACHE_MAX:
+            self.parts.clear()
+        self.parts[deal_id] = parts
+        if parts > 1:
+            # A partitioned deal is never rebucketed (gate/deals.py): nb is fixed too.
+            if len(self._nbs) >= PARTS_CACHE_MAX:
+                self._nbs.clear()
+            self._nbs[deal_id] = nb
+        return parts
+
+    async def partitions_hint(self, deal_id: int) -> int:
+        """P for the hot path: partition 0's meta says it ("pp") once the deal is
+        loaded. A deal not loaded yet counts as 1 (not remembered): its admission
+        answers NOT_LOADED, and the load learns P from the database."""
+        nb, pp = await self.redis.hmget(deal_keys(deal_id).meta, ["nb", "pp"])
+        if nb is None:
+            return 1
+        return self._learn(deal_id, int(pp or 1), int(nb))
+
+    async def _partitions_of_loaded(self, deal_id: int) -> int:
+        """P for a caller that may hold a database transaction (a release records its
+        intents before it commits): from memory or partition 0's meta, the database
+        only when Redis does not have the deal (no second connection taken while the
+        pool may be exhausted by such callers, except for a deal Redis lacks)."""
+        parts = self.parts.get(deal_id)
+        if parts is not None:
+            return parts
+        nb, pp = await self.redis.hmget(deal_keys(deal_id).meta, ["nb", "pp"])
+        if nb is not None:
+            return self._learn(deal_id, int(pp or 1), int(nb))
+        return await self.partitions(deal_id)
+
+    async def _bucket_count(self, deal_id: int) -> int:
+        nb = self._nbs.get(deal_id)
+        if nb is None:
+            row = await self.db.fetchone("SELECT bucket_count FROM deals WHERE id = %s", (deal_id,))
+            nb = int(row[0]) if row else 1
+        return nb
+
+    def bucket_count_of(self, deal_id: int) -> int | None:
+        """The bucket count of a partitioned deal this process knows (None: unknown)."""
+        return self._nbs.get(deal_id)
+
+    def keys_of(self, deal_id: int, parts: int) -> list[DealKeys]:
+        return [partition_keys(deal_id, k) for k in range(parts)]
+
     async def _sync(self, deal_id: int, mode: str) -> tuple[SyncCode, str] | None:
-        keys = deal_keys(deal_id)
         for hook in self.before_sync:
             await hook(deal_id, mode)
-        # From the deal's node: the resolved markers' scores come from its clock.
-        t0 = await redis_ms(self.redis, keys.meta)
+        parts = await self.partitions(deal_id)
+        pkeys = self.keys_of(deal_id, parts)
+        # From each partition's node: the resolved markers' scores come from its clock.
+        t0s = [await redis_ms(self.redis, keys.meta) for keys in pkeys]
         async with self.db.snapshot() as cur:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hkeys(keys.inflight)
-            pipe.zrangebyscore(keys.resolved, t0, "+inf")
-            marker_ids, done = await pipe.execute()
-            ids = sorted({str(m) for m in marker_ids} | {str(e).split("|", 1)[0] for e in done})
+            ids_set: set[str] = set()
+            for keys, t0 in zip(pkeys, t0s, strict=True):
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hkeys(keys.inflight)
+                pipe.zrangebyscore(keys.resolved, t0, "+inf")
+                marker_ids, done = await pipe.execute()
+                ids_set |= {str(m) for m in marker_ids} | {str(e).split("|", 1)[0] for e in done}
+            ids = sorted(ids_set)
             await cur.execute(
                 "SELECT bucket_count, layout_epoch, starts_at, ends_at, max_per_order,"
                 " per_user_limit FROM deals WHERE id = %s",
@@ -379,46 +526,64 @@ class Mirror:
             for bucket, avail in await cur.fetchall():
                 available[int(bucket)] = int(avail)
             committed = await _committed(cur, ids)
-            users: list[tuple[int, int]] = []
+            users: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
             if mode == "load" and deal[5] is not None:
-                await cur.execute(
-                    "SELECT user_id, units FROM user_quota WHERE deal_id = %s AND units > 0",
-                    (deal_id,),
-                )
-                users = [(int(u), int(n)) for u, n in await cur.fetchall()]
-        args: list[Any] = [
-            mode,
-            t0,
-            SYNC_WINDOW_MS,
-            nb,
-            epoch_ms(deal[2]),
-            epoch_ms(deal[3]),
-            int(deal[4]),
-            int(deal[5] or 0),
-            epoch,
-            len(committed),
-            *committed,
-            *available,
-            len(users),
-        ]
-        for user, units in users:
-            args.extend((user, units))
-        code, detail = await self.runner.call("sync_deal", keys.state, args)
-        result = SyncCode(int(code)), str(detail)
-        if result[0] == SyncCode.STALE:
-            log.warning("deal %s: %s pass took too long; nothing changed", deal_id, mode)
-        elif result[0] == SyncCode.APPLIED:
-            log.warning("deal %s: repaired Redis drift %s", deal_id, result[1])
+                if parts == 1:
+                    await cur.execute(
+                        "SELECT user_id, units FROM user_quota WHERE deal_id = %s AND units > 0",
+                        (deal_id,),
+                    )
+                    users[0] = [(int(u), int(n)) for u, n in await cur.fetchall()]
+                else:
+                    users = await _partition_quota(cur, deal_id, nb, parts)
+        results: list[tuple[SyncCode, str]] = []
+        for k, (keys, t0) in enumerate(zip(pkeys, t0s, strict=True)):
+            mine = (
+                available
+                if parts == 1
+                else [a if b % parts == k else 0 for b, a in enumerate(available)]
+            )
+            args: list[Any] = [
+                mode,
+                t0,
+                SYNC_WINDOW_MS,
+                nb,
+                epoch_ms(deal[2]),
+                epoch_ms(deal[3]),
+                int(deal[4]),
+                int(deal[5] or 0),
+                epoch,
+                len(committed),
+                *committed,
+                *mine,
+                len(users[k]),
+            ]
+            for user, units in users[k]:
+                args.extend((user, units))
+            if parts > 1:
+                args.append(parts)
+            code, detail = await self.runner.call("sync_deal", keys.state, args)
+            result = SyncCode(int(code)), str(detail)
+            if result[0] == SyncCode.STALE:
+                log.warning("deal %s: %s pass took too long; nothing changed", keys.tag, mode)
+            elif result[0] == SyncCode.APPLIED:
+                log.warning("deal %s: repaired Redis drift %s", keys.tag, result[1])
+            results.append(result)
         await self.redis.sadd(ACTIVE_DEALS, deal_id)
-        return result
+        if parts == 1:
+            return results[0]
+        return _combined(results)
 
     async def forget(self, deal_id: int) -> None:
-        keys = deal_keys(deal_id)
-        await self.redis.delete(*keys.state, keys.buyers)
+        for keys in self.keys_of(deal_id, await self.partitions(deal_id)):
+            await self.redis.delete(*keys.state, keys.buyers)
         await self.redis.srem(ACTIVE_DEALS, deal_id)
 
     async def available(self, deal_id: int) -> int | None:
         """Units Redis believes are left, loading the deal if absent. None: no such deal."""
+        parts = await self.partitions(deal_id)
+        if parts > 1:
+            return await self._available_parts(deal_id, parts)
         keys = deal_keys(deal_id)
         value = await self.redis.hget(keys.meta, "avail")
         if value is None:
@@ -426,6 +591,49 @@ class Mirror:
                 return None
             value = await self.redis.hget(keys.meta, "avail")
         return max(0, int(value or 0))
+
+    async def _available_parts(self, deal_id: int, parts: int) -> int | None:
+        values = [await self.redis.hget(k.meta, "avail") for k in self.keys_of(deal_id, parts)]
+        if any(v is None for v in values):
+            if not await self.load(deal_id):
+                return None
+            values = [await self.redis.hget(k.meta, "avail") for k in self.keys_of(deal_id, parts)]
+        return sum(max(0, int(v or 0)) for v in values)
+
+
+def _combined(results: list[tuple[SyncCode, str]]) -> tuple[SyncCode, str]:
+    """One answer for a partitioned deal's passes: a stale or absent partition first,
+    then the repairs (each prefixed by its partition), else the first answer."""
+    for code in (SyncCode.STALE, SyncCode.NOT_LOADED):
+        if any(r[0] == code for r in results):
+            return code, ""
+    repairs = [f"p{k}[{r[1]}]" for k, r in enumerate(results) if r[0] == SyncCode.APPLIED]
+    if repairs:
+        return SyncCode.APPLIED, " ".join(repairs)
+    built = [r for r in results if r[0] != SyncCode.EXISTED] if results else []
+    return built[0] if built else results[0]
+
+
+async def _partition_quota(
+    cur: Any, deal_id: int, nb: int, parts: int
+) -> list[list[tuple[int, int]]]:
+    """Per partition, the units each buyer holds or bought there (the orders' buckets
+    decide: partition (b MOD nb) MOD P), from the snapshot."""
+    await cur.execute(
+        "SELECT user_id, alloc FROM orders WHERE deal_id = %s"
+        " AND status IN ('PENDING_PAYMENT', 'AUTHORIZED', 'PAID')",
+        (deal_id,),
+    )
+    per: list[dict[int, int]] = [{} for _ in range(parts)]
+    while rows := await cur.fetchmany(BUYERS_CHUNK):
+        for user, alloc in rows:
+            for part in str(alloc).split(","):
+                if ":" not in part:
+                    continue
+                b, q = part.split(":")
+                k = (int(b) % nb) % parts
+                per[k][int(user)] = per[k].get(int(user), 0) + int(q)
+    return [[(u, n) for u, n in d.items() if n > 0] for d in per]
 
 
 async def _committed(cur: Any, ids: Sequence[str]) -> list[str]:

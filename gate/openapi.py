@@ -537,6 +537,8 @@ def _schemas() -> dict[str, Any]:
     admin_deal = {
         **deal_common,
         "buckets": {"type": "integer", "minimum": 1, "maximum": 1024},
+        # Deal partitions (docs/scale-out.md), fixed at creation.
+        "partitions": {"type": "integer", "minimum": 1, "maximum": 16},
         "layout_epoch": {"type": "integer", "minimum": 0},
         "hold_seconds": {"type": "integer", "minimum": 1, "maximum": 86400},
         "per_user_limit": {"type": ["integer", "null"], "minimum": 1, "maximum": 1_000_000_000},
@@ -762,6 +764,15 @@ def _schemas() -> dict[str, Any]:
                     "default": "automatic",
                 },
                 "mode": {"type": "string", "enum": ["sync", "queue"], "default": "sync"},
+                "partitions": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": 16,
+                    "default": 1,
+                    "description": "Redis partitions of one hot deal (docs/scale-out.md,"
+                    " \"Deal partitions\"): at most `buckets`, fixed for the deal's life;"
+                    " above 1 not with a waiting room or queue mode.",
+                },
                 "starts_at": NULLABLE_TIMESTAMP,
                 "ends_at": NULLABLE_TIMESTAMP,
                 "waiting_room": {

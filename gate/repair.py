@@ -142,8 +142,12 @@ def plan_counters(
 
 
 async def inflight(mirror: Mirror, deal_id: int) -> int:
-    """Reservations and stock changes of the deal that Redis shows in flight."""
-    return int(await mirror.redis.hlen(deal_keys(deal_id).inflight))
+    """Reservations and stock changes of the deal that Redis shows in flight (in
+    every partition of a partitioned deal)."""
+    parts = await mirror.partitions(deal_id)
+    if parts == 1:
+        return int(await mirror.redis.hlen(deal_keys(deal_id).inflight))
+    return sum([int(await mirror.redis.hlen(k.inflight)) for k in mirror.keys_of(deal_id, parts)])
 
 
 async def wait_quiet(mirror: Mirror, deal_id: int, wait_seconds: float) -> None:

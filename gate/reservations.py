@@ -46,7 +46,7 @@ from gate.codes import AdmitCode, DbCode, LimitCode
 from gate.db import Database, DbUnavailable, OutcomeUnknown
 from gate.errors import Encoded, Problem, from_admit, from_db, not_found, overloaded
 from gate.groups import Item, ReservationGroups, reservation_call
-from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys
+from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys, home_partition, partition_keys
 from gate.lease import Lease, LeaseLapsed
 from gate.limits import LimitSpec, rate_limited
 from gate.metrics import METRICS
@@ -356,6 +356,11 @@ class Reservations:
             self._inflight -= 1
 
     async def _reserve(self, req: ReserveRequest) -> Reserved:
+        parts = self.mirror.parts.get(req.deal_id)
+        if parts is None:
+            parts = await self.mirror.partitions_hint(req.deal_id)
+        if parts > 1:
+            return await self._reserve_partitioned(req, parts)
         keys = deal_keys(req.deal_id)
         fp = fingerprint(req.deal_id, req.quantity)
         token = orders.new_id()
@@ -392,9 +397,89 @@ class Reservations:
             if not found:
                 await self.unknown_deals.learn(req.deal_id, generation)
                 raise not_found("deal")
+            if self.mirror.parts.get(req.deal_id, 1) > 1:
+                # The load showed a partitioned deal (nothing was admitted above).
+                return await self._reserve_partitioned(req, self.mirror.parts[req.deal_id])
             adm = await self._admit(keys, req, fp, token, start, owner, queue_args)
             if adm.code == AdmitCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
+        return await self._answer(keys, req, fp, token, adm, sent, owner, mode, index)
+
+    async def _reserve_partitioned(self, req: ReserveRequest, parts: int) -> Reserved:
+        """A deal of P > 1 partitions (docs/scale-out.md, "Deal partitions"): the buyer's
+        home partition first (their idempotency record, quota and limiter cells are
+        there as long as it has stock), then, only when it answers SOLD_OUT, the next
+        partitions in order. Each admission is the same lua/admit.lua on that
+        partition's keys; the database stays the judge of quota and keys across
+        partitions (a buyer who fell over is known to another partition's Redis only
+        from then on). The deal is sold out when every partition said so."""
+        fp = fingerprint(req.deal_id, req.quantity)
+        token = orders.new_id()
+        sent = time.monotonic()
+        owner = self.lease.owner if self.lease is not None else ""
+        home = home_partition(req.user_id, parts)
+        left = 0
+        buyers = 0
+        known = False
+        global_retry_ms: int | None = None
+        adm: Admission | None = None
+        keys = partition_keys(req.deal_id, home)
+        nb = self.mirror.bucket_count_of(req.deal_id)
+        for i in range(parts):
+            k = (home + i) % parts
+            keys = partition_keys(req.deal_id, k)
+            # A start bucket the partition owns (admit.lua walks from it, skipping
+            # empty fields: the other partitions' buckets are 0 here).
+            start = (
+                k + parts * random.randrange((nb - k + parts - 1) // parts)
+                if nb is not None
+                else random.getrandbits(30)
+            )
+            # The global limiter judges the request once, beside its first admission.
+            adm = await self._admit(keys, req, fp, token, start, owner, None, global_limit=i == 0)
+            if i == 0:
+                global_retry_ms = adm.global_retry_ms
+            if adm.code == AdmitCode.NOT_LOADED:
+                try:
+                    found = await self.mirror.load(req.deal_id)
+                except Exception as exc:
+                    log.warning("deal %s not loaded into Redis: %r", req.deal_id, exc)
+                    raise overloaded("Deal state unavailable; retry shortly.") from None
+                if not found:
+                    raise not_found("deal")
+                adm = await self._admit(
+                    keys, req, fp, token, start, owner, None, global_limit=False
+                )
+                if adm.code == AdmitCode.NOT_LOADED:
+                    raise overloaded("Deal state is being rebuilt; retry shortly.")
+            if adm.code != AdmitCode.SOLD_OUT:
+                break
+            left += int(adm.detail or 0)
+            known = known or adm.known_buyer
+            buyers = -1 if adm.buyers < 0 or buyers < 0 else buyers + adm.buyers
+        assert adm is not None
+        if adm.code == AdmitCode.SOLD_OUT:
+            # Every partition refused: the deal's answer, with the units left in all.
+            adm = Admission(AdmitCode.SOLD_OUT, str(left), known, buyers, global_retry_ms)
+        elif adm.global_retry_ms != global_retry_ms:
+            adm = Admission(adm.code, adm.detail, adm.known_buyer, adm.buyers, global_retry_ms)
+        return await self._answer(keys, req, fp, token, adm, sent, owner, False, None, parts)
+
+    async def _answer(
+        self,
+        keys: DealKeys,
+        req: ReserveRequest,
+        fp: str,
+        token: str,
+        adm: Admission,
+        sent: float,
+        owner: str,
+        mode: bool | None,
+        index: asyncio.Future[Any] | None,
+        parts: int = 1,
+    ) -> Reserved:
+        """What follows the admission: its refusal answered, or its transaction run."""
+        queue = self.queue
         if index is not None and adm.code != AdmitCode.OK:
             assert queue is not None
             queue.drop_index(token, index)  # nothing was queued
@@ -424,7 +509,7 @@ class Reservations:
                 if existing is not None:
                     return existing
             if adm.code == AdmitCode.SOLD_OUT and adm.detail == "0":
-                self.soldout.observe(req.deal_id, adm.buyers)
+                self.soldout.observe(req.deal_id, adm.buyers, parts)
             if adm.code == AdmitCode.RATE_LIMITED:
                 scope, wait_ms = adm.detail.split("|")
                 self.refusals.remember(req, scope, int(wait_ms), sent)
@@ -508,6 +593,7 @@ class Reservations:
         start: int,
         owner: str,
         queued: tuple[tuple[str, str], tuple[int, int]] | None = None,
+        global_limit: bool = True,
     ) -> Admission:
         """Run the admission (and the global limiter in the same pipeline)."""
         admit = self.mirror.admit(
@@ -527,7 +613,7 @@ class Reservations:
         spec = self.settings.limit_global
         limit = (
             self.mirror.runner.call("limit", (GLOBAL_LIMIT,), (spec.emission_ms, spec.burst))
-            if spec
+            if spec and global_limit
             else None
         )
         try:
@@ -617,17 +703,29 @@ class Reservations:
             fp = fingerprint(req.deal_id, req.quantity)
             token = orders.new_id()
             # No Redis allocation: a random bucket, and the procedure falls over to
-            # the others. The resync loop brings Redis back once it answers.
-            bucket = random.getrandbits(16)
-            item = self._item(token, req, fp, bucket, None)
-            try:
-                row = await self._transaction(req.deal_id, item, f"{bucket}:{req.quantity}")
-            except OutcomeUnknown as exc:
-                row = await self._resolve_unknown(
-                    exc, deal_keys(req.deal_id), req, token, redis=False
-                )
-            except (DbUnavailable, pymysql.err.MySQLError, TimeoutError):
-                raise overloaded("Database unavailable; retry shortly.") from None
+            # the others. The resync loop brings Redis back once it answers. A
+            # partitioned deal's procedure falls over within the bucket's partition
+            # only: each partition in turn (the buyer's first), while it says sold out.
+            parts = self.mirror.parts.get(req.deal_id, 1)
+            nb = self.mirror.bucket_count_of(req.deal_id) if parts > 1 else None
+            home = home_partition(req.user_id, parts)
+            tries = parts if nb is not None else 1
+            for i in range(tries):
+                bucket = random.getrandbits(16)
+                if nb is not None:
+                    k = (home + i) % parts
+                    bucket = k + parts * random.randrange((nb - k + parts - 1) // parts)
+                item = self._item(token, req, fp, bucket, None)
+                try:
+                    row = await self._transaction(req.deal_id, item, f"{bucket}:{req.quantity}")
+                except OutcomeUnknown as exc:
+                    row = await self._resolve_unknown(
+                        exc, deal_keys(req.deal_id), req, token, redis=False
+                    )
+                except (DbUnavailable, pymysql.err.MySQLError, TimeoutError):
+                    raise overloaded("Database unavailable; retry shortly.") from None
+                if DbCode(int(row[0])) != DbCode.SOLD_OUT:
+                    break
             db_code = DbCode(int(row[0]))
             if db_code == DbCode.OK:
                 self.buyer_keys.forget(req.user_id)

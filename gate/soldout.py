@@ -20,6 +20,10 @@ buyers, the entry gets a new `ttl_seconds` counted from before that read. Otherw
 every process would send its whole concurrency to Redis at each lapse (every request
 in flight during the admission round trip misses), ten times a second per deal;
 the staleness bound stays `ttl_seconds` from the last confirmation.
+
+A deal of P > 1 partitions (docs/scale-out.md) is sold out when every partition is:
+the reservation path observes it only after all P admissions said so, the buyers
+are the union of the partitions' sets, and a renewal reads every partition.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from gate.keys import deal_keys
+from gate.keys import DealKeys, deal_keys, partition_keys
 from gate.redismode import is_cluster, redis_ms
 
 log = logging.getLogger("gate.soldout")
@@ -46,9 +50,9 @@ class SoldOutCache:
         self.redis = client
         self._cluster = is_cluster(client)
         self.ttl_seconds = ttl_seconds
-        # deal -> (valid until (monotonic), size of the buyers set, the set, the
-        # deal's max_per_order)
-        self._entries: dict[int, tuple[float, int, frozenset[int], int]] = {}
+        # deal -> (valid until (monotonic), size of the buyers set(s), the set (their
+        # union), the deal's max_per_order, its partition count)
+        self._entries: dict[int, tuple[float, int, frozenset[int], int, int]] = {}
         self._fetching: dict[int, asyncio.Task[None]] = {}
         self._renewing: dict[int, asyncio.Task[None]] = {}
 
@@ -68,6 +72,15 @@ class SoldOutCache:
 
     async def _renew(self, deal_id: int) -> None:
         """Extend the entry if the deal is still sold out to the same buyers."""
+        entry = self._entries.get(deal_id)
+        if entry is not None and entry[4] > 1:
+            try:
+                await self._renew_parts(deal_id, entry[4])
+            except Exception as exc:
+                log.info("sold-out near-cache: deal %s not renewed: %r", deal_id, exc)
+            finally:
+                self._renewing.pop(deal_id, None)
+            return
         try:
             keys = deal_keys(deal_id)
             sent = time.monotonic()
@@ -97,41 +110,80 @@ class SoldOutCache:
             )
             if entry is not None and still:
                 limit = int(most or 1)
-                self._entries[deal_id] = (sent + self.ttl_seconds, entry[1], entry[2], limit)
+                self._entries[deal_id] = (sent + self.ttl_seconds, entry[1], entry[2], limit, 1)
         except Exception as exc:
             log.info("sold-out near-cache: deal %s not renewed: %r", deal_id, exc)
         finally:
             self._renewing.pop(deal_id, None)
 
-    def observe(self, deal_id: int, buyers: int) -> None:
-        """Redis just said the deal is sold out; `buyers` is the size of its buyers
-        set (-1: the set is not complete, so nothing may be cached)."""
+    async def _renew_parts(self, deal_id: int, parts: int) -> None:
+        """`_renew` for a partitioned deal: every partition still sold out, within its
+        window, with its buyers set the same size as when observed."""
+        sent = time.monotonic()
+        sizes = 0
+        most = None
+        for k in range(parts):
+            keys = partition_keys(deal_id, k)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(keys.meta, "avail", "start_ms", "end_ms", "buyers_ok", "max")
+                pipe.scard(keys.buyers)
+                (avail, start_ms, end_ms, buyers_ok, most), size = await pipe.execute()
+            now_ms = await redis_ms(self.redis, keys.meta)
+            if (
+                avail is None
+                or int(avail) > 0
+                or buyers_ok is None
+                or int(start_ms or 0) > now_ms
+                or 0 < int(end_ms or 0) <= now_ms
+            ):
+                return
+            sizes += int(size)
+        entry = self._entries.get(deal_id)
+        if entry is not None and sizes == entry[1]:
+            self._entries[deal_id] = (
+                sent + self.ttl_seconds,
+                sizes,
+                entry[2],
+                int(most or 1),
+                parts,
+            )
+
+    def observe(self, deal_id: int, buyers: int, parts: int = 1) -> None:
+        """Redis just said the deal is sold out (every partition of it); `buyers` is
+        the size of its buyers set, summed over the partitions (-1: a set is not
+        complete, so nothing may be cached)."""
         if self.ttl_seconds <= 0 or buyers < 0 or buyers > BUYERS_MAX:
             return
         entry = self._entries.get(deal_id)
         until = time.monotonic() + self.ttl_seconds
         if entry is not None and entry[1] == buyers:
-            self._entries[deal_id] = (until, buyers, entry[2], entry[3])
+            self._entries[deal_id] = (until, buyers, entry[2], entry[3], entry[4])
             return
         if deal_id not in self._fetching:
-            task = asyncio.get_running_loop().create_task(self._fetch(deal_id))
+            task = asyncio.get_running_loop().create_task(self._fetch(deal_id, parts))
             self._fetching[deal_id] = task
 
-    async def _fetch(self, deal_id: int) -> None:
+    async def _fetch(self, deal_id: int, parts: int = 1) -> None:
         try:
-            keys = deal_keys(deal_id)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.smembers(keys.buyers)
-                # As admit.lua reads it: a quantity above it is a 400, not sold out.
-                pipe.hget(keys.meta, "max")
-                members, most = await pipe.execute()
+            members: set[str] = set()
+            size = 0
+            most = None
+            partitions: list[DealKeys] = [partition_keys(deal_id, k) for k in range(parts)]
+            for keys in partitions:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.smembers(keys.buyers)
+                    # As admit.lua reads it: a quantity above it is a 400, not sold out.
+                    pipe.hget(keys.meta, "max")
+                    mine, most = await pipe.execute()
+                members |= mine
+                size += len(mine)
             buyers = frozenset(int(m) for m in members)
             if len(self._entries) >= DEALS_MAX:
                 self._entries.clear()
             # The set may have grown since the size was read; its own size is what
-            # the next observation compares with.
+            # the next observation compares with (the sum of the partitions' sizes).
             until = time.monotonic() + self.ttl_seconds
-            self._entries[deal_id] = (until, len(buyers), buyers, int(most or 1))
+            self._entries[deal_id] = (until, size, buyers, int(most or 1), parts)
         except Exception as exc:
             log.info("sold-out near-cache: buyers of deal %s not fetched: %r", deal_id, exc)
         finally:

@@ -43,6 +43,9 @@
   ARGV[10] K, then K committed operations: "id" or "id=allocation" (reservations)
   then     nb database available counts, bucket 0 first
   then     U, then U pairs (user id, units) of the snapshot's quota (load mode)
+  then     optional: P, the deal's partition count, given only when P > 1 (KEYS are
+           then one partition's, its buckets' counts given, the others' 0; meta
+           records "pp" so that a gate routes buyers before it knows the deal)
 
   Returns {code, detail}:
     0 ""   load: the state already existed, nothing changed
@@ -128,6 +131,11 @@ end
 
 local meta_fields = {'nb', nb, 'start_ms', ARGV[5], 'end_ms', ARGV[6], 'max', ARGV[7],
   'limit', ARGV[8], 'epoch', ARGV[9]}
+local pp = ARGV[pos + 1 + 2 * tonumber(ARGV[pos])]
+if pp then
+  meta_fields[#meta_fields + 1] = 'pp'
+  meta_fields[#meta_fields + 1] = pp
+end
 local total = 0
 for b = 0, nb - 1 do total = total + want[b] end
 

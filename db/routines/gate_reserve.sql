@@ -46,6 +46,10 @@ proc: BEGIN
     DECLARE v_units     INT UNSIGNED;
     DECLARE v_deficit   BIGINT UNSIGNED DEFAULT 0;
     DECLARE v_tries     INT DEFAULT 0;
+    -- Deal partitions (db/040_partitions.sql): the fall-over stays in the partition
+    -- of the first bucket Redis chose (b MOD P), whose Redis state admitted the buyer.
+    DECLARE v_parts     INT UNSIGNED DEFAULT 1;
+    DECLARE v_home      INT UNSIGNED DEFAULT 0;
     DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_found = 0;
     DECLARE EXIT HANDLER FOR 1062
     BEGIN
@@ -59,9 +63,9 @@ proc: BEGIN
     END;
 
     SELECT unit_price, currency, title, hold_seconds, per_user_limit, max_per_order,
-           bucket_count, layout_epoch, capture_mode, starts_at, ends_at
+           bucket_count, layout_epoch, capture_mode, starts_at, ends_at, partitions
       INTO v_price, v_currency, v_title, v_hold, v_limit, v_max,
-           v_nb, v_epoch, v_capture, v_starts, v_ends
+           v_nb, v_epoch, v_capture, v_starts, v_ends, v_parts
       FROM deals WHERE id = p_deal_id;
     IF v_found = 0 THEN
         SELECT 4 AS code, '' AS alloc, NULL AS expires_at, NULL AS created_at;
@@ -108,12 +112,14 @@ proc: BEGIN
     IF v_deficit > 0 THEN
         SET v_found = 1;
         SELECT bucket_count, layout_epoch INTO v_nb, v_epoch FROM deals WHERE id = p_deal_id;
+        SET v_home = (CAST(SUBSTRING_INDEX(p_alloc, ':', 1) AS UNSIGNED) MOD v_nb) MOD v_parts;
     END IF;
     WHILE v_deficit > 0 AND v_tries < 16 DO
         SET v_tries = v_tries + 1;
         SET v_found = 1;
         SELECT bucket, available INTO v_b, v_avail FROM deal_buckets
          WHERE deal_id = p_deal_id AND epoch = v_epoch AND available > 0
+           AND (v_parts = 1 OR bucket MOD v_parts = v_home)
          ORDER BY available DESC LIMIT 1;
         IF v_found = 0 THEN
             SET v_tries = 16;

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, multiprocess
 
 from gate.clock import iso, parse_iso
-from gate.keys import deal_keys
+from gate.keys import partition_keys
 from gate.metrics import METRICS, multiprocess_active
 
 if TYPE_CHECKING:
@@ -202,16 +202,25 @@ class Snapshots:
     async def _redis_buckets(self, deals: dict[int, dict[str, Any]]) -> None:
         if not deals:
             return
+        # A partitioned deal (docs/scale-out.md): each bucket as its partition holds it.
+        parts = {d: self.gate.mirror.parts.get(d, 1) for d in deals}
         try:
             pipe = self.gate.redis.pipeline(transaction=False)
             for deal_id in deals:
-                pipe.hgetall(deal_keys(deal_id).buckets)
-            answers = await pipe.execute()
+                for k in range(parts[deal_id]):
+                    pipe.hgetall(partition_keys(deal_id, k).buckets)
+            answers = iter(await pipe.execute())
         except Exception as exc:
             log.warning("console: Redis bucket counters unavailable: %r", exc)
             return
-        for deal, answer in zip(deals.values(), answers, strict=True):
-            counters = {int(b): int(v) for b, v in (answer or {}).items()}
+        for deal_id, deal in deals.items():
+            counters: dict[int, int] = {}
+            p = parts[deal_id]
+            for k in range(p):
+                answer = next(answers)
+                counters.update(
+                    {int(b): int(v) for b, v in (answer or {}).items() if int(b) % p == k}
+                )
             for row in deal["bucket_rows"]:
                 row["redis_available"] = counters.get(row["bucket"])
 

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gate import validate
-from gate.errors import invalid, not_found
+from gate.errors import Problem, invalid, not_found
 from gate.extensions import Extension, Worker
 from gate.http import json_response, read_json
 from gate.queue.consumer import QueueConsumer
@@ -45,6 +45,11 @@ async def admin_set_mode(request: Request) -> Response:
     mode = validate.string(body, "mode", 8)
     if mode not in MODES:
         raise invalid("'mode' must be 'sync' or 'queue'.")
+    if mode == "queue":
+        # A deal of several partitions is sold synchronously (docs/scale-out.md).
+        row = await gate.db.fetchone("SELECT partitions FROM deals WHERE id = %s", (deal_id,))
+        if row is not None and int(row[0]) > 1:
+            raise Problem("CONFLICT", "A deal of several partitions cannot use queue mode.")
     await gate.db.execute("UPDATE deals SET mode = %s WHERE id = %s", (mode, deal_id))
     view = await gate.deals.admin_view(deal_id)  # 404 for an unknown deal
     assert gate.queue is not None

@@ -25,7 +25,7 @@ from redis.exceptions import NoScriptError
 
 from gate.codes import RoomCode
 from gate.db import Database
-from gate.errors import from_room, not_found, overloaded
+from gate.errors import Problem, from_room, not_found, overloaded
 from gate.keys import ROOMS, deal_keys
 from gate.mirror import Mirror
 from gate.room import metrics
@@ -188,15 +188,22 @@ class Room:
         """PUT /v1/admin/deals/{id}/waiting-room: the object, or null to remove."""
         room = parse_room(body)
         async with self.db.connection() as conn, conn.cursor() as cur:
+            # A deal of several partitions has no room (docs/scale-out.md): its
+            # admissions live in one partition's slot, its buyers in P.
             await cur.execute(
                 "UPDATE deals SET waiting_room = %s, updated_at = NOW(6), version = version + 1"
-                " WHERE id = %s",
-                (room.to_column() if room else None, deal_id),
+                " WHERE id = %s AND (partitions = 1 OR %s IS NULL)",
+                (room.to_column() if room else None, deal_id, room.to_column() if room else None),
             )
             if cur.rowcount != 1:
-                await cur.execute("SELECT 1 FROM deals WHERE id = %s", (deal_id,))
-                if await cur.fetchone() is None:
+                await cur.execute("SELECT partitions FROM deals WHERE id = %s", (deal_id,))
+                row = await cur.fetchone()
+                if row is None:
                     raise not_found("deal")
+                if room is not None and int(row[0]) > 1:
+                    raise Problem(
+                        "CONFLICT", "A deal of several partitions cannot have a waiting room."
+                    )
         # Every process reads the room's configuration from Redis on every call.
         await self.publish(deal_id, room)
 
