@@ -247,7 +247,9 @@ class Janitor:
         while not stop.is_set():
             try:
                 lease = self.work_lease
-                resolved = await self.run_once() if lease is None or await lease.held() else 0
+                interval = self.settings.janitor_interval_seconds
+                held = lease is None or await lease.held(interval)
+                resolved = await self.run_once() if held else 0
             except Exception as exc:
                 log.warning("janitor pass failed: %r", exc)
                 resolved = 0

@@ -55,7 +55,7 @@ class Resync:
         while not stop.is_set():
             try:
                 lease = self.work_lease
-                if lease is None or await lease.held():
+                if lease is None or await lease.held(self.settings.resync_interval_seconds):
                     await self.run_once()
             except Exception as exc:
                 log.warning("resync pass failed: %r", exc)
