@@ -246,6 +246,9 @@ class InvariantMonitor:
                 await asyncio.wait_for(stop.wait(), self.pause_seconds(spent))
             except TimeoutError:
                 pass
+        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        if self.work_lease is not None:
+            await self.work_lease.release()
 
     def pause_seconds(self, spent_seconds: float) -> float:
         """The pause after a pass that took `spent_seconds`: the interval, or longer

@@ -258,3 +258,6 @@ class Janitor:
                     await asyncio.wait_for(stop.wait(), self.settings.janitor_interval_seconds)
                 except TimeoutError:
                     pass
+        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        if self.work_lease is not None:
+            await self.work_lease.release()

@@ -63,3 +63,6 @@ class Resync:
                 await asyncio.wait_for(stop.wait(), self.settings.resync_interval_seconds)
             except TimeoutError:
                 pass
+        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        if self.work_lease is not None:
+            await self.work_lease.release()

@@ -14,8 +14,9 @@ The lease's TTL is the loop's pause until it asks again (`cover`) plus
 GATE_BACKGROUND_LEASE_SECONDS (default 5 s, which covers the pass itself): the
 holder always asks again before its lease lapses, whatever the loop's interval (a
 TTL shorter than the interval would let every process take the lapsed lease in
-turn). When the holder stops or dies its work pauses at most that TTL, then the
-next process to ask takes it. Each pass is safe to run twice at once (the per-deal
+turn). A loop that stops gives its lease back (lua/work_lease_release.lua), so the
+next process to ask takes the work at once; when the holder dies its work pauses
+at most the TTL. Each pass is safe to run twice at once (the per-deal
 sync lock, the scripts' own checks), so a lease that lapses during a long pass costs
 duplicated work, never a wrong result. When Redis cannot be asked the pass runs, as
 it did before leases existed. GATE_BACKGROUND_LEASE_SECONDS=0 turns leases off
@@ -61,3 +62,14 @@ class WorkLease:
         except Exception as exc:
             log.info("%s lease not asked (%r); running the pass", self.kind, exc)
             return True
+
+    async def release(self) -> None:
+        """Give the lease back when the loop stops (if this loop still holds it), so
+        the next process to ask takes the work at once rather than after the TTL."""
+        if self.ttl_ms <= 0:
+            return
+        try:
+            await self.runner.call("work_lease_release", (self.key,), (self.owner,))
+        except Exception as exc:
+            # It lapses on its own within its TTL.
+            log.info("%s lease not given back (%r)", self.kind, exc)

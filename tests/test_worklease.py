@@ -122,3 +122,29 @@ async def test_a_process_without_the_lease_still_evaluates_its_own_sweeper(
         stop.set()
         await task
         await rds.delete(lease_key(kind))
+
+
+async def test_a_stopping_loop_gives_its_lease_back(local_gate: Gate, rds: aioredis.Redis) -> None:
+    """A rolling restart pauses nothing: the stopping holder deletes its own lease (and
+    only its own), so the next process to ask takes the work at once."""
+    kind = "test-release"
+    await rds.delete(lease_key(kind))
+    janitor = local_gate.janitor
+    janitor.work_lease = WorkLease(local_gate.runner, kind, 30)
+    stop = asyncio.Event()
+    task = asyncio.create_task(janitor.run(stop))
+    try:
+        deadline = asyncio.get_running_loop().time() + WAIT_SECONDS
+        while await rds.get(lease_key(kind)) != janitor.work_lease.owner:
+            assert asyncio.get_running_loop().time() < deadline, "lease never taken"
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await task
+    assert await rds.get(lease_key(kind)) is None
+    # Another process's lease is left alone.
+    other = WorkLease(local_gate.runner, kind, 30)
+    assert await other.held()
+    await janitor.work_lease.release()
+    assert await rds.get(lease_key(kind)) == other.owner
+    await rds.delete(lease_key(kind))
