@@ -28,7 +28,9 @@ held by holds whose deadline passed longer ago than the release-lag threshold (s
 that has "vanished" in the article's sense: neither sellable nor sold).
 
 Every check is read-only, so any number of processes may run the monitor; each
-exports what it saw itself.
+exports what it saw itself. With background leases (gate/worklease.py, on by
+default) one process at a time checks the deals; every process still evaluates its
+own sweeper's failure ratio and lag each interval (`evaluate_sweeper`).
 """
 
 from __future__ import annotations
@@ -222,6 +224,7 @@ class InvariantMonitor:
         self.work_lease: WorkLease | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        spent = 0.0
         while not stop.is_set():
             # A check reads every order of a deal and holds a snapshot open: not while
             # this process's sweeper drains a backlog (gate/drain.py).
@@ -229,14 +232,23 @@ class InvariantMonitor:
             started = self.clock()
             try:
                 lease = self.work_lease
-                if lease is None or await lease.held():
+                # The lease covers the pause after this pass (judged by the last one).
+                if lease is None or await lease.held(self.pause_seconds(spent)):
                     await self.run_once()
+                else:
+                    # The deals are checked by the lease's holder; this process's
+                    # sweeper is seen by this process only.
+                    self.evaluate_sweeper()
             except Exception as exc:
                 log.warning("invariant pass failed: %r", exc)
+            spent = self.clock() - started
             try:
-                await asyncio.wait_for(stop.wait(), self.pause_seconds(self.clock() - started))
+                await asyncio.wait_for(stop.wait(), self.pause_seconds(spent))
             except TimeoutError:
                 pass
+        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        if self.work_lease is not None:
+            await self.work_lease.release()
 
     def pause_seconds(self, spent_seconds: float) -> float:
         """The pause after a pass that took `spent_seconds`: the interval, or longer
@@ -331,13 +343,22 @@ class InvariantMonitor:
         return bad / total if total else 0.0
 
     async def evaluate(self) -> None:
+        """Every alert: the deals this monitor checked, and this process's sweeper."""
         now = self.clock()
         ratio = self.ratio()
         INCONSISTENCY.set(ratio)
         self.inconsistency.update(ratio, now)
+        oldest = await self.oldest_due_seconds()
+        OLDEST_DUE.set(oldest)
+        self.evaluate_sweeper(oldest)
+
+    def evaluate_sweeper(self, oldest_due_seconds: float = 0.0) -> None:
+        """This process's sweeper over the window (its release failure ratio and
+        average lag; the release-lag alert also takes the oldest due hold when this
+        monitor read it). Run by every process, lease or not: STATS are per process,
+        so the holder of the invariants lease cannot see another process's failures."""
+        now = self.clock()
         failures, avg_lag = self._window.update(now, STATS.released, STATS.failed, STATS.lag_sum)
         FAILURE_RATIO.set(failures)
         self.release_failures.update(failures, now)
-        oldest = await self.oldest_due_seconds()
-        OLDEST_DUE.set(oldest)
-        self.release_lag.update(max(oldest, avg_lag), now)
+        self.release_lag.update(max(oldest_due_seconds, avg_lag), now)

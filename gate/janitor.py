@@ -252,7 +252,9 @@ class Janitor:
         while not stop.is_set():
             try:
                 lease = self.work_lease
-                resolved = await self.run_once() if lease is None or await lease.held() else 0
+                interval = self.settings.janitor_interval_seconds
+                held = lease is None or await lease.held(interval)
+                resolved = await self.run_once() if held else 0
             except Exception as exc:
                 log.warning("janitor pass failed: %r", exc)
                 resolved = 0
@@ -261,3 +263,6 @@ class Janitor:
                     await asyncio.wait_for(stop.wait(), self.settings.janitor_interval_seconds)
                 except TimeoutError:
                     pass
+        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        if self.work_lease is not None:
+            await self.work_lease.release()

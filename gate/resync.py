@@ -55,7 +55,7 @@ class Resync:
         while not stop.is_set():
             try:
                 lease = self.work_lease
-                if lease is None or await lease.held():
+                if lease is None or await lease.held(self.settings.resync_interval_seconds):
                     await self.run_once()
             except Exception as exc:
                 log.warning("resync pass failed: %r", exc)
@@ -63,3 +63,6 @@ class Resync:
                 await asyncio.wait_for(stop.wait(), self.settings.resync_interval_seconds)
             except TimeoutError:
                 pass
+        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        if self.work_lease is not None:
+            await self.work_lease.release()

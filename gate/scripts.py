@@ -56,6 +56,7 @@ SCRIPT_NAMES = (
     "sync_deal",
     "lease",
     "work_lease",
+    "work_lease_release",
     # Queue mode (gate/queue/).
     "queue_index",
     "enqueue",

@@ -229,9 +229,9 @@ class Settings:
     inflight_max_seconds: float = 30.0
     janitor_batch_max: int = 500
     janitor_interval_seconds: float = 1.0
-    # > 0: one process at a time runs each background loop (gate/worklease.py);
-    # 0 (the default): every process does, as before.
-    background_lease_seconds: float = 0.0
+    # One process at a time runs each background loop (gate/worklease.py): the
+    # lease lasts the loop's interval plus this; 0: every process runs every pass.
+    background_lease_seconds: float = 5.0
     janitor_committed_after_seconds: float = 2.0
     # Each gate process's liveness lease (gate/lease.py), renewed every third of it:
     # a janitor resolves a dead process's in-flight tokens once it has lapsed.
@@ -413,7 +413,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         inflight_max_seconds=env_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),
         janitor_batch_max=env_int(env, "GATE_JANITOR_BATCH_MAX", 500, 1, 100_000),
         janitor_interval_seconds=env_float(env, "GATE_JANITOR_INTERVAL_SECONDS", 1.0, 0.05, 60),
-        background_lease_seconds=env_float(env, "GATE_BACKGROUND_LEASE_SECONDS", 0.0, 0, 60),
+        background_lease_seconds=env_float(env, "GATE_BACKGROUND_LEASE_SECONDS", 5.0, 0, 60),
         janitor_committed_after_seconds=env_float(
             env, "GATE_JANITOR_COMMITTED_AFTER_SECONDS", 2.0, 0.1, 3600
         ),

@@ -49,8 +49,10 @@ HOLDING = ("PENDING_PAYMENT", "AUTHORIZED")
 # due rows another sweeper holds locked are not polled in a busy loop.
 NEXT_DUE_PAUSE_MIN_SECONDS = 0.05
 # Deadlocks and lock-wait timeouts (a rebucketing, a hot bucket) are retried at
-# once this many times before the batch counts as failed.
+# once this many times; a deadlock counts as failed on the last attempt only, a
+# lock-wait timeout on every attempt (see Sweeper._decided).
 BATCH_ATTEMPTS_MAX = 3
+LOCK_WAIT_TIMEOUT = 1205
 LOOKUP_CHUNK = 1000
 # A scan continues where the last full batch ended for at most this long, then starts
 # from the beginning of the due range again (see Sweeper._take).
@@ -310,9 +312,17 @@ class Sweeper:
         self, batch: Batch, committed: bool | None, exc: BaseException, last_attempt: bool
     ) -> int:
         """Finish a batch whose CALL did not answer normally; re-raise unless it committed.
-        A deadlock or lock-wait timeout is retried at once and counts as a failure only
-        on the last attempt (a long transaction holding the rows must show in
-        gate_expiry_release_failures_total, which the release-failure alert reads)."""
+
+        Both a deadlock and a lock-wait timeout are retried at once (run_once). A
+        deadlock counts as a failure only on the last attempt: it is over in
+        milliseconds and the retry normally succeeds. A lock-wait timeout counts on
+        every attempt: the batch waited GATE_DB_LOCK_WAIT_SECONDS for a row another
+        transaction held, and that long transaction must show in
+        gate_expiry_release_failures_total (the release-failure alert reads it).
+        Counting it only on the last attempt of one sweeper missed it: the rollback
+        frees the batch's orders and, with several sweepers (tasks, workers, hosts),
+        another one usually takes them before this one's retry, so no sweeper made
+        three attempts in a row and nothing was ever counted."""
         if committed is None:
             STATS.unresolved += len(batch.orders)
             self._failed(batch, exc)
@@ -322,7 +332,8 @@ class Sweeper:
             log.warning("expiry batch committed although the call failed: %r", exc)
             self._released(batch)
             return len(batch.orders)
-        if last_attempt or not (isinstance(exc, pymysql.err.MySQLError) and is_retryable(exc)):
+        retried = isinstance(exc, pymysql.err.MySQLError) and is_retryable(exc)
+        if last_attempt or not retried or errno_of(exc) == LOCK_WAIT_TIMEOUT:
             self._failed(batch, exc)
         raise exc
 
