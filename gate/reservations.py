@@ -388,13 +388,7 @@ class Reservations:
             generation = await self.unknown_deals.generation()
             if self.unknown_deals.unknown(req.deal_id, generation):
                 raise not_found("deal")
-            try:
-                found = await self.mirror.load(req.deal_id)
-            except Exception as exc:
-                # The database or Redis failed while the deal was being loaded.
-                log.warning("deal %s not loaded into Redis: %r", req.deal_id, exc)
-                raise overloaded("Deal state unavailable; retry shortly.") from None
-            if not found:
+            if not await self._load(req.deal_id):
                 await self.unknown_deals.learn(req.deal_id, generation)
                 raise not_found("deal")
             if self.mirror.parts.get(req.deal_id, 1) > 1:
@@ -404,6 +398,15 @@ class Reservations:
             if adm.code == AdmitCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
         return await self._answer(keys, req, fp, token, adm, sent, owner, mode, index)
+
+    async def _load(self, deal_id: int) -> bool:
+        """Load a deal Redis lacks; False when the database has no such deal."""
+        try:
+            return await self.mirror.load(deal_id)
+        except Exception as exc:
+            # The database or Redis failed while the deal was being loaded.
+            log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
+            raise overloaded("Deal state unavailable; retry shortly.") from None
 
     async def _reserve_partitioned(self, req: ReserveRequest, parts: int) -> Reserved:
         """A deal of P > 1 partitions (docs/scale-out.md, "Deal partitions"): the buyer's
@@ -440,12 +443,7 @@ class Reservations:
             if i == 0:
                 global_retry_ms = adm.global_retry_ms
             if adm.code == AdmitCode.NOT_LOADED:
-                try:
-                    found = await self.mirror.load(req.deal_id)
-                except Exception as exc:
-                    log.warning("deal %s not loaded into Redis: %r", req.deal_id, exc)
-                    raise overloaded("Deal state unavailable; retry shortly.") from None
-                if not found:
+                if not await self._load(req.deal_id):
                     raise not_found("deal")
                 adm = await self._admit(
                     keys, req, fp, token, start, owner, None, global_limit=False
