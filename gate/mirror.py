@@ -461,7 +461,7 @@ class Mirror:
         """P for the hot path: partition 0's meta says it ("pp") once the deal is
         loaded. A deal not loaded yet counts as 1 (not remembered): its admission
         answers NOT_LOADED, and the load learns P from the database."""
-        nb, pp = await self.redis.hmget(deal_keys(deal_id).meta, ["nb", "pp"])
+        nb, pp = await self.runner.call("deal_parts", (deal_keys(deal_id).meta,), ())
         if nb is None:
             return 1
         return self._learn(deal_id, int(pp or 1), int(nb))

@@ -358,7 +358,16 @@ class Reservations:
     async def _reserve(self, req: ReserveRequest) -> Reserved:
         parts = self.mirror.parts.get(req.deal_id)
         if parts is None:
-            parts = await self.mirror.partitions_hint(req.deal_id)
+            try:
+                parts = await self.mirror.partitions_hint(req.deal_id)
+            except Exception as exc:
+                breaker = self.breaker_for(req.deal_id)
+                breaker.failure()
+                log.warning("deal %s partitions not read: %r", req.deal_id, exc)
+                raise overloaded(
+                    "Admission service unavailable; retry shortly.",
+                    breaker.retry_after_seconds(),
+                ) from None
         if parts > 1:
             return await self._reserve_partitioned(req, parts)
         keys = deal_keys(req.deal_id)

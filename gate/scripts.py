@@ -47,6 +47,7 @@ def error_kind(exc: BaseException) -> str:
 LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
 SCRIPT_NAMES = (
     "admit",
+    "deal_parts",
     "limit",
     "confirm",
     "confirm_many",

@@ -27,7 +27,16 @@ from gate.codes import SyncCode
 from gate.db import Database
 from gate.keys import deal_keys, home_partition, partition_keys
 from gate.runtime import Gate
-from tests.support import ADMIN, Client, Traffic, buyer, create_deal, db_available, reserve
+from tests.support import (
+    ADMIN,
+    Client,
+    GateProcess,
+    Traffic,
+    buyer,
+    create_deal,
+    db_available,
+    reserve,
+)
 
 P = 3
 
@@ -366,3 +375,40 @@ async def test_expired_holds_go_back_to_their_partitions(
     )
     assert all(r.status_code == 201 for r in again), [r.text for r in again]
     await partitions_equal_database(db, rds, deal_id)
+
+
+async def test_a_crowd_meets_a_process_that_has_not_seen_the_deals(
+    client: Client, env: dict[str, str]
+) -> None:
+    """Every request for a deal a process has not routed yet reads the deal's partition
+    count first. A crowd's first requests did that through redis-py's pool, one
+    connection each: with the pool exhausted they were answered 500 (found by
+    tests/test_crash_recovery.py, a survivor gate taking over a dead gate's crowd).
+    Now it is a script call in the hot path's pipeline: a fresh gate with a pool of
+    one connection sells both deals out to 600 concurrent first requests."""
+    one = await create_deal(client, stock=150, buckets=4)
+    three = await create_deal(client, stock=150, buckets=6, partitions=P)
+    # No background loops: the resync would learn the deals' partitions first.
+    fresh = GateProcess({**env, "GATE_REDIS_POOL_MAX": "1"}, workers=1, background=False)
+    crowd = Client(fresh.url, limit=300)
+    try:
+        await asyncio.to_thread(fresh.wait_ready)
+        # Connections open first, so that the crowd's requests arrive together.
+        await asyncio.gather(*(crowd.get("/healthz") for _ in range(300)))
+        base = 72_000_000
+        responses = await asyncio.gather(
+            *(
+                reserve(crowd, deal_id, base + i, f"fresh-{deal_id}-{i}")
+                for i in range(300)
+                for deal_id in (one, three)
+            )
+        )
+    finally:
+        await crowd.close()
+        fresh.stop()
+    statuses = Counter(r.status_code for r in responses)
+    assert set(statuses) <= {201, 409, 503}, statuses
+    # Both deals sell out (the pool-bound reads answered 593 of 600 with 503). A
+    # shed request or two on a loaded machine is allowed, not a crowd of them.
+    assert statuses[503] <= 12, statuses
+    assert statuses[201] == 300 - statuses[503] or statuses[201] == 300, statuses
