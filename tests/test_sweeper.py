@@ -258,13 +258,21 @@ async def test_a_failed_release_changes_nothing_and_is_counted(
         assert row is not None and int(row[0]) == 0
     finally:
         await db.execute(f"DROP TRIGGER IF EXISTS test_fail_expiry_{deal_id}")
-    released = await sweeper.sweep_due()
-    assert released <= 3
+    # (Not `sweep_due() <= 3`: the fault also blocked other tests' due holds that
+    # shared a batch with these, and this sweeper may release them too.)
+    await sweeper.sweep_due()
 
     async def done() -> bool:
         return await holding(db, deal_id) == 0
 
     await wait_until(done, 10, "the holds to expire once the fault is gone")
+    # Each hold given back exactly once, whichever sweeper did it.
+    row = await db.fetchone(
+        "SELECT COUNT(*), COUNT(DISTINCT order_id) FROM inventory_ledger"
+        " WHERE deal_id = %s AND reason = 'expire'",
+        (deal_id,),
+    )
+    assert row is not None and (int(row[0]), int(row[1])) == (3, 3), row
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 3, "available": 3, "held": 0, "sold": 0}
 
