@@ -24,8 +24,8 @@ import os
 import time
 from typing import Any
 
-from gate.metrics import METRICS
 from gate.resp import RespConnection
+from gate.scripts import script_seconds
 
 # Random prequeue scores: 50 bits from 7 bytes of os.urandom, drawn 1,024 at a time
 # (one system call per 1,024 joins instead of one per join, secrets' quality).
@@ -76,7 +76,7 @@ class Wire:
         self._futures: list[asyncio.Future[Any]] = []
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self.seconds = METRICS.redis_script_seconds.labels("room_ticket")
+        self.seconds = script_seconds("room_ticket")
 
     def call(self, data: bytes) -> asyncio.Future[Any]:
         """Send one packed command; the future resolves to its reply (an error reply to
