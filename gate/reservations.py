@@ -49,7 +49,7 @@ from gate.groups import Item, ReservationGroups, reservation_call
 from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys, home_partition, partition_keys
 from gate.lease import Lease, LeaseLapsed
 from gate.limits import LimitSpec, rate_limited
-from gate.metrics import METRICS
+from gate.metrics import METRICS, CounterTally
 from gate.mirror import Mirror
 from gate.settings import Settings
 from gate.soldout import SoldOutCache
@@ -73,6 +73,10 @@ SOLD_OUT = sold_out()
 
 
 RATE_LIMITED = METRICS.rate_limited
+# Rate-limited refusals per scope as tallies (one per scope and process): a refusal
+# answered from the near-cache must not pay prometheus-client's lock, and under
+# several workers a write to the shared files, which its sold-out sibling does not.
+_LIMITED_TALLIES: dict[str, CounterTally] = {}
 SCOPED_LIMITS = ("deal", "user", "ip", "device")
 SCOPE_NAMES = (*SCOPED_LIMITS, "global")
 GLOBAL_INDEX = len(SCOPED_LIMITS)
@@ -249,7 +253,6 @@ class Reservations:
         self.refusals = Refusals(self._scoped, settings.limit_global is not None)
         self._specs = dict(zip(SCOPED_LIMITS, self._scoped, strict=True))
         self._specs["global"] = settings.limit_global
-        self._limited_counters: dict[str, Any] = {}
         self._limited_answers: dict[tuple[str, int], Problem] = {}
         self._inflight = 0
         # (deal, user, Admission-Token header) -> what lua/admit.lua is told; the
@@ -659,9 +662,9 @@ class Reservations:
     def _limited_made(self, scope: str, wait_ms: int) -> Problem:
         """The refusal counted, and its answer: one per scope and whole second of wait,
         made once and only ever encoded (`_limited` copies it to raise)."""
-        counter = self._limited_counters.get(scope)
+        counter = _LIMITED_TALLIES.get(scope)
         if counter is None:
-            counter = self._limited_counters[scope] = RATE_LIMITED.labels(scope)
+            counter = _LIMITED_TALLIES[scope] = METRICS.counter_tally(RATE_LIMITED.labels(scope))
         counter.inc()
         key = (scope, math.ceil(wait_ms / 1000))
         made = self._limited_answers.get(key)
