@@ -539,19 +539,7 @@ class Router:
         answer = await self._claim(deal_id, item)
         if answer is not None:
             return answer
-        row = await self._reserve_call(deal_id, shard, item)
-        code = DbCode(int(row[0]))
-        if code == DbCode.OK:
-            return "ok"
-        await self._unclaim(item)
-        if self.idempotency == "shard":
-            # Gate's own order: the key the database holds answers, whatever the stock.
-            found = await self._by_key_in_shard(
-                shard, int(item["user"]), str(item["key"]), deal_id, int(item["qty"])
-            )
-            if found is not None:
-                return found
-        return code.name.lower()
+        return await self._fallback(deal_id, shard, item)
 
     async def _reserve_call(
         self, deal_id: int, shard: int, item: dict[str, Any]
@@ -620,12 +608,14 @@ class Router:
         return out
 
     async def _fallback(self, deal_id: int, shard: int, item: dict[str, Any]) -> str:
+        """One claimed item through gate_reserve on its shard: its exact answer."""
         row = await self._reserve_call(deal_id, shard, item)
         code = DbCode(int(row[0]))
         if code == DbCode.OK:
             return "ok"
         await self._unclaim(item)
         if self.idempotency == "shard":
+            # Gate's own order: the key the database holds answers, whatever the stock.
             found = await self._by_key_in_shard(
                 shard, int(item["user"]), str(item["key"]), deal_id, int(item["qty"])
             )
