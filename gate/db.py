@@ -37,6 +37,9 @@ T = TypeVar("T")
 RETRYABLE_ERRNOS = frozenset({1213, 1205})  # deadlock, lock wait timeout
 # Errors that mean the connection is gone: the outcome of what was in flight is unknown.
 CONNECTION_ERRNOS = frozenset({2003, 2006, 2013, 2014, 2055, 1927, 1053, 4031})
+# A read meets at most this many dead pooled connections before it fails (each one
+# met is closed, never handed out again).
+READ_TRIES = 4
 
 
 class DbUnavailable(Exception):
@@ -219,15 +222,33 @@ class Database:
                 await cur.execute("COMMIT")
 
     async def fetchone(self, sql: str, args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-        async with self.connection() as conn, conn.cursor() as cur:
-            await cur.execute(sql, args)
-            row = await cur.fetchone()
-            return tuple(row) if row is not None else None
+        """The first row of a read (SELECT or SHOW only: see `_read`)."""
+        rows = await self._read(sql, args, one=True)
+        return rows[0] if rows else None
 
     async def fetchall(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        async with self.connection() as conn, conn.cursor() as cur:
-            await cur.execute(sql, args)
-            return [tuple(r) for r in await cur.fetchall()]
+        """Every row of a read (SELECT or SHOW only: see `_read`)."""
+        return await self._read(sql, args, one=False)
+
+    async def _read(self, sql: str, args: Sequence[Any], *, one: bool) -> list[tuple[Any, ...]]:
+        """A read, tried again on another connection when the pooled one it got was
+        dead: after a server restart or a janitor's KILL of a dead gate's threads
+        (gate/lease.py) every idle connection of the pool fails once, and a read that
+        resolves an unknown outcome must not fail for that. Only reads: a statement
+        that changes something is never sent twice."""
+        for i in range(READ_TRIES):
+            try:
+                async with self.connection() as conn, conn.cursor() as cur:
+                    await cur.execute(sql, args)
+                    if one:
+                        row = await cur.fetchone()
+                        return [tuple(row)] if row is not None else []
+                    return [tuple(r) for r in await cur.fetchall()]
+            except (pymysql.err.MySQLError, ConnectionError, OSError, EOFError) as exc:
+                if i == READ_TRIES - 1 or not is_connection_error(exc):
+                    raise
+                log.info("read retried on another connection: %r", exc)
+        raise AssertionError("unreachable")
 
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> int:
         async with self.connection() as conn, conn.cursor() as cur:

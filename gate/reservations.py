@@ -45,6 +45,7 @@ from gate.clock import iso
 from gate.codes import AdmitCode, DbCode, LimitCode
 from gate.db import Database, DbUnavailable, OutcomeUnknown
 from gate.errors import Encoded, Problem, from_admit, from_db, not_found, overloaded
+from gate.giveback import GiveBacks
 from gate.groups import Item, ReservationGroups, reservation_call
 from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys, home_partition, partition_keys
 from gate.lease import Lease, LeaseLapsed
@@ -265,6 +266,9 @@ class Reservations:
         # in queue mode is handed to the deal's queue instead of the database.
         self.queue: QueueService | None = None
         self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
+        # Admissions this process will never commit whose units could not be given
+        # back at once (Redis failing mid-call): returned once Redis answers.
+        self.givebacks = GiveBacks(mirror, settings.inflight_max_seconds)
         self.groups = (
             ReservationGroups(
                 db,
@@ -636,6 +640,11 @@ class Reservations:
             if limit is not None:
                 await asyncio.gather(limit, return_exceptions=True)
             log.warning("admission failed for deal %s: %r", keys.deal_id, exc)
+            if queued is None:
+                # Perhaps it ran: its units go back once Redis answers, since this
+                # token is never sent to the database. A queued one may be committed
+                # by a consumer: the janitor judges it.
+                self.givebacks.add(keys, req.user_id, req.idempotency_key, token)
             raise overloaded(
                 "Admission service unavailable; retry shortly.",
                 breaker.retry_after_seconds(),
@@ -875,7 +884,8 @@ class Reservations:
                 METRICS.compensations.inc()
         except Exception as exc:
             self.breaker_for(keys.deal_id).failure()
-            log.warning("compensation of %s deferred to the janitor: %r", token, exc)
+            self.givebacks.add(keys, req.user_id, req.idempotency_key, token)
+            log.warning("compensation of %s deferred: %r", token, exc)
 
     @staticmethod
     def _body(token: str, req: ReserveRequest, row: tuple[Any, ...]) -> dict[str, Any]:

@@ -104,6 +104,8 @@ class Gate:
         for ext in self.extensions:
             for hook in ext.on_start:
                 await hook()
+        # Every serving process gives back its own admissions that will never commit.
+        self._spawn(self.reservations.givebacks.run(self._stop))
         run_background = self.settings.run_background if background is None else background
         if run_background:
             self._spawn(self.janitor.run(self._stop))

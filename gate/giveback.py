@@ -1,0 +1,120 @@
+"""Give-backs: units this process knows it will never commit, returned to Redis as
+soon as Redis answers again, rather than after the janitor's `inflight_max_seconds`.
+
+    the admission call fails (a timeout, a lost connection, a failover mid-call)
+        └─ perhaps it ran: the token may hold units in Redis, and this process never
+           sends that token to the database ──> add(token)
+    the compensation after a database refusal fails ──> add(token)
+
+    run(): every GIVEBACK_INTERVAL_SECONDS ──> run_once(): lua/compensate.lua for up to
+        GIVEBACK_BATCH tokens. The script acts only while the token's in-flight marker
+        is there, so racing the janitor (or finding nothing: the admission never ran)
+        is harmless.
+        ├─ Redis answered ──> done (given back, or nothing was there)
+        └─ Redis still failing ──> kept for the next pass; once older than
+           `inflight_max_seconds` dropped: the janitor's age rule has it by then
+
+Never for an admission that also queued the request (queue mode): a consumer may
+commit its stream entry, so its units are not this process's to give back.
+
+Without this a SIGKILLed or failed-over Redis primary left the units of every
+admission answered 503 mid-failover unbuyable for 30 s: the deal read sold out while
+units were in nobody's hands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from gate.keys import DealKeys
+from gate.metrics import METRICS
+from gate.mirror import Mirror
+
+log = logging.getLogger("gate.giveback")
+
+GIVEBACKS_MAX = 10_000  # pending per process; beyond, the janitor's age rule alone
+GIVEBACK_BATCH = 256  # compensations sent per pass
+GIVEBACK_INTERVAL_SECONDS = 0.2
+
+GIVEBACKS = METRICS.counter(
+    "gate_givebacks_total",
+    "Admissions this process will never commit whose give-back failed at first, by"
+    " outcome (given_back: units returned; nothing: no marker was there; expired: left"
+    " to the janitor; dropped: too many pending).",
+    ["outcome"],
+)
+
+
+@dataclass(frozen=True)
+class GiveBack:
+    keys: DealKeys
+    user_id: int
+    idempotency_key: str
+    token: str
+    added: float  # time.monotonic()
+
+
+class GiveBacks:
+    def __init__(self, mirror: Mirror, expire_seconds: float) -> None:
+        self.mirror = mirror
+        self.expire_seconds = expire_seconds
+        self._pending: dict[str, GiveBack] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, keys: DealKeys, user_id: int, idempotency_key: str, token: str) -> None:
+        if token in self._pending:
+            return
+        if len(self._pending) >= GIVEBACKS_MAX:
+            GIVEBACKS.labels("dropped").inc()
+            return
+        self._pending[token] = GiveBack(keys, user_id, idempotency_key, token, time.monotonic())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self._pending:
+                try:
+                    await self.run_once()
+                except Exception as exc:  # never let the loop die
+                    log.warning("give-back pass failed: %r", exc)
+            try:
+                await asyncio.wait_for(stop.wait(), GIVEBACK_INTERVAL_SECONDS)
+            except TimeoutError:
+                pass
+
+    async def run_once(self) -> int:
+        """One pass over at most GIVEBACK_BATCH tokens; the number given back."""
+        now = time.monotonic()
+        batch: list[GiveBack] = []
+        for token, entry in list(self._pending.items()):
+            if now - entry.added > self.expire_seconds:
+                del self._pending[token]
+                GIVEBACKS.labels("expired").inc()
+                continue
+            batch.append(entry)
+            if len(batch) >= GIVEBACK_BATCH:
+                break
+        if not batch:
+            return 0
+        results = await asyncio.gather(
+            *(self.mirror.compensate(e.keys, e.user_id, e.idempotency_key, e.token) for e in batch),
+            return_exceptions=True,
+        )
+        given = 0
+        for entry, result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                continue  # Redis still failing: the next pass
+            del self._pending[entry.token]
+            if result:
+                given += 1
+                METRICS.compensations.inc()
+                GIVEBACKS.labels("given_back").inc()
+            else:
+                GIVEBACKS.labels("nothing").inc()
+        if given:
+            log.info("gave back the units of %d admission(s) that will never commit", given)
+        return given
