@@ -770,7 +770,7 @@ def _schemas() -> dict[str, Any]:
                     "maximum": 16,
                     "default": 1,
                     "description": "Redis partitions of one hot deal (docs/scale-out.md,"
-                    " \"Deal partitions\"): at most `buckets`, fixed for the deal's life;"
+                    ' "Deal partitions"): at most `buckets`, fixed for the deal\'s life;'
                     " above 1 not with a waiting room or queue mode.",
                 },
                 "starts_at": NULLABLE_TIMESTAMP,

@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="wrk threads")
-    p.add_argument("--idle-seconds", type=float, default=15.0,
-                   help="length of each no-flood cost measurement")
+    p.add_argument(
+        "--idle-seconds", type=float, default=15.0, help="length of each no-flood cost measurement"
+    )
     args = p.parse_args(argv)
     if not 1 <= args.consoles <= CONSOLES_MAX:
         p.error(f"--consoles must be within 1..{CONSOLES_MAX}")
@@ -135,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "GATE_REDIS_URL": redis_url,
             "GATE_JWT_SECRET": jwt_secret,
             "GATE_ADMIN_TOKEN": admin_token,
-            "GATE_WEBHOOK_SECRET": "whsec_"
-            + base64.b64encode(secrets.token_bytes(24)).decode(),
+            "GATE_WEBHOOK_SECRET": "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
             "GATE_ADMISSION_SECRET": "bench-admission-" + secrets.token_hex(24),
             # Required outside dev (issue #18); nothing here pays.
             "GATE_PAYMENT_PROVIDER": "sandbox",
@@ -202,15 +202,25 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_before = procs.cpu_seconds(pids)
                 if mode == "none":
                     result = wrkrun.reserve_loop(
-                        gate.url, deal_id, tokens, f"r{i}n", args.connections, args.seconds,
+                        gate.url,
+                        deal_id,
+                        tokens,
+                        f"r{i}n",
+                        args.connections,
+                        args.seconds,
                         args.threads,
                     )
                 else:
                     with Consoles(gate.url, admin_token, deal_id, args.consoles) as pages:
                         time.sleep(1.5)  # signed in and polling before the flood starts
                         result = wrkrun.reserve_loop(
-                            gate.url, deal_id, tokens, f"r{i}c", args.connections,
-                            args.seconds, args.threads,
+                            gate.url,
+                            deal_id,
+                            tokens,
+                            f"r{i}c",
+                            args.connections,
+                            args.seconds,
+                            args.threads,
                         )
                         polls, failures = pages.polls, pages.failures
                 cpu_s = procs.cpu_seconds(pids) - cpu_before
@@ -228,9 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                     "console_failures": failures,
                 }
                 out["rounds"].append(row)
-                say(f"round {i} {mode:8s} sold-out rejections/s {rate:,.0f},"
+                say(
+                    f"round {i} {mode:8s} sold-out rejections/s {rate:,.0f},"
                     f" gate CPU/request {row['gate_cpu_us_per_request']} µs"
-                    + (f" (console polls {polls}, failures {failures})" if mode != "none" else ""))
+                    + (f" (console polls {polls}, failures {failures})" if mode != "none" else "")
+                )
     finally:
         gate.stop()
     none = [r["sold_out_per_s"] for r in out["rounds"] if r["mode"] == "none"]
@@ -241,13 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     cpu_none = [r["gate_cpu_us_per_request"] for r in out["rounds"] if r["mode"] == "none"]
     cpu_with = [r["gate_cpu_us_per_request"] for r in out["rounds"] if r["mode"] == "consoles"]
     # The same verdict by cost: the cheaper run's CPU per request over the other's.
-    out["ratio_by_cpu"] = round((sum(cpu_none) / len(cpu_none)) / max(
-        sum(cpu_with) / len(cpu_with), 1e-9), 3)
+    out["ratio_by_cpu"] = round(
+        (sum(cpu_none) / len(cpu_none)) / max(sum(cpu_with) / len(cpu_with), 1e-9), 3
+    )
     out["target"] = TARGET_RATIO
     out["meets_target"] = out["ratio"] >= TARGET_RATIO
-    say(f"mean sold-out rejections/s: none {out['none_mean']:,.0f}, with {args.consoles}"
+    say(
+        f"mean sold-out rejections/s: none {out['none_mean']:,.0f}, with {args.consoles}"
         f" consoles {out['consoles_mean']:,.0f}: ratio {out['ratio']} (target ≥ {TARGET_RATIO});"
-        f" by gate CPU per request {out['ratio_by_cpu']}")
+        f" by gate CPU per request {out['ratio_by_cpu']}"
+    )
     print(json.dumps(out))
     return 0
 

@@ -104,9 +104,7 @@ class Probe:
             raise RuntimeError(f"{method} {path} answered {status}: {out!r}")
         return orjson.loads(out)
 
-    async def deal(
-        self, stock: int, room: dict[str, int] | None = None, mode: str = "sync"
-    ) -> int:
+    async def deal(self, stock: int, room: dict[str, int] | None = None, mode: str = "sync") -> int:
         spec: dict[str, Any] = {
             "title": "hotpath probe",
             "unit_price": 1000,

@@ -176,8 +176,9 @@ async def test_actions_go_through_the_admin_functions_and_name_the_session(
     assert view["bucket_count"] == 5 and view["invariant"]["ok"]
     assert len(await db_available(db, deal_id)) == 5
     rows = await ledger_rows(db, deal_id)
-    assert any(reason == "rebucket" and a == actor and note == "buckets 3 -> 5"
-               for reason, a, note in rows)
+    assert any(
+        reason == "rebucket" and a == actor and note == "buckets 3 -> 5" for reason, a, note in rows
+    )
 
     r = await cc.post(base + "/stock", json={"delta": 10, "reason": "restock"}, headers=op.write())
     assert r.status_code == 200 and r.json()["totals"]["total"] == 100

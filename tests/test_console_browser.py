@@ -162,9 +162,7 @@ async def test_console_in_a_real_browser(
         assert contrast and min(c[1] for c in contrast) >= 4.5, contrast
         body = driver.find_element(By.TAG_NAME, "body")
         await asyncio.to_thread(body.send_keys, Keys.TAB)  # the skip link
-        await asyncio.to_thread(
-            lambda: driver.switch_to.active_element.send_keys(Keys.TAB)
-        )
+        await asyncio.to_thread(lambda: driver.switch_to.active_element.send_keys(Keys.TAB))
         focused = await asyncio.to_thread(
             lambda: driver.switch_to.active_element.get_attribute("id")
         )
@@ -213,8 +211,10 @@ async def test_console_in_a_real_browser(
         traffic.start(buyers=6)
         try:
             await until(
-                lambda: (_num(driver, "n-held") or 0) >= 20
-                and (_num(driver, "n-available") or 5000) <= 4980,
+                lambda: (
+                    (_num(driver, "n-held") or 0) >= 20
+                    and (_num(driver, "n-available") or 5000) <= 4980
+                ),
                 "held units to rise on the page",
             )
             await until(
@@ -265,12 +265,15 @@ async def test_console_in_a_real_browser(
 
         # Add stock with a reason.
         before_total = sum(
-            int(r[0]) for r in await db.fetchall(
+            int(r[0])
+            for r in await db.fetchall(
                 "SELECT total FROM deal_buckets WHERE deal_id = %s", (deal_id,)
             )
         )
         await asyncio.to_thread(
-            _fill_and_confirm, driver, {"stock-delta": "50", "stock-reason": "second pallet"},
+            _fill_and_confirm,
+            driver,
+            {"stock-delta": "50", "stock-reason": "second pallet"},
             "stock-form",
         )
         await until(lambda: _confirm(driver), "the confirmation dialog")

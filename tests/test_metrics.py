@@ -294,7 +294,5 @@ def test_reading_the_registry_adds_the_tallies_first() -> None:
     )
     tally.inc()
     tally.inc()
-    after = METRICS.registry.get_sample_value(
-        "gate_reservations_total", {"outcome": "tally-probe"}
-    )
+    after = METRICS.registry.get_sample_value("gate_reservations_total", {"outcome": "tally-probe"})
     assert after == (before or 0.0) + 2

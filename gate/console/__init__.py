@@ -192,8 +192,10 @@ class Console:
 
     async def sign_in(self, request: Request) -> Response:
         body = await read_json(request, self.gate.settings.body_max_bytes)
-        if not isinstance(body, dict) or set(body) != {"token"} or not isinstance(
-            body["token"], str
+        if (
+            not isinstance(body, dict)
+            or set(body) != {"token"}
+            or not isinstance(body["token"], str)
         ):
             raise invalid('The body must be {"token": "<admin token>"}.')
         try:
@@ -270,8 +272,14 @@ class Console:
         view = await action(self.gate, deal_id, body, session.actor)
         # As the admin routes do: this process must not answer from a stale near-cache.
         self.gate.soldout.forget(deal_id)
-        log.warning("console: %s did %s on deal %s: %s", session.actor, name, deal_id, body,
-                    extra={"deal_id": deal_id})
+        log.warning(
+            "console: %s did %s on deal %s: %s",
+            session.actor,
+            name,
+            deal_id,
+            body,
+            extra={"deal_id": deal_id},
+        )
         return json_response(view)
 
     def routes(self) -> list[BaseRoute]:

@@ -48,8 +48,12 @@ OUTCOME_GROUPS = {
     "rate_limited": ("RATE_LIMITED",),
     "unavailable": ("OVERLOADED",),
 }
-_DB_STATUS = ("Com_commit", "Handler_commit", "Innodb_row_lock_waits",
-              "Innodb_row_lock_current_waits")
+_DB_STATUS = (
+    "Com_commit",
+    "Handler_commit",
+    "Innodb_row_lock_waits",
+    "Innodb_row_lock_current_waits",
+)
 
 # Areas that add fields to a deal (the waiting room, the deal's mode) register a
 # function here: given the gate and the shown deal ids, a {deal id: {field: value}}
@@ -67,8 +71,13 @@ def _samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     else:
         families = METRICS.registry.collect()
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    wanted = ("gate_reservations_total", "gate_reservation_latency_seconds",
-              "gate_invariant_breaches", "gate_redis_drift_units", "gate_db_retries_total")
+    wanted = (
+        "gate_reservations_total",
+        "gate_reservation_latency_seconds",
+        "gate_invariant_breaches",
+        "gate_redis_drift_units",
+        "gate_db_retries_total",
+    )
     for family in families:
         if family.name not in wanted and family.name + "_total" not in wanted:
             continue
@@ -158,8 +167,9 @@ class Snapshots:
             deal["available"] += avail
             deal["held"] += held
             deal["sold"] += sold
-            deal["bucket_rows"].append({"bucket": int(r[6]), "available": avail,
-                                        "held": held, "sold": sold})
+            deal["bucket_rows"].append(
+                {"bucket": int(r[6]), "available": avail, "held": held, "sold": sold}
+            )
         wall = time.time()
         for deal in deals.values():
             deal["status"] = _status(deal, wall)
