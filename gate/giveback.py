@@ -17,6 +17,17 @@ soon as Redis answers again, rather than after the janitor's `inflight_max_secon
 Never for an admission that also queued the request (queue mode): a consumer may
 commit its stream entry, so its units are not this process's to give back.
 
+The same loop finishes the reservations whose transaction's outcome is unknown (the
+connection broke mid-call) and whose look-up failed too (the database unreachable):
+
+    add_unresolved(token, server thread) ──> run_once(), once the database answers:
+        the thread ended (killed if need be: gate/db.py wait_thread_gone)
+        ──> the order looked up ──> none: never will be ──> give back (above)
+                                └─ committed: left to the janitor, which confirms
+                                   committed markers within seconds
+    still unreachable ──> kept for the next pass, dropped after
+        `inflight_max_seconds` (the janitor's age rule)
+
 Without this a SIGKILLed or failed-over Redis primary left the units of every
 admission answered 503 mid-failover unbuyable for 30 s: the deal read sold out while
 units were in nobody's hands.
@@ -29,6 +40,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from gate import orders
 from gate.keys import DealKeys
 from gate.metrics import METRICS
 from gate.mirror import Mirror
@@ -38,12 +50,15 @@ log = logging.getLogger("gate.giveback")
 GIVEBACKS_MAX = 10_000  # pending per process; beyond, the janitor's age rule alone
 GIVEBACK_BATCH = 256  # compensations sent per pass
 GIVEBACK_INTERVAL_SECONDS = 0.2
+UNRESOLVED_BATCH = 16  # unknown outcomes looked up per pass (database work each)
+THREAD_GONE_WAIT_SECONDS = 1.0  # per unknown outcome and pass
 
 GIVEBACKS = METRICS.counter(
     "gate_givebacks_total",
     "Admissions this process will never commit whose give-back failed at first, by"
     " outcome (given_back: units returned; nothing: no marker was there; expired: left"
-    " to the janitor; dropped: too many pending).",
+    " to the janitor; dropped: too many pending; committed: an unknown outcome that"
+    " had committed after all).",
     ["outcome"],
 )
 
@@ -57,14 +72,41 @@ class GiveBack:
     added: float  # time.monotonic()
 
 
+@dataclass(frozen=True)
+class Unresolved:
+    """A reservation whose transaction broke mid-call and could not be looked up."""
+
+    give: GiveBack
+    thread_id: int
+    connected_at: float  # event-loop time its connection was opened
+
+
 class GiveBacks:
     def __init__(self, mirror: Mirror, expire_seconds: float) -> None:
         self.mirror = mirror
         self.expire_seconds = expire_seconds
         self._pending: dict[str, GiveBack] = {}
+        self._unresolved: dict[str, Unresolved] = {}
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._unresolved)
+
+    def add_unresolved(
+        self,
+        keys: DealKeys,
+        user_id: int,
+        idempotency_key: str,
+        token: str,
+        thread_id: int,
+        connected_at: float,
+    ) -> None:
+        if token in self._unresolved:
+            return
+        if len(self._unresolved) >= GIVEBACKS_MAX:
+            GIVEBACKS.labels("dropped").inc()
+            return
+        give = GiveBack(keys, user_id, idempotency_key, token, time.monotonic())
+        self._unresolved[token] = Unresolved(give, thread_id, connected_at)
 
     def add(self, keys: DealKeys, user_id: int, idempotency_key: str, token: str) -> None:
         if token in self._pending:
@@ -76,7 +118,7 @@ class GiveBacks:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            if self._pending:
+            if self._pending or self._unresolved:
                 try:
                     await self.run_once()
                 except Exception as exc:  # never let the loop die
@@ -87,7 +129,10 @@ class GiveBacks:
                 pass
 
     async def run_once(self) -> int:
-        """One pass over at most GIVEBACK_BATCH tokens; the number given back."""
+        """One pass: unknown outcomes looked up, then at most GIVEBACK_BATCH tokens
+        given back; the number given back."""
+        if self._unresolved:
+            await self._resolve_some()
         now = time.monotonic()
         batch: list[GiveBack] = []
         for token, entry in list(self._pending.items()):
@@ -118,3 +163,34 @@ class GiveBacks:
         if given:
             log.info("gave back the units of %d admission(s) that will never commit", given)
         return given
+
+    async def _resolve_some(self) -> None:
+        now = time.monotonic()
+        batch: list[Unresolved] = []
+        for token, entry in list(self._unresolved.items()):
+            if now - entry.give.added > self.expire_seconds:
+                del self._unresolved[token]
+                GIVEBACKS.labels("expired").inc()
+                continue
+            batch.append(entry)
+            if len(batch) >= UNRESOLVED_BATCH:
+                break
+        db = self.mirror.db
+        loop = asyncio.get_running_loop()
+        for entry in batch:
+            try:
+                age = loop.time() - entry.connected_at
+                if not await db.wait_thread_gone(entry.thread_id, age, THREAD_GONE_WAIT_SECONDS):
+                    continue
+                order = await orders.get(db, entry.give.token)
+            except Exception as exc:
+                # The database still does not answer: the next pass.
+                log.debug("unknown outcome of %s not resolved yet: %r", entry.give.token, exc)
+                return
+            del self._unresolved[entry.give.token]
+            if order is None:
+                # Rolled back, and its thread is gone: it never commits.
+                g = entry.give
+                self.add(g.keys, g.user_id, g.idempotency_key, g.token)
+            else:
+                GIVEBACKS.labels("committed").inc()

@@ -858,10 +858,20 @@ class Reservations:
                     raise TimeoutError("the server thread did not end in time")
             order = await orders.get(self.db, token)
         except Exception as lookup_exc:
-            # Cannot tell yet. Leave the token: the janitor resolves it against the
-            # database once it answers, and never gives units back for a committed order.
+            # Cannot tell yet. This process looks again once the database answers
+            # (gate/giveback.py), and the janitor in any case; neither gives units back
+            # for a committed order.
             METRICS.unknown_outcomes.labels("deferred").inc()
-            log.warning("reservation %s unresolved, left to the janitor: %r", token, lookup_exc)
+            log.warning("reservation %s unresolved, resolved later: %r", token, lookup_exc)
+            if redis and exc.thread_id is not None and exc.connected_at is not None:
+                self.givebacks.add_unresolved(
+                    keys,
+                    req.user_id,
+                    req.idempotency_key,
+                    token,
+                    exc.thread_id,
+                    exc.connected_at,
+                )
             raise overloaded("Database unavailable; retry shortly.") from None
         if order is None:
             METRICS.unknown_outcomes.labels("rolled_back").inc()
