@@ -39,6 +39,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gate import orders
 from gate.keys import DealKeys
@@ -79,6 +80,13 @@ class Unresolved:
     give: GiveBack
     thread_id: int
     connected_at: float  # event-loop time its connection was opened
+
+    @property
+    def added(self) -> float:
+        return self.give.added
+
+
+E = TypeVar("E", GiveBack, Unresolved)
 
 
 class GiveBacks:
@@ -133,16 +141,7 @@ class GiveBacks:
         given back; the number given back."""
         if self._unresolved:
             await self._resolve_some()
-        now = time.monotonic()
-        batch: list[GiveBack] = []
-        for token, entry in list(self._pending.items()):
-            if now - entry.added > self.expire_seconds:
-                del self._pending[token]
-                GIVEBACKS.labels("expired").inc()
-                continue
-            batch.append(entry)
-            if len(batch) >= GIVEBACK_BATCH:
-                break
+        batch = self._due(self._pending, GIVEBACK_BATCH)
         if not batch:
             return 0
         results = await asyncio.gather(
@@ -164,17 +163,23 @@ class GiveBacks:
             log.info("gave back the units of %d admission(s) that will never commit", given)
         return given
 
-    async def _resolve_some(self) -> None:
+    def _due(self, entries: dict[str, E], limit: int) -> list[E]:
+        """Up to `limit` entries, in the order added; those older than
+        `expire_seconds` dropped (the janitor's age rule has them)."""
         now = time.monotonic()
-        batch: list[Unresolved] = []
-        for token, entry in list(self._unresolved.items()):
-            if now - entry.give.added > self.expire_seconds:
-                del self._unresolved[token]
+        batch: list[E] = []
+        for token, entry in list(entries.items()):
+            if now - entry.added > self.expire_seconds:
+                del entries[token]
                 GIVEBACKS.labels("expired").inc()
                 continue
             batch.append(entry)
-            if len(batch) >= UNRESOLVED_BATCH:
+            if len(batch) >= limit:
                 break
+        return batch
+
+    async def _resolve_some(self) -> None:
+        batch = self._due(self._unresolved, UNRESOLVED_BATCH)
         db = self.mirror.db
         loop = asyncio.get_running_loop()
         for entry in batch:
