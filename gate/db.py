@@ -244,7 +244,7 @@ class Database:
                         row = await cur.fetchone()
                         return [tuple(row)] if row is not None else []
                     return [tuple(r) for r in await cur.fetchall()]
-            except (pymysql.err.MySQLError, ConnectionError, OSError, EOFError) as exc:
+            except (pymysql.err.MySQLError, OSError, EOFError) as exc:
                 if i == READ_TRIES - 1 or not is_connection_error(exc):
                     raise
                 log.info("read retried on another connection: %r", exc)
