@@ -23,7 +23,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import hiredis
@@ -131,6 +131,17 @@ def _error(reply: hiredis.ReplyError) -> ResponseError:
     return ResponseError(text)
 
 
+class Waiter(Protocol):
+    """What waits for one reply: an asyncio future, or a caller's own object that
+    hands one reply on to several futures (gate/room/wire.py's batches)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: Any, /) -> None: ...
+
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
 class RespConnection:
     def __init__(
         self, url: str, timeout_seconds: float, address: tuple[str, int] | None = None
@@ -148,14 +159,14 @@ class RespConnection:
         self.db = target.db if address is None else 0
         self.timeout_seconds = timeout_seconds
         self._writer: asyncio.StreamWriter | None = None
-        self._pending: deque[asyncio.Future[Any]] = deque()
+        self._pending: deque[Waiter] = deque()
         self._reader_task: asyncio.Task[None] | None = None
         self._parser = hiredis.Reader(encoding="utf-8", replyError=hiredis.ReplyError)
         self._connecting: asyncio.Future[None] | None = None
         # The last future of every batch still unanswered, with its deadline, in the
         # order sent (so in deadline order), and one timer for the oldest: replies come
         # in order, so the oldest unanswered batch is the only one that can be late.
-        self._deadlines: deque[tuple[float, asyncio.Future[Any]]] = deque()
+        self._deadlines: deque[tuple[float, Waiter]] = deque()
         self._deadline_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -234,11 +245,11 @@ class RespConnection:
             self._deadline_timer = loop.call_at(due, self._check_deadlines, writer)
         return futures
 
-    def send_packed(self, data: bytes, futures: list[asyncio.Future[Any]]) -> None:
-        """Write commands already packed in RESP (`data`), one caller's future per
-        command, resolved in order as `send`'s are (an error reply resolves to the
-        exception object). For a caller that packs most of its command once
-        (gate/room/wire.py) and wants no future of its own in between."""
+    def send_packed(self, data: bytes, futures: Sequence[Waiter]) -> None:
+        """Write commands already packed in RESP (`data`), one waiter per command,
+        resolved in order as `send`'s futures are (an error reply resolves to the
+        exception object). For a caller that packs most of its command once and
+        hands each reply on itself (gate/room/wire.py)."""
         writer = self._writer
         if writer is None or writer.is_closing():
             raise RedisConnectionError("Redis connection is not open")

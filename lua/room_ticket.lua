@@ -1,8 +1,13 @@
 --[[
-  room_ticket: join a deal's waiting room, or read one's ticket, in one call.
-  O(log n) in the number of tickets, no loop: a hash look-up and write, and at most
-  one sorted-set rank (a first join in join order needs only ZCARD: it is last;
-  a ticket read while nothing is available needs only ZSCORE: no position).
+  room_ticket: join a deal's waiting room, or read tickets, for one or more buyers
+  of one deal in one call (a gate sends the joins, or the reads, of one deal made in
+  one event-loop turn together: gate/room/wire.py). Each buyer is handled in turn,
+  exactly as if each had a call of its own; the deal's state, the room's settings
+  and the clock are read once per call (with the call itself, about a third of what
+  a join cost Redis: docs/hotpath.md, lever 36).
+  O(log n) per buyer in the number of tickets, no loop over tickets: a hash look-up
+  and write, and at most one sorted-set rank (a first join in join order needs only
+  ZCARD: it is last; a ticket read while nothing is available needs only ZSCORE).
 
   The ticket's state is derived here, never stored per ticket:
     admitted   the user holds an unspent, unexpired admission      (KEYS[4])
@@ -26,14 +31,17 @@
 
   ARGV[1] "join" | "read"
   ARGV[2] poll_after_ms floor      ARGV[3] poll_after_ms ceiling
-  ARGV[4] user id
-  ARGV[5] join: random score in [0, 2^50) for a prequeue joiner (drawn by the
-          caller); absent on a read
+  then, per buyer (at least one):
+    join: user id, random score in [0, 2^50) for a prequeue joiner (drawn by the
+          caller; used only before starts_at)
+    read: user id
   (The caller packs ARGV[1..3] once per deal: they come first.)
 
-  Returns {code, created, position, joined_ms, avail, admission seq, expires_ms,
-           poll_after_ms, aps, ms until the sale starts}; position, seq and
-  expires_ms are 0 when they do not apply.
+  Returns one reply per buyer, in order, each
+    {code, created, position, joined_ms, avail, admission seq, expires_ms,
+     poll_after_ms, aps, ms until the sale starts}
+  (position, seq and expires_ms 0 when they do not apply), or {code} for a refusal
+  (4-8), or {9, wait ms}.
     0 WAITING  1 ADMITTED  2 SOLD_OUT  3 CLOSED   (the ticket's state)
     4 NOT_LOADED     the deal's state is absent; load it from the database
     5 NO_ROOM        the deal has no waiting room
@@ -46,13 +54,24 @@
 ]]
 local OPEN_BASE = 1125899906842624  -- 2^50
 
+local join = ARGV[1] == 'join'
+local step = 1
+if join then step = 2 end
+local count = (#ARGV - 3) / step
+local out = {}
+
+local function all(reply)
+  for i = 1, count do out[i] = reply end
+  return out
+end
+
 local meta = redis.call('HMGET', KEYS[5], 'nb', 'avail', 'start_ms', 'end_ms')
 if not meta[1] then
-  return {4}
+  return all({4})
 end
 local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'pq_ms')
 if cfg[1] ~= '1' then
-  return {5}
+  return all({5})
 end
 local aps = tonumber(cfg[2]) or 1
 local avail = tonumber(meta[2]) or 0
@@ -65,80 +84,89 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ended = end_ms > 0 and now_ms >= end_ms
 local to_start = 0
 if start_ms > now_ms then to_start = start_ms - now_ms end
-
-local user = ARGV[4]
+local prequeue = start_ms > 0 and now_ms < start_ms
 local floor_ms, ceil_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
-local record = redis.call('HGET', KEYS[3], user)
-local created = 0
-local joined_ms
--- The ticket's state: CLOSED unless found otherwise below.
-local code, position, seq, expires, advice = 3, 0, 0, 0, ceil_ms
-if not record then
-  if ARGV[1] ~= 'join' then
-    return {6}
-  end
-  if ended then
-    return {8}
-  end
-  local prequeue = start_ms > 0 and now_ms < start_ms
-  local score
-  if prequeue then
-    if now_ms < start_ms - tonumber(cfg[3] or 0) then
-      return {7}
+
+-- One buyer's join or read. Its writes are made before the next buyer's look-ups,
+-- so a buyer named twice in one call is answered as two calls one after the other.
+local function ticket(user, drawn)
+  local record = redis.call('HGET', KEYS[3], user)
+  local created = 0
+  local joined_ms
+  -- The ticket's state: CLOSED unless found otherwise below.
+  local code, position, seq, expires, advice = 3, 0, 0, 0, ceil_ms
+  if not record then
+    if not join then
+      return {6}
     end
-    score = tonumber(ARGV[5])
-  else
-    score = OPEN_BASE + redis.call('HINCRBY', KEYS[1], 'seq', 1)
-  end
-  redis.call('ZADD', KEYS[2], score, user)
-  joined_ms = now_ms
-  created = 1
-  -- A new ticket is waiting (never admitted yet). In join order it is the last one.
-  if avail == 0 then
-    code = 2
-  elseif prequeue then
-    code, position = 0, redis.call('ZRANK', KEYS[2], user) + 1
-  else
-    code, position = 0, redis.call('ZCARD', KEYS[2])
-  end
-else
-  local next_poll
-  joined_ms, next_poll = string.match(record, '^(%d+)|(%d+)$')
-  joined_ms = tonumber(joined_ms)
-  if tonumber(next_poll) > now_ms then
-    return {9, tonumber(next_poll) - now_ms}
-  end
-  if not ended then
-    -- In the queue (waiting or sold out) or not; a queued ticket is never admitted
-    -- (room_advance.lua pops it first), so the admissions are read only for the rest.
-    if avail == 0 then
-      if redis.call('ZSCORE', KEYS[2], user) then
-        code = 2
+    if ended then
+      return {8}
+    end
+    local score
+    if prequeue then
+      if now_ms < start_ms - tonumber(cfg[3] or 0) then
+        return {7}
       end
+      score = tonumber(drawn)
     else
-      local rank = redis.call('ZRANK', KEYS[2], user)
-      if rank then
-        code, position = 0, rank + 1
-      end
+      score = OPEN_BASE + redis.call('HINCRBY', KEYS[1], 'seq', 1)
     end
-    if code == 3 then
-      local held = redis.call('HGET', KEYS[4], user)
-      if held then
-        local s, e = string.match(held, '^(%d+)|%d+|(%d+)$')
-        if tonumber(e) > now_ms then
-          -- Admitted buyers (a few: at most the units left) may look again soon.
-          code, seq, expires, advice = 1, tonumber(s), tonumber(e), floor_ms
+    redis.call('ZADD', KEYS[2], score, user)
+    joined_ms = now_ms
+    created = 1
+    -- A new ticket is waiting (never admitted yet). In join order it is the last one.
+    if avail == 0 then
+      code = 2
+    elseif prequeue then
+      code, position = 0, redis.call('ZRANK', KEYS[2], user) + 1
+    else
+      code, position = 0, redis.call('ZCARD', KEYS[2])
+    end
+  else
+    local next_poll
+    joined_ms, next_poll = string.match(record, '^(%d+)|(%d+)$')
+    joined_ms = tonumber(joined_ms)
+    if tonumber(next_poll) > now_ms then
+      return {9, tonumber(next_poll) - now_ms}
+    end
+    if not ended then
+      -- In the queue (waiting or sold out) or not; a queued ticket is never admitted
+      -- (room_advance.lua pops it first), so the admissions are read only for the rest.
+      if avail == 0 then
+        if redis.call('ZSCORE', KEYS[2], user) then
+          code = 2
+        end
+      else
+        local rank = redis.call('ZRANK', KEYS[2], user)
+        if rank then
+          code, position = 0, rank + 1
+        end
+      end
+      if code == 3 then
+        local held = redis.call('HGET', KEYS[4], user)
+        if held then
+          local s, e = string.match(held, '^(%d+)|%d+|(%d+)$')
+          if tonumber(e) > now_ms then
+            -- Admitted buyers (a few: at most the units left) may look again soon.
+            code, seq, expires, advice = 1, tonumber(s), tonumber(e), floor_ms
+          end
         end
       end
     end
   end
+
+  if code == 0 then
+    local eta_ms = to_start + math.ceil(position * 1000 / aps)
+    advice = math.min(ceil_ms, math.max(floor_ms, math.floor(eta_ms / 2)))
+  end
+  -- Sold out: units may come back (a hold expires, a cancel), worth a slow poll.
+
+  redis.call('HSET', KEYS[3], user, joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)))
+  return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start}
 end
 
-if code == 0 then
-  local eta_ms = to_start + math.ceil(position * 1000 / aps)
-  advice = math.min(ceil_ms, math.max(floor_ms, math.floor(eta_ms / 2)))
+for i = 1, count do
+  local at = 4 + (i - 1) * step
+  out[i] = ticket(ARGV[at], ARGV[at + 1])
 end
--- Sold out: units may come back (a hold expires, a cancel), worth a slow poll.
-
-redis.call('HSET', KEYS[3], user, joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)))
-return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start}
+return out

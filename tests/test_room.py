@@ -328,6 +328,66 @@ async def test_a_script_lost_by_redis_is_loaded_again(client: Client, local_gate
     assert created and body["state"] == "sold_out" and body["deal_id"] == deal_id
 
 
+async def test_buyers_of_one_loop_turn_share_a_call_answered_as_separate_ones(
+    client: Client, local_gate: Gate
+) -> None:
+    """Joins and reads made in one event-loop turn go out as one room_ticket.lua call
+    per deal and mode, at most batch_max buyers each (gate/room/wire.py): each buyer's
+    answer is what a call of its own would give, in the order asked: exact positions,
+    a buyer named twice joins once (the second is too soon), another deal's buyers and
+    the reads apart, a batch failure only for its own buyers."""
+    first = await create_deal(client, stock=1, waiting_room=ROOM)
+    other = await create_deal(client, stock=0, waiting_room=ROOM)
+    # The one unit's admission: the bound (unspent <= available) stops there, so every
+    # later joiner waits and keeps its position.
+    assert (await join(client, first, 36_000)).status_code == 201
+    await wait_state(client, first, 36_000, "admitted")
+    room = _room_of(local_gate)
+    wire = room.wire
+    room.wire = Wire(local_gate.settings.redis_url, 2.0, 7)
+    calls: list[int] = []
+    send_packed = room.wire.conn.send_packed
+
+    def counted(data: bytes, waiters: Any) -> None:
+        calls.append(len(waiters))
+        send_packed(data, waiters)
+
+    room.wire.conn.send_packed = counted  # type: ignore[method-assign]
+    try:
+        users = list(range(36_001, 36_021))  # 20 buyers: three calls of at most 7
+        asked = [room.ticket(first, u, "join") for u in users]
+        asked.append(room.ticket(first, users[3], "join"))  # the same buyer again
+        asked += [room.ticket(other, u, "join") for u in users[:4]]
+        answers = await asyncio.gather(*asked, return_exceptions=True)
+        assert sum(calls) == 4  # 21 buyers of one deal in calls of 7, 4 of the other
+        joined = answers[: len(users)]
+        assert all(created for created, _ in joined)  # type: ignore[misc]
+        bodies = [body for _, body in joined]  # type: ignore[misc]
+        assert [b["position"] for b in bodies] == list(range(1, len(users) + 1))
+        assert {b["state"] for b in bodies} == {"waiting"}
+        twice = answers[len(users)]
+        assert isinstance(twice, Problem) and twice.code == "RATE_LIMITED"
+        others = answers[len(users) + 1 :]
+        assert [b["state"] for _, b in others] == ["sold_out"] * 4  # type: ignore[misc]
+        assert all(created for created, _ in others)  # type: ignore[misc]
+        # Reads once the advised wait has passed (a waiting ticket's: the floor).
+        await asyncio.sleep(room.settings.poll_min_ms / 1000 + 0.05)
+        reads = await asyncio.gather(*(room.ticket(first, u, "read") for u in users[::-1]))
+        assert [b["position"] for _, b in reads] == list(range(len(users), 0, -1))
+        assert not any(created for created, _ in reads)
+        # A sold-out ticket is advised the ceiling: read again at once, too soon.
+        missing = await asyncio.gather(
+            room.ticket(other, 36_999, "read"),
+            room.ticket(other, 36_001, "read"),
+            return_exceptions=True,
+        )
+        assert isinstance(missing[0], Problem) and missing[0].code == "NO_TICKET"
+        assert isinstance(missing[1], Problem) and missing[1].code == "RATE_LIMITED"
+    finally:
+        await room.wire.aclose()
+        room.wire = wire
+
+
 async def test_redis_unreachable_is_a_503_for_the_buyer(client: Client, local_gate: Gate) -> None:
     deal_id = await create_deal(client, stock=0, waiting_room=ROOM)
     room = _room_of(local_gate)

@@ -31,7 +31,7 @@ from gate.mirror import Mirror
 from gate.room import metrics
 from gate.room.config import RoomConfig, RoomSettings, parse_room
 from gate.room.tokens import AdmissionTokens
-from gate.room.wire import RandomScores, Wire, command_prefix
+from gate.room.wire import Command, RandomScores, Wire
 from gate.scripts import REDIS_ERRORS, ScriptRunner, error_kind
 
 log = logging.getLogger("gate.room")
@@ -87,8 +87,8 @@ class Room:
         self.runner = runner
         self.tokens = tokens
         self.wire = wire
-        # deal -> room_ticket.lua's packed command prefixes (join, read), built once
-        self._prefixes: dict[int, tuple[bytes, bytes]] = {}
+        # deal -> room_ticket.lua's commands (join, read), packed once
+        self._prefixes: dict[int, tuple[Command, Command]] = {}
         self._scores = RandomScores()
 
     # -- buyers -----------------------------------------------------------------------
@@ -135,8 +135,8 @@ class Room:
         }
         return created == 1, body
 
-    def _prefix(self, deal_id: int, join: bool) -> bytes:
-        """room_ticket.lua's command for this deal up to the user id, packed once."""
+    def _prefix(self, deal_id: int, join: bool) -> Command:
+        """room_ticket.lua's command for this deal up to the buyers, packed once."""
         packed = self._prefixes.get(deal_id)
         if packed is None:
             if len(self._prefixes) >= KEYS_CACHE_MAX:
@@ -146,9 +146,9 @@ class Room:
             sha = self.runner.scripts["room_ticket"].sha
             floor, ceiling = str(self.settings.poll_min_ms), str(self.settings.poll_max_ms)
             packed = (
-                # join: the user id and the random prequeue score follow; read: the user id.
-                command_prefix(sha, keys, ("join", floor, ceiling), 2),
-                command_prefix(sha, keys, ("read", floor, ceiling), 1),
+                # join: per buyer the user id and a random prequeue score; read: the id.
+                Command(sha, keys, ("join", floor, ceiling), 2),
+                Command(sha, keys, ("read", floor, ceiling), 1),
             )
             self._prefixes[deal_id] = packed
         return packed[0] if join else packed[1]
@@ -158,22 +158,16 @@ class Room:
         if join:
             # Only a prequeue join uses it (the script decides); drawn cheaply for all.
             score = b"%d" % self._scores.draw()
-            data = b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-                self._prefix(deal_id, True),
-                len(user),
-                user,
-                len(score),
-                score,
-            )
+            member = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(user), user, len(score), score)
         else:
-            data = b"%s$%d\r\n%s\r\n" % (self._prefix(deal_id, False), len(user), user)
+            member = b"$%d\r\n%s\r\n" % (len(user), user)
         try:
-            reply: Any = await self.wire.call(data)
+            reply: Any = await self.wire.call(self._prefix(deal_id, join), member)
             if type(reply) is not list:
                 if isinstance(reply, NoScriptError):
                     # Redis lost its scripts (a restart): nothing ran; load and call again.
                     await self.runner.load()
-                    reply = await self.wire.call(data)
+                    reply = await self.wire.call(self._prefix(deal_id, join), member)
                 if isinstance(reply, Exception):
                     raise reply
         except Exception as exc:

@@ -1,19 +1,28 @@
 """room_ticket.lua calls on the wire: the cheapest Redis round trip Python makes here.
 
-A join or a poll is one script call, and most of what it costs in the gate is not
-the script but the call: packing thirteen arguments into RESP, a future of the
-runner's own per call with a gather over them, a timing metric per call. Here
+A join or a poll is one buyer's part of a script call, and most of what it cost was
+not the buyer's work but the call around it: packing a dozen arguments into RESP,
+Redis reading them, setting up the script, reading the deal's state and the clock.
+Here
 
 - each deal's command is packed once per mode ("join", "read"): EVALSHA, the sha,
   the five keys and the ARGV that never change (mode, poll floor and ceiling) are
-  one bytes prefix; a call appends only the user id (and a join its random score);
-- the calls made in one event-loop turn go out in one write, as the script
+  one `Command`; a buyer adds only its user id (and a join its random score);
+- the buyers of one deal and mode who ask in one event-loop turn share one call
+  (`Batch`, at most `batch_max` buyers; the script handles them in turn, exactly as
+  separate calls), and the calls of one turn go out in one write, as the script
   runner's do (gate/scripts.py), on a connection of the room's own
-  (gate/resp.py RespConnection), whose reader resolves the callers' own futures;
-- the script's latency is observed once per batch (the batch's last reply), in
+  (gate/resp.py RespConnection);
+- each buyer still waits on a future of its own (a cancelled request cancels only
+  its own), handed its part of the reply by the batch;
+- the script's latency is observed once per write (its last reply), in
   `gate_redis_script_seconds{script="room_ticket"}` like every script's.
 
-Nothing is ever re-sent but a NOSCRIPT reply (the script did not run): the caller
+    turn:  join(u1) join(u2) read(u3) join(u4)         (deal 7)
+    write: EVALSHA room_ticket … join … u1 s1 u2 s2 u4 s4 | EVALSHA … read … u3
+    reply: [[u1's], [u2's], [u4's]] | [[u3's]]  ──> four futures
+
+Nothing is ever re-sent but a NOSCRIPT reply (the script did not run): each caller
 gets the error object as its result, reloads the scripts and calls again.
 """
 
@@ -23,6 +32,8 @@ import asyncio
 import os
 import time
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from gate.resp import RespConnection
 from gate.scripts import script_seconds
@@ -38,11 +49,23 @@ def bulk(value: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(value), value)
 
 
-def command_prefix(sha: str, keys: tuple[str, ...], head: tuple[str, ...], rest: int) -> bytes:
-    """EVALSHA sha numkeys KEYS… and the first ARGV, in RESP, announcing `rest` more
-    arguments that each call appends."""
-    parts = ["EVALSHA", sha, str(len(keys)), *keys, *head]
-    return b"*%d\r\n" % (len(parts) + rest) + b"".join(bulk(p.encode()) for p in parts)
+class Command:
+    """EVALSHA sha numkeys KEYS… and the first ARGV, packed in RESP without the array
+    header (which counts the buyers' arguments too), and how many arguments each
+    buyer adds. Compared by identity: a deal's commands are built once and kept."""
+
+    __slots__ = ("fixed", "packed", "step")
+
+    def __init__(self, sha: str, keys: tuple[str, ...], head: tuple[str, ...], step: int):
+        parts = ["EVALSHA", sha, str(len(keys)), *keys, *head]
+        self.fixed = len(parts)
+        self.packed = b"".join(bulk(p.encode()) for p in parts)
+        self.step = step
+
+    def pack(self, members: list[bytes]) -> bytes:
+        """The whole command for these buyers' arguments (each already in RESP)."""
+        count = self.fixed + len(members) * self.step
+        return b"*%d\r\n%s%s" % (count, self.packed, b"".join(members))
 
 
 class RandomScores:
@@ -61,31 +84,79 @@ class RandomScores:
         return int.from_bytes(self._buf[at : at + SCORE_BYTES], "big") >> SCORE_SHIFT
 
 
+class Batch:
+    """One script call's buyers: waits for the call's reply (gate/resp.py's Waiter)
+    and hands each buyer its part, or every buyer the error."""
+
+    __slots__ = ("callers", "command", "finished", "members")
+
+    def __init__(self, command: Command) -> None:
+        self.command = command
+        self.members: list[bytes] = []
+        self.callers: list[asyncio.Future[Any]] = []
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_result(self, reply: Any, /) -> None:
+        self.finished = True
+        callers = self.callers
+        if type(reply) is list:
+            if len(reply) == len(callers):
+                for fut, part in zip(callers, reply, strict=True):
+                    if not fut.done():
+                        fut.set_result(part)
+                return
+            reply = ResponseError(f"room_ticket: {len(reply)} replies for {len(callers)} buyers")
+        # An error reply (NOSCRIPT, a script error): the same for every buyer.
+        for fut in callers:
+            if not fut.done():
+                fut.set_result(reply)
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        self.finished = True
+        for fut in self.callers:
+            if not fut.done():
+                fut.set_exception(exception)
+
+
 class Wire:
-    """Packed script calls, coalesced per loop turn onto one connection."""
+    """Buyers' script calls, joined per deal and mode and written once per loop
+    turn on one connection."""
 
     def __init__(
         self, url: str, timeout_seconds: float, batch_max: int, flush_every: int = 0
     ) -> None:
         self.conn = RespConnection(url, timeout_seconds)
+        # At most this many buyers in one script call, and calls in one write.
         self.batch_max = max(1, batch_max)
-        # Written before the loop turn ends once this many calls wait (0: at the end
-        # of the turn only), as the script runner's (GATE_REDIS_FLUSH_EVERY).
+        # Written before the loop turn ends once this many buyers wait (0: at the
+        # end of the turn only), as the script runner's (GATE_REDIS_FLUSH_EVERY).
         self.flush_every = flush_every if flush_every > 0 else self.batch_max
-        self._data: list[bytes] = []
-        self._futures: list[asyncio.Future[Any]] = []
+        self._open: dict[Command, Batch] = {}
+        self._full: list[Batch] = []
+        self._waiting = 0
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.seconds = script_seconds("room_ticket")
 
-    def call(self, data: bytes) -> asyncio.Future[Any]:
-        """Send one packed command; the future resolves to its reply (an error reply to
-        the exception object) or fails when the connection does."""
+    def call(self, command: Command, member: bytes) -> asyncio.Future[Any]:
+        """One buyer's part of `command` (its arguments in RESP); the future resolves to
+        the buyer's reply (an error reply to the exception object) or fails when the
+        connection does."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._data.append(data)
-        self._futures.append(fut)
-        if len(self._futures) >= self.flush_every:
+        batch = self._open.get(command)
+        if batch is None:
+            batch = self._open[command] = Batch(command)
+        batch.members.append(member)
+        batch.callers.append(fut)
+        if len(batch.callers) >= self.batch_max:
+            del self._open[command]
+            self._full.append(batch)
+        self._waiting += 1
+        if self._waiting >= self.flush_every:
             self._write()
         elif not self._scheduled:
             self._scheduled = True
@@ -94,29 +165,31 @@ class Wire:
 
     def _flush(self) -> None:
         self._scheduled = False
-        if self._futures:
+        if self._waiting:
             self._write()
 
     def _write(self) -> None:
-        data, futures = self._data, self._futures
-        self._data, self._futures = [], []
+        batches = self._full
+        batches.extend(self._open.values())
+        self._full, self._open, self._waiting = [], {}, 0
         if not self.conn.connected:
-            task = asyncio.get_running_loop().create_task(self._connect_then_send(data, futures))
+            task = asyncio.get_running_loop().create_task(self._connect_then_send(batches))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
-        self._send(data, futures)
+        self._send(batches)
 
-    def _send(self, data: list[bytes], futures: list[asyncio.Future[Any]]) -> None:
+    def _send(self, batches: list[Batch]) -> None:
         step = self.batch_max
-        for i in range(0, len(futures), step):
-            batch = futures[i : i + step]
+        for i in range(0, len(batches), step):
+            part = batches[i : i + step]
             try:
-                self.conn.send_packed(b"".join(data[i : i + step]), batch)
+                self.conn.send_packed(b"".join(b.command.pack(b.members) for b in part), part)
             except Exception as exc:
-                self._fail(batch, exc)
+                for batch in part:
+                    batch.set_exception(exc)
                 continue
-            batch[-1].add_done_callback(self._timer(time.perf_counter()))
+            part[-1].callers[-1].add_done_callback(self._timer(time.perf_counter()))
 
     def _timer(self, sent: float) -> Any:
         def observe(_: asyncio.Future[Any]) -> None:
@@ -124,22 +197,14 @@ class Wire:
 
         return observe
 
-    async def _connect_then_send(
-        self, data: list[bytes], futures: list[asyncio.Future[Any]]
-    ) -> None:
+    async def _connect_then_send(self, batches: list[Batch]) -> None:
         try:
             await self.conn.connect()
         except Exception as exc:
-            self._fail(futures, exc)
+            for batch in batches:
+                batch.set_exception(exc)
             return
-        self._send(data, futures)
-
-    @staticmethod
-    def _fail(futures: list[asyncio.Future[Any]], exc: Exception) -> None:
-        # Counted in gate_redis_errors_total by the caller, as a failed reply is.
-        for fut in futures:
-            if not fut.done():
-                fut.set_exception(exc)
+        self._send(batches)
 
     async def aclose(self) -> None:
         if self._tasks:
