@@ -193,6 +193,10 @@ class Settings:
     redis_timeout_seconds: float = 0.5
     redis_pipeline_max: int = 512
     redis_flush_every: int = 0
+    # Python's cyclic collector in a serving process (gate/app.py tune_gc): 0 leaves it
+    # as Python sets it; otherwise start-up's objects are frozen and a young
+    # collection waits for this many net allocations (Python's default: 700).
+    gc_gen0_threshold: int = 50_000
     redis_breaker_failures_max: int = 5
     redis_breaker_open_seconds: float = 2.0
     # "reject": reservations answer 503 while Redis is unavailable (the database is
@@ -409,6 +413,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         redis_pipeline_max=env_int(env, "GATE_REDIS_PIPELINE_MAX", 512, 1, 100_000),
         redis_flush_every=env_int(env, "GATE_REDIS_FLUSH_EVERY", 0, 0, 100_000),
+        gc_gen0_threshold=env_int(env, "GATE_GC_GEN0_THRESHOLD", 50_000, 0, 10_000_000),
         idempotency_ttl_seconds=env_int(env, "GATE_IDEMPOTENCY_TTL_SECONDS", 86_400, 86_400, 10**8),
         inflight_max_seconds=env_float(env, "GATE_INFLIGHT_MAX_SECONDS", 30.0, 0.5, 3600),
         janitor_batch_max=env_int(env, "GATE_JANITOR_BATCH_MAX", 500, 1, 100_000),
