@@ -50,6 +50,7 @@ class Breaker:
         self._probing = False
         # Which probe is out: a probe released late must not release a later one.
         self._probe_number = 0
+        self._retired = False
         CIRCUIT_OPEN.labels(name).set(0)
 
     def allow(self) -> bool:
@@ -87,6 +88,8 @@ class Breaker:
         self._probing = False
 
     def failure(self) -> None:
+        if self._retired:
+            return  # a call that started before retire(): it opens nothing any more
         self._failures += 1
         if self.state == HALF_OPEN or self._failures >= self.failures_max:
             if self.state == CLOSED:
@@ -94,6 +97,16 @@ class Breaker:
             self.state = OPEN
             self._opened_at = self._clock()
             self._probing = False
+
+    def retire(self) -> None:
+        """Its dependency is gone for good (a Redis Cluster node that serves no slot
+        after a failover): the breaker is dropped, and its gauge must not report an
+        open circuit that nothing will ever probe again."""
+        self._retired = True
+        self.state = CLOSED
+        self._failures = 0
+        self._probing = False
+        CIRCUIT_OPEN.labels(self.name).set(0)
 
     def retry_after_seconds(self) -> int:
         left = self.open_seconds - (self._clock() - self._opened_at)

@@ -240,6 +240,7 @@ class Reservations:
         # On Redis Cluster one breaker per node (gate/scripts.py node_of): a failing
         # primary pauses only the deals whose slots it serves. Standalone: just one.
         self._breakers: dict[str, Breaker] = {}
+        self.mirror.runner.slot_map_listeners.append(self._retire_breakers)
         self._scoped = (
             settings.limit_deal,
             settings.limit_user,
@@ -295,6 +296,13 @@ class Reservations:
                 self.settings.redis_breaker_open_seconds,
             )
         return breaker
+
+    def _retire_breakers(self, serving: frozenset[str]) -> None:
+        """The slot map was read: the breakers of nodes that serve no slot any more
+        (a primary that failed over) go, or /readyz and gate_circuit_open would report
+        an open circuit for good. A node that serves again gets a new one."""
+        for name in [n for n in self._breakers if n not in serving]:
+            self._breakers.pop(name).retire()
 
     @property
     def circuit_state(self) -> str:

@@ -60,7 +60,7 @@ class Gate:
             flush_every=settings.redis_flush_every,
         )
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
-        self.soldout = SoldOutCache(self.redis, settings.sold_out_cache_seconds)
+        self.soldout = SoldOutCache(self.redis, self.runner, settings.sold_out_cache_seconds)
         # One memory of unknown deal ids for the deal views and the reservations.
         self.unknown_deals = UnknownDeals(self.redis, self.db)
         self.lease = Lease(settings, self.runner, self.db)

@@ -14,7 +14,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ SCRIPT_NAMES = (
     "limit",
     "confirm",
     "confirm_many",
+    "soldout_renew",
     "compensate",
     "intend",
     "apply",
@@ -200,6 +201,9 @@ class ScriptRunner:
         target = parse_redis_url(url)
         self._known: dict[_Addr, None] = {(target.host, target.port): None}
         self._refreshing: asyncio.Future[None] | None = None
+        # Told the names (node_of) of the primaries serving slots after every read of
+        # the slot map: a node that failed over serves nothing any more.
+        self.slot_map_listeners: list[Callable[[frozenset[str]], None]] = []
         self._refreshed_at = -REFRESH_MIN_SECONDS
         self.slot_map_refreshes = 0
         self.redirects = 0
@@ -268,6 +272,9 @@ class ScriptRunner:
                         self._known[(str(member[0]) or addr[0], int(member[1]))] = None
             self._slots = slots
             self.slot_map_refreshes += 1
+            serving = frozenset(f"redis {a[0]}:{a[1]}" for a in {a for a in slots if a})
+            for listener in self.slot_map_listeners:
+                listener(serving)
             return
         raise RedisConnectionError(f"no Redis Cluster node gave its slot map: {last!r}")
 

@@ -13,13 +13,25 @@ an expiry), this process may still say "sold out" — the staleness DESIGN accep
 and a buyer who bought one of those returned units through another process may,
 within that same window, have a replay answered "sold out" here.
 
-An entry is renewed before it lapses: the first request that finds it in the second
-half of its life starts one read of the deal's state (units left, sale window, size
-of the buyers set, Redis's clock) and, when the deal is still sold out with the same
-buyers, the entry gets a new `ttl_seconds` counted from before that read. Otherwise
-every process would send its whole concurrency to Redis at each lapse (every request
-in flight during the admission round trip misses), ten times a second per deal;
-the staleness bound stays `ttl_seconds` from the last confirmation.
+An entry is renewed before it lapses: the first request that finds it past
+RENEW_AFTER_SHARE of its life starts one read of the deal's state (units left, sale
+window, size of the buyers set, Redis's clock) and, when the deal is still sold out
+with the same buyers, the entry gets a new `ttl_seconds` counted from before that
+read. Otherwise every process would send its whole concurrency to Redis at each
+lapse (every request in flight during the admission round trip misses), ten times a
+second per deal; the staleness bound stays `ttl_seconds` from the last confirmation.
+
+    entry made ─────── 40 % ──────────────── lapses (ttl_seconds)
+                        └ renewal read ──┐      (20–50 ms under load: it waits
+                                         │       for this process's own loop)
+               still sold out, same size ┴─▶ valid until read's start + ttl_seconds
+
+A renewal that answers after its entry lapsed puts the entry back (the read is as
+fresh as any renewal's), unless this process gave units back meanwhile (`forget`).
+Under a sold-out flood a renewal's round trip (then a redis-py pipeline), waiting
+behind the process's own requests, took up to 90 ms; started at half of the 100 ms
+it came back too late about twice a second, and each lapse sent 64–128 requests to
+Redis.
 
 A deal of P > 1 partitions (docs/scale-out.md) is sold out when every partition is:
 the reservation path observes it only after all P admissions said so, the buyers
@@ -31,11 +43,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.keys import DealKeys, deal_keys, partition_keys
-from gate.redismode import is_cluster, redis_ms
+from gate.keys import DealKeys, partition_keys
+from gate.scripts import ScriptRunner
 
 log = logging.getLogger("gate.soldout")
 
@@ -43,18 +56,24 @@ DEALS_MAX = 10_000
 # A deal with more buyers than this is not cached: the set would cost more memory
 # than the near-cache saves.
 BUYERS_MAX = 200_000
+# The share of an entry's life after which the first request starts its renewal.
+RENEW_AFTER_SHARE = 0.4
 
 
 class SoldOutCache:
-    def __init__(self, client: aioredis.Redis, ttl_seconds: float) -> None:
+    def __init__(self, client: aioredis.Redis, runner: ScriptRunner, ttl_seconds: float) -> None:
         self.redis = client
-        self._cluster = is_cluster(client)
+        self.runner = runner
         self.ttl_seconds = ttl_seconds
         # deal -> (valid until (monotonic), size of the buyers set(s), the set (their
         # union), the deal's max_per_order, its partition count)
         self._entries: dict[int, tuple[float, int, frozenset[int], int, int]] = {}
         self._fetching: dict[int, asyncio.Task[None]] = {}
         self._renewing: dict[int, asyncio.Task[None]] = {}
+        self._renew_below = ttl_seconds * (1.0 - RENEW_AFTER_SHARE)
+        # Counts `forget`s: a renewal that began before one must not put back what it
+        # took away (the read may predate the units that came back).
+        self._forgets = 0
 
     def sold_out_for(self, deal_id: int, user_id: int, quantity: int) -> bool:
         """True: answer "sold out" to this user's request now, without Redis."""
@@ -65,88 +84,76 @@ class SoldOutCache:
         if left < 0:
             del self._entries[deal_id]
             return False
-        if left < self.ttl_seconds / 2 and deal_id not in self._renewing:
-            task = asyncio.get_running_loop().create_task(self._renew(deal_id))
+        if left < self._renew_below and deal_id not in self._renewing:
+            renewal = self._renew(deal_id, entry, self._forgets)
+            task = asyncio.get_running_loop().create_task(renewal)
             self._renewing[deal_id] = task
         return quantity <= entry[3] and user_id not in entry[2]
 
-    async def _renew(self, deal_id: int) -> None:
-        """Extend the entry if the deal is still sold out to the same buyers."""
-        entry = self._entries.get(deal_id)
-        if entry is not None and entry[4] > 1:
-            try:
-                await self._renew_parts(deal_id, entry[4])
-            except Exception as exc:
-                log.info("sold-out near-cache: deal %s not renewed: %r", deal_id, exc)
-            finally:
-                self._renewing.pop(deal_id, None)
-            return
+    async def _renew(
+        self, deal_id: int, entry: tuple[float, int, frozenset[int], int, int], forgets: int
+    ) -> None:
+        """Extend `entry` if the deal (every partition of it) is still sold out, within
+        its window, to buyers sets of the same size as when observed; `forgets` is the
+        count of `forget`s when the renewal was asked for."""
         try:
-            keys = deal_keys(deal_id)
+            parts = entry[4]
             sent = time.monotonic()
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hmget(keys.meta, "avail", "start_ms", "end_ms", "buyers_ok", "max")
-                pipe.scard(keys.buyers)
-                if not self._cluster:
-                    pipe.time()
-                replies = await pipe.execute()
-            (avail, start_ms, end_ms, buyers_ok, most), buyers = replies[0], replies[1]
-            if self._cluster:
-                # TIME of the deal's node (a cluster pipeline sends keyless TIME anywhere).
-                now_ms = await redis_ms(self.redis, keys.meta)
-            else:
-                sec, usec = replies[2]
-                now_ms = int(sec) * 1000 + int(usec) // 1000
-            entry = self._entries.get(deal_id)
-            still = (
-                entry is not None
-                and avail is not None
-                and int(avail) <= 0
-                and buyers_ok is not None
-                and int(buyers) == entry[1]
-                # Outside its window the admission answers NOT_ACTIVE, not sold out.
-                and int(start_ms or 0) <= now_ms
-                and not 0 < int(end_ms or 0) <= now_ms
-            )
-            if entry is not None and still:
-                limit = int(most or 1)
-                self._entries[deal_id] = (sent + self.ttl_seconds, entry[1], entry[2], limit, 1)
+            calls = []
+            for k in range(parts):
+                keys = partition_keys(deal_id, k)
+                calls.append(self.runner.call("soldout_renew", [keys.meta, keys.buyers], ()))
+            size = 0
+            most = 1
+            # Every partition's reply (or failure) taken, so none is left unretrieved.
+            replies: list[list[Any]] = []
+            for reply in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(reply, BaseException):
+                    raise reply
+                replies.append(reply)
+            for avail, start_ms, end_ms, buyers_ok, limit, buyers, now_ms in replies:
+                if (
+                    avail is None
+                    or int(avail) > 0
+                    or buyers_ok is None
+                    # Outside its window the admission answers NOT_ACTIVE, not sold out.
+                    or int(start_ms or 0) > now_ms
+                    or 0 < int(end_ms or 0) <= now_ms
+                ):
+                    return
+                size += int(buyers)
+                most = int(limit or 1)
+            if size == entry[1]:
+                self._confirmed(deal_id, entry, forgets, sent, most)
         except Exception as exc:
             log.info("sold-out near-cache: deal %s not renewed: %r", deal_id, exc)
         finally:
             self._renewing.pop(deal_id, None)
 
-    async def _renew_parts(self, deal_id: int, parts: int) -> None:
-        """`_renew` for a partitioned deal: every partition still sold out, within its
-        window, with its buyers set the same size as when observed."""
-        sent = time.monotonic()
-        sizes = 0
-        most = None
-        for k in range(parts):
-            keys = partition_keys(deal_id, k)
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hmget(keys.meta, "avail", "start_ms", "end_ms", "buyers_ok", "max")
-                pipe.scard(keys.buyers)
-                (avail, start_ms, end_ms, buyers_ok, most), size = await pipe.execute()
-            now_ms = await redis_ms(self.redis, keys.meta)
-            if (
-                avail is None
-                or int(avail) > 0
-                or buyers_ok is None
-                or int(start_ms or 0) > now_ms
-                or 0 < int(end_ms or 0) <= now_ms
-            ):
+    def _confirmed(
+        self,
+        deal_id: int,
+        entry: tuple[float, int, frozenset[int], int, int],
+        forgets: int,
+        sent: float,
+        most: int,
+    ) -> None:
+        """A renewal read that began at `sent` found the deal still sold out to the
+        buyers of `entry`: valid until `sent + ttl_seconds`, also when the entry lapsed
+        while the read was on its way, unless a `forget` came in between. A newer
+        entry (another buyers set fetched meanwhile) is left as it is."""
+        if forgets != self._forgets:
+            return
+        current = self._entries.get(deal_id)
+        until = sent + self.ttl_seconds
+        if current is None:
+            if len(self._entries) >= DEALS_MAX:
                 return
-            sizes += int(size)
-        entry = self._entries.get(deal_id)
-        if entry is not None and sizes == entry[1]:
-            self._entries[deal_id] = (
-                sent + self.ttl_seconds,
-                sizes,
-                entry[2],
-                int(most or 1),
-                parts,
-            )
+        elif current[2] is not entry[2]:
+            return
+        else:
+            until = max(until, current[0])
+        self._entries[deal_id] = (until, entry[1], entry[2], most, entry[4])
 
     def observe(self, deal_id: int, buyers: int, parts: int = 1) -> None:
         """Redis just said the deal is sold out (every partition of it); `buyers` is
@@ -191,6 +198,7 @@ class SoldOutCache:
 
     def forget(self, deal_id: int) -> None:
         """Units came back in this process (a cancel): stop answering from memory."""
+        self._forgets += 1
         self._entries.pop(deal_id, None)
 
     async def aclose(self) -> None:

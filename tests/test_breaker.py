@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from gate.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
+from gate.metrics import METRICS, sample_values, value_of
 from gate.reservations import ReserveRequest
 from gate.runtime import Gate
 
@@ -60,6 +61,23 @@ async def test_a_late_release_does_not_free_a_newer_probe() -> None:
         assert breaker.allow()  # a second probe is out
     # The first call's exit must not give back the second probe's turn.
     assert not breaker.allow()
+
+
+def _open_gauge(name: str) -> float:
+    return value_of(sample_values(METRICS.render().decode()), "gate_circuit_open", dependency=name)
+
+
+def test_a_retired_breaker_reports_no_open_circuit_and_stays_closed() -> None:
+    """A Redis Cluster primary that failed over serves no slot: its breaker, open
+    when the node died, is retired (gate/reservations.py _retire_breakers)."""
+    name = "redis 127.0.0.1:1"
+    breaker, _ = half_open(name)
+    assert _open_gauge(name) == 1
+    breaker.retire()
+    assert breaker.state == CLOSED and _open_gauge(name) == 0
+    for _ in range(3):  # calls that began before it was retired end in failures
+        breaker.failure()
+    assert breaker.state == CLOSED and _open_gauge(name) == 0
 
 
 async def test_a_cancelled_reservation_probe_does_not_wedge_the_gate(local_gate: Gate) -> None:

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -233,7 +234,11 @@ def _time_calls(node: redis.Redis) -> int:
 
 
 async def test_sigkill_of_a_hot_deal_primary_mid_sale(
-    clients: list[Client], cluster: LocalCluster, cdb: Database, cenv: dict[str, str]
+    clients: list[Client],
+    cluster: LocalCluster,
+    cdb: Database,
+    cenv: dict[str, str],
+    gates: list[GateProcess],
 ) -> None:
     stock = 400
     deal = await create_deal(clients[0], stock=stock, buckets=4)
@@ -272,10 +277,11 @@ async def test_sigkill_of_a_hot_deal_primary_mid_sale(
     stop = asyncio.Event()
     tasks = [asyncio.create_task(buyer(w, stop)) for w in range(16)]
     await asyncio.wait_for(quarter.wait(), 60)
+    fault_at = len(responses)
     cluster.kill(port)  # the hot deal's primary, mid-sale
     await asyncio.to_thread(cluster.wait_promoted, port)  # its replica takes over
     try:
-        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        await _sale_ends(tasks, responses, fault_at, gates)
     finally:
         stop.set()
     # The first SOLD_OUT may come while the last units are in flight (an admission
@@ -300,10 +306,64 @@ async def test_sigkill_of_a_hot_deal_primary_mid_sale(
     check = GateCommand(cenv, "check", "--deal", str(deal))
     check.proc.wait(60)
     assert check.stop() == 0, check.output()
+    # The dead node serves nothing now: no gate stays "degraded" over its breaker.
+    await _circuits_close(clients)
+
+
+async def _circuits_close(clients: list[Client], timeout_seconds: float = 15.0) -> None:
+    """Every worker of every gate reports its Redis circuits closed (a worker answers
+    the connections the kernel hands it: enough asks in a row reach all of them)."""
+    deadline = asyncio.get_running_loop().time() + timeout_seconds
+    streak, views = 0, []
+    while streak < 12:
+        assert asyncio.get_running_loop().time() < deadline, views[-4:]
+        views = [(await c.get("/readyz")).json() for c in clients]
+        states = {v["redis_circuit"] for v in views}
+        streak = streak + 1 if states == {"closed"} else 0
+        await asyncio.sleep(0.05)
+
+
+async def _sale_ends(
+    tasks: list[asyncio.Task[None]], responses: list[Any], fault_at: int, gates: list[GateProcess]
+) -> None:
+    """Wait up to 120 s for the buyers to stop. A buyer's error, or a sale still going,
+    fails with the answers since the fault (`fault_at`), each gate's readiness, breakers
+    and pool (as one of its workers sees them) and the end of its log."""
+    done, pending = await asyncio.wait(tasks, timeout=120, return_when=asyncio.FIRST_EXCEPTION)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    failed = next((t.exception() for t in done if t.exception() is not None), None)
+    if failed is None and not pending:
+        return
+    last: dict[tuple[int, str], int] = {}
+    for n, r in enumerate(responses[fault_at:]):
+        last[(r.status_code, r.text[:200] if r.status_code >= 400 else "")] = n
+    kinds = Counter(r.status_code for r in responses[fault_at:])
+    views = []
+    for g in gates:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            for path in ("/readyz", "/metrics"):
+                try:
+                    async with http.get(g.url + path) as r:
+                        text = await r.text()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    text = repr(exc)
+                if path == "/metrics":
+                    wanted = ("gate_circuit_open", "gate_db_pool", "gate_redis_errors")
+                    text = "\n".join(ln for ln in text.splitlines() if ln.startswith(wanted))
+                views.append(f"--- {g.url}{path}\n{text}")
+        views.append(f"--- {g.url} log\n{g.output()[-4000:]}")
+    logs = "\n".join(views)
+    story = f"answers since the fault: {kinds}, the last of each: {last}\n{logs}"
+    if failed is not None:
+        failed.add_note(story)
+        raise failed
+    raise AssertionError(f"the sale did not end within 120 s of the fault; {story}")
 
 
 async def test_a_slot_migration_mid_sale_runs_nothing_twice(
-    clients: list[Client], cluster: LocalCluster, cdb: Database
+    clients: list[Client], cluster: LocalCluster, cdb: Database, gates: list[GateProcess]
 ) -> None:
     stock = 300
     deal = await create_deal(clients[0], stock=stock, buckets=4)
@@ -336,9 +396,10 @@ async def test_a_slot_migration_mid_sale_runs_nothing_twice(
 
     tasks = [asyncio.create_task(buyer(w)) for w in range(12)]
     await asyncio.wait_for(quarter.wait(), 60)
+    fault_at = len(responses)
     moved = await asyncio.to_thread(cluster.migrate_slot, slot, dst)
     try:
-        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        await _sale_ends(tasks, responses, fault_at, gates)
     finally:
         stop.set()
     assert moved > 0

@@ -10,6 +10,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.db import Database
+from gate.keys import deal_keys, partition_keys
+from gate.runtime import Gate
+from gate.soldout import SoldOutCache
 from tests.support import (
     Client,
     GateProcess,
@@ -95,3 +98,151 @@ async def test_replays_survive_a_hot_sold_out_cache(
     assert sold[201] == 1, sold
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 2, "available": 0, "held": 2, "sold": 0}
+
+
+# --- the near-cache's renewal, driven directly (real Redis, the gate's script runner) ---
+
+RENEW_DEAL = 9_000_017
+
+
+async def _sold_out_deal(rds: aioredis.Redis, avail: int = 0) -> None:
+    keys = deal_keys(RENEW_DEAL)
+    await rds.delete(keys.meta, keys.buyers)
+    await rds.hset(
+        keys.meta,
+        mapping={"avail": avail, "start_ms": 0, "end_ms": 0, "buyers_ok": 1, "max": 1, "nb": 1},
+    )
+    await rds.sadd(keys.buyers, "1")
+
+
+@pytest.fixture
+async def renewing(local_gate: Gate, rds: aioredis.Redis) -> AsyncIterator[SoldOutCache]:
+    """A near-cache of 10 s entries holding RENEW_DEAL: one unit, sold to buyer 1."""
+    await _sold_out_deal(rds)
+    cache = SoldOutCache(local_gate.redis, local_gate.runner, 10.0)
+    cache.observe(RENEW_DEAL, 1)
+    await _fetched(cache)
+    assert cache.sold_out_for(RENEW_DEAL, 2, 1)
+    try:
+        yield cache
+    finally:
+        await cache.aclose()
+        await rds.delete(deal_keys(RENEW_DEAL).meta, deal_keys(RENEW_DEAL).buyers)
+
+
+async def _fetched(cache: SoldOutCache) -> None:
+    task = cache._fetching.get(RENEW_DEAL)
+    assert task is not None, "no fetch started"
+    await task
+
+
+def _age(cache: SoldOutCache, seconds: float) -> None:
+    """Make the entry `seconds` older than it is."""
+    until, size, buyers, most, parts = cache._entries[RENEW_DEAL]
+    cache._entries[RENEW_DEAL] = (until - seconds, size, buyers, most, parts)
+
+
+async def _renewed(cache: SoldOutCache) -> None:
+    task = cache._renewing.get(RENEW_DEAL)
+    assert task is not None, "no renewal started"
+    await task
+
+
+async def _renewed_after_lapse(cache: SoldOutCache) -> None:
+    """A renewal started at 70 % of the entry's life, answered after the lapse."""
+    _age(cache, 7.0)
+    assert cache.sold_out_for(RENEW_DEAL, 2, 1)  # starts the renewal
+    _age(cache, 5.0)  # lapsed before the renewal ran
+    assert not cache.sold_out_for(RENEW_DEAL, 2, 1)
+    assert RENEW_DEAL not in cache._entries
+    await _renewed(cache)
+
+
+async def _observed(cache: SoldOutCache) -> None:
+    cache.observe(RENEW_DEAL, 1)
+    await _fetched(cache)
+
+
+async def test_a_renewal_starts_after_forty_percent_of_the_entry_life(
+    renewing: SoldOutCache,
+) -> None:
+    cache = renewing
+    _age(cache, 3.5)
+    assert cache.sold_out_for(RENEW_DEAL, 2, 1)
+    assert RENEW_DEAL not in cache._renewing
+    _age(cache, 1.0)
+    assert cache.sold_out_for(RENEW_DEAL, 2, 1)
+    before = cache._entries[RENEW_DEAL][0]
+    await _renewed(cache)
+    assert cache._entries[RENEW_DEAL][0] > before + 4.0
+
+
+async def test_a_renewal_that_answers_after_the_lapse_puts_the_entry_back(
+    renewing: SoldOutCache,
+) -> None:
+    """Under a sold-out flood the renewal's round trip waits behind the process's own
+    requests; when it comes back after the entry lapsed, the entry is put back
+    instead of every request in flight going to Redis until the next admission."""
+    cache = renewing
+    await _renewed_after_lapse(cache)
+    assert cache.sold_out_for(RENEW_DEAL, 2, 1)
+    assert not cache.sold_out_for(RENEW_DEAL, 1, 1), "a buyer goes to Redis"
+
+
+async def test_a_renewal_puts_nothing_back_after_units_came_back(
+    renewing: SoldOutCache, rds: aioredis.Redis
+) -> None:
+    cache = renewing
+    # This process gave units back (a cancel) while its renewal was on its way.
+    _age(cache, 7.0)
+    assert cache.sold_out_for(RENEW_DEAL, 2, 1)
+    cache.forget(RENEW_DEAL)
+    await _renewed(cache)
+    assert not cache.sold_out_for(RENEW_DEAL, 2, 1)
+    # Another process gave them back: Redis shows them, the lapsed entry stays gone.
+    await _observed(cache)
+    await rds.hset(deal_keys(RENEW_DEAL).meta, "avail", 1)
+    await _renewed_after_lapse(cache)
+    assert not cache.sold_out_for(RENEW_DEAL, 2, 1)
+    # A new buyer (the set grew) is not renewed either.
+    await rds.hset(deal_keys(RENEW_DEAL).meta, "avail", 0)
+    await _observed(cache)
+    await rds.sadd(deal_keys(RENEW_DEAL).buyers, "3")
+    await _renewed_after_lapse(cache)
+    assert not cache.sold_out_for(RENEW_DEAL, 2, 1)
+
+
+async def test_a_partitioned_deal_is_renewed_only_while_every_partition_is_sold_out(
+    local_gate: Gate, rds: aioredis.Redis
+) -> None:
+    """A deal of two partitions (docs/scale-out.md): one renewal reads both, and a
+    partition with a unit back, or a partition's buyer more, renews nothing."""
+    parts = [partition_keys(RENEW_DEAL, k) for k in range(2)]
+    for k, keys in enumerate(parts):
+        await rds.delete(keys.meta, keys.buyers)
+        await rds.hset(
+            keys.meta,
+            mapping={"avail": 0, "start_ms": 0, "end_ms": 0, "buyers_ok": 1, "max": 1, "nb": 1},
+        )
+        await rds.sadd(keys.buyers, str(10 + k))
+    cache = SoldOutCache(local_gate.redis, local_gate.runner, 10.0)
+    try:
+        cache.observe(RENEW_DEAL, 2, 2)
+        await _fetched(cache)
+        assert cache.sold_out_for(RENEW_DEAL, 2, 1)
+        assert not cache.sold_out_for(RENEW_DEAL, 11, 1), "partition 1's buyer"
+        await _renewed_after_lapse(cache)
+        assert cache.sold_out_for(RENEW_DEAL, 2, 1)
+        await rds.hset(parts[1].meta, "avail", 1)
+        await _renewed_after_lapse(cache)
+        assert not cache.sold_out_for(RENEW_DEAL, 2, 1)
+        await rds.hset(parts[1].meta, "avail", 0)
+        cache.observe(RENEW_DEAL, 2, 2)
+        await _fetched(cache)
+        await rds.sadd(parts[1].buyers, "12")
+        await _renewed_after_lapse(cache)
+        assert not cache.sold_out_for(RENEW_DEAL, 2, 1)
+    finally:
+        await cache.aclose()
+        for keys in parts:
+            await rds.delete(keys.meta, keys.buyers)
