@@ -21,12 +21,22 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gate import apidocs, logs, orders, validate
 from gate.db import Database, DbUnavailable
-from gate.errors import Problem, invalid, not_found, overloaded
+from gate.edge import Edge, EdgeRequest, EdgeRoute
+from gate.errors import Encoded, Problem, invalid, not_found, overloaded
 from gate.guard import BODY_METHODS, UNGUARDED_PATHS, BodyReceive, Guard
-from gate.http import exact_paths, json_answer, json_response, read_json, receive_json, send_answer
+from gate.http import (
+    exact_paths,
+    json_answer,
+    json_body,
+    json_response,
+    read_json,
+    receive_json,
+    send_answer,
+)
 from gate.limits import client_ip, device_id
 from gate.logs import configure
 from gate.metrics import METRICS, CounterTally
+from gate.ops import RequestRecorder
 from gate.reservations import MAX_QUANTITY, ReserveRequest
 from gate.runtime import Gate
 from gate.settings import Settings, load_settings
@@ -39,6 +49,7 @@ READY_TIMEOUT_SECONDS = 1.0
 # costs the database one statement a second per process (issue #12).
 READY_DB_PROBE_SECONDS = 1.0
 RESERVATION_FIELDS = {"quantity"}
+RESERVE_ROUTE = "/v1/deals/{deal_id}/reservations"
 
 
 def _gate(request: Request) -> Gate:
@@ -167,92 +178,152 @@ def _count(outcome: str) -> None:
     counter.inc()
 
 
+def _checked_headers(
+    gate: Gate, headers: dict[bytes, str], deal_id: int
+) -> tuple[int, str, str | None]:
+    """A reservation's buyer, Idempotency-Key and device, checked in the order every
+    answer depends on (an unauthenticated request learns nothing about the deal)."""
+    user_id = gate.buyer_auth.user_id(headers.get(b"authorization"))
+    if not 1 <= deal_id <= MAX_ID:
+        raise not_found("deal")
+    key = validate.idempotency_key(headers.get(b"idempotency-key"))
+    validate.admission_token(headers.get(b"admission-token"))
+    return user_id, key, device_id(headers.get(b"x-device-id"))
+
+
+def _prepared(
+    gate: Gate,
+    headers: dict[bytes, str],
+    deal_id: int,
+    checked: tuple[int, str, str | None],
+    body: dict[str, Any],
+    path: str,
+    client: tuple[str, int] | None,
+) -> Encoded | ReserveRequest:
+    """A valid reservation's request for the gate, or the near-caches' answer to it
+    (most of a sale's requests end here, without an exception or a coroutine)."""
+    user_id, key, device = checked
+    if len(body) != 1:
+        # The body is {"quantity": n} and nothing else (the OpenAPI schema's
+        # additionalProperties: false): a field the fingerprint would not cover must
+        # not ride along with an idempotency key.
+        validate.no_unknown(body, RESERVATION_FIELDS)
+    quantity = validate.integer(body, "quantity", 1, MAX_QUANTITY)
+    early = gate.reservations.sold_out_answer(deal_id, user_id, quantity, path)
+    if early is not None:
+        _count("SOLD_OUT")
+        return early
+    ip = client_ip(
+        client[0] if client else None,
+        headers.get(b"x-forwarded-for"),
+        gate.settings.trusted_proxies,
+        gate.settings.limit_ip_v6_prefix,
+    )
+    early = gate.reservations.limited_answer(deal_id, user_id, ip, device, path)
+    if early is not None:
+        _count("RATE_LIMITED")
+        return early
+    return ReserveRequest(
+        deal_id, user_id, quantity, key, ip, device, headers.get(b"admission-token")
+    )
+
+
+async def _reserved(gate: Gate, req: ReserveRequest, path: str, started: float) -> Encoded:
+    """The answer to a reservation the near-caches let through.
+
+    Answers made before the admission (invalid requests, the near-caches' "sold out"
+    and "rate limited") are counted by outcome but not timed in the reservation
+    histogram: they take microseconds, the request histogram of the route has them,
+    and under a sold-out flood they would bury the latency of the reservations that
+    did reach Redis and the database, which is what the latency alert watches."""
+    try:
+        result = await gate.reservations.reserve(req)
+    except Problem as problem:
+        _count(problem.code)
+        _LATENCY.observe(time.perf_counter() - started)
+        return problem.encoded(path)
+    except DbUnavailable:
+        _count("OVERLOADED")
+        return overloaded("Database unavailable; retry shortly.").encoded(path)
+    _LATENCY.observe(time.perf_counter() - started)
+    if result.queued:
+        _count("queued")
+        location = {"location": f"/v1/orders/{result.body['order_id']}"}
+        return json_answer(result.body, 202, location)
+    if result.replayed:
+        _count("replayed")
+        return json_answer(result.body, 200, _REPLAYED)
+    _count("created")
+    return json_answer(result.body, 201)
+
+
 class Reserve:
-    """POST /v1/deals/{id}/reservations, the hot path, as a plain ASGI application:
-    one pass over the headers, the body read straight from `receive`, problems
-    answered right here (not through Starlette's exception middleware) from their
-    kept encodings, the answer sent without a Response object."""
+    """POST /v1/deals/{id}/reservations, the hot path, as a plain ASGI application for
+    what the edge (ReserveEdge) hands over: one pass over the headers, the body read
+    straight from `receive`, problems answered right here (not through Starlette's
+    exception middleware) from their kept encodings, the answer sent without a
+    Response object."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gate: Gate = scope["app"].state.gate
         started = time.perf_counter()
         headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in _RESERVE_HEADERS}
-        # Answers made before the admission (invalid requests, and the near-caches'
-        # "sold out" and "rate limited") are counted by outcome but not timed in the
-        # reservation histogram: they take microseconds, the request histogram of the
-        # route has them, and under a sold-out flood they would bury the latency of
-        # the reservations that did reach Redis and the database, which is what the
-        # latency alert watches. (In multi-process mode an observation costs ~15 µs,
-        # a fifth of a sold-out answer.)
-        admitted = False
+        deal_id = scope["path_params"]["deal_id"]
+        path = scope["path"]
         try:
-            user_id = gate.buyer_auth.user_id(headers.get(b"authorization"))
-            deal_id = scope["path_params"]["deal_id"]
-            if not 1 <= deal_id <= MAX_ID:
-                raise not_found("deal")
-            key = validate.idempotency_key(headers.get(b"idempotency-key"))
-            device = device_id(headers.get(b"x-device-id"))
-            body = validate.obj(
-                await receive_json(
-                    receive,
-                    gate.settings.body_max_bytes,
-                    headers.get(b"content-type", ""),
-                    headers.get(b"content-length"),
-                )
+            checked = _checked_headers(gate, headers, deal_id)
+            body = await receive_json(
+                receive,
+                gate.settings.body_max_bytes,
+                headers.get(b"content-type", ""),
+                headers.get(b"content-length"),
             )
-            if len(body) != 1:
-                # The body is {"quantity": n} and nothing else (the OpenAPI schema's
-                # additionalProperties: false): a field the fingerprint would not
-                # cover must not ride along with an idempotency key.
-                validate.no_unknown(body, RESERVATION_FIELDS)
-            quantity = validate.integer(body, "quantity", 1, MAX_QUANTITY)
-            # The near-caches answer most of a sale's requests, without an exception.
-            early = gate.reservations.sold_out_answer(deal_id, user_id, quantity, scope["path"])
-            if early is not None:
-                _count("SOLD_OUT")
-                await send_answer(send, early)
-                return
-            client = scope.get("client")
-            ip = client_ip(
-                client[0] if client else None,
-                headers.get(b"x-forwarded-for"),
-                gate.settings.trusted_proxies,
-                gate.settings.limit_ip_v6_prefix,
-            )
-            early = gate.reservations.limited_answer(deal_id, user_id, ip, device, scope["path"])
-            if early is not None:
-                _count("RATE_LIMITED")
-                await send_answer(send, early)
-                return
-            admitted = True
-            result = await gate.reservations.reserve(
-                ReserveRequest(
-                    deal_id, user_id, quantity, key, ip, device, headers.get(b"admission-token")
-                )
+            prepared = _prepared(
+                gate, headers, deal_id, checked, validate.obj(body), path, scope.get("client")
             )
         except Problem as problem:
             _count(problem.code)
-            if admitted:
-                _LATENCY.observe(time.perf_counter() - started)
-            await send_answer(send, problem.encoded(scope["path"]))
+            await send_answer(send, problem.encoded(path))
             return
-        except DbUnavailable:
-            _count("OVERLOADED")
-            busy = overloaded("Database unavailable; retry shortly.")
-            await send_answer(send, busy.encoded(scope["path"]))
+        if type(prepared) is ReserveRequest:
+            await send_answer(send, await _reserved(gate, prepared, path, started))
+        else:
+            await send_answer(send, prepared)  # type: ignore[arg-type]
+
+
+class ReserveEdge(EdgeRoute):
+    """POST /v1/deals/{id}/reservations at the edge (gate/edge.py): the same answers
+    as `Reserve`, made by the same functions; a sold-out or rate-limited answer, and
+    every invalid request, written before any task or coroutine is made."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: Gate) -> None:
+        super().__init__(b"POST", b"/v1/deals/", b"/reservations", RESERVE_ROUTE)
+        self.gate = gate
+
+    def handle(self, req: EdgeRequest) -> None:
+        gate = self.gate
+        headers = req.headers_in(_RESERVE_HEADERS)
+        try:
+            checked = _checked_headers(gate, headers, req.id)
+            body = json_body(
+                req.body,
+                gate.settings.body_max_bytes,
+                headers.get(b"content-type", ""),
+                headers.get(b"content-length"),
+            )
+            prepared = _prepared(
+                gate, headers, req.id, checked, validate.obj(body), req.path, req.client
+            )
+        except Problem as problem:
+            _count(problem.code)
+            req.answer(problem.encoded(req.path))
             return
-        _LATENCY.observe(time.perf_counter() - started)
-        if result.queued:
-            _count("queued")
-            location = {"location": f"/v1/orders/{result.body['order_id']}"}
-            await send_answer(send, json_answer(result.body, 202, location))
-            return
-        if result.replayed:
-            _count("replayed")
-            await send_answer(send, json_answer(result.body, 200, _REPLAYED))
-            return
-        _count("created")
-        await send_answer(send, json_answer(result.body, 201))
+        if type(prepared) is ReserveRequest:
+            req.run(_reserved(gate, prepared, req.path, req.started))
+        else:
+            req.answer(prepared)  # type: ignore[arg-type]
 
 
 # Route names taken by the fast lane when present (the webhook comes with payments).
@@ -274,19 +345,10 @@ class FastLane:
     The guard is here, not a middleware of its own: one ASGI layer less on every
     request, which the sold-out rejection, a few microseconds long, notices."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        routes: Sequence[Route],
-        *,
-        concurrency_max: int,
-        body_timeout_seconds: float,
-    ) -> None:
+    def __init__(self, app: ASGIApp, routes: Sequence[Route], *, guard: Guard) -> None:
         self.app = app
         self.routes = tuple(routes)
-        self.guard = Guard(
-            concurrency_max=concurrency_max, body_timeout_seconds=body_timeout_seconds
-        )
+        self.guard = guard  # shared with the edge (gate/edge.py)
         for route in self.routes:
             assert route.methods == {"POST"}, f"{route.path}: the fast lane is for POST routes"
             assert not inspect.isfunction(route.endpoint), f"{route.path}: not an ASGI endpoint"
@@ -533,15 +595,13 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     exact_paths(all_routes)
     lanes = [r for r in all_routes if isinstance(r, Route) and r.name in FAST_LANE_ROUTES]
     assert any(r.name == "reserve" for r in lanes), "the reservation route is missing"
-    # The fast lane keeps the HTTP guard too (gate/guard.py).
-    middleware.append(
-        Middleware(
-            FastLane,
-            routes=lanes,
-            concurrency_max=settings.http_concurrency_max,
-            body_timeout_seconds=settings.body_timeout_seconds,
-        )
+    # One HTTP guard (gate/guard.py) for the fast lane and the edge: one bound on the
+    # requests this worker holds, wherever they are answered.
+    guard = Guard(
+        concurrency_max=settings.http_concurrency_max,
+        body_timeout_seconds=settings.body_timeout_seconds,
     )
+    middleware.append(Middleware(FastLane, routes=lanes, guard=guard))
     middleware.extend(inner)
     app = Starlette(
         routes=all_routes,
@@ -551,6 +611,14 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     )
     app.state.gate = gate
     app.state.db_probe = DatabaseProbe(gate.db)
+    recorder = next((ext.recorder for ext in gate.extensions if ext.recorder), None)
+    edge_routes: list[EdgeRoute] = [ReserveEdge(gate)]
+    for ext in gate.extensions:
+        edge_routes.extend(ext.edge)
+    # What gate.edge.EdgeProtocol answers itself (gate serve's protocol).
+    app.state.edge = Edge(
+        edge_routes, guard, recorder or RequestRecorder(), settings.body_max_bytes
+    )
     return app
 
 

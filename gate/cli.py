@@ -84,7 +84,9 @@ def run_server(
         "app": app,
         "factory": True,
         "loop": "uvloop",
-        "http": "httptools",
+        # uvicorn's httptools protocol, with the edge's routes answered by the
+        # protocol itself (gate/edge.py); any other application is served unchanged.
+        "http": "gate.edge:EdgeProtocol",
         "access_log": False,
         # No "server: uvicorn" on every answer: it names the software to an attacker
         # and costs the sold-out answer a header (two regex checks in uvicorn).

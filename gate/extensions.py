@@ -19,6 +19,8 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 if TYPE_CHECKING:
+    from gate.edge import EdgeRoute
+    from gate.ops import RequestRecorder
     from gate.runtime import Gate
 
 Worker = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
@@ -40,6 +42,12 @@ class Extension:
     # reached by a reservation (the fast lane answers those first), so a lane of an
     # area's own costs the hot path nothing.
     inner_middleware: list[Middleware] = field(default_factory=list)
+    # Answered by the HTTP protocol itself when a request comes whole (gate/edge.py);
+    # each beside an ASGI route of its own that answers the same.
+    edge: list[EdgeRoute] = field(default_factory=list)
+    # The request metrics and log line (gate.ops): the edge records its answers with
+    # the same recorder as the request middleware.
+    recorder: RequestRecorder | None = None
     on_start: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 

@@ -40,14 +40,17 @@ a quarter of its time (docs/hotpath.md, issue #12).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import types
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
 from starlette.types import Message, Receive
 
 from gate.errors import Problem
+
+log = logging.getLogger("gate.guard")
 
 # Not counted in the bound: probes and scrapes must reach an overloaded worker.
 UNGUARDED_PATHS = frozenset(("/healthz", "/readyz", "/metrics"))
@@ -215,6 +218,9 @@ class Guard:
         self.watch_seconds = min(WATCH_SECONDS, body_timeout_seconds / 4)
         self.in_flight = 0
         self._waiting: dict[int, BodyReceive] = {}
+        # The edge's requests whose body is still coming (gate/edge.py): key ->
+        # (deadline, what to call once it has passed).
+        self._deadlines: dict[int, tuple[float, Callable[[], None]]] = {}
         self._watchdog: asyncio.Task[None] | None = None
         self.busy = Problem(
             "OVERLOADED",
@@ -256,13 +262,34 @@ class Guard:
             started,
         )
         self._waiting[id(body)] = body
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        self._ensure_watchdog()
         return body
 
+    def watch(self, key: int, expired: Callable[[], None]) -> None:
+        """Call `expired` once `body_timeout_seconds` from now have passed, unless
+        `unwatch(key)` comes first: the edge's request whose body did not come with
+        its headers (it holds no slot and no task meanwhile, only its connection)."""
+        self._deadlines[key] = (time.monotonic() + self.body_timeout_seconds, expired)
+        self._ensure_watchdog()
+
+    def unwatch(self, key: int) -> None:
+        self._deadlines.pop(key, None)
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
     def expire(self, now: float) -> int:
-        """Cancel the body waits past their deadline; how many were cancelled."""
+        """Cancel the body waits past their deadline, and call the edge's; how many."""
         expired = 0
+        for key, (deadline, late) in list(self._deadlines.items()):
+            if now >= deadline:
+                del self._deadlines[key]
+                try:
+                    late()
+                except Exception:  # the watchdog must go on for the others
+                    log.exception("a late body's answer failed")
+                expired += 1
         for body in list(self._waiting.values()):
             if body.receiving and not body.expired and now >= body.deadline:
                 body.expired = True
@@ -273,6 +300,6 @@ class Guard:
 
     async def _watch(self) -> None:
         """While some body is awaited: expire the overdue ones every watch_seconds."""
-        while self._waiting:
+        while self._waiting or self._deadlines:
             await asyncio.sleep(self.watch_seconds)
             self.expire(time.monotonic())

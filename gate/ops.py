@@ -64,20 +64,57 @@ def route_label(path: str) -> str:
     return "/".join(parts)
 
 
-class RequestObserver:
-    """Request id, request metrics and the request log line, for every HTTP request."""
+class RequestRecorder:
+    """The request metrics and log line of one answered request (the request
+    middleware's, and the edge's for the requests it answers, gate/edge.py)."""
 
-    def __init__(self, app: ASGIApp, *, log_mode: str = "all") -> None:
+    def __init__(self, log_mode: str = "all") -> None:
         if log_mode not in REQUEST_LOG_MODES:
             raise ValueError(f"log_mode must be one of {REQUEST_LOG_MODES}")
-        self.app = app
         self.log_all = log_mode == "all"
         self.log_errors = log_mode in ("all", "errors")
-        # Caches keep the per-request cost to dictionary lookups: label resolution and
-        # prometheus-client's labels() (a lock and a tuple build) run once per series.
-        self._labels: dict[int, str] = {}
+        # Caches keep the per-request cost to dictionary lookups: prometheus-client's
+        # labels() (a lock and a tuple build) runs once per series.
         self._counters: dict[tuple[str, str, int], CounterTally] = {}
         self._timers: dict[str, HistogramTally] = {}
+
+    def record(self, route: str, method: str, status: int, elapsed: float) -> None:
+        if method not in KNOWN_METHODS:
+            method = "OTHER"
+        key = (route, method, status)
+        counter = self._counters.get(key)
+        if counter is None:
+            series = METRICS.http_requests.labels(route, method, str(status))
+            counter = METRICS.counter_tally(series)
+            self._counters[key] = counter
+        counter.inc()
+        timer = self._timers.get(route)
+        if timer is None:
+            timer = METRICS.histogram_tally(METRICS.http_request_seconds.labels(route))
+            self._timers[route] = timer
+        timer.observe(elapsed)
+        if (self.log_all or (self.log_errors and status >= 500)) and log.isEnabledFor(logging.INFO):
+            logs.write_line(
+                log,
+                f"{method} {route} {status}",
+                {
+                    "method": method,
+                    "route": route,
+                    "status": status,
+                    "duration_ms": round(elapsed * 1000.0, 3),
+                },
+            )
+
+
+class RequestObserver:
+    """Request id, request metrics and the request log line, for every HTTP request
+    that reaches the ASGI application (the edge does the same for its own)."""
+
+    def __init__(self, app: ASGIApp, *, recorder: RequestRecorder | None = None) -> None:
+        self.app = app
+        self.recorder = recorder or RequestRecorder()
+        # Label resolution runs once per route.
+        self._labels: dict[int, str] = {}
 
     def _route(self, scope: Scope) -> str:
         route = scope.get("route")
@@ -119,35 +156,8 @@ class RequestObserver:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self._record(scope, status, time.perf_counter() - started)
-
-    def _record(self, scope: Scope, status: int, elapsed: float) -> None:
-        route = self._route(scope)
-        method = scope["method"]
-        if method not in KNOWN_METHODS:
-            method = "OTHER"
-        key = (route, method, status)
-        counter = self._counters.get(key)
-        if counter is None:
-            series = METRICS.http_requests.labels(route, method, str(status))
-            counter = METRICS.counter_tally(series)
-            self._counters[key] = counter
-        counter.inc()
-        timer = self._timers.get(route)
-        if timer is None:
-            timer = METRICS.histogram_tally(METRICS.http_request_seconds.labels(route))
-            self._timers[route] = timer
-        timer.observe(elapsed)
-        if (self.log_all or (self.log_errors and status >= 500)) and log.isEnabledFor(logging.INFO):
-            logs.write_line(
-                log,
-                f"{method} {route} {status}",
-                {
-                    "method": method,
-                    "route": route,
-                    "status": status,
-                    "duration_ms": round(elapsed * 1000.0, 3),
-                },
+            self.recorder.record(
+                self._route(scope), scope["method"], status, time.perf_counter() - started
             )
 
 
@@ -262,10 +272,12 @@ def install(gate: Gate) -> Extension:
         tasks.clear()
         process_stopping()
 
+    recorder = RequestRecorder(log_mode)
     return Extension(
         name="ops",
         routes=[Route("/openapi.json", openapi_json, methods=["GET"])],
-        middleware=[Middleware(RequestObserver, log_mode=log_mode)],
+        middleware=[Middleware(RequestObserver, recorder=recorder)],
+        recorder=recorder,
         on_start=[start],
         on_stop=[finish],
     )

@@ -111,6 +111,18 @@ def timestamp(body: dict[str, Any], name: str) -> datetime | None:
         ) from None
 
 
+# The Admission-Token header's bound (the OpenAPI schema's maxLength; a token the
+# waiting room mints is far shorter, gate/room/tokens.py).
+ADMISSION_TOKEN_MAX_CHARS = 200
+
+
+def admission_token(header: str | None) -> None:
+    """An Admission-Token past its bound is malformed input on any deal (a well-formed
+    but forged one is the waiting room's to refuse, 403)."""
+    if header is not None and len(header) > ADMISSION_TOKEN_MAX_CHARS:
+        raise invalid(f"Admission-Token must be at most {ADMISSION_TOKEN_MAX_CHARS} characters.")
+
+
 def idempotency_key(header: str | None) -> str:
     if header is None:
         raise invalid("The Idempotency-Key header is required.")

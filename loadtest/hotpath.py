@@ -22,6 +22,12 @@ user + system), which a busy machine disturbs far less than requests per second:
 
 `--profile PATH` also writes a cProfile of the measured requests per path
 (PATH.<case>.prof) and prints the functions with the most time of their own.
+
+`--edge` sends each request as bytes through the HTTP protocol `gate serve` runs
+(gate/edge.py's `EdgeProtocol` on an in-memory transport, one kept-alive
+"connection" per concurrent request): the edge answers its routes, the rest go
+through uvicorn's ASGI cycle, as on a socket. Without it the requests enter the ASGI
+application directly (what the routes the edge does not take cost).
 """
 
 from __future__ import annotations
@@ -46,9 +52,92 @@ USER_BASE = 5 * 10**12
 BIG_STOCK = 50_000_000
 
 
+class _Transport:
+    """An in-memory transport for one protocol: what it writes is framed into answers
+    (Content-Length), each resolving the request that waits for it."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.waiting: asyncio.Future[tuple[int, bytes]] | None = None
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.buf += data
+        while b"\r\n\r\n" in self.buf:
+            head, rest = self.buf.split(b"\r\n\r\n", 1)
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(rest) < length:
+                return
+            self.buf = rest[length:]
+            status = int(head.split(b" ", 2)[1])
+            if self.waiting is not None and not self.waiting.done():
+                self.waiting.set_result((status, rest[:length]))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(
+            name, default
+        )
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class Wire:
+    """Requests as bytes through `gate serve`'s protocol (see `--edge`)."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+        from uvicorn.server import ServerState
+
+        from gate.edge import EdgeProtocol
+
+        self.config = uvicorn.Config(
+            app, lifespan="off", proxy_headers=False, log_config=None, access_log=False
+        )
+        self.config.load()
+        self.state = ServerState()
+        self.protocol_class = EdgeProtocol
+        self.free: list[tuple[Any, _Transport]] = []
+
+    async def call(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[int, bytes]:
+        if self.free:
+            protocol, transport = self.free.pop()
+        else:
+            protocol = self.protocol_class(
+                config=self.config, server_state=self.state, app_state={}
+            )
+            transport = _Transport()
+            protocol.connection_made(transport)
+        lines = [b"%s %s HTTP/1.1" % (method.encode(), path.encode()), b"host: gate"]
+        lines += [b"%s: %s" % (k, v) for k, v in headers]
+        if body and not any(k == b"content-length" for k, _ in headers):
+            lines.append(b"content-length: %d" % len(body))
+        transport.waiting = asyncio.get_running_loop().create_future()
+        protocol.data_received(b"\r\n".join(lines) + b"\r\n\r\n" + body)
+        answer = await transport.waiting
+        self.free.append((protocol, transport))
+        return answer
+
+
 class Probe:
-    def __init__(self, app: Any, admin_token: str, mint: Any) -> None:
+    def __init__(self, app: Any, admin_token: str, mint: Any, edge: bool = False) -> None:
         self.app = app
+        self.wire = Wire(app) if edge else None
         self.admin = f"Bearer {admin_token}".encode()
         self.mint = mint
         self.counter = 0
@@ -58,6 +147,8 @@ class Probe:
     async def call(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes = b""
     ) -> tuple[int, bytes]:
+        if self.wire is not None:
+            return await self.wire.call(method, path, headers, body)
         scope: Scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -218,7 +309,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         switch_off(lever)
     app = build_app(settings, background=False)
     mint = TokenMint(settings.jwt_secret.reveal())
-    probe = Probe(app, settings.admin_token.reveal(), mint)
+    probe = Probe(app, settings.admin_token.reveal(), mint, edge=args.edge)
     n, c = args.requests, args.concurrency
     results: dict[str, Any] = {}
     async with app.router.lifespan_context(app):
@@ -307,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     p.add_argument("--profile", help="write cProfile files PATH.<case>.prof")
+    p.add_argument("--edge", action="store_true", help="through gate serve's protocol (see above)")
     p.add_argument("--off", nargs="+", choices=LEVERS, default=[], help="switch these levers off")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", help="write the results here")

@@ -124,6 +124,14 @@ async def test_bad_reservation_requests_are_4xx_and_change_nothing(
             await client.post(path, json={"quantity": 1}, headers=headers), 400, "INVALID_REQUEST"
         )
 
+    # Admission-Token: at most 200 characters, on any deal (the OpenAPI schema's bound;
+    # a deal without a waiting room otherwise ignores the header).
+    for admission in ("t" * 201, "1." * 150):
+        headers = {**auth, **ok_key, "Admission-Token": admission}
+        assert_problem(
+            await client.post(path, json={"quantity": 1}, headers=headers), 400, "INVALID_REQUEST"
+        )
+
     # quantity: an integer in 1..max_per_order.
     for body in (
         {},

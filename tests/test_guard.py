@@ -14,12 +14,13 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import orjson
 import pytest
 
 from gate.db import Database
+from tests import raw_http
+from tests.raw_http import Answer, read_answer
 from tests.support import ADMIN_TOKEN, GateProcess, base_env, token
 
 BODY_TIMEOUT_SECONDS = 1.0
@@ -40,24 +41,8 @@ def guarded(prepared: None) -> Iterator[GateProcess]:
         proc.stop()
 
 
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-    closed: bool  # the server closed the connection after answering
-
-    def problem(self) -> dict[str, object]:
-        assert self.headers["content-type"] == "application/problem+json", self.headers
-        doc = orjson.loads(self.body)
-        assert isinstance(doc, dict) and doc["status"] == self.status
-        return doc
-
-
 def connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=GUARD_SECONDS)
-    sock.settimeout(GUARD_SECONDS)
-    return sock
+    return raw_http.connect(port, GUARD_SECONDS)
 
 
 def head(
@@ -72,30 +57,6 @@ def head(
         f"Content-Length: {length}",
     ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def read_answer(sock: socket.socket) -> Answer:
-    """One HTTP/1.1 answer (Content-Length framed), then whether the server closed."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before an answer: {buf!r}"
-        buf += chunk
-    raw_head, rest = buf.split(b"\r\n\r\n", 1)
-    status_line, *header_lines = raw_head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in header_lines:
-        name, value = line.split(":", 1)
-        headers[name.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", "0"))
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "connection closed mid-body"
-        rest += chunk
-    closed = False
-    if headers.get("connection", "").lower() == "close":
-        closed = sock.recv(1) == b""
-    return Answer(int(status_line.split()[1]), headers, rest[:length], closed)
 
 
 def get(port: int, path: str) -> Answer:
@@ -133,6 +94,28 @@ async def test_a_stalled_body_is_408_and_the_connection_closed(
     assert await _deals(db) == before
 
 
+@pytest.mark.parametrize(
+    ("path", "auth"),
+    [
+        ("/v1/admin/deals", ADMIN_TOKEN),  # through the router
+        ("/v1/deals/1/reservations", token(72)),  # the fast lane
+    ],
+)
+def test_the_rest_of_a_late_body_does_not_reset_its_408(
+    guarded: GateProcess, path: str, auth: str
+) -> None:
+    with connect(guarded.port) as sock:
+        sock.sendall(head("POST", path, auth, 200) + b'{"title": "slo')
+        # The 408 has come (and the server has closed its side); the rest of the
+        # body follows it. A socket closed with those bytes unread is reset, and the
+        # reset throws the unread 408 away on the client's side.
+        assert sock.recv(1, socket.MSG_PEEK)
+        sock.sendall(b"w" * 185)
+        time.sleep(0.3)
+        answer = read_answer(sock)
+    assert answer.status == 408 and answer.closed
+
+
 async def test_a_trickled_body_gets_no_more_time_than_a_stalled_one(
     guarded: GateProcess, db: Database
 ) -> None:
@@ -140,25 +123,9 @@ async def test_a_trickled_body_gets_no_more_time_than_a_stalled_one(
     body = orjson.dumps({"title": "trickle", "unit_price": 1, "currency": "EUR", "stock": 1})
     with connect(guarded.port) as sock:
         sock.sendall(head("POST", "/v1/admin/deals", ADMIN_TOKEN, len(body)))
-        sock.setblocking(False)
-        sent = 0
-        deadline = time.monotonic() + GUARD_SECONDS
         # A byte every 0.2 s would take len(body) / 5 s, several times the deadline;
         # each byte arrives well within the deadline of the one before.
-        while sent < len(body) - 1 and time.monotonic() < deadline:
-            try:
-                if sock.recv(1, socket.MSG_PEEK):
-                    break  # the server answered
-            except BlockingIOError:
-                pass
-            try:
-                sock.send(body[sent : sent + 1])
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            sent += 1
-            await asyncio.sleep(0.2)
-        sock.setblocking(True)
-        sock.settimeout(GUARD_SECONDS)
+        sent = await asyncio.to_thread(raw_http.trickle, sock, body, 0.2, GUARD_SECONDS)
         answer = read_answer(sock)
     assert sent < len(body) - 1, "the server waited for the whole trickle"
     assert answer.status == 408 and answer.closed
@@ -196,6 +163,36 @@ def test_beyond_the_concurrency_bound_the_answer_is_503_at_once(
     deadline = time.monotonic() + GUARD_SECONDS
     while True:
         answer = get(guarded.port, "/v1/deals/999999999")
+        if answer.status != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert answer.status == 404, answer
+
+
+def test_the_edge_s_requests_count_in_the_same_bound(guarded: GateProcess) -> None:
+    """A reservation that comes whole is answered by the edge (gate/edge.py), which
+    shares the worker's bound: with the one slot held, it is refused 503 at once and
+    its connection closed, like any other."""
+    body = b'{"quantity": 1}'
+    with connect(guarded.port) as slow:
+        slow.sendall(head("POST", "/v1/admin/deals", ADMIN_TOKEN, 100) + b"{")
+        time.sleep(0.2)
+        with connect(guarded.port) as sock:
+            sock.sendall(head("POST", "/v1/deals/1/reservations", token(72), len(body)) + body)
+            busy = read_answer(sock)
+        assert busy.status == 503, busy
+        assert busy.problem()["code"] == "OVERLOADED"
+        assert busy.closed
+        slow.settimeout(GUARD_SECONDS)
+        assert read_answer(slow).status == 408
+    # The slot is free again, and the edge's answer is the deal's (no such deal).
+    deadline = time.monotonic() + GUARD_SECONDS
+    while True:
+        with connect(guarded.port) as sock:
+            sock.sendall(
+                head("POST", "/v1/deals/999999999/reservations", token(72), len(body)) + body
+            )
+            answer = read_answer(sock)
         if answer.status != 503 or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -20,7 +20,7 @@ from gate.http import json_response, read_json
 from gate.keys import deal_keys
 from gate.room import api_doc
 from gate.room.config import load_room_settings
-from gate.room.lane import QueueLane
+from gate.room.lane import QueueLane, TicketEdge
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
@@ -122,6 +122,7 @@ def install(gate: Gate) -> Extension:
         workers=[room.run],
         on_stop=[wire.aclose],
         inner_middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
+        edge=[TicketEdge(room, gate.buyer_auth, join) for join in (True, False)],
     )
 
 

@@ -1,8 +1,10 @@
-"""The queue's fast lane: joins and polls answered as plain ASGI, past Starlette's
-exception middleware and router (gate/app.py's FastLane does the same for
-reservations). Polling is most of a room's traffic; issue #13 wants it as cheap as a
-sold-out answer. The routes stay registered with Starlette too (the OpenAPI check,
-a mounted app); this lane only answers first."""
+"""The queue's fast lanes: joins and polls answered at the edge (`TicketEdge`,
+gate/edge.py) when the request comes whole, else as plain ASGI, past Starlette's
+exception middleware and router (`QueueLane`; gate/app.py's FastLane does the same
+for reservations). Polling is most of a room's traffic; issue #13 wants it as cheap
+as a sold-out answer. The routes stay registered with Starlette too (the OpenAPI
+check, a mounted app); the lanes only answer first, and both answer alike
+(`_ticket_answer`)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gate.auth import BuyerAuth
 from gate.db import DbUnavailable
-from gate.errors import Problem, not_found, overloaded
+from gate.edge import EdgeRequest, EdgeRoute
+from gate.errors import Encoded, Problem, not_found, overloaded
 from gate.http import json_answer, send_answer
 from gate.room.service import Room
 
 MAX_ID = 2**63 - 1
 PREFIX, SUFFIX = "/v1/deals/", "/queue"
+ROUTE_LABEL = "/v1/deals/{deal_id}/queue"
 PREFIX_LEN, SUFFIX_LEN = len(PREFIX), len(SUFFIX)
 # Up to 18 digits are below MAX_ID (gate/http.py IdConvertor does the same).
 SHORT_ID_DIGITS = 18
@@ -73,13 +77,36 @@ class QueueLane:
             deal_id: int = scope["path_params"]["deal_id"]
             if not 1 <= deal_id <= MAX_ID:
                 raise not_found("deal")
-            created, body = await self.room.ticket(deal_id, user_id, "join" if join else "read")
         except Problem as problem:
             await send_answer(send, problem.encoded(path))
             return
-        except DbUnavailable:
-            await send_answer(
-                send, overloaded("Database unavailable; retry shortly.").encoded(path)
-            )
-            return
-        await send_answer(send, json_answer(body, 201 if created else 200))
+        await send_answer(send, await _ticket_answer(self.room, deal_id, user_id, join, path))
+
+
+async def _ticket_answer(room: Room, deal_id: int, user_id: int, join: bool, path: str) -> Encoded:
+    try:
+        created, body = await room.ticket(deal_id, user_id, "join" if join else "read")
+    except Problem as problem:
+        return problem.encoded(path)
+    except DbUnavailable:
+        return overloaded("Database unavailable; retry shortly.").encoded(path)
+    return json_answer(body, 201 if created else 200)
+
+
+class TicketEdge(EdgeRoute):
+    """A join (POST) or a read (GET) of a ticket at the edge: the buyer and the id
+    checked before any task is made; the ticket's call in a task of its own."""
+
+    __slots__ = ("auth", "join", "room")
+
+    def __init__(self, room: Room, auth: BuyerAuth, join: bool) -> None:
+        super().__init__(b"POST" if join else b"GET", PREFIX.encode(), SUFFIX.encode(), ROUTE_LABEL)
+        self.room = room
+        self.auth = auth
+        self.join = join
+
+    def handle(self, req: EdgeRequest) -> None:
+        user_id = self.auth.user_id(req.header(b"authorization"))
+        if not 1 <= req.id <= MAX_ID:
+            raise not_found("deal")
+        req.run(_ticket_answer(self.room, req.id, user_id, self.join, req.path))

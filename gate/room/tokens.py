@@ -14,8 +14,8 @@ import hmac
 import time
 
 from gate.settings import Secret
+from gate.validate import ADMISSION_TOKEN_MAX_CHARS as TOKEN_MAX_CHARS
 
-TOKEN_MAX_CHARS = 200
 # What lua/admit.lua is told (ARGV[17]).
 NO_TOKEN = ""
 BAD_TOKEN = "-"

@@ -1,0 +1,517 @@
+"""The edge: a buyer's hottest requests answered by the HTTP protocol itself.
+
+uvicorn's httptools protocol hands every request to the ASGI application in a task
+of its own, through the middleware (request id, metrics, the HTTP guard,
+Starlette's error handling), and writes each answer in two parts, headers then
+body. For a request answered from memory (a sold-out deal, a remembered rate limit,
+an invalid request) that machinery was most of the cost: half of a sold-out
+answer's CPU (docs/hotpath.md, lever 41). `EdgeProtocol` is that protocol with the
+routes the areas register (`EdgeRoute`) answered by itself:
+
+    data_received ─▶ httptools ─▶ on_headers_complete
+        an edge route (method and path), nothing in flight on the connection,
+        no Expect: 100-continue, no upgrade?
+          no ─▶ uvicorn's ASGI cycle, unchanged (every other request)
+          yes ─▶ headers kept, the body gathered (at most the bound and a byte)
+                   ─▶ on_message_complete (or at once: a body declared or gathered
+                      past the bound, answered 413 as the ASGI route answers it)
+                   ─▶ the HTTP guard's bound ─▶ route.handle(EdgeRequest)
+                        answered at once (sold out, limited, invalid) ─▶ one write
+                        or later, by a task (`EdgeRequest.run`) ─▶ one write
+        a read ends before the body does ─▶ the guard's body deadline: the rest by
+        then, or 408 and the connection closed (meanwhile the request holds no
+        slot and no task, only its connection and what came of it)
+
+What the middleware does for every other request, the edge does for its own: the
+request id (taken or made, echoed in X-Request-Id), the log context, the request
+metrics and log line (gate/ops.py `RequestRecorder`), the HTTP guard's concurrency
+bound and body deadline, the 500 answer of an unexpected error. An edge route
+answers exactly what its ASGI route answers (the same functions make both answers);
+the ASGI route answers what the edge does not take (a pipelined request behind one
+in flight, Expect: 100-continue, a mounted application, a path spelled otherwise).
+
+While an edge request waits for its answer, uvicorn sees an `_EdgeCycle` in its
+place: a pipelined request behind it is queued by uvicorn's own code and started
+when the edge answers; a disconnect marks it, so nothing is written; a graceful
+shutdown lets it finish, then closes the connection.
+
+Every connection the server closes after an answer (a 408, a Connection: close, on
+any route) is closed lingering (`_Linger`), as nginx does: the answer is sent and
+the write side shut (FIN), then whatever the client still sends is read and dropped
+until it closes too (or `LINGER_SECONDS` pass, or `LINGER_MAX_BYTES` came). Closed
+at once, a socket with unread bytes (the rest of a late body, a pipelined request)
+is reset by the kernel, and a reset can throw away the answer before the client has
+read it. An idle keep-alive connection past its timeout, and every connection at
+shutdown, is closed at once, as uvicorn does.
+
+The protocol depends on uvicorn's HttpToolsProtocol internals (the parser callbacks,
+`cycle`, `pipeline`, `on_response_complete`): pyproject.toml pins uvicorn to one
+minor release, and tests/test_edge.py covers each of them over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from gate import logs
+from gate.errors import Encoded, Problem
+from gate.guard import body_timeout
+from gate.metrics import METRICS
+
+if TYPE_CHECKING:
+    from gate.guard import Guard
+    from gate.ops import RequestRecorder
+
+log = logging.getLogger("gate.edge")
+
+_REQUEST_ID = b"x-request-id"
+_CONTENT_LENGTH = b"content-length"
+_CLOSE = b"connection: close\r\n"
+_INTERNAL = Problem("INTERNAL", "Internal error.")
+# A closed connection's lingering (`_Linger`): at most this long, this many bytes.
+LINGER_SECONDS = 2.0
+LINGER_MAX_BYTES = 256 * 1024
+# Up to 18 digits are below the largest id (gate/http.py IdConvertor does the same).
+ID_DIGITS_MAX = 18
+
+EDGE_REQUESTS = METRICS.counter(
+    "gate_edge_requests_total",
+    "Requests answered by the HTTP protocol itself (gate/edge.py), not the ASGI application.",
+)
+_ANSWERED = METRICS.counter_tally(EDGE_REQUESTS)
+
+
+class EdgeRoute:
+    """One route answered at the edge: `method` and a path of `prefix`, an id of at
+    most 18 ASCII digits, `suffix` (the gate's buyer routes are all of that shape;
+    a longer id, or any other spelling, goes to the ASGI route, which answers it).
+    `label` is the route's template, for the request metrics."""
+
+    __slots__ = ("label", "method", "prefix", "suffix")
+
+    def __init__(self, method: bytes, prefix: bytes, suffix: bytes, label: str) -> None:
+        self.method = method
+        self.prefix = prefix
+        self.suffix = suffix
+        self.label = label
+
+    def handle(self, req: EdgeRequest) -> None:
+        """Answer `req` now (`req.answer`) or later (`req.run`). A Problem raised here
+        is answered as problem+json, anything else as a 500."""
+        raise NotImplementedError
+
+
+class Edge:
+    """What the edge of one application answers: its routes, the HTTP guard it
+    shares with the ASGI side, the request recorder, the body bound. Put on the
+    Starlette app's state as `edge`; an application without one (or wrapped in
+    another) is served by uvicorn unchanged."""
+
+    def __init__(
+        self, routes: list[EdgeRoute], guard: Guard, recorder: RequestRecorder, body_max_bytes: int
+    ) -> None:
+        self.by_method: dict[bytes, tuple[EdgeRoute, ...]] = {}
+        for route in routes:
+            self.by_method[route.method] = (*self.by_method.get(route.method, ()), route)
+        self.guard = guard
+        self.recorder = recorder
+        self.body_max_bytes = body_max_bytes
+
+    def route_of(self, method: bytes, url: bytes) -> tuple[EdgeRoute, int, bytes] | None:
+        """The route, the id and the path of a request target, if the edge answers
+        it: an origin-form path without percent-encoding (a query is ignored, as
+        Starlette's router ignores it)."""
+        routes = self.by_method.get(method)
+        if routes is None:
+            return None
+        path = url.split(b"?", 1)[0] if b"?" in url else url
+        for route in routes:
+            if path.startswith(route.prefix) and path.endswith(route.suffix):
+                digits = path[len(route.prefix) : len(path) - len(route.suffix)]
+                if 0 < len(digits) <= ID_DIGITS_MAX and digits.isdigit():
+                    return route, int(digits), path
+        return None
+
+
+def _declared_too_long(headers: list[tuple[bytes, bytes]], max_bytes: int) -> bool:
+    """A Content-Length past `max_bytes` (a malformed one is the route's to answer)."""
+    for name, value in headers:
+        if name == _CONTENT_LENGTH:
+            return len(value) > 9 or (value.isdigit() and int(value) > max_bytes)
+    return False
+
+
+class _Linger(asyncio.Transport):
+    """The connection's transport, with a server-side close that does not reset the
+    connection (see the module docstring). It stands in for the transport uvicorn
+    was given (uvloop's transports cannot be patched), so uvicorn's closes and the
+    edge's all go through it; everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        # asyncio.Transport's __init__ is not called: `_extra` is the transport's.
+        self.transport = transport
+        self.write = transport.write  # type: ignore[method-assign]
+        self.lingering = False  # the write side is shut; reads are dropped
+        self.peer_done = False  # the client shut its write side (EOF)
+        self.discarded = 0  # bytes dropped while lingering
+        self.at_once = False  # close without lingering (idle timeout, shutdown)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.transport.get_extra_info(name, default)
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.transport.writelines(list_of_data)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self.transport.is_closing()
+
+    def close(self) -> None:
+        if self.lingering and not self.peer_done:
+            return  # already closing: the client's EOF or the timer ends it
+        transport = self.transport
+        if (
+            self.at_once
+            or self.peer_done
+            or transport.is_closing()
+            or not transport.can_write_eof()
+        ):
+            self.finish()
+            return
+        self.lingering = True
+        try:
+            transport.write_eof()  # after what is buffered: the answer goes first
+            transport.resume_reading()  # reads paused by uvicorn's flow control: drained
+        except (OSError, RuntimeError):
+            self.finish()
+            return
+        self.timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, self.finish)
+
+    def dropped(self, size: int) -> None:
+        """Bytes that came while lingering: dropped; past the bound, closed now."""
+        self.discarded += size
+        if self.discarded > LINGER_MAX_BYTES:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.transport.close()
+
+
+class _NoEvent:
+    """uvicorn sets its cycle's message event on a disconnect; the edge waits on none."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+_NO_EVENT = _NoEvent()
+
+
+class _EdgeCycle:
+    """Stands in for uvicorn's RequestResponseCycle while the edge answers: what
+    uvicorn's protocol reads and writes of its current cycle."""
+
+    __slots__ = ("disconnected", "keep_alive", "message_event", "response_complete")
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.response_complete = False
+        self.disconnected = False
+        self.keep_alive = keep_alive
+        self.message_event = _NO_EVENT
+
+
+class EdgeRequest:
+    """One request the edge answers, and the one answer it gets."""
+
+    __slots__ = (
+        "body",
+        "client",
+        "context",
+        "cycle",
+        "edge",
+        "headers",
+        "id",
+        "late",
+        "method",
+        "path",
+        "protocol",
+        "request_id",
+        "route",
+        "started",
+        "watched",
+    )
+
+    def __init__(
+        self,
+        protocol: EdgeProtocol,
+        edge: Edge,
+        route: EdgeRoute,
+        method: str,
+        path: str,
+        id_: int,
+        headers: list[tuple[bytes, bytes]],
+        client: tuple[str, int] | None,
+    ) -> None:
+        self.protocol = protocol
+        self.edge = edge
+        self.route = route
+        self.method = method
+        self.path = path
+        self.id = id_
+        self.headers = headers
+        self.client = client
+        self.body = b""
+        self.started = 0.0
+        self.request_id = ""
+        self.cycle: _EdgeCycle | None = None
+        self.context: contextvars.Context | None = None
+        self.watched = False  # its body's deadline is with the guard
+        self.late = False  # that deadline passed: answered 408
+
+    def header(self, name: bytes) -> str | None:
+        """The first header of that (lower-case) name, decoded as latin-1."""
+        for k, v in self.headers:
+            if k == name:
+                return v.decode("latin-1")
+        return None
+
+    def headers_in(self, names: frozenset[bytes]) -> dict[bytes, str]:
+        """The headers of these names (the last of each), decoded as latin-1."""
+        return {k: v.decode("latin-1") for k, v in self.headers if k in names}
+
+    def answer(self, answer: Encoded) -> None:
+        """Write the answer (once; another is dropped) and record the request."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return
+        edge = self.edge
+        edge.guard.in_flight -= 1
+        edge.recorder.record(
+            self.route.label, self.method, answer[0], time.perf_counter() - self.started
+        )
+        self.protocol.write_answer(cycle, answer, self.request_id)
+
+    def run(self, work: Coroutine[Any, Any, Encoded]) -> None:
+        """Answer with what `work` returns, in a task of its own (in the request's log
+        context), tracked as uvicorn tracks its request tasks (a graceful shutdown
+        waits for it)."""
+        protocol = self.protocol
+        task = protocol.loop.create_task(self._finish(work), context=self.context)
+        task.add_done_callback(protocol.tasks.discard)
+        protocol.tasks.add(task)
+
+    async def _finish(self, work: Coroutine[Any, Any, Encoded]) -> None:
+        try:
+            answer = await work
+        except Problem as problem:
+            answer = problem.encoded(self.path)
+        except Exception:
+            log.exception("unhandled error on %s %s", self.method, self.path)
+            answer = _INTERNAL.encoded(self.path)
+        self.answer(answer)
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, with the edge's routes answered by itself (see
+    the module docstring). Named in `gate serve`'s uvicorn configuration."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        state = getattr(self.app, "state", None)
+        self.edge: Edge | None = getattr(state, "edge", None) if state is not None else None
+        # The request whose headers the edge took and whose body is still coming.
+        self._pending: EdgeRequest | None = None
+        self._linger: _Linger | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.transport = self._linger = _Linger(transport)
+
+    def timeout_keep_alive_handler(self) -> None:
+        if self._linger is not None:
+            self._linger.at_once = True
+        super().timeout_keep_alive_handler()
+
+    def shutdown(self) -> None:
+        if self._linger is not None:
+            self._linger.at_once = True
+            if self._linger.lingering:
+                self._linger.finish()
+        super().shutdown()
+
+    def eof_received(self) -> None:
+        # asyncio closes the transport after this returns (through `_Linger.close`,
+        # which now closes at once).
+        if self._linger is not None:
+            self._linger.peer_done = True
+
+    # -- uvicorn's callbacks --------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        edge = self.edge
+        if edge is not None and not self.root_path:
+            cycle = self.cycle
+            if (
+                (cycle is None or cycle.response_complete)
+                and not self.pipeline
+                and not self.expect_100_continue
+                and not self.parser.should_upgrade()
+            ):
+                method = self.parser.get_method()
+                found = edge.route_of(method, self.url)
+                if found is not None:
+                    route, id_, path = found
+                    req = EdgeRequest(
+                        self,
+                        edge,
+                        route,
+                        method.decode("ascii"),
+                        path.decode("ascii"),
+                        id_,
+                        self.headers,
+                        self.client,
+                    )
+                    if _declared_too_long(self.headers, edge.body_max_bytes):
+                        # Answered now (413), as the ASGI route answers it before it
+                        # reads a byte; uvicorn's parser skips the body that follows.
+                        self._dispatch(req)
+                    else:
+                        self._pending = req
+                    return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        req = self._pending
+        if req is None:
+            super().on_body(body)
+            return
+        req.body += body
+        if len(req.body) > req.edge.body_max_bytes:
+            # Past the bound (a chunked body): answered now (413), the rest skipped.
+            self._take(req)
+            self._dispatch(req)
+
+    def on_message_complete(self) -> None:
+        req = self._pending
+        if req is None:
+            super().on_message_complete()
+            return
+        self._take(req)
+        self._dispatch(req)
+
+    def data_received(self, data: bytes) -> None:
+        linger = self._linger
+        if linger is not None and linger.lingering:
+            linger.dropped(len(data))
+            return
+        super().data_received(data)
+        req = self._pending
+        if req is not None and not req.watched and not self.transport.is_closing():
+            # The read ended before the body did: the rest is due by the guard's
+            # body deadline.
+            req.watched = True
+            req.edge.guard.watch(id(req), lambda: self._late(req))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        linger = self._linger
+        if linger is not None and linger.timer is not None:
+            linger.timer.cancel()
+            linger.timer = None
+        req = self._pending
+        if req is not None:
+            self._take(req)
+        super().connection_lost(exc)
+
+    # -- the edge -------------------------------------------------------------------------
+
+    def _take(self, req: EdgeRequest) -> None:
+        """The request is no longer waiting for its body."""
+        self._pending = None
+        if req.watched:
+            req.edge.guard.unwatch(id(req))
+
+    def _late(self, req: EdgeRequest) -> None:
+        """The body did not come in time (the guard's watchdog): 408, closed."""
+        if self._pending is not req or self.transport.is_closing():
+            return
+        self._pending = None
+        req.late = True
+        self._dispatch(req)
+
+    def _dispatch(self, req: EdgeRequest) -> None:
+        _ANSWERED.inc()
+        cycle = _EdgeCycle(self.parser.should_keep_alive())
+        self.cycle = cycle  # type: ignore[assignment]
+        req.cycle = cycle
+        req.started = time.perf_counter()
+        rid = None
+        for name, value in req.headers:
+            if name == _REQUEST_ID:
+                rid = logs.sane_request_id(value)
+                break
+        req.request_id = rid or logs.new_request_id()
+        # The request's own log context, as its task would have had; a task it
+        # starts inherits it.
+        req.context = context = contextvars.copy_context()
+        context.run(self._handle, req)
+
+    @staticmethod
+    def _handle(req: EdgeRequest) -> None:
+        logs.begin_request(req.request_id)
+        guard = req.edge.guard
+        guard.in_flight += 1  # answer() counts it down
+        if req.late:
+            req.answer(body_timeout(guard.body_timeout_seconds).encoded(req.path))
+            return
+        if guard.in_flight > guard.concurrency_max:
+            req.answer(guard.busy.encoded(req.path))
+            return
+        try:
+            req.route.handle(req)
+        except Problem as problem:
+            req.answer(problem.encoded(req.path))
+        except Exception:
+            log.exception("unhandled error on %s %s", req.method, req.path)
+            req.answer(_INTERNAL.encoded(req.path))
+
+    def write_answer(self, cycle: _EdgeCycle, answer: Encoded, request_id: str) -> None:
+        """The status line, the server's default headers, the answer's, the request
+        id, and the body: one write. Then what uvicorn does after an answer."""
+        cycle.response_complete = True
+        transport = self.transport
+        if cycle.disconnected or transport.is_closing():
+            return
+        status, headers, body = answer
+        keep_alive = cycle.keep_alive
+        closing = False  # the answer says Connection: close itself
+        parts = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            if name == b"connection" and b"close" in value.lower():
+                keep_alive = False
+                closing = True
+            parts += (name, b": ", value, b"\r\n")
+        parts += (b"x-request-id: ", request_id.encode("ascii"), b"\r\n")
+        if not keep_alive and not closing:
+            parts.append(_CLOSE)
+        parts += (b"\r\n", body)
+        transport.write(b"".join(parts))
+        if not keep_alive:
+            transport.close()
+        self.on_response_complete()

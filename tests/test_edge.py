@@ -1,0 +1,510 @@
+"""The edge (gate/edge.py), over real sockets against a real `gate serve`: its
+answers are the ASGI application's (the same request with Expect: 100-continue,
+which the edge leaves to the application), whether the request comes whole or in
+pieces; pipelined requests are answered in order, whichever side answers each;
+Connection: close and HTTP/1.0 close after the answer; a buyer who hangs up
+mid-reservation leaves the gate serving and Redis = DB; request ids, request
+metrics, the guard's bound and body deadline cover the edge's answers as they cover
+the others; an unexpected error is a 500 problem.
+
+Which side answered is read from `gate_edge_requests_total` (one worker, so one
+process's counters)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from gate.db import Database
+from gate.keys import deal_keys
+from gate.metrics import sample_values, value_of
+from gate.settings import Settings
+from tests.raw_http import TIMEOUT_SECONDS, Answer, Reader, connect, trickle
+from tests.support import (
+    ADMIN_TOKEN,
+    GateProcess,
+    assert_invariants,
+    base_env,
+    free_port,
+    token,
+)
+
+USER_BASE = 8_800_000
+# Between the pieces of a request sent in pieces: each comes in a read of its own.
+SPLIT_PAUSE_SECONDS = 0.15
+BODY_TIMEOUT_SECONDS = 1.0
+
+
+@pytest.fixture(scope="module")
+def edge_gate(prepared: None) -> Iterator[GateProcess]:
+    env = base_env()
+    # The sold-out near-cache on, as in production: its answers are the edge's
+    # synchronous ones.
+    env["GATE_SOLD_OUT_CACHE_MS"] = "1000"
+    env["GATE_BODY_TIMEOUT_SECONDS"] = str(BODY_TIMEOUT_SECONDS)
+    proc = GateProcess(env, workers=1)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def request(
+    method: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+    body: bytes = b"",
+    version: str = "1.1",
+) -> tuple[bytes, bytes]:
+    """(head, body) of one request; Content-Length when there is a body."""
+    lines = [f"{method} {path} HTTP/{version}", "Host: gate"]
+    for name, value in (headers or {}).items():
+        lines.append(f"{name}: {value}")
+    if body or method == "POST":
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode(), body
+
+
+def reservation(deal_id: int, user: int, key: str, body: bytes = b'{"quantity": 1}') -> bytes:
+    """A whole reservation request (head and body)."""
+    head, _ = request("POST", f"/v1/deals/{deal_id}/reservations", buy(user, key), body)
+    return head + body
+
+
+def buy(user: int, key: str) -> dict[str, str]:
+    return {
+        "Authorization": f"Bearer {token(user)}",
+        "Idempotency-Key": key,
+        "Content-Type": "application/json",
+    }
+
+
+def send(port: int, data: bytes) -> Answer:
+    """One request's bytes in one write, on a connection of its own: its answer."""
+    with connect(port) as sock:
+        sock.sendall(data)
+        return Reader(sock).answer()
+
+
+def send_whole(port: int, head: bytes, body: bytes) -> Answer:
+    return send(port, head + body)
+
+
+def send_split(port: int, head: bytes, body: bytes) -> Answer:
+    """The headers, a pause, then the body: two reads."""
+    with connect(port) as sock:
+        sock.sendall(head)
+        time.sleep(SPLIT_PAUSE_SECONDS)
+        sock.sendall(body)
+        return Reader(sock).answer()
+
+
+def send_asgi(port: int, head: bytes, body: bytes) -> Answer:
+    """The request with Expect: 100-continue, which the edge leaves to the ASGI
+    application (the body is sent at once, without waiting for the 100)."""
+    assert head.endswith(b"\r\n\r\n")
+    return send_whole(port, head[:-2] + b"Expect: 100-continue\r\n\r\n", body)
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    with connect(port) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: gate\r\n\r\n")
+        return sample_values(Reader(sock).answer().body.decode())
+
+
+def edge_count(port: int) -> float:
+    return value_of(scrape(port), "gate_edge_requests_total")
+
+
+def admin_deal(port: int, **fields: object) -> int:
+    body = orjson.dumps(
+        {"title": "edge", "unit_price": 500, "currency": "EUR", "stock": 10, **fields}
+    )
+    head, body = request(
+        "POST",
+        "/v1/admin/deals",
+        {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+        body,
+    )
+    answer = send_whole(port, head, body)
+    assert answer.status == 201, answer
+    return int(answer.json()["id"])  # type: ignore[call-overload]
+
+
+def sold_out_deal(port: int) -> int:
+    deal_id = admin_deal(port, stock=1)
+    assert send(port, reservation(deal_id, USER_BASE, f"edge-first-{deal_id}")).status == 201
+    # A sold-out answer from Redis fills this process's near-cache.
+    assert send(port, reservation(deal_id, USER_BASE + 1, f"edge-fill-{deal_id}")).status == 409
+    return deal_id
+
+
+SAME = ("content-type", "content-length", "retry-after", "location", "idempotent-replayed")
+
+
+def comparable(answer: Answer) -> tuple[int, dict[str, str], bytes]:
+    """What must be the same whichever side answered (not the date or the id)."""
+    return answer.status, {k: v for k, v in answer.headers.items() if k in SAME}, answer.body
+
+
+def test_edge_and_asgi_give_the_same_answers(edge_gate: GateProcess) -> None:
+    port = edge_gate.port
+    sold = sold_out_deal(port)
+    path = f"/v1/deals/{sold}/reservations"
+    user = USER_BASE + 10
+    cases: list[tuple[str, dict[str, str], bytes, int]] = [
+        ("sold out", buy(user, "edge-same-0001"), b'{"quantity": 1}', 409),
+        (
+            "no token",
+            {"Content-Type": "application/json", "Idempotency-Key": "edge-same-0002"},
+            b'{"quantity": 1}',
+            401,
+        ),
+        ("bad key", buy(user, "no"), b'{"quantity": 1}', 400),
+        ("not JSON", buy(user, "edge-same-0003"), b'{"quantity": ', 400),
+        ("empty", buy(user, "edge-same-0004"), b"", 400),
+        ("unknown field", buy(user, "edge-same-0005"), b'{"quantity": 1, "price": 0}', 400),
+        ("quantity", buy(user, "edge-same-0006"), b'{"quantity": 0}', 400),
+        ("array", buy(user, "edge-same-0007"), b"[1]", 400),
+        (
+            "too large",
+            buy(user, "edge-same-0008"),
+            b'{"quantity": 1, "x": "' + b"a" * 5000 + b'"}',
+            413,
+        ),
+        (
+            "media type",
+            {**buy(user, "edge-same-0009"), "Content-Type": "text/plain"},
+            b'{"quantity": 1}',
+            415,
+        ),
+    ]
+    before = edge_count(port)
+    for name, headers, body, status in cases:
+        head, _ = request("POST", path, headers, body)
+        whole = send_whole(port, head, body)
+        split = send_split(port, head, body)
+        asgi = send_asgi(port, head, body)
+        assert whole.status == status, (name, whole)
+        assert comparable(whole) == comparable(split) == comparable(asgi), name
+        assert whole.headers["content-type"] == "application/problem+json", name
+    # An unknown deal, after the buyer is known; an id past any row.
+    for unknown in ("/v1/deals/999999999/reservations", "/v1/deals/0/reservations"):
+        head, body = request("POST", unknown, buy(user, "edge-same-0010"), b'{"quantity": 1}')
+        whole, asgi = send_whole(port, head, body), send_asgi(port, head, body)
+        assert whole.status == 404 and comparable(whole) == comparable(asgi), unknown
+    # Each request whole and in two reads at the edge, with Expect: 100-continue not.
+    assert edge_count(port) - before == 2 * len(cases) + 2
+
+
+def test_a_body_declared_too_long_is_413_before_it_comes(edge_gate: GateProcess) -> None:
+    port = edge_gate.port
+    head, _ = request("POST", "/v1/deals/1/reservations", buy(USER_BASE + 5, "edge-long-0001"))
+    head = head.replace(b"Content-Length: 0", b"Content-Length: 1000000")
+    with connect(port) as sock:
+        sock.sendall(head + b'{"quantity": 1')
+        answer = Reader(sock).answer()
+    assert answer.status == 413 and answer.json()["code"] == "PAYLOAD_TOO_LARGE"
+
+
+def test_a_body_that_does_not_come_is_408_and_closed(edge_gate: GateProcess) -> None:
+    port = edge_gate.port
+    body = b'{"quantity": 1}'
+    head, _ = request(
+        "POST", "/v1/deals/1/reservations", buy(USER_BASE + 6, "edge-late-0001"), body
+    )
+    before = edge_count(port)
+    with connect(port) as sock:
+        started = time.monotonic()
+        sock.sendall(head + body[:5])
+        reader = Reader(sock)
+        answer = reader.answer()
+        waited = time.monotonic() - started
+        assert answer.status == 408 and answer.json()["code"] == "REQUEST_TIMEOUT"
+        assert answer.headers["connection"] == "close"
+        assert reader.closed()
+    assert BODY_TIMEOUT_SECONDS <= waited < TIMEOUT_SECONDS
+    assert edge_count(port) - before == 1
+    # A body trickled in pieces, each within the deadline, but not all of it by then.
+    with connect(port) as sock:
+        sock.sendall(head)
+        sent = trickle(sock, body, 0.2, TIMEOUT_SECONDS)
+        answer = Reader(sock).answer()
+    assert sent < len(body) - 1 and answer.status == 408
+
+
+def test_a_reservation_and_its_replay_alike_on_both_sides(
+    edge_gate: GateProcess,
+) -> None:
+    port = edge_gate.port
+    deal_id = admin_deal(port, stock=10)
+    path = f"/v1/deals/{deal_id}/reservations"
+    body = b'{"quantity": 1}'
+    made = {}
+    for side, send in (("edge", send_whole), ("asgi", send_asgi)):
+        head, _ = request("POST", path, buy(USER_BASE + 20, f"edge-made-{deal_id}-{side}"), body)
+        first = send(port, head, body)
+        assert first.status == 201, first
+        # The replay of the same key, on the other side.
+        replay = (send_asgi if side == "edge" else send_whole)(port, head, body)
+        assert replay.status == 200, replay
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert replay.json() == first.json()
+        made[side] = first
+    assert set(made["edge"].headers) == set(made["asgi"].headers)
+    assert made["edge"].json().keys() == made["asgi"].json().keys()
+
+
+def test_pipelined_requests_are_answered_in_order(edge_gate: GateProcess) -> None:
+    port = edge_gate.port
+    sold = sold_out_deal(port)
+    open_deal = admin_deal(port, stock=10)
+    body = b'{"quantity": 1}'
+    reqs = [
+        request(
+            "POST", f"/v1/deals/{sold}/reservations", buy(USER_BASE + 30, "edge-pipe-0001"), body
+        ),
+        request("GET", "/healthz"),
+        # Answered later (Redis and the database): what follows waits for it.
+        request(
+            "POST",
+            f"/v1/deals/{open_deal}/reservations",
+            buy(USER_BASE + 31, f"edge-pipe-{open_deal}"),
+            body,
+        ),
+        request(
+            "POST", f"/v1/deals/{sold}/reservations", buy(USER_BASE + 32, "edge-pipe-0002"), body
+        ),
+        request("GET", f"/v1/deals/{open_deal}"),
+        request(
+            "POST",
+            f"/v1/deals/{sold}/reservations",
+            buy(USER_BASE + 33, "edge-pipe-0003"),
+            b'{"quantity": 7',
+        ),
+    ]
+    with connect(port) as sock:
+        sock.sendall(b"".join(h + b for h, b in reqs))
+        reader = Reader(sock)
+        answers = [reader.answer() for _ in reqs]
+        statuses = [a.status for a in answers]
+        assert statuses == [409, 200, 201, 409, 200, 400], [a.body for a in answers]
+        assert answers[4].json()["id"] == open_deal
+        # The connection is still usable.
+        head, b = request("GET", "/healthz")
+        sock.sendall(head + b)
+        assert reader.answer().status == 200
+
+
+def test_connection_close_and_http_1_0_close_after_the_answer(
+    edge_gate: GateProcess,
+) -> None:
+    port = edge_gate.port
+    sold = sold_out_deal(port)
+    open_deal = admin_deal(port, stock=10)
+    body = b'{"quantity": 1}'
+    for deal_id, status in ((sold, 409), (open_deal, 201)):
+        for version, extra in (("1.1", {"Connection": "close"}), ("1.0", {})):
+            headers = {**buy(USER_BASE + 40, f"edge-close-{deal_id}-{version}"), **extra}
+            head, _ = request("POST", f"/v1/deals/{deal_id}/reservations", headers, body, version)
+            with connect(port) as sock:
+                sock.sendall(head + body)
+                reader = Reader(sock)
+                answer = reader.answer()
+                assert answer.status == status, answer
+                assert answer.headers.get("connection") == "close"
+                assert reader.closed()
+
+
+def test_request_ids_are_echoed_or_made(edge_gate: GateProcess) -> None:
+    port = edge_gate.port
+    sold = sold_out_deal(port)
+    path = f"/v1/deals/{sold}/reservations"
+    body = b'{"quantity": 1}'
+    given = {**buy(USER_BASE + 50, "edge-rid-0001"), "X-Request-Id": "edge-test.42:a"}
+    head, _ = request("POST", path, given, body)
+    assert send_whole(port, head, body).headers["x-request-id"] == "edge-test.42:a"
+    made = set()
+    for bad in ("no spaces allowed", "x" * 129, None):
+        headers = buy(USER_BASE + 50, "edge-rid-0002")
+        if bad is not None:
+            headers["X-Request-Id"] = bad
+        head, _ = request("POST", path, headers, body)
+        rid = send_whole(port, head, body).headers["x-request-id"]
+        assert rid and rid != bad
+        made.add(rid)
+    assert len(made) == 3
+
+
+def test_the_edge_s_answers_are_in_the_request_metrics(edge_gate: GateProcess) -> None:
+    port = edge_gate.port
+    sold = sold_out_deal(port)
+    route = "/v1/deals/{deal_id}/reservations"
+
+    def count(status: str) -> float:
+        return value_of(
+            scrape(port), "gate_http_requests_total", route=route, method="POST", status=status
+        )
+
+    before = count("409"), count("400")
+    with connect(port) as sock:
+        reader = Reader(sock)
+        for i in range(20):
+            sock.sendall(reservation(sold, USER_BASE + 60 + i, f"edge-metric-{i:04d}"))
+            assert reader.answer().status == 409
+        sock.sendall(reservation(sold, USER_BASE + 60, "edge-metric-bad", b"{"))
+        assert reader.answer().status == 400
+    assert (count("409") - before[0], count("400") - before[1]) == (20, 1)
+
+
+async def test_a_buyer_who_hangs_up_mid_reservation_leaves_nothing_behind(
+    edge_gate: GateProcess, db: Database, rds: aioredis.Redis
+) -> None:
+    port = edge_gate.port
+    deal_id = admin_deal(port, stock=40)
+    # Thirty buyers send their reservation whole and hang up at once.
+    for i in range(30):
+        with connect(port) as sock:
+            sock.sendall(reservation(deal_id, USER_BASE + 100 + i, f"edge-gone-{deal_id}-{i}"))
+    # Each reservation ran to its end (committed, or never admitted): the gate still
+    # answers, and what Redis holds is what the database holds.
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    while True:
+        inflight = await rds.hlen(deal_keys(deal_id).inflight)
+        if inflight == 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert inflight == 0
+    row = await db.fetchone("SELECT COUNT(*) FROM orders WHERE deal_id = %s", (deal_id,))
+    assert row is not None and 0 < int(row[0]) <= 30
+    await assert_invariants(db, rds, deal_id)
+    assert send(port, reservation(deal_id, USER_BASE + 99, f"edge-after-{deal_id}")).status == 201
+
+
+def test_waiting_room_tickets_alike_on_both_sides(edge_gate: GateProcess) -> None:
+    port = edge_gate.port
+    deal_id = admin_deal(port, stock=10, waiting_room={"admit_per_second": 1})
+    path = f"/v1/deals/{deal_id}/queue"
+    auth = {"Authorization": f"Bearer {token(USER_BASE + 200)}"}
+    other = {"Authorization": f"Bearer {token(USER_BASE + 201)}"}
+    before = edge_count(port)
+    head, body = request("POST", path, auth, b"{}")
+    joined = send_whole(port, head, body)
+    # A buyer polls as advised (faster is answered 429 by the room's limiter).
+    advised = int(joined.json()["poll_after_ms"]) / 1000  # type: ignore[call-overload]
+    time.sleep(advised)
+    again = send_asgi(port, head, body)
+    head, body = request("POST", path, other, b"{}")
+    second = send_split(port, head, body)
+    time.sleep(advised)
+    head, _ = request("GET", path, auth)
+    read = send_whole(port, head, b"")
+    assert (joined.status, again.status, second.status, read.status) == (201, 200, 201, 200)
+    # The same ticket (the room may admit the buyer meanwhile: its state may move).
+    fixed = ("deal_id", "joined_at")
+    ticket = {k: joined.json()[k] for k in fixed}
+    assert {k: again.json()[k] for k in fixed} == ticket
+    assert {k: read.json()[k] for k in fixed} == ticket
+    assert second.json()["joined_at"] >= ticket["joined_at"]  # type: ignore[operator]
+    # The first join, the second buyer's (in two reads) and the read at the edge.
+    assert edge_count(port) - before == 3
+    # Not a buyer: the same problem from both sides.
+    head, body = request("POST", path, {}, b"{}")
+    whole, asgi = send_whole(port, head, body), send_asgi(port, head, body)
+    assert whole.status == 401 and comparable(whole) == comparable(asgi)
+
+
+async def test_an_unexpected_error_at_the_edge_is_a_500_problem(
+    settings: Settings, prepared: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process (a real uvicorn server on a real socket, the gate's app and
+    protocol), so that the gate can be made to fail: in the answer made at once and in
+    the one made by a task. Each is a 500 problem+json with the request id, the error
+    is logged, and the connection goes on serving."""
+    import uvicorn
+
+    from gate.app import build_app
+    from gate.edge import EdgeProtocol
+
+    app = build_app(settings, background=False)
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=EdgeProtocol,
+        # As gate serve runs it: a wrapped application would have no edge.
+        proxy_headers=False,
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        assert server.started
+        gate = app.state.gate
+        logged: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = logged.append  # type: ignore[method-assign]
+        logging.getLogger("gate.edge").addHandler(handler)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+
+            def boom(*args: object) -> None:
+                raise RuntimeError("edge test")
+
+            async def boom_later(*args: object) -> None:
+                raise RuntimeError("edge test, later")
+
+            body = b'{"quantity": 1}'
+            for name, replacement in (("sold_out_answer", boom), ("reserve", boom_later)):
+                with monkeypatch.context() as patch:
+                    patch.setattr(gate.reservations, name, replacement)
+                    head, _ = request(
+                        "POST",
+                        "/v1/deals/1/reservations",
+                        {**buy(USER_BASE + 300, "edge-boom-0001"), "X-Request-Id": f"boom-{name}"},
+                        body,
+                    )
+                    writer.write(head + body)
+                    answer = await _read_answer(reader)
+                assert answer.status == 500, answer
+                assert answer.json()["code"] == "INTERNAL"
+                assert answer.headers["content-type"] == "application/problem+json"
+                assert answer.headers["x-request-id"] == f"boom-{name}"
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: gate\r\n\r\n")
+            assert (await _read_answer(reader)).status == 200
+        finally:
+            writer.close()
+            logging.getLogger("gate.edge").removeHandler(handler)
+        errors = [r for r in logged if r.levelno == logging.ERROR]
+        assert [str(r.exc_info[1]) for r in errors if r.exc_info] == [
+            "edge test",
+            "edge test, later",
+        ]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 30)
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> Answer:
+    raw_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT_SECONDS)
+    status_line, *lines = raw_head[:-4].decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines:
+        name, value = line.split(":", 1)
+        headers[name.strip().lower()] = value.strip()
+    body = await reader.readexactly(int(headers["content-length"]))
+    return Answer(int(status_line.split()[1]), headers, body)
