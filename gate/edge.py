@@ -74,7 +74,7 @@ log = logging.getLogger("gate.edge")
 _REQUEST_ID = b"x-request-id"
 _CONTENT_LENGTH = b"content-length"
 _CLOSE = b"connection: close\r\n"
-_INTERNAL = Problem("INTERNAL", "Internal error.")
+INTERNAL = Problem("INTERNAL", "Internal error.")
 # A closed connection's lingering (`_Linger`): at most this long, this many bytes.
 LINGER_SECONDS = 2.0
 LINGER_MAX_BYTES = 256 * 1024
@@ -322,7 +322,7 @@ class EdgeRequest:
             answer = problem.encoded(self.path)
         except Exception:
             log.exception("unhandled error on %s %s", self.method, self.path)
-            answer = _INTERNAL.encoded(self.path)
+            answer = INTERNAL.encoded(self.path)
         self.answer(answer)
 
 
@@ -487,7 +487,7 @@ class EdgeProtocol(HttpToolsProtocol):
             req.answer(problem.encoded(req.path))
         except Exception:
             log.exception("unhandled error on %s %s", req.method, req.path)
-            req.answer(_INTERNAL.encoded(req.path))
+            req.answer(INTERNAL.encoded(req.path))
 
     def write_answer(self, cycle: _EdgeCycle, answer: Encoded, request_id: str) -> None:
         """The status line, the server's default headers, the answer's, the request

@@ -508,3 +508,128 @@ async def _read_answer(reader: asyncio.StreamReader) -> Answer:
         headers[name.strip().lower()] = value.strip()
     body = await reader.readexactly(int(headers["content-length"]))
     return Answer(int(status_line.split()[1]), headers, body)
+
+
+async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_is_gone(
+    settings: Settings, prepared: None, rds: aioredis.Redis
+) -> None:
+    """The edge settles a join or a read in a callback on its reply (gate/room/lane.py
+    TicketEdge): a deal Redis lost (NOT_LOADED) and a script Redis lost (NOSCRIPT) go
+    the coroutine's way, which loads and asks again, and the buyer gets the ticket; a
+    Redis that cannot be reached is a 503 problem, and the connection goes on
+    serving. In process, on a real socket, so that the room's wire can be swapped."""
+    import hashlib
+
+    import uvicorn
+
+    from gate.app import build_app
+    from gate.edge import EdgeProtocol
+    from gate.room.service import Room
+    from gate.room.wire import Wire
+    from gate.scripts import Script
+
+    app = build_app(settings, background=False)
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=EdgeProtocol,
+        proxy_headers=False,
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        assert server.started
+        gate = app.state.gate
+        ext = next(e for e in gate.extensions if e.name == "room")
+        room = getattr(ext.workers[0], "__self__", None)
+        assert isinstance(room, Room)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+        async def ask(method: str, path: str, headers: dict[str, str], body: bytes) -> Answer:
+            head, body = request(method, path, headers, body)
+            writer.write(head + body)
+            return await _read_answer(reader)
+
+        try:
+            created = await ask(
+                "POST",
+                "/v1/admin/deals",
+                {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+                orjson.dumps(
+                    {
+                        "title": "edge room",
+                        "unit_price": 500,
+                        "currency": "EUR",
+                        "stock": 5,
+                        "waiting_room": {"admit_per_second": 1},
+                    }
+                ),
+            )
+            assert created.status == 201, created
+            deal_id = int(created.json()["id"])  # type: ignore[call-overload]
+            path = f"/v1/deals/{deal_id}/queue"
+
+            async def edge_requests() -> float:
+                metrics = await ask("GET", "/metrics", {}, b"")
+                return value_of(sample_values(metrics.body.decode()), "gate_edge_requests_total")
+
+            edge_before = await edge_requests()
+
+            def auth(user: int) -> dict[str, str]:
+                return {"Authorization": f"Bearer {token(USER_BASE + user)}"}
+
+            first = await ask("POST", path, auth(400), b"{}")
+            assert first.status == 201, first
+
+            # Redis lost the deal: the join loads it and is answered with a ticket.
+            lost = [k async for k in rds.scan_iter(match=f"{deal_keys(deal_id).meta}*")]
+            assert lost
+            await rds.delete(*lost)
+            again = await ask("POST", path, auth(401), b"{}")
+            assert again.status == 201, again
+            assert again.json()["deal_id"] == deal_id  # type: ignore[index]
+
+            # Redis lost the script (as after a restart): loaded again, answered.
+            script = room.runner.scripts["room_ticket"]
+            source = f"{script.source}\n-- {time.monotonic_ns()}\n"
+            room.runner.scripts["room_ticket"] = Script(
+                "room_ticket", source, hashlib.sha1(source.encode()).hexdigest()
+            )
+            room._prefixes.clear()
+            third = await ask("POST", path, auth(402), b"{}")
+            assert third.status == 201, third
+            # A read at the edge, answered from the same reply shape.
+            await asyncio.sleep(int(third.json()["poll_after_ms"]) / 1000)  # type: ignore[call-overload]
+            read = await ask("GET", path, auth(402), b"")
+            assert read.status == 200, read
+            assert read.json()["joined_at"] == third.json()["joined_at"]  # type: ignore[index]
+
+            # Redis cannot be reached: 503, and the connection serves on.
+            wire = room.wire
+            room.wire = Wire("redis://127.0.0.1:1/0", 0.5, 16)
+            try:
+                gone = await ask("POST", path, auth(403), b"{}")
+            finally:
+                await room.wire.aclose()
+                room.wire = wire
+            assert gone.status == 503, gone
+            assert gone.headers["content-type"] == "application/problem+json"
+            assert gone.json()["code"] == "OVERLOADED"  # type: ignore[index]
+            healthz = await ask("GET", "/healthz", {}, b"")
+            assert healthz.status == 200
+            # Every ticket request above was the edge's (none went to the ASGI lane).
+            assert await edge_requests() - edge_before == 5
+        finally:
+            writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 30)

@@ -70,6 +70,14 @@ def iso_ms(ms: int) -> str | None:
     return f"{head}.{milli:03d}000Z"
 
 
+def ticket_failed(deal_id: int, exc: BaseException) -> Problem:
+    """A ticket's call failed (Redis down, timed out, a script error): counted,
+    logged, and answered 503."""
+    REDIS_ERRORS.labels(error_kind(exc)).inc()
+    log.warning("room ticket failed for deal %s: %r", deal_id, exc)
+    return overloaded("Waiting room unavailable; retry shortly.")
+
+
 class Room:
     def __init__(
         self,
@@ -97,22 +105,39 @@ class Room:
         """Join ("join") or read ("read") a ticket: (created, body)."""
         join = mode == "join"
         reply = await self._ticket_call(deal_id, user_id, join)
+        if reply[0] == RoomCode.NOT_LOADED:
+            try:
+                found = await self.mirror.load(deal_id)
+            except Exception as exc:
+                log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
+                raise overloaded("Deal state unavailable; retry shortly.") from None
+            if not found:
+                raise not_found("deal")
+            reply = await self._ticket_call(deal_id, user_id, join)
+            if reply[0] == RoomCode.NOT_LOADED:
+                raise overloaded("Deal state is being rebuilt; retry shortly.")
+        return self.settle(deal_id, user_id, reply)
+
+    def start_ticket(self, deal_id: int, user_id: int, join: bool) -> asyncio.Future[Any]:
+        """The buyer's part of room_ticket.lua, sent with this loop turn's others; the
+        future is its reply as the wire hands it over (a list, an error object, or
+        the connection's failure). `ticket` awaits it; the edge settles it in a
+        callback (gate/room/lane.py), with no task."""
+        user = b"%d" % user_id
+        if join:
+            # Only a prequeue join uses it (the script decides); drawn cheaply for all.
+            score = b"%d" % self._scores.draw()
+            member = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(user), user, len(score), score)
+        else:
+            member = b"$%d\r\n%s\r\n" % (len(user), user)
+        return self.wire.call(self._prefix(deal_id, join), member)
+
+    def settle(self, deal_id: int, user_id: int, reply: list[Any]) -> tuple[bool, dict[str, Any]]:
+        """(created, body) of a ticket's reply; a refusal raises its Problem. Not for
+        NOT_LOADED (its caller loads the deal and asks again)."""
         code: int = reply[0]
         if code > CLOSED:
-            if code == RoomCode.NOT_LOADED:
-                try:
-                    found = await self.mirror.load(deal_id)
-                except Exception as exc:
-                    log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
-                    raise overloaded("Deal state unavailable; retry shortly.") from None
-                if not found:
-                    raise not_found("deal")
-                reply = await self._ticket_call(deal_id, user_id, join)
-                code = reply[0]
-                if code == RoomCode.NOT_LOADED:
-                    raise overloaded("Deal state is being rebuilt; retry shortly.")
-            if code > CLOSED:
-                raise from_room(RoomCode(code), str(reply[1]) if len(reply) > 1 else "")
+            raise from_room(RoomCode(code), str(reply[1]) if len(reply) > 1 else "")
         # hiredis hands the script's integers over as ints: nothing to convert.
         _, created, position, joined_ms, avail, seq, expires_ms, advice, aps, to_start = reply
         waiting = code == WAITING
@@ -154,26 +179,17 @@ class Room:
         return packed[0] if join else packed[1]
 
     async def _ticket_call(self, deal_id: int, user_id: int, join: bool) -> list[Any]:
-        user = b"%d" % user_id
-        if join:
-            # Only a prequeue join uses it (the script decides); drawn cheaply for all.
-            score = b"%d" % self._scores.draw()
-            member = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(user), user, len(score), score)
-        else:
-            member = b"$%d\r\n%s\r\n" % (len(user), user)
         try:
-            reply: Any = await self.wire.call(self._prefix(deal_id, join), member)
+            reply: Any = await self.start_ticket(deal_id, user_id, join)
             if type(reply) is not list:
                 if isinstance(reply, NoScriptError):
                     # Redis lost its scripts (a restart): nothing ran; load and call again.
                     await self.runner.load()
-                    reply = await self.wire.call(self._prefix(deal_id, join), member)
+                    reply = await self.start_ticket(deal_id, user_id, join)
                 if isinstance(reply, Exception):
                     raise reply
         except Exception as exc:
-            REDIS_ERRORS.labels(error_kind(exc)).inc()
-            log.warning("room ticket failed for deal %s: %r", deal_id, exc)
-            raise overloaded("Waiting room unavailable; retry shortly.") from None
+            raise ticket_failed(deal_id, exc) from None
         return cast(list[Any], reply)
 
     # -- admin ------------------------------------------------------------------------
