@@ -106,7 +106,8 @@ class MonitorConfig:
     interval_seconds: float = 10.0
     deals_per_pass: int = 20
     # At most this share of the time is spent checking: a check reads every order and
-    # ledger row of its deal, so the pause after a pass grows with what the pass took.
+    # ledger row of its deal, so the pause after each deal's check grows with what the
+    # check took.
     duty_max: float = 0.05
     inconsistency_ratio_max: float = 0.005
     inconsistency_for_seconds: float = 600.0
@@ -224,48 +225,83 @@ class InvariantMonitor:
         self.work_lease: WorkLease | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        spent = 0.0
+        """Passes at most `interval_seconds` apart, each deal's check followed by a
+        pause that keeps the time spent checking at `duty_max` (`pause_seconds`).
+
+            pass: deal ─ pause ─ deal ─ pause ─ … ─ alerts    (then the interval's rest)
+
+        A check reads every order and ledger row of its deal; back to back over a
+        large database the checks held a MariaDB core for seconds at a time, in the
+        middle of a sale (docs/benchmarks.md, thirteenth session). Paced deal by deal,
+        no burst is longer than one deal's check."""
         while not stop.is_set():
-            # A check reads every order of a deal and holds a snapshot open: not while
-            # this process's sweeper drains a backlog (gate/drain.py).
-            await yield_to_sweeper(stop)
             started = self.clock()
             try:
-                lease = self.work_lease
-                # The lease covers the pause after this pass (judged by the last one).
-                if lease is None or await lease.held(self.pause_seconds(spent)):
-                    await self.run_once()
-                else:
+                if not await self.run_paced(stop):
                     # The deals are checked by the lease's holder; this process's
                     # sweeper is seen by this process only.
                     self.evaluate_sweeper()
             except Exception as exc:
                 log.warning("invariant pass failed: %r", exc)
-            spent = self.clock() - started
-            try:
-                await asyncio.wait_for(stop.wait(), self.pause_seconds(spent))
-            except TimeoutError:
-                pass
+            rest = self.config.interval_seconds - (self.clock() - started)
+            if rest > 0:
+                await self.rest(stop, rest)
         # Stopping: the next process to ask takes the work at once (gate/worklease.py).
         if self.work_lease is not None:
             await self.work_lease.release()
 
-    def pause_seconds(self, spent_seconds: float) -> float:
-        """The pause after a pass that took `spent_seconds`: the interval, or longer
-        when the deals are so large that the interval would spend more than `duty_max`
-        of the time (and of a database connection) on checking them."""
-        duty = self.config.duty_max
-        return max(self.config.interval_seconds, spent_seconds * (1.0 - duty) / duty)
+    async def rest(self, stop: asyncio.Event, seconds: float) -> None:
+        """Wait `seconds`, or until the loop stops."""
+        try:
+            await asyncio.wait_for(stop.wait(), seconds)
+        except TimeoutError:
+            pass
 
-    async def run_once(self) -> int:
-        """Check the next `deals_per_pass` deals and evaluate the alerts; returns how
-        many deals were checked."""
+    def pause_seconds(self, spent_seconds: float) -> float:
+        """The pause after a deal's check that took `spent_seconds`: so long that
+        checking takes at most `duty_max` of the time (and of a database connection)."""
+        duty = self.config.duty_max
+        return spent_seconds * (1.0 - duty) / duty
+
+    async def run_paced(self, stop: asyncio.Event) -> bool:
+        """One pass of `run`: the next deals, each checked while this process holds
+        the lease (asked again before each, to cover the pause that follows the
+        last), then the alerts. False when another process holds the lease."""
+        lease = self.work_lease
+        cover = self.config.interval_seconds
+        if lease is not None and not await lease.held(cover):
+            return False
+        for deal_id in await self._next_deals():
+            if stop.is_set():
+                break
+            # Not while this process's sweeper drains a backlog (gate/drain.py): a
+            # check holds a snapshot open.
+            await yield_to_sweeper(stop)
+            if lease is not None and not await lease.held(cover):
+                break
+            started = self.clock()
+            await self.check(deal_id)
+            pause = self.pause_seconds(self.clock() - started)
+            cover = max(self.config.interval_seconds, pause)
+            await self.rest(stop, pause)
+        await self.evaluate()
+        return True
+
+    async def _next_deals(self) -> list[int]:
+        """The next `deals_per_pass` deals after the last pass's, from the start again
+        once every deal was checked."""
         limit = self.config.deals_per_pass
         rows = await self.db.fetchall(
             "SELECT id FROM deals WHERE id > %s ORDER BY id LIMIT %s", (self._cursor, limit)
         )
         ids = [int(r[0]) for r in rows]
         self._cursor = ids[-1] if len(ids) == limit else 0
+        return ids
+
+    async def run_once(self) -> int:
+        """Check the next `deals_per_pass` deals, back to back, and evaluate the
+        alerts; returns how many deals were checked (`gate check`, the tests)."""
+        ids = await self._next_deals()
         for deal_id in ids:
             await self.check(deal_id)
         await self.evaluate()

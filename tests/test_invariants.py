@@ -173,10 +173,69 @@ def test_the_release_window_measures_failures_and_lag() -> None:
     assert ratio == 0.0 and lag == pytest.approx(3000 / 2000)
 
 
-def test_the_pause_between_passes_bounds_the_time_spent_checking() -> None:
+def test_the_pause_after_each_deal_bounds_the_time_spent_checking() -> None:
     monitor = InvariantMonitor(None, None, MonitorConfig(interval_seconds=10, duty_max=0.05))  # type: ignore[arg-type]
-    # Cheap passes: the interval.
-    assert monitor.pause_seconds(0.2) == 10
-    # A pass of 2 s over large deals: 38 s of pause, 5 % of the time spent checking.
+    # A check of 2 s over a large deal: 38 s of pause, 5 % of the time spent checking.
     assert monitor.pause_seconds(2.0) == pytest.approx(38.0)
     assert 2.0 / (2.0 + monitor.pause_seconds(2.0)) == pytest.approx(0.05)
+    assert monitor.pause_seconds(0.0) == 0.0
+
+
+async def test_a_pass_rests_after_each_deal_not_after_all_of_them(
+    local_gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run` paces deal by deal: each check (here 2 s of a made-up clock) is followed
+    by its own pause, so no burst of checks is longer than one deal's; then the rest
+    of the interval. The lease is asked before each deal, covering the pause that
+    follows the last."""
+    import asyncio
+
+    now = [0.0]
+    monitor = make_monitor(
+        local_gate, MonitorConfig(interval_seconds=10, deals_per_pass=3, duty_max=0.2)
+    )
+    monitor.clock = lambda: now[0]
+    stop = asyncio.Event()
+    events: list[tuple[str, float]] = []
+
+    async def check(deal_id: int) -> None:
+        events.append(("check", now[0]))
+        now[0] += 2.0
+
+    async def rest(_: asyncio.Event, seconds: float) -> None:
+        events.append(("rest", seconds))
+        now[0] += seconds
+        if len([e for e in events if e[0] == "check"]) >= 3:
+            stop.set()
+
+    class Lease:
+        def __init__(self) -> None:
+            self.covers: list[float] = []
+
+        async def held(self, cover_seconds: float = 0.0) -> bool:
+            self.covers.append(cover_seconds)
+            return True
+
+        async def release(self) -> None:
+            pass
+
+    async def deals() -> list[int]:
+        return [1, 2, 3]
+
+    monkeypatch.setattr(monitor, "check", check)
+    monkeypatch.setattr(monitor, "rest", rest)
+    monkeypatch.setattr(monitor, "_next_deals", deals)
+    lease = Lease()
+    monitor.work_lease = lease  # type: ignore[assignment]
+    await asyncio.wait_for(monitor.run(stop), 10)
+    # 2 s of checking, 8 s of rest (20 % duty), deal after deal.
+    assert events == [
+        ("check", 0.0),
+        ("rest", pytest.approx(8.0)),
+        ("check", 10.0),
+        ("rest", pytest.approx(8.0)),
+        ("check", 20.0),
+        ("rest", pytest.approx(8.0)),
+    ]
+    # Once for the pass, then before each deal: the interval, then the last pause.
+    assert lease.covers == [10, 10, pytest.approx(10.0), pytest.approx(10.0)]
