@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
 from typing import Any
@@ -27,25 +26,11 @@ from loadtest import hotpath as hp
 
 
 async def measure(pairs: int, n: int, concurrency: int) -> dict[str, Any]:
-    import redis.asyncio as aioredis
-
     from gate.app import build_app
-    from gate.logs import configure
-    from gate.migrate import migrate
     from gate.room import lane
-    from gate.settings import load_settings
     from loadtest.tokens import TokenMint
 
-    env = dict(os.environ)
-    env.setdefault("GATE_ENV", "dev")
-    env.setdefault("GATE_ROOM_POLL_MIN_MS", "100")
-    env.setdefault("GATE_ROOM_POLL_MAX_MS", "100")
-    settings = load_settings(env)
-    configure("WARNING")
-    await migrate(settings.mysql)
-    rds = aioredis.Redis.from_url(settings.redis_url)
-    await rds.flushdb()
-    await rds.aclose()
+    settings = await hp.prepared_settings()
     app = build_app(settings, background=False)
     mint = TokenMint(settings.jwt_secret.reveal())
     probe = hp.Probe(app, settings.admin_token.reveal(), mint, edge=True)

@@ -295,12 +295,15 @@ def switch_off(lever: str) -> None:
         lane.TicketEdge.handle = in_a_task  # type: ignore[method-assign]
 
 
-async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from gate.app import build_app
+async def prepared_settings() -> Any:
+    """The gate's settings from the environment (a dev gate, the limiter and the
+    room's poll advice as the cases need them unless set), the database migrated and
+    the Redis logical database flushed: point both at throw-away ones."""
+    import redis.asyncio as aioredis
+
     from gate.logs import configure
     from gate.migrate import migrate
     from gate.settings import load_settings
-    from loadtest.tokens import TokenMint
 
     env = dict(os.environ)
     env.setdefault("GATE_LIMIT_USER", "1/m burst 1")
@@ -310,12 +313,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     settings = load_settings(env)
     configure("WARNING")
     await migrate(settings.mysql)
-    import redis.asyncio as aioredis
-
     rds = aioredis.Redis.from_url(settings.redis_url)
     await rds.flushdb()
     await rds.aclose()
+    return settings
 
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from gate.app import build_app
+    from loadtest.tokens import TokenMint
+
+    settings = await prepared_settings()
     for lever in args.off:
         switch_off(lever)
     app = build_app(settings, background=False)

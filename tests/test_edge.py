@@ -13,9 +13,11 @@ process's counters)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import orjson
 import pytest
@@ -428,32 +430,7 @@ async def test_an_unexpected_error_at_the_edge_is_a_500_problem(
     protocol), so that the gate can be made to fail: in the answer made at once and in
     the one made by a task. Each is a 500 problem+json with the request id, the error
     is logged, and the connection goes on serving."""
-    import uvicorn
-
-    from gate.app import build_app
-    from gate.edge import EdgeProtocol
-
-    app = build_app(settings, background=False)
-    port = free_port()
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        http=EdgeProtocol,
-        # As gate serve runs it: a wrapped application would have no edge.
-        proxy_headers=False,
-        lifespan="on",
-        log_config=None,
-        access_log=False,
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.05)
-        assert server.started
+    async with in_process_gate(settings) as (app, port):
         gate = app.state.gate
         logged: list[logging.LogRecord] = []
         handler = logging.Handler()
@@ -494,6 +471,39 @@ async def test_an_unexpected_error_at_the_edge_is_a_500_problem(
             "edge test",
             "edge test, later",
         ]
+
+
+@contextlib.asynccontextmanager
+async def in_process_gate(settings: Settings) -> AsyncIterator[tuple[Any, int]]:
+    """The gate's application served by uvicorn with the edge's protocol on a real
+    socket, in this process (so that a test can reach into it): (app, port)."""
+    import uvicorn
+
+    from gate.app import build_app
+    from gate.edge import EdgeProtocol
+
+    app = build_app(settings, background=False)
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=EdgeProtocol,
+        # As gate serve runs it: a wrapped application would have no edge.
+        proxy_headers=False,
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        assert server.started
+        yield app, port
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 30)
@@ -520,34 +530,11 @@ async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_i
     serving. In process, on a real socket, so that the room's wire can be swapped."""
     import hashlib
 
-    import uvicorn
-
-    from gate.app import build_app
-    from gate.edge import EdgeProtocol
     from gate.room.service import Room
     from gate.room.wire import Wire
     from gate.scripts import Script
 
-    app = build_app(settings, background=False)
-    port = free_port()
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        http=EdgeProtocol,
-        proxy_headers=False,
-        lifespan="on",
-        log_config=None,
-        access_log=False,
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
-    try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.05)
-        assert server.started
+    async with in_process_gate(settings) as (app, port):
         gate = app.state.gate
         ext = next(e for e in gate.extensions if e.name == "room")
         room = getattr(ext.workers[0], "__self__", None)
@@ -630,6 +617,3 @@ async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_i
             assert await edge_requests() - edge_before == 5
         finally:
             writer.close()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, 30)
