@@ -133,7 +133,9 @@ class TicketEdge(EdgeRoute):
 
     def _settled(self, req: EdgeRequest, user_id: int, fut: asyncio.Future[Any]) -> None:
         try:
-            exc = fut.exception()
+            # The wire fails its futures, never cancels them; a cancelled one is
+            # answered all the same (every edge request gets exactly one answer).
+            exc = asyncio.CancelledError() if fut.cancelled() else fut.exception()
             if exc is not None:
                 raise ticket_failed(req.id, exc)
             reply = fut.result()
