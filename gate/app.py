@@ -9,6 +9,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
@@ -21,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gate import apidocs, logs, orders, validate
 from gate.db import Database, DbUnavailable
-from gate.edge import Edge, EdgeRequest, EdgeRoute
+from gate.edge import INTERNAL, Edge, EdgeRequest, EdgeRoute
 from gate.errors import Encoded, Problem, invalid, not_found, overloaded
 from gate.guard import BODY_METHODS, UNGUARDED_PATHS, BodyReceive, Guard
 from gate.http import (
@@ -37,7 +38,7 @@ from gate.limits import client_ip, device_id
 from gate.logs import configure
 from gate.metrics import METRICS, CounterTally
 from gate.ops import RequestRecorder
-from gate.reservations import MAX_QUANTITY, ReserveRequest
+from gate.reservations import MAX_QUANTITY, QueuedCall, Reserved, ReserveRequest
 from gate.runtime import Gate
 from gate.settings import Settings, load_settings
 
@@ -236,15 +237,27 @@ async def _reserved(gate: Gate, req: ReserveRequest, path: str, started: float) 
     histogram: they take microseconds, the request histogram of the route has them,
     and under a sold-out flood they would bury the latency of the reservations that
     did reach Redis and the database, which is what the latency alert watches."""
+    return await _answered(gate.reservations.reserve(req), path, started)
+
+
+async def _answered(work: Awaitable[Reserved], path: str, started: float) -> Encoded:
     try:
-        result = await gate.reservations.reserve(req)
+        result = await work
     except Problem as problem:
-        _count(problem.code)
-        _LATENCY.observe(time.perf_counter() - started)
-        return problem.encoded(path)
+        return _refused(problem, path, started)
     except DbUnavailable:
         _count("OVERLOADED")
         return overloaded("Database unavailable; retry shortly.").encoded(path)
+    return _reserved_answer(result, started)
+
+
+def _refused(problem: Problem, path: str, started: float) -> Encoded:
+    _count(problem.code)
+    _LATENCY.observe(time.perf_counter() - started)
+    return problem.encoded(path)
+
+
+def _reserved_answer(result: Reserved, started: float) -> Encoded:
     _LATENCY.observe(time.perf_counter() - started)
     if result.queued:
         _count("queued")
@@ -320,10 +333,33 @@ class ReserveEdge(EdgeRoute):
             _count(problem.code)
             req.answer(problem.encoded(req.path))
             return
-        if type(prepared) is ReserveRequest:
-            req.run(_reserved(gate, prepared, req.path, req.started))
-        else:
+        if type(prepared) is not ReserveRequest:
             req.answer(prepared)  # type: ignore[arg-type]
+            return
+        call = gate.reservations.start_queued(prepared)
+        if call is None:
+            req.run(_reserved(gate, prepared, req.path, req.started))
+            return
+        call.admit.add_done_callback(
+            partial(self._settled, req, prepared, call), context=req.context
+        )
+
+    def _settled(
+        self, req: EdgeRequest, prepared: ReserveRequest, call: QueuedCall, _: object
+    ) -> None:
+        """A queue-mode admission's reply is in (`Reservations.settle_queued`): the 202
+        written now, or the rest of the way in a task."""
+        try:
+            outcome = self.gate.reservations.settle_queued(prepared, call)
+            if type(outcome) is Reserved:
+                req.answer(_reserved_answer(outcome, req.started))
+            else:
+                req.run(_answered(outcome, req.path, req.started))  # type: ignore[arg-type]
+        except Problem as problem:
+            req.answer(_refused(problem, req.path, req.started))
+        except Exception:
+            log.exception("unhandled error on %s %s", req.method, req.path)
+            req.answer(INTERNAL.encoded(req.path))
 
 
 # Route names taken by the fast lane when present (the webhook comes with payments).

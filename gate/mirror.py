@@ -147,6 +147,11 @@ def parse_marker(record: str) -> Marker:
     return Marker("R", int(user), int(units), deltas, int(ms), "", "")
 
 
+# A queue-mode admission's extra keys and arguments (lua/admit.lua KEYS[15..17],
+# ARGV[18..20]; gate/queue/service.py `QueueService.admission`).
+QueueArgs = tuple[tuple[str, ...], tuple[Any, ...]]
+
+
 class Mirror:
     def __init__(
         self, settings: Settings, db: Database, client: aioredis.Redis, runner: ScriptRunner
@@ -184,13 +189,13 @@ class Mirror:
         limiter_args: Sequence[int],
         owner: str,
         admission: str = "",
-        queue: tuple[tuple[str, str], tuple[int, int]] | None = None,
+        queue: QueueArgs | None = None,
     ) -> asyncio.Future[Any]:
         """Queue the admission script (see lua/admit.lua); the future resolves to its
         raw {code, detail}. Queued now, so calls made in the same event-loop turn
         (the global limiter, say) travel in the same pipeline. `queue`: a deal in
-        queue mode, ((stream, status key), (queue cap, status TTL ms)): an admitted
-        request is also queued by this same call."""
+        queue mode, ((stream, status key[, order index]), (queue cap, status TTL ms[,
+        "deal|user"])): an admitted request is also queued by this same call."""
         in_progress_ms = int(self.settings.inflight_max_seconds * 1000) + 60_000
         keys_: tuple[str, ...] = (
             keys.meta,

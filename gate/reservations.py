@@ -51,7 +51,7 @@ from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys, home_partition, partiti
 from gate.lease import Lease, LeaseLapsed
 from gate.limits import LimitSpec, rate_limited
 from gate.metrics import METRICS, CounterTally
-from gate.mirror import Mirror
+from gate.mirror import Mirror, QueueArgs
 from gate.settings import Settings
 from gate.soldout import SoldOutCache
 from gate.unknown_deals import UnknownDeals
@@ -199,6 +199,37 @@ class Reserved:
     replayed: bool
     # Answered 202: the request waits in its deal's queue (docs/queue-mode.md).
     queued: bool = False
+
+
+def admission_of(reply: list[Any], global_retry_ms: int | None = None) -> Admission:
+    """lua/admit.lua's reply: {code, detail[, buyers, known buyer]}."""
+    return Admission(
+        code=AdmitCode(int(reply[0])),
+        detail=str(reply[1]),
+        buyers=int(reply[2]) if len(reply) > 2 else -1,
+        known_buyer=len(reply) > 3 and int(reply[3]) == 1,
+        global_retry_ms=global_retry_ms,
+    )
+
+
+def _consumed(fut: asyncio.Future[Any]) -> None:
+    """A call whose outcome no longer matters: its failure retrieved, not logged."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedCall:
+    """An admission of a deal in queue mode started at the edge (`start_queued`):
+    what settles it once its reply is in (`settle_queued`)."""
+
+    keys: DealKeys
+    fp: str
+    token: str
+    sent: float
+    owner: str
+    index: asyncio.Future[Any] | None  # None: the admission writes the order's index
+    admit: asyncio.Future[Any]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -370,6 +401,79 @@ class Reservations:
         finally:
             self._inflight -= 1
 
+    # -- queue mode at the edge: no task for a 202 -------------------------------------
+
+    def start_queued(self, req: ReserveRequest) -> QueuedCall | None:
+        """The admission of a reservation of a deal in queue mode, sent now, for the
+        edge to settle in a callback on its reply (`settle_queued`), with no task or
+        coroutine: what `reserve` does for such a deal, on its common way only. None
+        (nothing sent) where `reserve` must answer: a deal not known to be in queue
+        mode or of several partitions, the global limiter on (its refusal may have to
+        unqueue), the breaker not closed, the in-flight cap reached."""
+        queue = self.queue
+        if (
+            queue is None
+            or queue.modes.known(req.deal_id) is not True
+            or self.mirror.parts.get(req.deal_id) != 1
+            or self.settings.limit_global
+            or self._inflight >= self.settings.reservation_inflight_max
+            or self.breaker_for(req.deal_id).state != "closed"
+        ):
+            return None
+        keys = deal_keys(req.deal_id)
+        fp = fingerprint(req.deal_id, req.quantity)
+        token = orders.new_id()
+        owner = self.lease.owner if self.lease is not None else ""
+        sent = time.monotonic()
+        queue_args, index = queue.admission(req.deal_id, token, req.user_id)
+        admit = self._admit_call(keys, req, fp, token, random.getrandbits(30), owner, queue_args)
+        self._inflight += 1
+        return QueuedCall(keys, fp, token, sent, owner, index, admit)
+
+    def settle_queued(
+        self, req: ReserveRequest, call: QueuedCall
+    ) -> Reserved | Awaitable[Reserved]:
+        """The admission's reply is in: the 202 (queued, its index written, the deal's
+        price known), else the coroutine that answers as `reserve` would from here (a
+        refusal, a replay, a full queue, a deal Redis lost). A failed call raises its
+        503 as `_admit` does."""
+        fut = call.admit
+        exc = asyncio.CancelledError() if fut.cancelled() else fut.exception()
+        if exc is not None:
+            self._inflight -= 1
+            if call.index is not None:
+                call.index.add_done_callback(_consumed)
+            raise self._admit_failed(call.keys, exc)
+        self.breaker_for(req.deal_id).success()
+        reply = fut.result()
+        code = AdmitCode(int(reply[0]))
+        index = call.index
+        if code == AdmitCode.OK and (
+            index is None or (index.done() and not index.cancelled() and index.exception() is None)
+        ):
+            assert self.queue is not None
+            body = self.queue.queued(req.deal_id, call.token, req.quantity)
+            if body is not None:
+                self._inflight -= 1
+                return Reserved(body, replayed=False, queued=True)
+        return self._queued_later(req, call, admission_of(reply))
+
+    async def _queued_later(
+        self, req: ReserveRequest, call: QueuedCall, adm: Admission
+    ) -> Reserved:
+        if adm.code == AdmitCode.NOT_LOADED:
+            # Nothing was admitted or queued: the whole way, which loads the deal.
+            self._inflight -= 1
+            assert self.queue is not None
+            self.queue.drop_index(call.token, call.index)
+            return await self.reserve(req)
+        try:
+            return await self._answer(
+                call.keys, req, call.fp, call.token, adm, call.sent, call.owner, True, call.index
+            )
+        finally:
+            self._inflight -= 1
+
     async def _reserve(self, req: ReserveRequest) -> Reserved:
         parts = self.mirror.parts.get(req.deal_id)
         if parts is None:
@@ -394,13 +498,14 @@ class Reservations:
         # Read once: the marker and the transaction must name the same owner.
         owner = self.lease.owner if self.lease is not None else ""
         # Queue mode (docs/queue-mode.md): the admission queues the request in its own
-        # call, the order's index travelling in the same pipeline (one round trip).
+        # call and writes the order's index (on Redis Cluster the index is a call of
+        # its own, in the same pipeline).
         # The mode is known without a wait for every deal up to the last read of the
         # modes; a newer deal is admitted as sync and, if it is in queue mode after
         # all, queued by a second call (`_enqueue`).
         queue = self.queue
         mode = queue.modes.known(req.deal_id) if queue is not None else False
-        queue_args: tuple[tuple[str, str], tuple[int, int]] | None = None
+        queue_args: QueueArgs | None = None
         index: asyncio.Future[Any] | None = None
         if mode:
             assert queue is not None
@@ -502,7 +607,8 @@ class Reservations:
     ) -> Reserved:
         """What follows the admission: its refusal answered, or its transaction run."""
         queue = self.queue
-        if index is not None and adm.code != AdmitCode.OK:
+        # mode True: the admission queued the request if it admitted it.
+        if mode and adm.code != AdmitCode.OK:
             assert queue is not None
             queue.drop_index(token, index)  # nothing was queued
             if adm.code == AdmitCode.QUEUE_FULL:
@@ -540,7 +646,7 @@ class Reservations:
         if adm.global_retry_ms is not None:
             # The global limiter ran in the same pipeline; if it refused, give back
             # what the admission took before anything reaches the database.
-            if index is not None:
+            if mode:
                 assert queue is not None
                 # Queued already: rejected first, so that no consumer commits it (one
                 # already committing it wins: then the request is queued).
@@ -555,7 +661,7 @@ class Reservations:
             self.refusals.remember(req, "global", adm.global_retry_ms, sent)
             raise self._limited("global", adm.global_retry_ms)
 
-        if index is not None:
+        if mode:
             return await self._queued(req, token, index)
         alloc = normalise_alloc(adm.detail)
         if mode is None and await queue.modes.is_queue(req.deal_id):  # type: ignore[union-attr]
@@ -606,7 +712,7 @@ class Reservations:
             log.info("deal %s: Redis admitted but the database is sold out", req.deal_id)
         raise from_db(db_code)
 
-    async def _admit(
+    def _admit_call(
         self,
         keys: DealKeys,
         req: ReserveRequest,
@@ -614,11 +720,9 @@ class Reservations:
         token: str,
         start: int,
         owner: str,
-        queued: tuple[tuple[str, str], tuple[int, int]] | None = None,
-        global_limit: bool = True,
-    ) -> Admission:
-        """Run the admission (and the global limiter in the same pipeline)."""
-        admit = self.mirror.admit(
+        queued: QueueArgs | None,
+    ) -> asyncio.Future[Any]:
+        return self.mirror.admit(
             keys,
             req.user_id,
             req.quantity,
@@ -632,6 +736,29 @@ class Reservations:
             self.admission_arg(req.deal_id, req.user_id, req.admission_token),
             queued,
         )
+
+    def _admit_failed(self, keys: DealKeys, exc: BaseException) -> Problem:
+        """The admission's call failed (it may have run): the breaker counts it, 503."""
+        breaker = self.breaker_for(keys.deal_id)
+        breaker.failure()
+        log.warning("admission failed for deal %s: %r", keys.deal_id, exc)
+        return overloaded(
+            "Admission service unavailable; retry shortly.", breaker.retry_after_seconds()
+        )
+
+    async def _admit(
+        self,
+        keys: DealKeys,
+        req: ReserveRequest,
+        fp: str,
+        token: str,
+        start: int,
+        owner: str,
+        queued: QueueArgs | None = None,
+        global_limit: bool = True,
+    ) -> Admission:
+        """Run the admission (and the global limiter in the same pipeline)."""
+        admit = self._admit_call(keys, req, fp, token, start, owner, queued)
         spec = self.settings.limit_global
         limit = (
             self.mirror.runner.call("limit", (GLOBAL_LIMIT,), (spec.emission_ms, spec.burst))
@@ -643,20 +770,14 @@ class Reservations:
         except Exception as exc:
             # Never re-run a script that may have run: if the admission did happen,
             # its token is in Redis and the janitor gives the units back.
-            breaker = self.breaker_for(keys.deal_id)
-            breaker.failure()
             if limit is not None:
                 await asyncio.gather(limit, return_exceptions=True)
-            log.warning("admission failed for deal %s: %r", keys.deal_id, exc)
             if queued is None:
                 # Perhaps it ran: its units go back once Redis answers, since this
                 # token is never sent to the database. A queued one may be committed
                 # by a consumer: the janitor judges it.
                 self.givebacks.add(keys, req.user_id, req.idempotency_key, token)
-            raise overloaded(
-                "Admission service unavailable; retry shortly.",
-                breaker.retry_after_seconds(),
-            ) from None
+            raise self._admit_failed(keys, exc) from None
         self.breaker_for(keys.deal_id).success()
         refused: int | None = None
         if limit is not None:
@@ -668,13 +789,7 @@ class Reservations:
                 log.warning("global limiter failed: %r", exc)
                 if not self.settings.limits_fail_open:
                     refused = 1000
-        return Admission(
-            code=AdmitCode(int(reply[0])),
-            detail=str(reply[1]),
-            buyers=int(reply[2]) if len(reply) > 2 else -1,
-            known_buyer=len(reply) > 3 and int(reply[3]) == 1,
-            global_retry_ms=refused,
-        )
+        return admission_of(reply, refused)
 
     def _limited_made(self, scope: str, wait_ms: int) -> Problem:
         """The refusal counted, and its answer: one per scope and whole second of wait,
@@ -767,12 +882,14 @@ class Reservations:
             raise from_db(db_code)
 
     async def _queued(
-        self, req: ReserveRequest, token: str, index: asyncio.Future[Any]
+        self, req: ReserveRequest, token: str, index: asyncio.Future[Any] | None
     ) -> Reserved:
-        """Queue mode: the admission queued the request (202)."""
+        """Queue mode: the admission queued the request (202); `index`, the call that
+        wrote the order's index beside it (None: the admission wrote it)."""
         assert self.queue is not None
         try:
-            await index
+            if index is not None:
+                await index
         except Exception as exc:
             # Queued, but its order could not be found by id: rejected at once if no
             # consumer has taken it yet (then given back), else answered as queued.

@@ -30,6 +30,8 @@
   KEYS[14] room expiry    zset   {d:ID}:rx    user -> expires_ms
   KEYS[15] queue          stream {d:ID}:q          } only for a deal in queue mode
   KEYS[16] queue status   string {d:ID}:q:o:TOKEN  } (gate/queue/, docs/queue-mode.md)
+  KEYS[17] order index    string gate:q:i:TOKEN  queue mode on one Redis only (on Redis
+          Cluster it is in another slot: lua/queue_index.lua writes it instead)
 
   ARGV[1] user id
   ARGV[2] quantity (integer >= 1, checked by the caller)
@@ -46,10 +48,13 @@
           signature, buyer, deal or expiry check (gate/room/tokens.py), else the
           admission sequence number the verified token names
   ARGV[18] queue mode only: requests the deal's queue may hold (GATE_QUEUE_DEPTH_MAX)
-  ARGV[19] queue mode only: status TTL (ms), also the in-progress marker's
+  ARGV[19] queue mode only: status TTL (ms), also the in-progress marker's and the
+          order index's
+  ARGV[20] with KEYS[17]: the order index's value, "deal id|user id"
 
   Queue mode (KEYS[15], KEYS[16] given): an admitted request is also appended to the
-  deal's queue in this same call, its status set to "Q|enqueue ms|0"; its token goes
+  deal's queue in this same call, its status set to "Q|enqueue ms|0" (and, given
+  KEYS[17], the order's index written: GET /v1/orders/{id} finds it); its token goes
   to the in-flight hash but not to the in-flight times (the janitor walks only those:
   the stream entry owns a queued token, docs/queue-mode.md). The sync path's call is
   unchanged (14 keys): the branch costs it one comparison.
@@ -240,6 +245,9 @@ if queued then
   redis.call('XADD', KEYS[15], '*', 'token', token, 'user', user, 'qty', qty,
     'alloc', alloc_s, 'key', ARGV[7], 'fp', fp, 'ms', now_ms)
   redis.call('SET', KEYS[16], 'Q|' .. now_ms .. '|0', 'PX', ARGV[19])
+  if KEYS[17] then
+    redis.call('SET', KEYS[17], ARGV[20], 'PX', ARGV[19])
+  end
 else
   redis.call('ZADD', KEYS[6], now_ms, token)
 end

@@ -494,3 +494,73 @@ async def test_queue_cap_answers_503_and_gives_the_units_back(
     assert await _held(db, deal_id) == 2
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 10, "available": 8, "held": 2, "sold": 0}
+
+
+def _yielding_consumer(rate: int, max_seconds: float, service: Any = None) -> Any:
+    """A QueueConsumer with only what `_yield` reads (no Redis, no database: it looks
+    at this process's count of 202s and nothing else)."""
+    from types import SimpleNamespace
+
+    from gate.queue.consumer import QueueConsumer
+
+    settings = SimpleNamespace(
+        drains=1,
+        claim_idle_seconds=10.0,
+        yield_rate=rate,
+        yield_max_seconds=max_seconds,
+    )
+    gate = SimpleNamespace(settings=SimpleNamespace(reservation_db_timeout_seconds=5.0))
+    service = service or SimpleNamespace(enqueued=0)
+    return QueueConsumer(gate, settings, service)  # type: ignore[arg-type]
+
+
+def _yielded_seconds() -> float:
+    from gate.metrics import METRICS, sample_values, value_of
+
+    return value_of(sample_values(METRICS.render().decode()), "gate_queue_yield_seconds_total")
+
+
+async def test_drains_yield_while_202s_come_fast_and_not_for_longer_than_the_bound() -> None:
+    """Accept first, commit after (docs/queue-mode.md, "Yielding to the buyers"): a
+    drain cycle waits while this process answers 202s at GATE_QUEUE_YIELD_RATE or
+    more, starts once they slow down, and never waits past the bound."""
+    consumer = _yielding_consumer(rate=200, max_seconds=5.0)
+    service = consumer.service
+    never = asyncio.get_running_loop().create_future()
+    events: list[str] = []
+
+    async def crowd(seconds: float) -> None:
+        # About 2,000 202s a second, then quiet.
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            service.enqueued += 10
+            await asyncio.sleep(0.005)
+        events.append("crowd gone")
+
+    # Nothing answered 202 here: no wait, nothing counted.
+    before = _yielded_seconds()
+    await consumer._yield(never, 0)
+    assert _yielded_seconds() == before
+
+    service.enqueued += 1  # one 202: looked at, but a trickle is not a crowd
+    await consumer._yield(never, 0)
+    assert _yielded_seconds() == before
+
+    crowding = asyncio.ensure_future(crowd(0.6))
+    await asyncio.sleep(0.05)
+    await consumer._yield(never, 0)
+    events.append("drain starts")
+    await crowding
+    assert events == ["crowd gone", "drain starts"]
+    assert _yielded_seconds() > before
+
+    # A crowd that never slows: the cycle starts all the same, at the bound.
+    bounded = _yielding_consumer(rate=200, max_seconds=0.3, service=service)
+    endless = asyncio.ensure_future(crowd(30.0))
+    try:
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(bounded._yield(never, 0), 10.0)
+        assert not endless.done()
+    finally:
+        endless.cancel()
+        never.cancel()

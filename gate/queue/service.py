@@ -62,6 +62,8 @@ class QueueSettings:
     consumers_in_serve: bool
     drains: int
     linger_seconds: float
+    yield_rate: int
+    yield_max_seconds: float
 
     @classmethod
     def from_env(cls, settings: Settings) -> QueueSettings:
@@ -91,6 +93,8 @@ class QueueSettings:
             consumers_in_serve=env_bool(env, "GATE_QUEUE_CONSUMERS", True),
             drains=env_int(env, "GATE_QUEUE_DRAINS", 2, 1, 8),
             linger_seconds=env_float(env, "GATE_QUEUE_LINGER_SECONDS", 0.1, 0.0, 2.0),
+            yield_rate=env_int(env, "GATE_QUEUE_YIELD_RATE", 1000, 1, 10_000_000),
+            yield_max_seconds=env_float(env, "GATE_QUEUE_YIELD_MAX_SECONDS", 1.0, 0.0, 5.0),
         )
 
 
@@ -188,6 +192,8 @@ class QueueService:
         self._queued_counters: dict[int, Any] = {}
         # Set by every enqueue: this process's idle consumer starts a pass at once.
         self.wake = asyncio.Event()
+        # Requests this process answered 202: the consumers yield while it climbs fast.
+        self.enqueued = 0
 
     async def _price(self, deal_id: int) -> tuple[int, str]:
         known = self._prices.get(deal_id)
@@ -217,24 +223,32 @@ class QueueService:
 
     def admission(
         self, deal_id: int, token: str, user_id: int
-    ) -> tuple[tuple[tuple[str, str], tuple[int, int]], asyncio.Future[Any]]:
-        """For an admission of a deal in queue mode, called just before it in the same
-        loop turn: the order's index is sent first in the same pipeline (a crash
-        between leaves an index to nothing, never a queued order without one), and
-        what admit.lua needs to queue the request."""
-        index = self.gate.runner.call(
-            "queue_index", (queue_order_index(token),), (f"{deal_id}|{user_id}", self.status_ttl_ms)
-        )
+    ) -> tuple[tuple[tuple[str, ...], tuple[Any, ...]], asyncio.Future[Any] | None]:
+        """What lua/admit.lua needs to queue the request, for an admission of a deal in
+        queue mode, and the call that writes the order's index (None: the admission
+        writes it). On one Redis the admission writes the index itself; on Redis
+        Cluster the index lives in another slot, so it is a call of its own, sent
+        first in the same loop turn (a crash between leaves an index to nothing,
+        never a queued order without one)."""
         qk = self._queue_keys.get(deal_id)
         if qk is None:
             if len(self._queue_keys) >= QUEUE_DEALS_MAX:
                 self._queue_keys.clear()
             qk = self._queue_keys[deal_id] = queue_keys(deal_id)
+        owner = f"{deal_id}|{user_id}"
+        if not self.gate.runner.cluster:
+            keys = (qk.stream, qk.status(token), queue_order_index(token))
+            return (keys, (*self._admit_args, owner)), None
+        index = self.gate.runner.call(
+            "queue_index", (queue_order_index(token),), (owner, self.status_ttl_ms)
+        )
         return ((qk.stream, qk.status(token)), self._admit_args), index
 
-    def drop_index(self, token: str, index: asyncio.Future[Any]) -> None:
-        """The admission queued nothing: its index goes (sent with the next
-        pipeline, not waited for; it would expire anyway)."""
+    def drop_index(self, token: str, index: asyncio.Future[Any] | None) -> None:
+        """The admission queued nothing: an index written by a call of its own goes
+        (sent with the next pipeline, not waited for; it would expire anyway)."""
+        if index is None:
+            return  # the admission writes it only when it queues
         index.add_done_callback(_consume)
         drop = self.gate.runner.call("queue_index", (queue_order_index(token),), ("", 0))
         drop.add_done_callback(_consume)
@@ -258,6 +272,7 @@ class QueueService:
         if price is None or counter is None:
             return None
         counter.inc()
+        self.enqueued += 1
         self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
 
@@ -272,6 +287,7 @@ class QueueService:
             self._queued_counters.clear()
         counter = self._queued_counters[deal_id] = QUEUED.labels(str(deal_id))
         counter.inc()
+        self.enqueued += 1
         self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
 
@@ -336,6 +352,7 @@ class QueueService:
                 QUEUE_FULL.labels(str(deal_id)).inc()
             return None
         QUEUED.labels(str(deal_id)).inc()
+        self.enqueued += 1
         self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
 
