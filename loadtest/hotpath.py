@@ -251,7 +251,15 @@ async def drive(
     return statuses
 
 
-LEVERS = ("ulid", "encoded", "refusals", "route-order", "ticket-callback")
+LEVERS = (
+    "ulid",
+    "encoded",
+    "refusals",
+    "route-order",
+    "ticket-callback",
+    "queue-callback",
+    "queue-index",
+)
 
 
 def switch_off(lever: str) -> None:
@@ -293,6 +301,16 @@ def switch_off(lever: str) -> None:
             req.run(lane._ticket_answer(self.room, req.id, user_id, self.join, req.path))
 
         lane.TicketEdge.handle = in_a_task  # type: ignore[method-assign]
+    elif lever == "queue-callback":
+        from gate.reservations import Reservations
+
+        # Every queue-mode reservation in a task of its own (`reserve`), as before.
+        Reservations.start_queued = lambda self, req: None  # type: ignore[method-assign]
+    elif lever == "queue-index":
+        from gate.queue.service import QueueService
+
+        # The order's index in a call of its own beside the admission, as before.
+        QueueService.index_in_admission = False  # type: ignore[assignment,misc]
 
 
 async def prepared_settings() -> Any:

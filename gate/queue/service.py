@@ -221,6 +221,12 @@ class QueueService:
 
     # -- the admission's own queueing (lua/admit.lua's queue branch) -----------------
 
+    @property
+    def index_in_admission(self) -> bool:
+        """On one Redis the admission writes the order's index itself (one call); on
+        Redis Cluster the index lives in another slot."""
+        return not self.gate.runner.cluster
+
     def admission(
         self, deal_id: int, token: str, user_id: int
     ) -> tuple[tuple[tuple[str, ...], tuple[Any, ...]], asyncio.Future[Any] | None]:
@@ -236,7 +242,7 @@ class QueueService:
                 self._queue_keys.clear()
             qk = self._queue_keys[deal_id] = queue_keys(deal_id)
         owner = f"{deal_id}|{user_id}"
-        if not self.gate.runner.cluster:
+        if self.index_in_admission:
             keys = (qk.stream, qk.status(token), queue_order_index(token))
             return (keys, (*self._admit_args, owner)), None
         index = self.gate.runner.call(
