@@ -617,3 +617,120 @@ async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_i
             assert await edge_requests() - edge_before == 5
         finally:
             writer.close()
+
+
+async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task_path(
+    settings: Settings, prepared: None, rds: aioredis.Redis
+) -> None:
+    """Queue mode at the edge (gate/reservations.py `start_queued` / `settle_queued`):
+    the 202 is written from the admission's callback and its order is found by id
+    (the admission wrote the index); a deal's first request (its price not read yet),
+    a replay, a refusal, a deal Redis lost and a script Redis lost go on in a task
+    with the coroutine's answers; a Redis that cannot be reached is a 503 problem and
+    the connection serves on. No reservation is left counted in flight. In process,
+    on a real socket (no consumer runs: the entries wait in the queue)."""
+    import hashlib
+
+    from gate.resp import RespConnection
+    from gate.scripts import Script
+
+    async with in_process_gate(settings) as (app, port):
+        gate = app.state.gate
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+        async def ask(method: str, path: str, headers: dict[str, str], body: bytes) -> Answer:
+            head, body = request(method, path, headers, body)
+            writer.write(head + body)
+            return await _read_answer(reader)
+
+        try:
+            created = await ask(
+                "POST",
+                "/v1/admin/deals",
+                {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+                orjson.dumps(
+                    {
+                        "title": "edge queue",
+                        "unit_price": 700,
+                        "currency": "EUR",
+                        "stock": 5,
+                        "mode": "queue",
+                    }
+                ),
+            )
+            assert created.status == 201, created
+            deal_id = int(created.json()["id"])  # type: ignore[call-overload]
+
+            def auth(user: int) -> dict[str, str]:
+                return {"Authorization": f"Bearer {token(USER_BASE + user)}"}
+
+            async def reserve(user: int, key: str) -> Answer:
+                return await ask(
+                    "POST",
+                    f"/v1/deals/{deal_id}/reservations",
+                    {**auth(user), "Idempotency-Key": key, "Content-Type": "application/json"},
+                    b'{"quantity": 1}',
+                )
+
+            def queued(answer: Answer) -> str:
+                assert answer.status == 202, answer
+                body = answer.json()
+                assert body["status"] == "QUEUED" and body["deal_id"] == deal_id, body
+                assert body["amount"] == 700 and "expires_at" not in body, body
+                order_id = str(body["order_id"])
+                assert answer.headers["location"] == f"/v1/orders/{order_id}"
+                return order_id
+
+            queued(await reserve(500, "edge-queue-500"))  # the deal's first: its price is read
+            second = queued(await reserve(501, "edge-queue-501"))  # the callback's 202
+            view = await ask("GET", f"/v1/orders/{second}", auth(501), b"")
+            assert view.status == 200, view
+            assert view.json()["status"] == "QUEUED"
+            assert await rds.get(f"gate:q:i:{second}") == f"{deal_id}|{USER_BASE + 501}"
+            # A replay while it waits: 202 again, the same order.
+            assert queued(await reserve(501, "edge-queue-501")) == second
+            # The same key for another quantity: a refusal, from the task path.
+            mismatch = await ask(
+                "POST",
+                f"/v1/deals/{deal_id}/reservations",
+                {**auth(501), "Idempotency-Key": "edge-queue-501", "Content-Type": "application/json"},
+                b'{"quantity": 2}',
+            )
+            assert mismatch.status == 422, mismatch
+            assert mismatch.problem()["code"] == "IDEMPOTENCY_MISMATCH"
+
+            # Redis lost the deal: the task loads it and the request is queued.
+            await rds.delete(deal_keys(deal_id).meta)
+            queued(await reserve(502, "edge-queue-502"))
+
+            # Redis lost the admission script (as after a restart): loaded again.
+            script = gate.runner.scripts["admit"]
+            source = f"{script.source}\n-- {time.monotonic_ns()}\n"
+            gate.runner.scripts["admit"] = Script(
+                "admit", source, hashlib.sha1(source.encode()).hexdigest()
+            )
+            queued(await reserve(503, "edge-queue-503"))
+            queued(await reserve(504, "edge-queue-504"))
+            # Five queued: sold out (the admission's refusal, or the near-cache's).
+            sold = await reserve(505, "edge-queue-505")
+            assert sold.status == 409, sold
+            assert sold.problem()["code"] == "SOLD_OUT"
+            assert await rds.xlen(f"{{d:{deal_id}}}:q") == 5
+
+            # Redis cannot be reached: 503, nothing queued, and the connection serves on.
+            runner = gate.reservations.mirror.runner
+            conns = runner._conns
+            runner._conns = [RespConnection("redis://127.0.0.1:1/0", 0.5)]
+            try:
+                gone = await reserve(506, "edge-queue-506")
+            finally:
+                runner._conns[0].close()
+                runner._conns = conns
+            assert gone.status == 503, gone
+            assert gone.problem()["code"] == "OVERLOADED"
+            healthz = await ask("GET", "/healthz", {}, b"")
+            assert healthz.status == 200
+            assert gate.reservations._inflight == 0
+            assert await rds.xlen(f"{{d:{deal_id}}}:q") == 5
+        finally:
+            writer.close()
