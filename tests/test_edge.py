@@ -693,7 +693,11 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
             mismatch = await ask(
                 "POST",
                 f"/v1/deals/{deal_id}/reservations",
-                {**auth(501), "Idempotency-Key": "edge-queue-501", "Content-Type": "application/json"},
+                {
+                    **auth(501),
+                    "Idempotency-Key": "edge-queue-501",
+                    "Content-Type": "application/json",
+                },
                 b'{"quantity": 2}',
             )
             assert mismatch.status == 422, mismatch

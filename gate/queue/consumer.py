@@ -74,9 +74,6 @@ CONSUMERS_SEEN_MAX = 1000
 FORGET_IDLE_MS = 600_000
 IDLE_MIN_SECONDS = 0.02
 IDLE_MAX_SECONDS = 0.5
-# The window over which a drain loop that yields to the buyers measures this
-# process's rate of 202s (a short one misreads a flood's ramp-up as calm).
-YIELD_WINDOW_SECONDS = 0.1
 
 COMMITTED = METRICS.counter(
     "gate_queue_committed_total", "Queued reservations committed (PENDING_PAYMENT).", ["deal"]
@@ -101,11 +98,6 @@ DEPTH = METRICS.gauge(
 )
 OLDEST_AGE = METRICS.gauge(
     "gate_queue_oldest_age_seconds", "Age of the oldest request in the deal's queue.", ["deal"]
-)
-YIELDED = METRICS.counter(
-    "gate_queue_yield_seconds_total",
-    "Seconds the drain loops of this process waited for its 202s to slow down "
-    "(GATE_QUEUE_YIELD_RATE, at most GATE_QUEUE_YIELD_MAX_SECONDS per drain cycle).",
 )
 COMMIT_LAG = METRICS.histogram(
     "gate_queue_commit_lag_seconds",
@@ -187,8 +179,6 @@ class QueueConsumer:
         # loop time dead consumers were last looked for.
         self._own_read: dict[tuple[int, str], float] = {}
         self._checked: dict[int, float] = {}
-        # Drain loop -> this process's 202 count when it last looked (`_yield`).
-        self._yield_seen: dict[int, int] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """GATE_QUEUE_DRAINS drain loops, each a consumer of its own (so a deal has
@@ -201,11 +191,8 @@ class QueueConsumer:
         loop = asyncio.get_running_loop()
         linger = self.settings.linger_seconds
         stopping = asyncio.ensure_future(stop.wait())
-        full = False  # the last pass took a whole batch: more waits, no yielding
         try:
             while not stop.is_set():
-                if not full:
-                    await self._yield(stopping, slot)
                 wake.clear()
                 started = loop.time()
                 done = 0
@@ -216,10 +203,9 @@ class QueueConsumer:
                     # Entries read by the failed pass stay pending under this consumer:
                     # read its own pending entries again at the next pass.
                     self._own_read.clear()
-                full = done >= self.settings.batch_max
                 if done:
                     idle = IDLE_MIN_SECONDS
-                    if not full and linger > 0:
+                    if done < self.settings.batch_max and linger > 0:
                         # A partial batch: the next pass starts GATE_QUEUE_LINGER_SECONDS
                         # after this one started, so that a flood of requests is committed
                         # in full groups (fewer passes, each costing round trips and a
@@ -234,37 +220,6 @@ class QueueConsumer:
                 idle = IDLE_MIN_SECONDS if wake.is_set() else min(idle * 2, IDLE_MAX_SECONDS)
         finally:
             stopping.cancel()
-
-    async def _yield(self, stopping: asyncio.Future[Any], slot: int) -> None:
-        """Accept first, commit after: while this process answers 202s at
-        GATE_QUEUE_YIELD_RATE a second or more (a crowd at its front door), a drain
-        cycle waits for them to slow down, for at most GATE_QUEUE_YIELD_MAX_SECONDS.
-        The CPU of this process and of the database then goes to answering the crowd,
-        and the queue is committed in full groups right after; the commit lag grows
-        by the wait, what is committed does not change. Once started, a cycle drains
-        full batches back to back without yielding again, so a flood that never
-        slows still has its queue committed at least once per
-        GATE_QUEUE_YIELD_MAX_SECONDS."""
-        yield_max = self.settings.yield_max_seconds
-        service = self.service
-        seen = service.enqueued
-        if yield_max <= 0 or seen == self._yield_seen.get(slot):
-            return  # nothing answered 202 here since this loop last looked
-        rate = self.settings.yield_rate
-        loop = asyncio.get_running_loop()
-        began = looked = loop.time()
-        busy = False
-        while looked < began + yield_max:
-            await asyncio.wait((stopping,), timeout=YIELD_WINDOW_SECONDS)
-            now = loop.time()
-            # A rate over the time that passed: a busy loop wakes this one late.
-            if stopping.done() or service.enqueued - seen < rate * (now - looked):
-                break
-            busy = True
-            seen, looked = service.enqueued, now
-        self._yield_seen[slot] = service.enqueued
-        if busy:
-            YIELDED.inc(loop.time() - began)
 
     def consumer_name(self, slot: int = 0) -> tuple[str, str]:
         """(owner, consumer name): a consumer is named by its process's lease, so that

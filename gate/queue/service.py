@@ -62,8 +62,6 @@ class QueueSettings:
     consumers_in_serve: bool
     drains: int
     linger_seconds: float
-    yield_rate: int
-    yield_max_seconds: float
 
     @classmethod
     def from_env(cls, settings: Settings) -> QueueSettings:
@@ -93,8 +91,6 @@ class QueueSettings:
             consumers_in_serve=env_bool(env, "GATE_QUEUE_CONSUMERS", True),
             drains=env_int(env, "GATE_QUEUE_DRAINS", 2, 1, 8),
             linger_seconds=env_float(env, "GATE_QUEUE_LINGER_SECONDS", 0.1, 0.0, 2.0),
-            yield_rate=env_int(env, "GATE_QUEUE_YIELD_RATE", 1000, 1, 10_000_000),
-            yield_max_seconds=env_float(env, "GATE_QUEUE_YIELD_MAX_SECONDS", 1.0, 0.0, 5.0),
         )
 
 
@@ -192,8 +188,6 @@ class QueueService:
         self._queued_counters: dict[int, Any] = {}
         # Set by every enqueue: this process's idle consumer starts a pass at once.
         self.wake = asyncio.Event()
-        # Requests this process answered 202: the consumers yield while it climbs fast.
-        self.enqueued = 0
 
     async def _price(self, deal_id: int) -> tuple[int, str]:
         known = self._prices.get(deal_id)
@@ -278,7 +272,6 @@ class QueueService:
         if price is None or counter is None:
             return None
         counter.inc()
-        self.enqueued += 1
         self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
 
@@ -293,7 +286,6 @@ class QueueService:
             self._queued_counters.clear()
         counter = self._queued_counters[deal_id] = QUEUED.labels(str(deal_id))
         counter.inc()
-        self.enqueued += 1
         self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
 
@@ -358,7 +350,6 @@ class QueueService:
                 QUEUE_FULL.labels(str(deal_id)).inc()
             return None
         QUEUED.labels(str(deal_id)).inc()
-        self.enqueued += 1
         self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
 
