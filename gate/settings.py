@@ -241,6 +241,9 @@ class Settings:
     # a janitor resolves a dead process's in-flight tokens once it has lapsed.
     lease_seconds: float = 3.0
     resync_interval_seconds: float = 1.0
+    # A deal whose Redis state has not moved for RESYNC_QUIET_AFTER_SECONDS is
+    # resynced this often instead of every pass (gate/resync.py); 0: every pass.
+    resync_quiet_seconds: float = 15.0
     jwt_cache_max: int = 65_536
     sold_out_cache_seconds: float = 0.1
     body_max_bytes: int = 4096
@@ -424,6 +427,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         lease_seconds=env_float(env, "GATE_LEASE_SECONDS", 3.0, 0.3, 60),
         resync_interval_seconds=env_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
+        resync_quiet_seconds=env_float(env, "GATE_RESYNC_QUIET_SECONDS", 15.0, 0, 600),
         jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
         sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,
         body_max_bytes=4096,

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from gate.codes import SyncCode
 from gate.db import Database
-from gate.keys import deal_keys
+from gate.keys import ACTIVE_DEALS, deal_keys
 from gate.runtime import Gate
 from tests.support import (
     Client,
@@ -181,3 +181,85 @@ async def test_confirmations_asked_together_answer_each_as_one_at_a_time(
                 keys.resolved,
                 *(keys.idempotency(800_000 + i, f"key-{i}") for i in range(3)),
             )
+
+
+async def test_the_resync_loop_rests_quiet_deals_and_wakes_them_on_any_move(
+    client: Client, db: Database, rds: aioredis.Redis, local_gate: Gate
+) -> None:
+    """Every deal ever loaded stays active; the loop's passes skip a deal whose Redis
+    state has not moved for a minute, but sync it every GATE_RESYNC_QUIET_SECONDS
+    (15), at once when its state moves (a lost write), and all deals again on
+    another Redis server (gate/resync.py). A clock of the test's own."""
+    from gate.resync import RESYNC_QUIET_AFTER_SECONDS
+
+    deal_id = await create_deal(client, stock=10, buckets=2)
+    assert (await reserve(client, deal_id, 730_000, f"quiet-deal-{deal_id}")).status_code == 201
+    resync = local_gate.resync
+    now = [1_000.0]
+    resync.clock = lambda: now[0]
+    quiet_every = local_gate.settings.resync_quiet_seconds
+    assert quiet_every == 15
+
+    async def quiet() -> bool:
+        return resync._quiet(deal_id, (await resync._looks([deal_id]))[deal_id])
+
+    async def passes_it() -> bool:
+        """One loop decision for the deal (the loop syncs it when False)."""
+        if await quiet():
+            return True
+        resync._synced(deal_id)
+        return False
+
+    assert not await passes_it()  # first seen
+    now[0] += RESYNC_QUIET_AFTER_SECONDS / 2
+    assert not await passes_it()  # unmoved, but not for a minute yet
+    now[0] += RESYNC_QUIET_AFTER_SECONDS / 2 + 1
+    assert not await passes_it()  # quiet now, last synced 31 s ago: due
+    now[0] += 1
+    assert await passes_it()  # quiet, synced a second ago: skipped
+    now[0] += quiet_every - 2
+    assert await passes_it()
+    now[0] += 2
+    assert not await passes_it()  # GATE_RESYNC_QUIET_SECONDS since the last sync
+
+    # A write Redis lost: the state moved, so the next pass syncs and repairs it.
+    # (Out of the active set meanwhile, so that the shared gate's loop, which has the
+    # same repair to make, does not make it first.)
+    now[0] += 1
+    assert await passes_it()
+    await rds.srem(ACTIVE_DEALS, deal_id)
+    await asyncio.sleep(0.3)  # a pass that listed the deal before is over
+    await rds.hincrby(deal_keys(deal_id).meta, "avail", 3)
+    await rds.hincrby(deal_keys(deal_id).buckets, "0", 3)
+    assert not await quiet()
+    result = await local_gate.mirror.resync(deal_id)
+    assert result is not None and result[0] == SyncCode.APPLIED, result
+    resync._synced(deal_id)
+    await assert_invariants(db, rds, deal_id, timeout_seconds=5)
+
+    # Quiet again, then another Redis server (a failover, a restart): due at once.
+    assert not await passes_it()  # the repair moved the look: synced once more
+    now[0] += RESYNC_QUIET_AFTER_SECONDS + 1
+    assert not await passes_it()
+    now[0] += 1
+    assert await passes_it()
+    resync._server = "another-server"
+    await resync._same_server()
+    assert not await quiet()
+
+    # The loop's own pass counts what it skipped; `run_once` alone skips nothing.
+    resync._synced(deal_id)
+    now[0] += RESYNC_QUIET_AFTER_SECONDS + 1
+    resync._synced(deal_id)
+    now[0] += 1
+    before = _quiet_skips()
+    await resync.run_once()
+    assert _quiet_skips() == before
+    await resync.run_once(rest_quiet=True)
+    assert _quiet_skips() >= before + 1
+
+
+def _quiet_skips() -> float:
+    from gate.metrics import METRICS, sample_values, value_of
+
+    return value_of(sample_values(METRICS.render().decode()), "gate_resync_quiet_skips_total")
