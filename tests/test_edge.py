@@ -628,7 +628,8 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
     a replay, a refusal, a deal Redis lost and a script Redis lost go on in a task
     with the coroutine's answers; a Redis that cannot be reached is a 503 problem and
     the connection serves on. No reservation is left counted in flight. In process,
-    on a real socket (no consumer runs: the entries wait in the queue)."""
+    on a real socket (the shared gate's consumers may commit the entries meanwhile:
+    an order reads QUEUED or PENDING_PAYMENT)."""
     import hashlib
 
     from gate.resp import RespConnection
@@ -653,7 +654,7 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
                         "title": "edge queue",
                         "unit_price": 700,
                         "currency": "EUR",
-                        "stock": 5,
+                        "stock": 6,
                         "mode": "queue",
                     }
                 ),
@@ -681,14 +682,18 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
                 assert answer.headers["location"] == f"/v1/orders/{order_id}"
                 return order_id
 
-            queued(await reserve(500, "edge-queue-500"))  # the deal's first: its price is read
+            # (buyer, order) of each 202; the deal's first reads its price in a task.
+            accepted = [(500, queued(await reserve(500, "edge-queue-500")))]
             second = queued(await reserve(501, "edge-queue-501"))  # the callback's 202
+            accepted.append((501, second))
             view = await ask("GET", f"/v1/orders/{second}", auth(501), b"")
             assert view.status == 200, view
-            assert view.json()["status"] == "QUEUED"
+            assert view.json()["status"] in ("QUEUED", "PENDING_PAYMENT")
             assert await rds.get(f"gate:q:i:{second}") == f"{deal_id}|{USER_BASE + 501}"
-            # A replay while it waits: 202 again, the same order.
-            assert queued(await reserve(501, "edge-queue-501")) == second
+            # A replay while it waits (or once committed): the same order.
+            replay = await reserve(501, "edge-queue-501")
+            assert replay.status in (200, 202), replay
+            assert replay.json()["order_id"] == second
             # The same key for another quantity: a refusal, from the task path.
             mismatch = await ask(
                 "POST",
@@ -705,7 +710,7 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
 
             # Redis lost the deal: the task loads it and the request is queued.
             await rds.delete(deal_keys(deal_id).meta)
-            queued(await reserve(502, "edge-queue-502"))
+            accepted.append((502, queued(await reserve(502, "edge-queue-502"))))
 
             # Redis lost the admission script (as after a restart): loaded again.
             script = gate.runner.scripts["admit"]
@@ -713,15 +718,11 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
             gate.runner.scripts["admit"] = Script(
                 "admit", source, hashlib.sha1(source.encode()).hexdigest()
             )
-            queued(await reserve(503, "edge-queue-503"))
-            queued(await reserve(504, "edge-queue-504"))
-            # Five queued: sold out (the admission's refusal, or the near-cache's).
-            sold = await reserve(505, "edge-queue-505")
-            assert sold.status == 409, sold
-            assert sold.problem()["code"] == "SOLD_OUT"
-            assert await rds.xlen(f"{{d:{deal_id}}}:q") == 5
+            accepted.append((503, queued(await reserve(503, "edge-queue-503"))))
 
-            # Redis cannot be reached: 503, nothing queued, and the connection serves on.
+            # Redis cannot be reached: 503, nothing taken, and the connection serves on.
+            avail = await rds.hget(deal_keys(deal_id).meta, "avail")
+            assert avail == "2", avail
             runner = gate.reservations.mirror.runner
             conns = runner._conns
             runner._conns = [RespConnection("redis://127.0.0.1:1/0", 0.5)]
@@ -732,9 +733,20 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
                 runner._conns = conns
             assert gone.status == 503, gone
             assert gone.problem()["code"] == "OVERLOADED"
+            assert await rds.hget(deal_keys(deal_id).meta, "avail") == avail
+
+            accepted.append((504, queued(await reserve(504, "edge-queue-504"))))
+            accepted.append((507, queued(await reserve(507, "edge-queue-507"))))
+            # Six admitted: sold out (the admission's refusal, or the near-cache's).
+            sold = await reserve(505, "edge-queue-505")
+            assert sold.status == 409, sold
+            assert sold.problem()["code"] == "SOLD_OUT"
+            for user, order_id in accepted:
+                view = await ask("GET", f"/v1/orders/{order_id}", auth(user), b"")
+                assert view.status == 200, view
+                assert view.json()["status"] in ("QUEUED", "PENDING_PAYMENT"), view
             healthz = await ask("GET", "/healthz", {}, b"")
             assert healthz.status == 200
             assert gate.reservations._inflight == 0
-            assert await rds.xlen(f"{{d:{deal_id}}}:q") == 5
         finally:
             writer.close()
