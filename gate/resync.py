@@ -7,8 +7,8 @@ commute, so several gates may run them; a short per-deal lock only saves the wor
 of duplicate passes.
 
 Every deal ever loaded stays active, so a long-lived gate would snapshot each past
-sale every second, for good. The loop (not `run_once`'s callers) lets quiet deals
-rest:
+sale every second, for good. On one Redis (not a cluster), the loop (not
+`run_once`'s other callers) lets quiet deals rest:
 
     per pass: Redis's run_id (another server: a failover, a restart)
                  └─ changed ──> every deal is due again
@@ -77,7 +77,11 @@ class Resync:
         `rest_quiet` (the loop's passes): quiet deals are skipped until due."""
         lock_ms = max(50, int(self.settings.resync_interval_seconds * 800))
         repaired = 0
-        rest_quiet = rest_quiet and self.settings.resync_quiet_seconds > 0
+        # On one Redis only: a cluster's INFO answers from any node, so its run_id
+        # cannot tell a failover of the node that holds a deal.
+        rest_quiet = (
+            rest_quiet and self.settings.resync_quiet_seconds > 0 and not self.mirror.runner.cluster
+        )
         deal_ids = [int(raw) for raw in await self.redis.smembers(ACTIVE_DEALS)]
         looks: dict[int, tuple[Any, ...]] = {}
         if rest_quiet:

@@ -195,6 +195,13 @@ async def test_the_resync_loop_rests_quiet_deals_and_wakes_them_on_any_move(
     deal_id = await create_deal(client, stock=10, buckets=2)
     assert (await reserve(client, deal_id, 730_000, f"quiet-deal-{deal_id}")).status_code == 201
     resync = local_gate.resync
+    if local_gate.mirror.runner.cluster:
+        # On a cluster every deal is synced every pass: the loop's pass skips none.
+        before = _quiet_skips()
+        await resync.run_once(rest_quiet=True)
+        await resync.run_once(rest_quiet=True)
+        assert _quiet_skips() == before
+        return
     now = [1_000.0]
     resync.clock = lambda: now[0]
     quiet_every = local_gate.settings.resync_quiet_seconds
