@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -520,6 +520,33 @@ async def _read_answer(reader: asyncio.StreamReader) -> Answer:
     return Answer(int(status_line.split()[1]), headers, body)
 
 
+Ask = Callable[[str, str, dict[str, str], bytes], Awaitable[Answer]]
+
+
+def _asker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Ask:
+    """One request at a time on one kept-alive connection: (method, path, headers,
+    body) -> its answer."""
+
+    async def ask(method: str, path: str, headers: dict[str, str], body: bytes) -> Answer:
+        head, body = request(method, path, headers, body)
+        writer.write(head + body)
+        return await _read_answer(reader)
+
+    return ask
+
+
+async def _created_deal(ask: Ask, deal: dict[str, Any]) -> int:
+    """A deal created through the admin API on that connection (EUR): its id."""
+    created = await ask(
+        "POST",
+        "/v1/admin/deals",
+        {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+        orjson.dumps({"currency": "EUR", **deal}),
+    )
+    assert created.status == 201, created
+    return int(created.json()["id"])  # type: ignore[call-overload]
+
+
 async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_is_gone(
     settings: Settings, prepared: None, rds: aioredis.Redis
 ) -> None:
@@ -540,29 +567,17 @@ async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_i
         room = getattr(ext.workers[0], "__self__", None)
         assert isinstance(room, Room)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-
-        async def ask(method: str, path: str, headers: dict[str, str], body: bytes) -> Answer:
-            head, body = request(method, path, headers, body)
-            writer.write(head + body)
-            return await _read_answer(reader)
-
+        ask = _asker(reader, writer)
         try:
-            created = await ask(
-                "POST",
-                "/v1/admin/deals",
-                {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
-                orjson.dumps(
-                    {
-                        "title": "edge room",
-                        "unit_price": 500,
-                        "currency": "EUR",
-                        "stock": 5,
-                        "waiting_room": {"admit_per_second": 1},
-                    }
-                ),
+            deal_id = await _created_deal(
+                ask,
+                {
+                    "title": "edge room",
+                    "unit_price": 500,
+                    "stock": 5,
+                    "waiting_room": {"admit_per_second": 1},
+                },
             )
-            assert created.status == 201, created
-            deal_id = int(created.json()["id"])  # type: ignore[call-overload]
             path = f"/v1/deals/{deal_id}/queue"
 
             async def edge_requests() -> float:
@@ -638,29 +653,11 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
     async with in_process_gate(settings) as (app, port):
         gate = app.state.gate
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-
-        async def ask(method: str, path: str, headers: dict[str, str], body: bytes) -> Answer:
-            head, body = request(method, path, headers, body)
-            writer.write(head + body)
-            return await _read_answer(reader)
-
+        ask = _asker(reader, writer)
         try:
-            created = await ask(
-                "POST",
-                "/v1/admin/deals",
-                {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
-                orjson.dumps(
-                    {
-                        "title": "edge queue",
-                        "unit_price": 700,
-                        "currency": "EUR",
-                        "stock": 6,
-                        "mode": "queue",
-                    }
-                ),
+            deal_id = await _created_deal(
+                ask, {"title": "edge queue", "unit_price": 700, "stock": 6, "mode": "queue"}
             )
-            assert created.status == 201, created
-            deal_id = int(created.json()["id"])  # type: ignore[call-overload]
 
             def auth(user: int) -> dict[str, str]:
                 return {"Authorization": f"Bearer {token(USER_BASE + user)}"}
