@@ -3,12 +3,15 @@
 A process gathers the admitted reservations of one deal that arrive while its
 previous groups of that deal are in the database, and applies them in one
 `CALL gate_reserve_group` (db/006): one transaction, one statement per step for the
-whole group, one COMMIT. No timer: a reservation that finds fewer than
-`in_flight_max` groups of its deal in the database starts one at once (an idle gate
-adds no wait; a group of one is a plain `gate_reserve`), the others queue and leave
-together with the next group. So a busy gate amortises the round trip, the
-procedure's work and the COMMIT's log flush over many reservations, and the bucket
-rows are locked once per group instead of once per reservation.
+whole group, one COMMIT. No timer: a reservation that finds no group of its deal
+in the database starts one at once (an idle gate adds no wait; a group of one is a
+plain `gate_reserve`), the others queue and leave together with the next group. A
+further group leaves beside one in the database (up to `in_flight_max`) only once a
+quarter of `group_max` is queued: a few stragglers wait for the group in flight
+rather than pay a transaction's fixed cost for one or two reservations. So a busy
+gate amortises the round trip, the procedure's work and the COMMIT's log flush over
+many reservations, and the bucket rows are locked once per group instead of once per
+reservation.
 
 The group is all or nothing and only for the common case. When the database would
 answer one item differently from the others (a bucket short, a per-user limit, a
@@ -58,6 +61,9 @@ TRANSACTION_SECONDS = METRICS.db_transaction_seconds
 # Hard bounds on the settings (a group's JSON must stay far below max_allowed_packet).
 GROUP_MAX_LIMIT = 512
 IN_FLIGHT_MAX_LIMIT = 64
+# While a group of a deal is in the database, the next leaves beside it only with at
+# least 1/FOLLOW_SHARE of GATE_RESERVATION_GROUP_MAX queued (docs/reservation-groups.md).
+FOLLOW_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class ReservationGroups:
         self.lease = lease
         self.group_max = group_max
         self.in_flight_max = in_flight_max
+        self.follow_min = max(1, group_max // FOLLOW_SHARE)
         # A queued reservation waits no longer for its group to leave than it would
         # for a pooled connection: a saturated database answers 503 soon, as before.
         self.queue_wait_seconds = queue_wait_seconds
@@ -174,7 +181,13 @@ class ReservationGroups:
     def _kick(self, deal_id: int) -> None:
         self._kick_scheduled.discard(deal_id)
         queue = self._queues.get(deal_id)
-        while queue and self._in_flight.get(deal_id, 0) < self.in_flight_max:
+        while queue:
+            flying = self._in_flight.get(deal_id, 0)
+            # With a group of the deal in the database, another leaves only once it
+            # would be worth its fixed cost: a few stragglers wait for the group in
+            # flight instead of going as a group of one or two.
+            if flying >= self.in_flight_max or (flying and len(queue) < self.follow_min):
+                break
             group = queue[: self.group_max]
             del queue[: self.group_max]
             self._in_flight[deal_id] = self._in_flight.get(deal_id, 0) + 1

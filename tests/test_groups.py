@@ -169,6 +169,62 @@ async def test_reservations_queued_behind_a_busy_database_commit_as_one_group(
         await client.close()
 
 
+async def _reserve_statements(cur: object, deal_id: int) -> list[int]:
+    """The server threads working on this deal's bucket rows now (as
+    wait_for_reserve_statement finds them)."""
+    await cur.execute(  # type: ignore[attr-defined]
+        "SELECT ID FROM information_schema.PROCESSLIST"
+        " WHERE ID <> CONNECTION_ID() AND INFO LIKE %s AND INFO LIKE %s",
+        ("%deal_buckets%", f"%NAME_CONST('p_deal_id',{deal_id})%"),
+    )
+    return [int(r[0]) for r in await cur.fetchall()]  # type: ignore[attr-defined]
+
+
+async def test_a_second_group_leaves_beside_the_first_only_once_a_quarter_is_queued(
+    env: dict[str, str], prepared: None, db: Database, rds: aioredis.Redis, settings: Settings
+) -> None:
+    """Two groups of a deal may be in the database at once, but the second leaves only
+    with a quarter of GATE_RESERVATION_GROUP_MAX queued (here 4 of 16): three
+    stragglers wait for the group in flight; a fourth makes them worth a group."""
+    gate = GateProcess(
+        {
+            **env,
+            "GATE_RESERVATION_GROUPS_IN_FLIGHT_MAX": "2",
+            "GATE_RESERVATION_GROUP_MAX": "16",
+            "GATE_RESYNC_INTERVAL_SECONDS": "60",
+        },
+        workers=1,
+    )
+    client = Client(gate.url)
+    try:
+        await asyncio.to_thread(gate.wait_ready)
+        deal_id = await create_deal(client, stock=400, buckets=4)
+        groups0 = await _groups(client)
+        base = 7_200_000 + deal_id * 100
+        buys = [(base + i, f"follow-{deal_id}-{i}", 1) for i in range(5)]
+        async with locked_buckets(settings, deal_id) as cur:
+            first = _fire(client, deal_id, buys[:1])
+            pilot = await wait_for_reserve_statement(cur, deal_id)
+            stragglers = _fire(client, deal_id, buys[1:4])
+            await _wait_inflight(rds, deal_id, 4)
+            await asyncio.sleep(0.5)
+            # Three queued: no second group went to the database beside the first.
+            assert await _reserve_statements(cur, deal_id) == [pilot]
+            fourth = _fire(client, deal_id, buys[4:])
+            second = await wait_for_reserve_statement(cur, deal_id, exclude=[pilot])
+            assert second != pilot
+        answers = [await f for f in first + stragglers + fourth]
+        assert [r.status_code for r in answers] == [201] * len(buys), [r.text for r in answers]
+        groups1 = await _groups(client)
+        # The pilot alone, then the four together.
+        assert (groups1[0] - groups0[0], groups1[1] - groups0[1]) == (2, 5)
+        report = await assert_invariants(db, rds, deal_id)
+        assert report["totals"]["held"] == len(buys)
+    finally:
+        await client.close()
+        gate.stop()
+
+
 async def test_a_group_with_odd_items_answers_each_as_alone(
     grouping_gate: GateProcess,
     db: Database,
