@@ -401,17 +401,23 @@ async def locked_buckets(settings: Settings, deal_id: int) -> AsyncIterator[Any]
         locker.close()
 
 
+async def reserve_statements(cur: Any, deal_id: int) -> list[int]:
+    """The server threads of reservations (or reservation groups) of this deal working
+    on a bucket row now. (Inside the procedure the processlist shows the inner
+    statement, not the CALL.)"""
+    await cur.execute(
+        "SELECT ID FROM information_schema.PROCESSLIST"
+        " WHERE ID <> CONNECTION_ID() AND INFO LIKE %s AND INFO LIKE %s",
+        ("%deal_buckets%", f"%NAME_CONST('p_deal_id',{deal_id})%"),
+    )
+    return [int(r[0]) for r in await cur.fetchall()]
+
+
 async def wait_for_reserve_statement(cur: Any, deal_id: int, exclude: Sequence[int] = ()) -> int:
     """The server thread of a reservation (or a reservation group) for this deal, once
-    it works on a bucket row, other than the threads in `exclude`. (Inside the
-    procedure the processlist shows the inner statement, not the CALL.)"""
+    it works on a bucket row, other than the threads in `exclude`."""
     for _ in range(200):
-        await cur.execute(
-            "SELECT ID FROM information_schema.PROCESSLIST"
-            " WHERE ID <> CONNECTION_ID() AND INFO LIKE %s AND INFO LIKE %s",
-            ("%deal_buckets%", f"%NAME_CONST('p_deal_id',{deal_id})%"),
-        )
-        found = [int(r[0]) for r in await cur.fetchall() if int(r[0]) not in exclude]
+        found = [t for t in await reserve_statements(cur, deal_id) if t not in exclude]
         if found:
             return found[0]
         await asyncio.sleep(0.02)

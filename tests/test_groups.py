@@ -30,6 +30,7 @@ from tests.support import (
     locked_buckets,
     redis_available,
     reserve,
+    reserve_statements,
     wait_for_reserve_statement,
 )
 
@@ -169,17 +170,6 @@ async def test_reservations_queued_behind_a_busy_database_commit_as_one_group(
         await client.close()
 
 
-async def _reserve_statements(cur: object, deal_id: int) -> list[int]:
-    """The server threads working on this deal's bucket rows now (as
-    wait_for_reserve_statement finds them)."""
-    await cur.execute(  # type: ignore[attr-defined]
-        "SELECT ID FROM information_schema.PROCESSLIST"
-        " WHERE ID <> CONNECTION_ID() AND INFO LIKE %s AND INFO LIKE %s",
-        ("%deal_buckets%", f"%NAME_CONST('p_deal_id',{deal_id})%"),
-    )
-    return [int(r[0]) for r in await cur.fetchall()]  # type: ignore[attr-defined]
-
-
 async def test_a_second_group_leaves_beside_the_first_only_once_a_quarter_is_queued(
     env: dict[str, str], prepared: None, db: Database, rds: aioredis.Redis, settings: Settings
 ) -> None:
@@ -209,7 +199,7 @@ async def test_a_second_group_leaves_beside_the_first_only_once_a_quarter_is_que
             await _wait_inflight(rds, deal_id, 4)
             await asyncio.sleep(0.5)
             # Three queued: no second group went to the database beside the first.
-            assert await _reserve_statements(cur, deal_id) == [pilot]
+            assert await reserve_statements(cur, deal_id) == [pilot]
             fourth = _fire(client, deal_id, buys[4:])
             second = await wait_for_reserve_statement(cur, deal_id, exclude=[pilot])
             assert second != pilot
