@@ -27,9 +27,9 @@ proc: BEGIN
     DECLARE v_ends      DATETIME(6);
     DECLARE v_now       DATETIME(6);
     DECLARE v_n         INT UNSIGNED;
+    DECLARE v_all       INT UNSIGNED;
     DECLARE v_parts     INT UNSIGNED;
     DECLARE v_over      INT UNSIGNED;
-    DECLARE v_values    LONGTEXT CHARACTER SET utf8mb4;
     DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_found = 0;
     -- An idempotency key the database already holds (a replay whose Redis record was
     -- lost): each item on its own finds out which one.
@@ -63,7 +63,11 @@ proc: BEGIN
     END IF;
 
     START TRANSACTION;
-    CALL gate_reserve_scratch();
+    -- The session's scratch table, emptied; created by the first call of a session.
+    BEGIN
+        DECLARE CONTINUE HANDLER FOR 1146 CALL gate_reserve_scratch();
+        DELETE FROM gate_rg_items;
+    END;
     INSERT INTO gate_rg_items (n, order_id, user_id, quantity, bucket, idempotency_key,
         fingerprint)
     SELECT j.n, j.order_id, j.user_id, j.quantity, j.bucket MOD v_nb, j.idempotency_key,
@@ -76,10 +80,13 @@ proc: BEGIN
                bucket           INT UNSIGNED PATH '$[3]',
                idempotency_key  VARCHAR(255) CHARACTER SET ascii PATH '$[4]',
                fingerprint      CHAR(32) CHARACTER SET ascii PATH '$[5]')) AS j;
-    SELECT COUNT(*), COUNT(DISTINCT bucket) INTO v_n, v_parts FROM gate_rg_items
-     WHERE quantity BETWEEN 1 AND v_max AND order_id IS NOT NULL AND user_id IS NOT NULL
-       AND idempotency_key IS NOT NULL AND fingerprint IS NOT NULL;
-    IF v_n = 0 OR v_n <> (SELECT COUNT(*) FROM gate_rg_items) THEN
+    -- Every item whole and within the deal's maximum, or each goes on its own.
+    SELECT COUNT(*), COUNT(DISTINCT bucket),
+           COALESCE(SUM(quantity BETWEEN 1 AND v_max AND order_id IS NOT NULL
+               AND user_id IS NOT NULL AND bucket IS NOT NULL
+               AND idempotency_key IS NOT NULL AND fingerprint IS NOT NULL), 0)
+      INTO v_all, v_parts, v_n FROM gate_rg_items;
+    IF v_n = 0 OR v_n <> v_all THEN
         ROLLBACK;
         SELECT 8 AS code, NULL AS expires_at, NULL AS created_at, NULL AS unit_price,
                NULL AS currency;
@@ -128,29 +135,21 @@ proc: BEGIN
 
     -- One ledger row per order, as gate_reserve writes them: within a bucket the items
     -- take their units in item order, so each row's before/after follows from the
-    -- bucket's new count and the units of the items after it. One multi-row
-    -- INSERT … VALUES (an INSERT … SELECT would hold the table's AUTO-INC lock for the
-    -- whole statement, see 004).
-    SET SESSION group_concat_max_len = 268435456;
-    SELECT GROUP_CONCAT(CONCAT_WS(',', p_deal_id, t.bucket, QUOTE(t.order_id),
-               QUOTE(t.order_id), 0, -CAST(t.quantity AS SIGNED), t.quantity, 0,
-               b.available + t.later + t.quantity, b.available + t.later, '''reserve''',
-               QUOTE(CONCAT('user:', t.user_id)), QUOTE(v_now))
-               ORDER BY t.n SEPARATOR '),(')
-      INTO v_values
+    -- bucket's new count and the units of the items after it. (With
+    -- innodb_autoinc_lock_mode = 1 an INSERT … SELECT holds the ledger's AUTO-INC lock
+    -- to its end; this one reads only the session's scratch table and bucket rows the
+    -- transaction holds already, so it never waits while holding it.)
+    INSERT INTO inventory_ledger (deal_id, bucket, order_id, op_id, d_total, d_available,
+        d_held, d_sold, available_before, available_after, reason, actor, created_at)
+    SELECT p_deal_id, t.bucket, t.order_id, t.order_id, 0, -CAST(t.quantity AS SIGNED),
+           t.quantity, 0, b.available + t.later + t.quantity, b.available + t.later,
+           'reserve', CONCAT('user:', t.user_id), v_now
       FROM (SELECT n, order_id, user_id, quantity, bucket,
                    COALESCE(SUM(quantity) OVER (PARTITION BY bucket ORDER BY n DESC
                        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS later
               FROM gate_rg_items) AS t
-      STRAIGHT_JOIN deal_buckets AS b ON b.deal_id = p_deal_id AND b.bucket = t.bucket;
-    SET @gate_rg_sql = CONCAT(
-        'INSERT INTO inventory_ledger (deal_id, bucket, order_id, op_id, d_total,',
-        ' d_available, d_held, d_sold, available_before, available_after, reason, actor,',
-        ' created_at) VALUES (', v_values, ')');
-    PREPARE gate_rg_stmt FROM @gate_rg_sql;
-    EXECUTE gate_rg_stmt;
-    DEALLOCATE PREPARE gate_rg_stmt;
-    SET @gate_rg_sql = NULL;
+      STRAIGHT_JOIN deal_buckets AS b ON b.deal_id = p_deal_id AND b.bucket = t.bucket
+     ORDER BY t.n;
     COMMIT;
     SELECT 0 AS code, v_now + INTERVAL v_hold SECOND AS expires_at, v_now AS created_at,
            v_price AS unit_price, v_currency AS currency, v_nb AS bucket_count;
