@@ -40,6 +40,10 @@ async def test_exhausted_reservation_pool_sheds_load_but_not_reads(
             "GATE_DB_RESERVATION_POOL_MAX": "2",
             "GATE_DB_RESERVATION_ACQUIRE_SECONDS": "0.3",
             "GATE_RESERVATION_INFLIGHT_MAX": "12",
+            # Groups of at most 4: a second group leaves beside the first with a single
+            # reservation queued (a quarter of the maximum, gate/groups.py), so each
+            # slow reservation below takes a connection of its own.
+            "GATE_RESERVATION_GROUP_MAX": "4",
         }
     )
     await asyncio.to_thread(gate.wait_ready)
