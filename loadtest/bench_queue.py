@@ -2,7 +2,7 @@
 
     GATE_MYSQL_URL=mysql://root@127.0.0.1:3306/gate_bench \\
     GATE_REDIS_URL=redis://127.0.0.1:6379/14 GATE_ENV=dev \\
-    .venv/bin/python loadtest/bench_queue.py --requests 5000 --concurrency 200
+    .venv/bin/python loadtest/bench_queue.py --requests 20000 --concurrency 100 --rounds 3
 
 Starts one `gate serve` (one worker, background loops on: its queue consumer runs in
 the same process as the requests it answers), then, each with `--requests` fresh
@@ -13,11 +13,16 @@ buyers sent `--concurrency` at a time:
      committed)
   3. sync: the same deal shape in sync mode; commits (201)/s
   4. commit lag (enqueue → committed) p50/p99 from the gate's histogram (upper
-     bucket bounds)
+     bucket bounds), and the queue's retries and dead letters
+The bursts are sent by wrk (`--client wrk`, the default: loadtest/wrk/reserve.lua,
+each buyer once; a C client that costs ~30 µs per request, so each phase measures
+the gate) or by this process (`--client aiohttp`: a Python client that needs a core
+for ~1,500 requests/s and so bounds the sold-out phase itself).
 Prints one JSON line per round with the ratios the issue targets (accepted/sold-out
-≥ 0.8, drain/sync ≥ 1.0) and the gate's CPU per answer in each phase (utime + stime
-of the server's process group from /proc: what a busy machine disturbs least), then
-one with the medians and spreads over the rounds (`--rounds`).
+≥ 0.8, drain/sync ≥ 1.0) and the CPU per answer in each phase of the gate (utime +
+stime of the server's process group from /proc: what a busy machine disturbs
+least), of Redis, of MariaDB and of the client, then one with the medians and
+spreads over the rounds (`--rounds`).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,8 +48,9 @@ sys.path.insert(0, str(ROOT))
 from gate.keys import queue_keys  # noqa: E402
 from gate.migrate import migrate  # noqa: E402
 from gate.settings import load_settings  # noqa: E402
+from loadtest import procs, wrkrun  # noqa: E402
 from loadtest.procs import Server, free_port  # noqa: E402
-from loadtest.tokens import TokenMint  # noqa: E402
+from loadtest.tokens import TokenMint, write_token_file  # noqa: E402
 
 DRAIN_POLLS_MAX = 60_000  # 5 ms apart: at most about 5 minutes
 
@@ -79,20 +87,30 @@ async def _burst(
     return time.perf_counter() - start, counts
 
 
-def _group_cpu(pgid: int) -> float:
-    """User + system CPU seconds of every process of the server's group."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields[0] is the state: pgrp is the 5th field
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+async def _burst_wrk(
+    url: str, deal_id: int, tokens: Path, connections: int
+) -> tuple[float, dict[int, int]]:
+    """Every buyer in `tokens` once through wrk (`connections` at a time): (seconds
+    from start to the last answer, count per status)."""
+    done = await asyncio.to_thread(wrkrun.reserve_once, url, deal_id, tokens, "bq", connections)
+    if not done.extra.get("finished"):
+        raise RuntimeError(f"wrk did not finish: {done.to_json()}")
+    return float(done.extra["wall_s"]), dict(done.status)
+
+
+def _cpu(groups: dict[str, list[int]], client: str) -> dict[str, float]:
+    """User + system CPU seconds so far of each group of processes, and of the client
+    (wrk: this process's finished children; aiohttp: this process)."""
+    sample = {name: procs.cpu_seconds(pids) for name, pids in groups.items()}
+    sample["client"] = procs.children_seconds() if client == "wrk" else time.process_time()
+    return sample
+
+
+def _per_answer(
+    before: dict[str, float], after: dict[str, float], answers: int
+) -> dict[str, float]:
+    """CPU µs per answer of each process between two samples."""
+    return {k: round((after[k] - before[k]) * 1e6 / max(1, answers), 1) for k in after}
 
 
 def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -105,16 +123,24 @@ def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     return None
 
 
-async def _lag(session: aiohttp.ClientSession, url: str) -> tuple[float | None, float | None]:
+async def _lag(
+    session: aiohttp.ClientSession, url: str
+) -> tuple[float | None, float | None, dict[str, float]]:
+    """Commit lag p50/p99 (upper bucket bounds) and the queue's retry and dead-letter
+    counts, from the gate's /metrics."""
     async with session.get(url + "/metrics") as r:
         text = await r.text()
     buckets: list[tuple[float, float]] = []
+    counts = {"retries": 0.0, "dead_letters": 0.0}
     for line in text.splitlines():
         if line.startswith("gate_queue_commit_lag_seconds_bucket"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
             buckets.append((float("inf") if le == "+Inf" else float(le), float(line.split()[-1])))
+        for name in counts:
+            if line.startswith(f"gate_queue_{name}_total{{"):
+                counts[name] += float(line.split()[-1])
     buckets.sort()
-    return _quantile(buckets, 0.5), _quantile(buckets, 0.99)
+    return _quantile(buckets, 0.5), _quantile(buckets, 0.99), counts
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -138,9 +164,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ROOT,
     )
     rds = aioredis.Redis.from_url(settings.redis_url)
+    work = Path(tempfile.mkdtemp(prefix="bench-queue-"))  # wrk's token files
     try:
         server.wait_ready("/readyz")
-        mint = TokenMint(settings.jwt_secret.reveal(), ttl_seconds=3600)
+        secret = settings.jwt_secret.reveal()
+        mint = TokenMint(secret, ttl_seconds=3600)
         base = int(time.time()) % 10**6 * 10**6
         n = args.requests
 
@@ -153,8 +181,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(n)
             ]
 
+        prepared: dict[int, Any] = {}
+
+        async def prepare(offset: int) -> None:
+            """The buyers of one burst, made before its clock starts."""
+            if args.client == "wrk":
+                path = work / f"tokens-{offset}.txt"
+                users = range(base + offset, base + offset + n)
+                await asyncio.to_thread(write_token_file, path, secret, users, 3600)
+                prepared[offset] = path
+            else:
+                prepared[offset] = buyers(offset)
+
+        async def fire(
+            s: aiohttp.ClientSession, deal_id: int, offset: int
+        ) -> tuple[float, dict[int, int]]:
+            made = prepared.pop(offset)
+            if args.client == "wrk":
+                return await _burst_wrk(server.url, deal_id, made, args.concurrency)
+            return await _burst(s, server.url, deal_id, made, args.concurrency)
+
         connector = aiohttp.TCPConnector(limit=args.concurrency)
-        pgid = server.proc.pid  # its own session: the group id is its pid
+        groups = {
+            "gate": server.pids(),
+            "redis": procs.pids_named("redis-server"),
+            "mariadb": procs.pids_named("mariadbd", "mysqld"),
+        }
         rounds: list[dict[str, Any]] = []
         async with aiohttp.ClientSession(connector=connector) as s:
             deal = {
@@ -168,37 +220,45 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 offset = 4 * n * r
                 sold = await _admin(s, server.url, admin, {**deal, "stock": 1})
                 await _burst(s, server.url, sold, buyers(offset)[:1], 1)
-                cpu0 = _group_cpu(pgid)
-                t_sold, c_sold = await _burst(
-                    s, server.url, sold, buyers(offset + n), args.concurrency
-                )
-                cpu_sold = _group_cpu(pgid) - cpu0
+                await prepare(offset + n)
+                cpu0 = _cpu(groups, args.client)
+                t_sold, c_sold = await fire(s, sold, offset + n)
+                cpu_sold = _cpu(groups, args.client)
 
                 queued = await _admin(s, server.url, admin, {**deal, "stock": n, "mode": "queue"})
-                heads = buyers(offset + 2 * n)
-                cpu0 = _group_cpu(pgid)
+                await prepare(offset + 2 * n)
+                cpu1 = _cpu(groups, args.client)
                 start = time.perf_counter()
-                t_queue, c_queue = await _burst(s, server.url, queued, heads, args.concurrency)
-                cpu_burst = _group_cpu(pgid) - cpu0
+                t_queue, c_queue = await fire(s, queued, offset + 2 * n)
+                cpu_burst = _cpu(groups, args.client)
                 stream = queue_keys(queued).stream
                 for _ in range(DRAIN_POLLS_MAX):  # polled: the queue lives in another process
                     if await rds.xlen(stream) == 0:
                         break
                     await asyncio.sleep(0.005)
                 t_drain = time.perf_counter() - start
-                cpu_queue = _group_cpu(pgid) - cpu0
+                cpu_queue = _cpu(groups, args.client)
 
                 synced = await _admin(s, server.url, admin, {**deal, "stock": n})
-                cpu0 = _group_cpu(pgid)
-                t_sync, c_sync = await _burst(
-                    s, server.url, synced, buyers(offset + 3 * n), args.concurrency
-                )
-                cpu_sync = _group_cpu(pgid) - cpu0
+                await prepare(offset + 3 * n)
+                cpu2 = _cpu(groups, args.client)
+                t_sync, c_sync = await fire(s, synced, offset + 3 * n)
+                cpu_sync = _cpu(groups, args.client)
                 sold_rps = c_sold.get(409, 0) / t_sold
                 accepted_rps = c_queue.get(202, 0) / t_queue
                 drain_rps = c_queue.get(202, 0) / t_drain
                 sync_rps = c_sync.get(201, 0) / t_sync
-                us = 1e6
+                n409, n202, n201 = c_sold.get(409, 0), c_queue.get(202, 0), c_sync.get(201, 0)
+                # CPU µs per answer of each process (gate, Redis, MariaDB, the client):
+                # what the two cores were spent on in each phase.
+                per = {
+                    "409": _per_answer(cpu0, cpu_sold, n409),
+                    # While the 202s were answered, the consumers draining meanwhile.
+                    "202_burst": _per_answer(cpu1, cpu_burst, n202),
+                    # Accepted and committed: the whole queue phase per order.
+                    "queued_commit": _per_answer(cpu1, cpu_queue, n202),
+                    "sync_commit": _per_answer(cpu2, cpu_sync, n201),
+                }
                 row = {
                     "sold_out_per_s": round(sold_rps),
                     "accepted_202_per_s": round(accepted_rps),
@@ -207,22 +267,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "sync_commits_per_s": round(sync_rps),
                     "drain_vs_sync": round(drain_rps / sync_rps, 2),
                     # The gate's CPU per answer: what a busy machine disturbs least.
-                    "cpu_us_per_409": round(cpu_sold * us / max(1, c_sold.get(409, 0)), 1),
-                    # While the 202s were answered, its consumers draining meanwhile.
-                    "cpu_us_per_202_burst": round(cpu_burst * us / max(1, c_queue.get(202, 0)), 1),
-                    # Accepted and committed: the whole queue phase per order.
-                    "cpu_us_per_queued_commit": round(
-                        cpu_queue * us / max(1, c_queue.get(202, 0)), 1
-                    ),
-                    "cpu_us_per_sync_commit": round(cpu_sync * us / max(1, c_sync.get(201, 0)), 1),
+                    **{f"cpu_us_per_{k}": v["gate"] for k, v in per.items()},
+                    "cpu_us_per_answer": per,
                     "statuses": {"sold_out": c_sold, "queue": c_queue, "sync": c_sync},
                 }
                 rounds.append(row)
                 print(orjson.dumps(row, option=orjson.OPT_NON_STR_KEYS).decode(), flush=True)
-            p50, p99 = await _lag(s, server.url)
+            p50, p99, queue_counts = await _lag(s, server.url)
     finally:
         server.stop()
         await rds.aclose()
+        shutil.rmtree(work, ignore_errors=True)
 
     def median(key: str) -> float:
         return round(statistics.median(float(row[key]) for row in rounds), 2)
@@ -244,8 +299,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": len(rounds),
         "median": {k: median(k) for k in keys},
         "spread": {k: spread(k) for k in keys},
+        "cpu_us_per_answer_median": {
+            phase: {
+                proc: round(
+                    statistics.median(r["cpu_us_per_answer"][phase][proc] for r in rounds), 1
+                )
+                for proc in rounds[0]["cpu_us_per_answer"][phase]
+            }
+            for phase in rounds[0]["cpu_us_per_answer"]
+        },
+        "client": args.client,
         "commit_lag_p50_le_s": p50,
         "commit_lag_p99_le_s": p99,
+        "queue_retries": queue_counts["retries"],
+        "queue_dead_letters": queue_counts["dead_letters"],
     }
 
 
@@ -254,6 +321,12 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=5000)
     p.add_argument("--concurrency", type=int, default=200)
     p.add_argument("--buckets", type=int, default=8)
+    p.add_argument(
+        "--client",
+        choices=("wrk", "aiohttp"),
+        default="wrk",
+        help="who sends the bursts: wrk (C: the gate's own rate) or aiohttp (Python)",
+    )
     p.add_argument(
         "--rounds", type=int, default=1, help="sold out, queue, sync again, each round fresh"
     )

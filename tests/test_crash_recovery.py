@@ -124,7 +124,11 @@ async def test_a_killed_gate_leaves_no_ghost_stock(
         crowd = asyncio.gather(
             *(_attempt(victim_client, deal_id, user_base + i) for i in range(BUYERS))
         )
-        while await _order_count(db, deal_id) < ORDERS_BEFORE_KILL:
+        # The kill lands once some orders are in and reservations are in flight (one
+        # Redis read before it): on an idle database a fast sale can otherwise finish
+        # between the count and the kill, leaving nothing to recover.
+        inflight = deal_keys(deal_id).inflight
+        while await _order_count(db, deal_id) < ORDERS_BEFORE_KILL or not await rds.hlen(inflight):
             assert not crowd.done(), "the crowd finished before the kill"
             await asyncio.sleep(0.01)
         locked_at = time.monotonic()
