@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.keys import deal_keys, queue_keys
+from gate.settings import Settings
 from tests.support import (
     ADMIN,
     Client,
@@ -25,6 +26,7 @@ from tests.support import (
     assert_invariants,
     buyer,
     create_deal,
+    locked_buckets,
     redis_available,
     reserve,
 )
@@ -314,7 +316,12 @@ def _accepted(results: list[tuple[int, Any]]) -> list[tuple[int, str]]:
 
 
 async def test_sigkill_mid_drain_a_new_gate_finishes(
-    env: dict[str, str], db: Database, rds: aioredis.Redis, client: Client, gate: GateProcess
+    env: dict[str, str],
+    db: Database,
+    rds: aioredis.Redis,
+    client: Client,
+    gate: GateProcess,
+    settings: Settings,
 ) -> None:
     stock = 300
     deal_id = await create_deal(client, stock=stock, buckets=2, mode="queue")
@@ -327,16 +334,27 @@ async def test_sigkill_mid_drain_a_new_gate_finishes(
     try:
         c = Client(first.url)
         try:
-            crowd = asyncio.ensure_future(_fire(c, deal_id, 18_000_000, 1200, "k"))
-            # Killed once some are committed and some still wait in the queue.
+            # Killed with some committed and some still waiting in the queue, made
+            # so rather than waited for (a drain that keeps pace with the admissions,
+            # as two gates on a Redis Cluster can, leaves no backlog): a first wave
+            # is committed, then the bucket rows are held so that the drain waits
+            # while the crowd queues, and the kill lands with the drain blocked in
+            # the database.
+            wave = await _fire(c, deal_id, 18_000_000, 40, "k")
+            first_wave = _accepted(wave)
+            assert first_wave
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                if await _held(db, deal_id) > 0 and await rds.xlen(queue_keys(deal_id).stream) > 20:
-                    break
+            while await _held(db, deal_id) < len(first_wave):
+                assert time.monotonic() < deadline, "the first wave was not committed"
                 await asyncio.sleep(0.01)
-            held_at_kill = await _held(db, deal_id)
-            first.kill()
-            results = await crowd
+            async with locked_buckets(settings, deal_id):
+                crowd = asyncio.ensure_future(_fire(c, deal_id, 18_000_100, 1200, "k"))
+                while await rds.xlen(queue_keys(deal_id).stream) <= 20:
+                    assert time.monotonic() < deadline, "no queue formed"
+                    await asyncio.sleep(0.01)
+                held_at_kill = await _held(db, deal_id)
+                first.kill()
+            results = wave + await crowd
         finally:
             await c.close()
         assert 0 < held_at_kill < stock
