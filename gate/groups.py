@@ -190,7 +190,7 @@ class ReservationGroups:
                 break
             group = queue[: self.group_max]
             del queue[: self.group_max]
-            self._in_flight[deal_id] = self._in_flight.get(deal_id, 0) + 1
+            self._in_flight[deal_id] = flying + 1
             task = asyncio.get_running_loop().create_task(self._run(deal_id, group))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
