@@ -105,6 +105,7 @@ def gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
         for proc in procs:
             proc.wait_ready()
         procs[0].peers = [p.url for p in procs]
+        procs[0].partners = procs[1:]
         yield procs[0]
     finally:
         for proc in procs:

@@ -175,10 +175,18 @@ class GateProcess(GateCommand):
         self.url = f"http://127.0.0.1:{self.port}"
         # Every gate serving the suite (a cluster run starts two): see Client.
         self.peers: list[str] = [self.url]
+        # The suite's other gate processes (tests/conftest.py `gate`): `signal_suite`.
+        self.partners: list[GateProcess] = []
         args = ["serve", "--port", str(self.port), "--workers", str(workers)]
         if not background:
             args.append("--no-background")
         super().__init__(env, *args, log_name=f"gate-{self.port}")
+
+    def signal_suite(self, sig: int) -> None:
+        """A signal to this gate's process group and its partners': SIGSTOP freezes
+        every consumer of the suite's gates (a cluster run has two), SIGCONT thaws."""
+        for proc in (self, *self.partners):
+            os.killpg(proc.proc.pid, sig)
 
     def wait_ready(self, timeout_seconds: float = 30.0) -> None:
         """Ready when /readyz answers 200 on enough fresh connections in a row that

@@ -5,7 +5,6 @@ once through kills, switching, dead letters, cancel."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections import Counter
@@ -17,7 +16,9 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.keys import deal_keys, queue_keys
+from gate.redismode import detect_mode
 from gate.settings import Settings
+from tests.cluster import flush_all_primaries
 from tests.support import (
     ADMIN,
     Client,
@@ -166,7 +167,7 @@ async def test_queued_replay_answers_202_then_the_order(
         idle.wait_ready()
         # The shared gate's consumers are frozen meanwhile (a real stall: its lease
         # lapses and it takes a new one when it wakes up).
-        os.killpg(gate.proc.pid, signal.SIGSTOP)
+        gate.signal_suite(signal.SIGSTOP)
         c = Client(idle.url)
         try:
             deal_id = await create_deal(c, stock=5)
@@ -207,7 +208,7 @@ async def test_queued_replay_answers_202_then_the_order(
         finally:
             await c.close()
     finally:
-        os.killpg(gate.proc.pid, signal.SIGCONT)
+        gate.signal_suite(signal.SIGCONT)
         idle.stop()
     # The shared gate's consumers meet the cancelled entry: acknowledged, never
     # committed, its units not given back twice.
@@ -330,7 +331,7 @@ async def test_sigkill_mid_drain_a_new_gate_finishes(
     slow = {**env, "GATE_QUEUE_BATCH_MAX": "4", "GATE_QUEUE_CLAIM_IDLE_SECONDS": "60"}
     first = GateProcess(slow)
     first.wait_ready()
-    os.killpg(gate.proc.pid, signal.SIGSTOP)
+    gate.signal_suite(signal.SIGSTOP)
     try:
         c = Client(first.url)
         try:
@@ -375,7 +376,7 @@ async def test_sigkill_mid_drain_a_new_gate_finishes(
         finally:
             second.stop()
     finally:
-        os.killpg(gate.proc.pid, signal.SIGCONT)
+        gate.signal_suite(signal.SIGCONT)
         first.stop()
     # Admitted but never answered (the kill): committed or given back, exactly once.
     report = await assert_invariants(db, rds, deal_id, timeout_seconds=30)
@@ -490,7 +491,7 @@ async def test_queue_cap_answers_503_and_gives_the_units_back(
     capped = GateProcess({**env, "GATE_QUEUE_CONSUMERS": "0", "GATE_QUEUE_DEPTH_MAX": "2"})
     try:
         capped.wait_ready()
-        os.killpg(gate.proc.pid, signal.SIGSTOP)  # no consumer drains meanwhile
+        gate.signal_suite(signal.SIGSTOP)  # no consumer drains meanwhile
         c = Client(capped.url)
         try:
             deal_id = await create_deal(c, stock=10, mode="queue")
@@ -506,9 +507,45 @@ async def test_queue_cap_answers_503_and_gives_the_units_back(
         finally:
             await c.close()
     finally:
-        os.killpg(gate.proc.pid, signal.SIGCONT)
+        gate.signal_suite(signal.SIGCONT)
         capped.stop()
     await _queue_drained(rds, deal_id)
     assert await _held(db, deal_id) == 2
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 10, "available": 8, "held": 2, "sold": 0}
+
+
+async def test_redis_flushed_mid_sale_later_requests_are_committed(
+    client: Client, db: Database, rds: aioredis.Redis, settings: Settings
+) -> None:
+    """Redis loses everything mid-sale (FLUSHDB on every primary): the gates go on
+    queueing, and their consumers find the deal's new queue and make their group on
+    it again, without a restart. (What was queued in the lost Redis was never
+    committed: the resync gives its units back; docs/queue-mode.md, Known limits.)"""
+    stock = 200
+    deal_id = await create_deal(client, stock=stock, buckets=2, mode="queue")
+    _, first = await _crowd(client, deal_id, 19_000_000, 40)
+    assert len(first) == 40
+    states = await _read_all_pending(client, first, 10.0)
+    assert Counter(s["status"] for s in states.values()) == {"PENDING_PAYMENT": 40}
+
+    mode = detect_mode(settings.redis_url, settings.redis_mode, 2.0)
+    await asyncio.to_thread(flush_all_primaries, settings.redis_url, mode)
+
+    accepted: list[tuple[int, str]] = []
+    deadline = time.monotonic() + 10
+    attempt = 0
+    while len(accepted) < 60:  # 503s while a gate reloads the deal are retried
+        assert time.monotonic() < deadline, "no admissions after the flush"
+        attempt += 1
+        base = 19_100_000 + 1_000 * attempt
+        statuses, more = await _crowd(client, deal_id, base, 60 - len(accepted))
+        assert set(statuses) <= {202, 503}, statuses
+        accepted += more
+    # Every 202 after the flush reads PENDING_PAYMENT within 10 s, as before it.
+    states = await _read_all_pending(client, accepted, 10.0)
+    assert Counter(s["status"] for s in states.values()) == {"PENDING_PAYMENT": 60}
+    await _queue_drained(rds, deal_id)
+    report = await assert_invariants(db, rds, deal_id, timeout_seconds=30)
+    assert report["totals"] == {"total": stock, "available": stock - 100, "held": 100, "sold": 0}
+    assert await _held(db, deal_id) == 100

@@ -247,6 +247,19 @@ class QueueConsumer:
             self._groups.add(deal_id)
 
     async def drain(self, deal_id: int, slot: int = 0) -> int:
+        try:
+            return await self._drain(deal_id, slot)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The stream lost its group: Redis was flushed, or failed over to a copy
+            # without it. The next pass makes it again, from the stream's first entry
+            # (the entries queued since), instead of failing every pass until a restart.
+            self._groups.discard(deal_id)
+            log.warning("deal %s: the queue's consumer group is gone; made again", deal_id)
+            return 0
+
+    async def _drain(self, deal_id: int, slot: int) -> int:
         redis = self.gate.redis
         stream = queue_keys(deal_id).stream
         await self._ensure_group(stream, deal_id)

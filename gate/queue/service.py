@@ -12,13 +12,16 @@ admitted request, and what a queued order reads (docs/queue-mode.md).
 
 Which deals are in queue mode is read from the database by every process at most
 `GATE_QUEUE_MODE_REFRESH_SECONDS` apart (`ModeCache.run`), so a switch is followed
-everywhere within that time; the process that switched follows at once.
+everywhere within that time; the process that switched follows at once. After each
+refresh the deals this process queued to are announced again (`reannounce`), so that
+a Redis that lost `gate:q:deals` has them back for the consumers within a refresh.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +107,8 @@ class ModeCache:
         self.queued: frozenset[int] = frozenset()
         self.max_id = 0  # the highest deal id the last read saw
         self._reads: dict[int, asyncio.Future[None]] = {}
+        # Run by `run()` after each refresh (QueueService.reannounce).
+        self.after_refresh: Callable[[], Awaitable[None]] | None = None
 
     def known(self, deal_id: int) -> bool | None:
         """Whether the deal is in queue mode, without a wait; None for a deal newer
@@ -146,6 +151,11 @@ class ModeCache:
             except Exception as exc:
                 # Keep the last known modes: a database blip must not flip deals.
                 log.warning("deal modes not refreshed: %r", exc)
+            if self.after_refresh is not None:
+                try:
+                    await self.after_refresh()
+                except Exception as exc:
+                    log.warning("after the deal modes' refresh: %r", exc)
             try:
                 await asyncio.wait_for(stop.wait(), self.refresh_seconds)
             except TimeoutError:
@@ -188,6 +198,7 @@ class QueueService:
         self._queued_counters: dict[int, Any] = {}
         # Set by every enqueue: this process's idle consumer starts a pass at once.
         self.wake = asyncio.Event()
+        self.modes.after_refresh = self.reannounce
 
     async def _price(self, deal_id: int) -> tuple[int, str]:
         known = self._prices.get(deal_id)
@@ -288,6 +299,16 @@ class QueueService:
         counter.inc()
         self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
+
+    async def reannounce(self) -> None:
+        """Every GATE_QUEUE_MODE_REFRESH_SECONDS: the deals this process announced that
+        are still in queue mode, announced again in one call. A Redis that lost the set
+        (flushed, failed over to a copy without it) has the deals of the requests queued
+        since back within a refresh, so the consumers find their queues without a
+        restart; otherwise a no-op write."""
+        live = self._announced & self.modes.queued
+        if live:
+            await self.gate.redis.sadd(QUEUE_DEALS, *(str(d) for d in sorted(live)))
 
     async def _announce(self, deal_id: int) -> None:
         if deal_id not in self._announced and len(self._announced) < QUEUE_DEALS_MAX:
