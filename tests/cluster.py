@@ -216,6 +216,18 @@ class LocalCluster:
             out[port] = (parts[0], ranges)
         return out
 
+    def replicated_primaries(self) -> set[int]:
+        """Ports of the live primaries that have a live replica (one that a SIGKILL of
+        the primary would promote)."""
+        with self._live() as node:
+            text = str(node.execute_command("CLUSTER", "NODES"))
+        followed = {
+            parts[3]
+            for parts in (line.split() for line in text.splitlines())
+            if "slave" in parts[2] and "fail" not in parts[2] and parts[7] == "connected"
+        }
+        return {port for port, (node_id, _) in self.primaries().items() if node_id in followed}
+
     def migrate_slot(self, slot: int, dst_port: int, batch: int = 10, pause: float = 0.05) -> int:
         """Move one slot to the primary on `dst_port` as `redis-cli --cluster reshard`
         does (IMPORTING / MIGRATING, MIGRATE a few keys at a time, SETSLOT NODE);

@@ -134,12 +134,17 @@ class ModeCache:
             self.set(deal_id, str(row[0]))
 
     async def run_once(self) -> None:
+        # One statement, so one read view: the highest id and the deals in queue mode
+        # agree. (Read apart, a deal created in queue mode between the two reads was
+        # below the highest id but not in queue mode: sold synchronously until the
+        # next refresh.)
         rows = await self.gate.db.fetchall(
-            "SELECT id FROM deals WHERE mode = 'queue' ORDER BY id LIMIT %s", (QUEUE_DEALS_MAX,)
+            "SELECT 0, COALESCE(MAX(id), 0) FROM deals"
+            " UNION ALL (SELECT 1, id FROM deals WHERE mode = 'queue' ORDER BY id LIMIT %s)",
+            (QUEUE_DEALS_MAX,),
         )
-        top = await self.gate.db.fetchone("SELECT COALESCE(MAX(id), 0) FROM deals")
-        self.queued = frozenset(int(r[0]) for r in rows)
-        self.max_id = int(top[0]) if top else 0
+        self.queued = frozenset(int(v) for kind, v in rows if int(kind) == 1)
+        self.max_id = max((int(v) for kind, v in rows if int(kind) == 0), default=0)
 
     def set(self, deal_id: int, mode: str) -> None:
         self.queued = self.queued | {deal_id} if mode == "queue" else self.queued - {deal_id}
