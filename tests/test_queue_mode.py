@@ -60,6 +60,9 @@ async def _read_all_pending(
     return states
 
 
+LIMIT_ONE_AN_HOUR = "1/h burst 1"
+
+
 def _command(env: dict[str, str], *args: str) -> tuple[int, str]:
     """A `gate …` command run to its end: (exit status, its output)."""
     cmd = GateCommand(env, *args)
@@ -237,6 +240,9 @@ async def test_permanent_failure_ends_in_a_dead_letter(
             **env,
             "GATE_QUEUE_ATTEMPTS_MAX": str(attempts),
             "GATE_QUEUE_RETRY_BASE_SECONDS": "0.05",
+            # The buyer's one request spends the per-user limit: a retry made under the
+            # same limit is refused RATE_LIMITED (below).
+            "GATE_LIMIT_USER": LIMIT_ONE_AN_HOUR,
         }
     )
     try:
@@ -274,6 +280,17 @@ async def test_permanent_failure_ends_in_a_dead_letter(
     assert listed[0] == 0, listed[1]
     (letter,) = orjson.loads(listed[1])
     assert letter["order_id"] == oid
+    assert _command(env, "queue", "status", "--deal", str(deal_id + 10**6))[0] == 2
+    assert _command(env, "queue", "status", "--deal", "0")[0] == 2
+    # A retry refused for now (the buyer's limit spent) is no outcome: released again.
+    limited = _command(
+        {**env, "GATE_LIMIT_USER": LIMIT_ONE_AN_HOUR}, "queue", "retry", str(letter["entry_id"])
+    )
+    assert limited[0] == 1 and "RATE_LIMITED" in limited[1] and "again" in limited[1], limited
+    row = await db.fetchone(
+        "SELECT retried_at, retried_order_id FROM queue_dead_letters WHERE order_id = %s", (oid,)
+    )
+    assert row == (None, None)
     retried = _command(env, "queue", "retry", str(letter["entry_id"]))
     assert retried[0] == 0, retried[1]
     again = _command(env, "queue", "retry", str(letter["entry_id"]))

@@ -22,6 +22,10 @@ from gate.settings import SettingsError
 
 DEAD_LETTERS_MAX = 1000
 DEALS_MAX = 1000
+ID_MAX = 2**64 - 1  # BIGINT UNSIGNED, the ids' column type
+# Refusals that are not the request's outcome: a retry refused with one of these is
+# released (retried_at back to NULL) so that it may be retried again.
+RETRY_AGAIN_CODES = frozenset({"OVERLOADED", "RATE_LIMITED", "IDEMPOTENCY_IN_PROGRESS", "INTERNAL"})
 
 
 def _print(data: Any, as_json: bool, lines: list[str]) -> None:
@@ -31,21 +35,39 @@ def _print(data: Any, as_json: bool, lines: list[str]) -> None:
         print("\n".join(lines) if lines else "(none)")
 
 
+class NoSuchDeal(Exception):
+    pass
+
+
 async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
     from gate.keys import QUEUE_DEALS, queue_keys
     from gate.queue.consumer import GROUP
 
     redis = gate.redis
-    deals = [deal] if deal else sorted(int(d) for d in await redis.smembers(QUEUE_DEALS))
+    if deal is not None:
+        deals = [deal]
+    else:
+        deals = sorted(int(d) for d in await redis.smembers(QUEUE_DEALS))[:DEALS_MAX]
     out: list[dict[str, Any]] = []
+    if not deals:
+        return out
+    # Only the deals shown: a database of many past sales is not read whole.
+    marks = ",".join(["%s"] * len(deals))
+    modes = {
+        int(r[0]): str(r[1])
+        for r in await gate.db.fetchall(f"SELECT id, mode FROM deals WHERE id IN ({marks})", deals)
+    }
+    if deal is not None and deal not in modes:
+        raise NoSuchDeal(deal)
     counts = {
         int(r[0]): int(r[1])
         for r in await gate.db.fetchall(
-            "SELECT deal_id, COUNT(*) FROM queue_dead_letters GROUP BY deal_id"
+            "SELECT deal_id, COUNT(*) FROM queue_dead_letters"
+            f" WHERE deal_id IN ({marks}) GROUP BY deal_id",
+            deals,
         )
     }
-    modes = {int(r[0]): str(r[1]) for r in await gate.db.fetchall("SELECT id, mode FROM deals")}
-    for deal_id in deals[:DEALS_MAX]:
+    for deal_id in deals:
         stream = queue_keys(deal_id).stream
         depth = int(await redis.xlen(stream))
         age = 0.0
@@ -85,7 +107,7 @@ async def _dead_letters(gate: Any, deal: int | None) -> list[dict[str, Any]]:
         " retried_order_id, retried_at FROM queue_dead_letters"
     )
     args: tuple[Any, ...] = ()
-    if deal:
+    if deal is not None:
         sql += " WHERE deal_id = %s"
         args = (deal,)
     sql += " ORDER BY id DESC LIMIT %s"
@@ -123,17 +145,27 @@ async def _retry(gate: Any, entry_id: int) -> tuple[int, str]:
     if not claimed:
         return 1, f"dead letter {entry_id} was already retried"
     deal_id, user_id, quantity, key = int(row[0]), int(row[1]), int(row[2]), str(row[3])
+    release = "UPDATE queue_dead_letters SET retried_at = NULL WHERE id = %s"
     try:
         result = await gate.reservations.reserve(
             ReserveRequest(deal_id, user_id, quantity, key, "127.0.0.1", None)
         )
     except Problem as problem:
-        if problem.code == "OVERLOADED":
-            # Nothing was admitted: the dead letter may be retried again later.
-            await gate.db.execute(
-                "UPDATE queue_dead_letters SET retried_at = NULL WHERE id = %s", (entry_id,)
+        if problem.code in RETRY_AGAIN_CODES:
+            # No outcome yet (nothing admitted, or the same key's earlier attempt still
+            # in flight): the dead letter is released for a later retry, which the
+            # request's idempotency key keeps to one order.
+            await gate.db.execute(release, (entry_id,))
+            return 1, (
+                f"retry of {entry_id} refused for now: {problem.code} {problem.detail}"
+                " (it may be retried again)"
             )
         return 1, f"retry of {entry_id} refused: {problem.code} {problem.detail}"
+    except Exception as exc:
+        # Redis or the database failed mid-call: whatever was admitted is under the
+        # request's idempotency key, so a later retry answers that same order.
+        await gate.db.execute(release, (entry_id,))
+        return 1, f"retry of {entry_id} failed: {exc!r} (it may be retried again)"
     order_id = str(result.body["order_id"])
     await gate.db.execute(
         "UPDATE queue_dead_letters SET retried_order_id = %s WHERE id = %s", (order_id, entry_id)
@@ -167,7 +199,11 @@ def cmd_queue(args: argparse.Namespace) -> int:
             return 2
         try:
             if args.queue_cmd == "status":
-                data = await _status(gate, args.deal)
+                try:
+                    data = await _status(gate, args.deal)
+                except NoSuchDeal:
+                    print(f"gate: no such deal {args.deal}", file=sys.stderr)
+                    return 2
                 _print(
                     data,
                     args.json,
@@ -203,16 +239,29 @@ def cmd_queue(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
+def _positive_id(text: str) -> int:
+    """A positive id (a deal's, a dead letter's) as the database holds them."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= ID_MAX:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {ID_MAX}")
+    return value
+
+
 def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     q = sub.add_parser("queue", help="queue mode: status, dead letters, retry")
     qs = q.add_subparsers(dest="queue_cmd", required=True)
     s = qs.add_parser("status", help="depth, oldest age, consumers, retries, dead letters")
-    s.add_argument("--deal", type=int, default=None, help="only this deal")
+    s.add_argument("--deal", type=_positive_id, default=None, help="only this deal")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     d = qs.add_parser("dead-letters", help="list the queue's dead letters")
-    d.add_argument("--deal", type=int, default=None, help="only this deal")
+    d.add_argument("--deal", type=_positive_id, default=None, help="only this deal")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     r = qs.add_parser("retry", help="re-submit one dead letter (exactly once)")
-    r.add_argument("entry_id", type=int, help="the dead letter's id (gate queue dead-letters)")
+    r.add_argument(
+        "entry_id", type=_positive_id, help="the dead letter's id (gate queue dead-letters)"
+    )
     for p in (s, d, r):
         p.set_defaults(fn=cmd_queue)
