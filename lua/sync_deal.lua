@@ -97,17 +97,34 @@ local function shift_user(user, units)
   end
 end
 
+-- The walk is the script's cost (a queue-mode deal may have a marker per queued
+-- request): a reservation's user and quantity are read only where they are used
+-- (load mode's per-user counts), and a one-bucket allocation "b:q" is shifted without
+-- an iterator.
+local with_users = mode == 'load'
+local match, sub, tonum = string.match, string.sub, tonumber
 local recs = redis.call('HGETALL', KEYS[4])
 for i = 1, #recs, 2 do
   local id, rec = recs[i], recs[i + 1]
-  if string.sub(rec, 1, 2) == 'T|' then
-    local user, qty, alloc = string.match(rec, '^T|([^|]*)|([^|]*)|([^|]*)|')
-    if committed[id] then
-      shift(committed[id], 1)
+  if sub(rec, 1, 2) == 'T|' then
+    local c = committed[id]
+    if c then
+      shift(c, 1)
+    end
+    if with_users then
+      local user, qty, alloc = match(rec, '^T|([^|]*)|([^|]*)|([^|]*)|')
       shift(alloc, -1)
+      if not c then
+        shift_user(user, tonum(qty))
+      end
     else
-      shift(alloc, -1)
-      shift_user(user, tonumber(qty))
+      local b, q = match(rec, '^T|[^|]*|[^|]*|(%d+):(%d+)|')
+      if b then
+        local mb = tonum(b) % nb
+        want[mb] = want[mb] - tonum(q)
+      else
+        shift(match(rec, '^T|[^|]*|[^|]*|([^|]*)|'), -1)
+      end
     end
   elseif committed[id] then
     local user, units, deltas = string.match(rec, '^R|([^|]*)|([^|]*)|([^|]*)|')

@@ -266,6 +266,43 @@ async def test_the_resync_loop_rests_quiet_deals_and_wakes_them_on_any_move(
     assert _quiet_skips() >= before + 1
 
 
+async def test_the_resync_loop_paces_a_deal_with_many_in_flight_markers(
+    client: Client, local_gate: Gate
+) -> None:
+    """A sync walks every in-flight marker inside one script, so the loop syncs a deal
+    with N > RESYNC_MARKERS_PER_SECOND markers (a deep queue) at most every
+    N / RESYNC_MARKERS_PER_SECOND seconds, at least every RESYNC_PACE_MAX_SECONDS;
+    fewer markers never pace it (gate/resync.py). The deal's real look, with the
+    marker count set in it; a clock of the test's own."""
+    from gate.resync import RESYNC_MARKERS_PER_SECOND, RESYNC_PACE_MAX_SECONDS
+
+    deal_id = await create_deal(client, stock=10, buckets=2)
+    assert (await reserve(client, deal_id, 731_000, f"paced-deal-{deal_id}")).status_code == 201
+    resync = local_gate.resync
+    now = [5_000.0]
+    resync.clock = lambda: now[0]
+    look = (await resync._looks([deal_id]))[deal_id]
+
+    def with_markers(n: int) -> tuple[Any, ...]:
+        return (*look[:3], n, look[4])
+
+    deep = 5 * RESYNC_MARKERS_PER_SECOND  # every 5 s
+    assert not resync._paced(deal_id, with_markers(deep))  # never seen: synced
+    assert not resync._quiet(deal_id, with_markers(deep))
+    resync._synced(deal_id)
+    now[0] += 1
+    assert resync._paced(deal_id, with_markers(deep))
+    assert not resync._paced(deal_id, with_markers(RESYNC_MARKERS_PER_SECOND))  # not many
+    now[0] += 3.9
+    assert resync._paced(deal_id, with_markers(deep))
+    now[0] += 0.2
+    assert not resync._paced(deal_id, with_markers(deep))  # 5 s since its last sync
+    # The pause is bounded whatever the count.
+    assert resync._paced(deal_id, with_markers(10**9))
+    now[0] += RESYNC_PACE_MAX_SECONDS
+    assert not resync._paced(deal_id, with_markers(10**9))
+
+
 def _quiet_skips() -> float:
     from gate.metrics import METRICS, sample_values, value_of
 
