@@ -2,7 +2,7 @@
 
     GATE_MYSQL_URL=mysql://root@127.0.0.1:3306/gate_bench \\
     GATE_REDIS_URL=redis://127.0.0.1:6379/14 GATE_ENV=dev \\
-    .venv/bin/python loadtest/bench_queue.py --requests 20000 --concurrency 100 --rounds 3
+    .venv/bin/python loadtest/bench_queue.py --requests 20000 --concurrency 100 --rounds 2
 
 Starts one `gate serve` (one worker, background loops on: its queue consumer runs in
 the same process as the requests it answers), then, each with `--requests` fresh

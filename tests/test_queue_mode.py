@@ -192,6 +192,10 @@ async def test_queued_replay_answers_202_then_the_order(
             assert view.status_code == 200 and view.json()["status"] == "QUEUED"
             other = await c.get(f"/v1/orders/{oid}", headers=buyer(16_000_002))
             assert other.status_code == 404
+            # Polls of a waiting order are answered by Redis, never the database: they
+            # answer with the orders table locked against every read.
+            polls = await _polled_with_orders_locked(c, db, oid, 16_000_001)
+            assert all(p == (200, "QUEUED") for p in polls), polls
             assert (await redis_available(rds, deal_id))[0] == 4
 
             cancelled = await c.post(f"/v1/orders/{oid}/cancel", headers=buyer(16_000_001))
@@ -208,6 +212,8 @@ async def test_queued_replay_answers_202_then_the_order(
             }
             again = await c.post(f"/v1/orders/{oid}/cancel", headers=buyer(16_000_001))
             assert again.status_code == 409
+            polls = await _polled_with_orders_locked(c, db, oid, 16_000_001)
+            assert all(p == (200, "REJECTED") for p in polls), polls
         finally:
             await c.close()
     finally:
@@ -222,6 +228,25 @@ async def test_queued_replay_answers_202_then_the_order(
     assert report["totals"] == {"total": 5, "available": 5, "held": 0, "sold": 0}
     view = await client.get(f"/v1/orders/{oid}", headers=buyer(16_000_001))
     assert view.json()["reason"] == "CANCELLED"
+
+
+async def _polled_with_orders_locked(
+    c: Client, db: Database, order_id: str, user_id: int
+) -> list[tuple[int, str]]:
+    """Five polls of the order while this test's connection holds `orders` locked for
+    writing (other sessions' reads of it wait): (status code, order status) each."""
+    async with db.connection() as conn, conn.cursor() as cur:
+        await cur.execute("LOCK TABLES orders WRITE")
+        try:
+            answers = await asyncio.wait_for(
+                asyncio.gather(
+                    *(c.get(f"/v1/orders/{order_id}", headers=buyer(user_id)) for _ in range(5))
+                ),
+                5.0,
+            )
+        finally:
+            await cur.execute("UNLOCK TABLES")
+    return [(a.status_code, str(a.json().get("status"))) for a in answers]
 
 
 @pytest.mark.parametrize("attempts", [3])

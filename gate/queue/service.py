@@ -7,7 +7,9 @@ admitted request, and what a queued order reads (docs/queue-mode.md).
            as in flight), status "Q" ──> 202 QUEUED, Location /v1/orders/{id}
            └─ queue full (GATE_QUEUE_DEPTH_MAX) ──> compensate ──> 503
     replay of the key while queued (admit: IN_PROGRESS) ──> 202, the queued body
-    GET /v1/orders/{id}: the database first; else the status key: QUEUED or REJECTED
+    GET /v1/orders/{id}: the status key first, where it answers exactly (not taken
+        yet: QUEUED; rejected: REJECTED), so polls of a queue stay off the database;
+        else the database; else the status key again (QUEUED while being committed)
     cancel of a queued order: queue_cancel.lua "Q" -> "X|CANCELLED", compensate
 
 Which deals are in queue mode is read from the database by every process at most
@@ -185,6 +187,10 @@ def queued_body(
         "amount": unit_price * quantity,
         "currency": currency,
     }
+
+
+def rejected_body(order_id: str, deal_id: int, reason: str) -> dict[str, Any]:
+    return {"order_id": order_id, "status": "REJECTED", "deal_id": deal_id, "reason": reason}
 
 
 class QueueService:
@@ -414,6 +420,30 @@ class QueueService:
             return None
         return int(deal), str(status)
 
+    async def view_before_database(self, order_id: str, user_id: int) -> dict[str, Any] | None:
+        """GET /v1/orders/{id}, asked before the database: what Redis alone answers
+        exactly. A request still waiting (status "Q": no consumer has taken it, so no
+        database can hold it) reads QUEUED, a rejected one ("X|CODE", final) REJECTED,
+        so a crowd polling its queued orders never reaches the database. Anything else
+        (taken and being committed, committed, another buyer's, unknown, Redis
+        unreachable) is None: the database's way, then `view`."""
+        try:
+            found = await self._locate(order_id, user_id)
+            if found is None:
+                return None
+            deal_id, status = found
+            if status.startswith("X|"):
+                return rejected_body(order_id, deal_id, status[2:])
+            if not status.startswith("Q|"):
+                return None
+            record = await self.gate.redis.hget(deal_keys(deal_id).inflight, order_id)
+        except (RedisError, OSError, TimeoutError):
+            return None
+        if not record:
+            return None
+        quantity = int(str(record).split("|")[2])
+        return queued_body(order_id, deal_id, quantity, *await self._price(deal_id))
+
     async def view(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         """GET /v1/orders/{id} for an order the database did not hold when asked."""
         try:
@@ -427,12 +457,7 @@ class QueueService:
             return await self._committed_meanwhile(order_id, user_id)
         deal_id, status = found
         if status.startswith("X|"):
-            return {
-                "order_id": order_id,
-                "status": "REJECTED",
-                "deal_id": deal_id,
-                "reason": status[2:],
-            }
+            return rejected_body(order_id, deal_id, status[2:])
         record = await self.gate.redis.hget(deal_keys(deal_id).inflight, order_id)
         if not record:
             return await self._committed_meanwhile(order_id, user_id)
@@ -483,9 +508,4 @@ class QueueService:
         # the entry later calls it again: a no-op).
         await self.gate.mirror.compensate(keys, user_id, parts[5], order_id)
         self.gate.soldout.forget(deal_id)
-        return {
-            "order_id": order_id,
-            "status": "REJECTED",
-            "deal_id": deal_id,
-            "reason": "CANCELLED",
-        }
+        return rejected_body(order_id, deal_id, "CANCELLED")
