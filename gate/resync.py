@@ -33,7 +33,9 @@ pass. The same loop therefore paces a deal with many markers:
 
 so that its walks take a bounded share of Redis (a few per cent), and its drift is
 repaired within that period instead of a pass. A synchronous deal's markers are its
-requests in progress, far fewer: it is never paced.
+requests in progress, far fewer: it is never paced. Pacing applies on Redis Cluster
+too; there a failover of the deal's node cannot be told (see above), so a paced deal
+is synced again when its period is over, not at once.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class Resync:
         self.clock: Callable[[], float] = time.monotonic
         # The loop's view of each deal (`_quiet`), and the Redis server it was seen on.
         self._seen: dict[int, _Seen] = {}
+        # When the loop last synced each deal (`_paced`).
+        self._last_sync: dict[int, float] = {}
         self._server = ""
 
     async def run_once(self, rest_quiet: bool = False) -> int:
@@ -99,18 +103,20 @@ class Resync:
         `rest_quiet` (the loop's passes): quiet deals are skipped until due."""
         lock_ms = max(50, int(self.settings.resync_interval_seconds * 800))
         repaired = 0
-        # On one Redis only: a cluster's INFO answers from any node, so its run_id
-        # cannot tell a failover of the node that holds a deal.
-        rest_quiet = (
-            rest_quiet and self.settings.resync_quiet_seconds > 0 and not self.mirror.runner.cluster
-        )
+        cluster = self.mirror.runner.cluster
+        loop_pass = rest_quiet
+        # Quiet deals rest on one Redis only: a cluster's INFO answers from any node,
+        # so its run_id cannot tell a failover of the node that holds a deal. Deals
+        # with many markers are paced on either.
+        rest_quiet = loop_pass and self.settings.resync_quiet_seconds > 0 and not cluster
         deal_ids = [int(raw) for raw in await self.redis.smembers(ACTIVE_DEALS)]
         looks: dict[int, tuple[Any, ...]] = {}
-        if rest_quiet:
-            await self._same_server()
+        if loop_pass:
+            if not cluster:
+                await self._same_server()
             looks = await self._looks(deal_ids)
         for deal_id in deal_ids:
-            if rest_quiet and self._paced(deal_id, looks[deal_id]):
+            if loop_pass and self._paced(deal_id, looks[deal_id]):
                 PACED_SKIPS.inc()
                 continue
             if rest_quiet and self._quiet(deal_id, looks[deal_id]):
@@ -123,12 +129,13 @@ class Resync:
                 log.info("deal %s no longer exists; dropping its Redis state", deal_id)
                 await self.mirror.forget(deal_id)
                 self._seen.pop(deal_id, None)
+                self._last_sync.pop(deal_id, None)
                 continue
             code, _detail = result
             METRICS.resync.labels(code.name.lower()).inc()
             if code == SyncCode.APPLIED:
                 repaired += 1
-            if rest_quiet:
+            if loop_pass:
                 self._synced(deal_id)
         return repaired
 
@@ -139,6 +146,7 @@ class Resync:
         server = str((await self.redis.info("server")).get("run_id", ""))
         if server != self._server:
             self._seen.clear()
+            self._last_sync.clear()
             self._server = server
 
     async def _looks(self, deal_ids: list[int]) -> dict[int, tuple[Any, ...]]:
@@ -177,18 +185,22 @@ class Resync:
         markers = int(look[3] or 0)
         if markers <= RESYNC_MARKERS_PER_SECOND:
             return False
-        seen = self._seen.get(deal_id)
-        if seen is None:
+        last = self._last_sync.get(deal_id)
+        if last is None:
             return False
         every = min(RESYNC_PACE_MAX_SECONDS, markers / RESYNC_MARKERS_PER_SECOND)
-        return self.clock() - seen.synced < every
+        return self.clock() - last < every
 
     def _synced(self, deal_id: int) -> None:
         """The deal was synced now. A repair moved its look: the next pass sees the
         move and syncs it once more, then it can rest."""
+        now = self.clock()
         seen = self._seen.get(deal_id)
         if seen is not None:
-            seen.synced = self.clock()
+            seen.synced = now
+        if len(self._last_sync) >= QUIET_TRACKED_MAX:
+            self._last_sync.clear()
+        self._last_sync[deal_id] = now
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -197,7 +209,9 @@ class Resync:
                 if lease is None or await lease.held(self.settings.resync_interval_seconds):
                     await self.run_once(rest_quiet=True)
                 else:
-                    self._seen.clear()  # another process's passes: start afresh when back
+                    # Another process's passes: start afresh when back.
+                    self._seen.clear()
+                    self._last_sync.clear()
             except Exception as exc:
                 log.warning("resync pass failed: %r", exc)
             try:

@@ -272,8 +272,8 @@ async def test_the_resync_loop_paces_a_deal_with_many_in_flight_markers(
     """A sync walks every in-flight marker inside one script, so the loop syncs a deal
     with N > RESYNC_MARKERS_PER_SECOND markers (a deep queue) at most every
     N / RESYNC_MARKERS_PER_SECOND seconds, at least every RESYNC_PACE_MAX_SECONDS;
-    fewer markers never pace it (gate/resync.py). The deal's real look, with the
-    marker count set in it; a clock of the test's own."""
+    fewer markers never pace it (gate/resync.py), on one Redis and on a cluster. The
+    deal's real look, with the marker count set in it; a clock of the test's own."""
     from gate.resync import RESYNC_MARKERS_PER_SECOND, RESYNC_PACE_MAX_SECONDS
 
     deal_id = await create_deal(client, stock=10, buckets=2)
