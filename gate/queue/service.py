@@ -399,7 +399,12 @@ class QueueService:
         status = await self.gate.redis.get(queue_keys(deal_id).status(token))
         if not status or str(status)[0] not in "QC":
             return None
-        record = await self.gate.redis.hget(keys.inflight, token)
+        return await self._waiting_body(token, deal_id)
+
+    async def _waiting_body(self, token: str, deal_id: int) -> dict[str, Any] | None:
+        """The QUEUED body of a request whose units are still in flight; None when its
+        in-flight marker is gone (committed or given back meanwhile)."""
+        record = await self.gate.redis.hget(deal_keys(deal_id).inflight, token)
         if not record:
             return None
         quantity = int(str(record).split("|")[2])
@@ -436,13 +441,12 @@ class QueueService:
                 return rejected_body(order_id, deal_id, status[2:])
             if not status.startswith("Q|"):
                 return None
-            record = await self.gate.redis.hget(deal_keys(deal_id).inflight, order_id)
-        except (RedisError, OSError, TimeoutError):
+            return await self._waiting_body(order_id, deal_id)
+        except Exception as exc:
+            # Redis unreachable, or the deal's price not readable (the database): the
+            # database's way, which answers 503 if it cannot answer either.
+            log.debug("order %s: no early view (%r)", order_id, exc)
             return None
-        if not record:
-            return None
-        quantity = int(str(record).split("|")[2])
-        return queued_body(order_id, deal_id, quantity, *await self._price(deal_id))
 
     async def view(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         """GET /v1/orders/{id} for an order the database did not hold when asked."""
@@ -458,11 +462,10 @@ class QueueService:
         deal_id, status = found
         if status.startswith("X|"):
             return rejected_body(order_id, deal_id, status[2:])
-        record = await self.gate.redis.hget(deal_keys(deal_id).inflight, order_id)
-        if not record:
+        waiting = await self._waiting_body(order_id, deal_id)
+        if waiting is None:
             return await self._committed_meanwhile(order_id, user_id)
-        quantity = int(str(record).split("|")[2])
-        return queued_body(order_id, deal_id, quantity, *await self._price(deal_id))
+        return waiting
 
     async def _committed_meanwhile(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         """A queued order committed between the caller's database read and the status
