@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.keys import deal_keys, queue_keys
+from gate.queue.cli import RETRY_CLAIM_SECONDS
 from gate.redismode import detect_mode
 from gate.settings import Settings
 from tests.cluster import flush_all_primaries
@@ -316,16 +317,28 @@ async def test_permanent_failure_ends_in_a_dead_letter(
         "SELECT retried_at, retried_order_id FROM queue_dead_letters WHERE order_id = %s", (oid,)
     )
     assert row == (None, None)
+    # A retry whose command died between its claim and its answer: the claim is
+    # respected while it may still be running, taken over once it cannot be.
+    await db.execute(
+        "UPDATE queue_dead_letters SET retried_at = NOW(6) WHERE order_id = %s", (oid,)
+    )
+    running = _command(env, "queue", "retry", str(letter["entry_id"]))
+    assert running[0] == 1 and "being retried" in running[1], running
+    await db.execute(
+        "UPDATE queue_dead_letters SET retried_at = NOW(6) - INTERVAL %s SECOND"
+        " WHERE order_id = %s",
+        (RETRY_CLAIM_SECONDS + 1, oid),
+    )
     retried = _command(env, "queue", "retry", str(letter["entry_id"]))
     assert retried[0] == 0, retried[1]
     again = _command(env, "queue", "retry", str(letter["entry_id"]))
     assert again[0] == 1 and "already retried" in again[1]
-    new_id = (
-        await db.fetchone(
-            "SELECT retried_order_id FROM queue_dead_letters WHERE order_id = %s", (oid,)
-        )
-        or [None]
-    )[0]
+    row = await db.fetchone(
+        "SELECT retried_order_id, retried_outcome FROM queue_dead_letters WHERE order_id = %s",
+        (oid,),
+    )
+    assert row is not None and row[1] in ("QUEUED", "PENDING_PAYMENT"), row
+    new_id = row[0]
     assert new_id and new_id != oid
     states = await _read_all_pending(client, [(17_000_001, str(new_id))], 20.0)
     assert states[str(new_id)]["status"] == "PENDING_PAYMENT"

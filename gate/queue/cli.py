@@ -3,10 +3,18 @@
 status       per deal with a queue: depth, oldest age, consumers, pending
              (delivered, not yet settled), retrying, dead letters
 dead-letters the queue_dead_letters rows (newest first, at most DEAD_LETTERS_MAX)
-retry ID     claims the dead letter (retried_at set once, so a second retry is
-             refused), then submits its request again through the normal
-             reservation path: a fresh admission (its units went back when it was
-             dead-lettered), queued or committed like any request, exactly once
+retry ID     claims the dead letter (retried_at), submits its request again
+             through the normal reservation path (a fresh admission: its units went
+             back when it was dead-lettered), queued or committed like any request,
+             and records the answer (retried_outcome, retried_order_id): one outcome
+             per dead letter, a second retry is refused.
+
+                 claim ──> reserve ──> order: outcome = its status, order id
+                   │          ├──────> final refusal: outcome = its code
+                   │          └──────> no outcome yet (RETRY_AGAIN_CODES, a failure):
+                   │                   claim released
+                   └─ taken: refused, unless a claim with no outcome is older than
+                      RETRY_CLAIM_SECONDS (its command died before the answer)
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ ID_MAX = 2**64 - 1  # BIGINT UNSIGNED, the ids' column type
 # Refusals that are not the request's outcome: a retry refused with one of these is
 # released (retried_at back to NULL) so that it may be retried again.
 RETRY_AGAIN_CODES = frozenset({"OVERLOADED", "RATE_LIMITED", "IDEMPOTENCY_IN_PROGRESS", "INTERNAL"})
+# A claim with no outcome this old was made by a command that died before its answer
+# (a retry is one reservation: its Redis and database calls time out within seconds):
+# a later retry may take it over. The request's idempotency key keeps both to one order.
+RETRY_CLAIM_SECONDS = 300
 
 
 def _print(data: Any, as_json: bool, lines: list[str]) -> None:
@@ -104,7 +116,7 @@ async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
 async def _dead_letters(gate: Any, deal: int | None) -> list[dict[str, Any]]:
     sql = (
         "SELECT id, order_id, deal_id, user_id, quantity, attempts, last_error, created_at,"
-        " retried_order_id, retried_at FROM queue_dead_letters"
+        " retried_order_id, retried_outcome, retried_at FROM queue_dead_letters"
     )
     args: tuple[Any, ...] = ()
     if deal is not None:
@@ -122,6 +134,7 @@ async def _dead_letters(gate: Any, deal: int | None) -> list[dict[str, Any]]:
         "last_error",
         "created_at",
         "retried_order_id",
+        "retried_outcome",
         "retried_at",
     )
     return [dict(zip(names, r, strict=True)) for r in rows]
@@ -137,15 +150,25 @@ async def _retry(gate: Any, entry_id: int) -> tuple[int, str]:
     )
     if row is None:
         return 1, f"no dead letter {entry_id}"
-    # Claimed once: a second retry of the same dead letter is refused.
+    # One claim at a time; a claim stays once the retry has an outcome.
     claimed = await gate.db.execute(
-        "UPDATE queue_dead_letters SET retried_at = NOW(6) WHERE id = %s AND retried_at IS NULL",
-        (entry_id,),
+        "UPDATE queue_dead_letters SET retried_at = NOW(6) WHERE id = %s AND (retried_at IS NULL"
+        " OR (retried_outcome IS NULL AND retried_order_id IS NULL"
+        " AND retried_at < NOW(6) - INTERVAL %s SECOND))",
+        (entry_id, RETRY_CLAIM_SECONDS),
     )
     if not claimed:
-        return 1, f"dead letter {entry_id} was already retried"
+        return 1, await _why_taken(gate, entry_id)
+    mine = await gate.db.fetchone(
+        "SELECT retried_at FROM queue_dead_letters WHERE id = %s", (entry_id,)
+    )
+    claim = mine[0] if mine else None
     deal_id, user_id, quantity, key = int(row[0]), int(row[1]), int(row[2]), str(row[3])
-    release = "UPDATE queue_dead_letters SET retried_at = NULL WHERE id = %s"
+
+    async def settle(sql: str, args: tuple[Any, ...]) -> None:
+        # Only this command's own claim: one taken over meanwhile is not touched.
+        await gate.db.execute(sql + " WHERE id = %s AND retried_at = %s", (*args, entry_id, claim))
+
     try:
         result = await gate.reservations.reserve(
             ReserveRequest(deal_id, user_id, quantity, key, "127.0.0.1", None)
@@ -155,22 +178,43 @@ async def _retry(gate: Any, entry_id: int) -> tuple[int, str]:
             # No outcome yet (nothing admitted, or the same key's earlier attempt still
             # in flight): the dead letter is released for a later retry, which the
             # request's idempotency key keeps to one order.
-            await gate.db.execute(release, (entry_id,))
+            await settle("UPDATE queue_dead_letters SET retried_at = NULL", ())
             return 1, (
                 f"retry of {entry_id} refused for now: {problem.code} {problem.detail}"
                 " (it may be retried again)"
             )
+        await settle("UPDATE queue_dead_letters SET retried_outcome = %s", (problem.code,))
         return 1, f"retry of {entry_id} refused: {problem.code} {problem.detail}"
     except Exception as exc:
         # Redis or the database failed mid-call: whatever was admitted is under the
         # request's idempotency key, so a later retry answers that same order.
-        await gate.db.execute(release, (entry_id,))
+        await settle("UPDATE queue_dead_letters SET retried_at = NULL", ())
         return 1, f"retry of {entry_id} failed: {exc!r} (it may be retried again)"
     order_id = str(result.body["order_id"])
-    await gate.db.execute(
-        "UPDATE queue_dead_letters SET retried_order_id = %s WHERE id = %s", (order_id, entry_id)
+    status = str(result.body["status"])
+    await settle(
+        "UPDATE queue_dead_letters SET retried_order_id = %s, retried_outcome = %s",
+        (order_id, status),
     )
-    return 0, f"dead letter {entry_id} re-submitted as order {order_id} ({result.body['status']})"
+    return 0, f"dead letter {entry_id} re-submitted as order {order_id} ({status})"
+
+
+async def _why_taken(gate: Any, entry_id: int) -> str:
+    row = await gate.db.fetchone(
+        "SELECT retried_order_id, retried_outcome, retried_at,"
+        " TIMESTAMPDIFF(SECOND, retried_at, NOW(6)) FROM queue_dead_letters WHERE id = %s",
+        (entry_id,),
+    )
+    if row is None:
+        return f"no dead letter {entry_id}"
+    order_id, outcome, at, age = row
+    if order_id is not None or outcome is not None:
+        answer = f"order {order_id} ({outcome})" if order_id else f"refused {outcome}"
+        return f"dead letter {entry_id} was already retried at {at}: {answer}"
+    return (
+        f"dead letter {entry_id} is being retried (claimed {age} s ago, at {at}); a claim"
+        f" with no outcome may be taken over after {RETRY_CLAIM_SECONDS} s"
+    )
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -224,8 +268,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
                     [
                         f"{d['entry_id']}: order {d['order_id']} deal {d['deal_id']} user"
                         f" {d['user_id']} x{d['quantity']} after {d['attempts']} attempts:"
-                        f" {d['last_error']}"
-                        + (f" (retried as {d['retried_order_id']})" if d["retried_at"] else "")
+                        f" {d['last_error']}" + _retried_note(d)
                         for d in letters
                     ],
                 )
@@ -237,6 +280,16 @@ def cmd_queue(args: argparse.Namespace) -> int:
             await gate.stop()
 
     return asyncio.run(main())
+
+
+def _retried_note(letter: dict[str, Any]) -> str:
+    if letter["retried_order_id"]:
+        return f" (retried as {letter['retried_order_id']}, {letter['retried_outcome']})"
+    if letter["retried_outcome"]:
+        return f" (retried: refused {letter['retried_outcome']})"
+    if letter["retried_at"]:
+        return f" (being retried since {letter['retried_at']})"
+    return ""
 
 
 def _positive_id(text: str) -> int:
