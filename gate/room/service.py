@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any, cast
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from gate.codes import RoomCode
 from gate.db import Database
@@ -123,6 +123,8 @@ class Room:
         future is its reply as the wire hands it over (a list, an error object, or
         the connection's failure). `ticket` awaits it; the edge settles it in a
         callback (gate/room/lane.py), with no task."""
+        if self.runner.cluster:
+            return self._cluster_ticket(deal_id, join, user_id)
         user = b"%d" % user_id
         if join:
             # Only a prequeue join uses it (the script decides); drawn cheaply for all.
@@ -131,6 +133,35 @@ class Room:
         else:
             member = b"$%d\r\n%s\r\n" % (len(user), user)
         return self.wire.call(self._prefix(deal_id, join), member)
+
+    def _cluster_ticket(self, deal_id: int, join: bool, user_id: int) -> asyncio.Future[Any]:
+        """On Redis Cluster the deal's keys live on the node that owns its slot, which
+        the wire's one connection does not know: the call goes through the script
+        runner (routed by slot, redirects and NOSCRIPT handled there), one buyer per
+        call, and its future resolves to the buyer's part as the wire's does."""
+        k = deal_keys(deal_id)
+        keys = (k.room, k.room_queue, k.room_tickets, k.room_admitted, k.meta)
+        floor, ceiling = self.settings.poll_min_ms, self.settings.poll_max_ms
+        args: tuple[Any, ...] = ("join" if join else "read", floor, ceiling, user_id)
+        if join:
+            args += (self._scores.draw(),)
+        inner = self.runner.call("room_ticket", keys, args)
+        out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def unwrap(f: asyncio.Future[Any]) -> None:
+            if out.done():
+                return
+            if f.cancelled():
+                out.cancel()
+            elif (exc := f.exception()) is not None:
+                out.set_exception(exc)
+            else:
+                reply = f.result()
+                ok = type(reply) is list and len(reply) == 1
+                out.set_result(reply[0] if ok else ResponseError(f"room_ticket: {reply!r}"))
+
+        inner.add_done_callback(unwrap)
+        return out
 
     def settle(self, deal_id: int, user_id: int, reply: list[Any]) -> tuple[bool, dict[str, Any]]:
         """(created, body) of a ticket's reply; a refusal raises its Problem. Not for
