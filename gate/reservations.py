@@ -170,6 +170,14 @@ class ReserveRequest:
     device: str | None
     # The Admission-Token header of a deal with a waiting room (gate/room/).
     admission_token: str | None = None
+    # The operator's re-submission of a queue dead letter (`gate queue retry`): the
+    # request that died spent the buyer's admission, so none is asked or spent. Never
+    # set from a buyer's request.
+    operator_retry: bool = False
+
+
+# lua/admit.lua ARGV[17] for `ReserveRequest.operator_retry` (a header never maps to it).
+OPERATOR_ADMISSION = "*"
 
 
 def _no_admission(deal_id: int, user_id: int, header: str | None) -> str:
@@ -733,7 +741,9 @@ class Reservations:
             keys.limiters(req.user_id, req.ip, req.device),
             self._scoped_args if req.device is not None else self._scoped_args_no_device,
             owner,
-            self.admission_arg(req.deal_id, req.user_id, req.admission_token),
+            OPERATOR_ADMISSION
+            if req.operator_retry
+            else self.admission_arg(req.deal_id, req.user_id, req.admission_token),
             queued,
         )
 

@@ -45,8 +45,11 @@
   ARGV[16] owner: the admitting process's lease id (gate/lease.py); a janitor
           resolves the token at once when that lease has lapsed
   ARGV[17] admission: "" no Admission-Token header, "-" a token that failed its
-          signature, buyer, deal or expiry check (gate/room/tokens.py), else the
-          admission sequence number the verified token names
+          signature, buyer, deal or expiry check (gate/room/tokens.py), "*" the
+          operator's re-submission of a dead letter (gate queue retry: the request
+          that died spent the buyer's admission; none is needed, none is spent;
+          never derived from a header), else the admission sequence number the
+          verified token names
   ARGV[18] queue mode only: requests the deal's queue may hold (GATE_QUEUE_DEPTH_MAX)
   ARGV[19] queue mode only: status TTL (ms), also the in-progress marker's and the
           order index's
@@ -142,7 +145,8 @@ end
 
 -- Waiting room: after the answers every buyer may get (a replay, sold out, not
 -- active), before the limiters (a refused request consumes none).
-local room_on = redis.call('HGET', KEYS[12], 'on') == '1'
+-- The operator's retry of a dead letter ("*") passes it: its admission was spent.
+local room_on = ARGV[17] ~= '*' and redis.call('HGET', KEYS[12], 'on') == '1'
 if room_on then
   local given = ARGV[17]
   if given == '' then

@@ -8,6 +8,7 @@ import asyncio
 import signal
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -250,41 +251,60 @@ async def _polled_with_orders_locked(
     return [(a.status_code, str(a.json().get("status"))) for a in answers]
 
 
-@pytest.mark.parametrize("attempts", [3])
-async def test_permanent_failure_ends_in_a_dead_letter(
-    env: dict[str, str], db: Database, rds: aioredis.Redis, client: Client, attempts: int
-) -> None:
-    deal_id = await create_deal(client, stock=10, mode="queue")
+async def _dead_lettered(
+    env: dict[str, str],
+    db: Database,
+    deal_id: int,
+    user_id: int,
+    send: Callable[[Client], Awaitable[Any]],
+    worker_env: dict[str, str],
+) -> tuple[str, dict[str, Any]]:
+    """One queued request (`send`) through a gate of its own while every insert of
+    this deal's orders fails (a trigger: a permanent failure of the commit), read
+    until no longer QUEUED: (order id, its last state)."""
     trigger = f"gate_test_refuse_{deal_id}"
     await db.execute(
         f"CREATE TRIGGER {trigger} BEFORE INSERT ON orders FOR EACH ROW"
         f" IF NEW.deal_id = {deal_id} THEN"
         " SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'forced failure'; END IF"
     )
-    worker = GateProcess(
-        {
-            **env,
-            "GATE_QUEUE_ATTEMPTS_MAX": str(attempts),
-            "GATE_QUEUE_RETRY_BASE_SECONDS": "0.05",
-            # The buyer's one request spends the per-user limit: a retry made under the
-            # same limit is refused RATE_LIMITED (below).
-            "GATE_LIMIT_USER": LIMIT_ONE_AN_HOUR,
-        }
-    )
+    worker = GateProcess({**env, **worker_env})
     try:
         worker.wait_ready()
         c = Client(worker.url)
         try:
-            r = await reserve(c, deal_id, 17_000_001, "dl-000001")
+            r = await send(c)
             assert r.status_code == 202, r.text
-            oid = r.json()["order_id"]
-            states = await _read_all_pending(c, [(17_000_001, oid)], 20.0)
+            oid = str(r.json()["order_id"])
+            states = await _read_all_pending(c, [(user_id, oid)], 20.0)
         finally:
             await c.close()
     finally:
         await db.execute(f"DROP TRIGGER IF EXISTS {trigger}")
         worker.stop()
-    assert states[oid]["status"] == "REJECTED" and states[oid]["reason"] == "DEAD_LETTER"
+    return oid, states[oid]
+
+
+@pytest.mark.parametrize("attempts", [3])
+async def test_permanent_failure_ends_in_a_dead_letter(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, client: Client, attempts: int
+) -> None:
+    deal_id = await create_deal(client, stock=10, mode="queue")
+    oid, state = await _dead_lettered(
+        env,
+        db,
+        deal_id,
+        17_000_001,
+        lambda c: reserve(c, deal_id, 17_000_001, "dl-000001"),
+        {
+            "GATE_QUEUE_ATTEMPTS_MAX": str(attempts),
+            "GATE_QUEUE_RETRY_BASE_SECONDS": "0.05",
+            # The buyer's one request spends the per-user limit: a retry made under the
+            # same limit is refused RATE_LIMITED (below).
+            "GATE_LIMIT_USER": LIMIT_ONE_AN_HOUR,
+        },
+    )
+    assert state["status"] == "REJECTED" and state["reason"] == "DEAD_LETTER"
     rows = await db.fetchall(
         "SELECT order_id, attempts, last_error FROM queue_dead_letters WHERE deal_id = %s",
         (deal_id,),
@@ -342,6 +362,58 @@ async def test_permanent_failure_ends_in_a_dead_letter(
     assert new_id and new_id != oid
     states = await _read_all_pending(client, [(17_000_001, str(new_id))], 20.0)
     assert states[str(new_id)]["status"] == "PENDING_PAYMENT"
+    await _queue_drained(rds, deal_id)
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": 10, "available": 9, "held": 1, "sold": 0}
+
+
+async def test_a_dead_letter_of_a_deal_with_a_waiting_room_can_be_retried(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, client: Client
+) -> None:
+    """The request that died spent the buyer's admission: the operator's retry needs
+    none (and spends none), where a buyer's own request without one is refused."""
+    room = {"admit_per_second": 50, "admission_ttl_seconds": 60, "prequeue_seconds": 0}
+    deal_id = await create_deal(client, stock=10, mode="queue", waiting_room=room)
+    user = 17_000_101
+    joined = await client.post(f"/v1/deals/{deal_id}/queue", headers=buyer(user))
+    assert joined.status_code in (200, 201), joined.text
+    token = None
+    for _ in range(100):
+        ticket = await client.get(f"/v1/deals/{deal_id}/queue", headers=buyer(user))
+        if ticket.status_code == 200 and ticket.json()["admission_token"]:
+            token = ticket.json()["admission_token"]
+            break
+        await asyncio.sleep(0.1)
+    assert token, "never admitted"
+    oid, state = await _dead_lettered(
+        env,
+        db,
+        deal_id,
+        user,
+        lambda c: c.post(
+            f"/v1/deals/{deal_id}/reservations",
+            json={"quantity": 1},
+            headers={**buyer(user), "Idempotency-Key": "dl-room-01", "Admission-Token": token},
+        ),
+        {"GATE_QUEUE_ATTEMPTS_MAX": "2", "GATE_QUEUE_RETRY_BASE_SECONDS": "0.05"},
+    )
+    assert state["status"] == "REJECTED" and state["reason"] == "DEAD_LETTER"
+    await _queue_drained(rds, deal_id)
+    # The buyer's admission is spent: their own request without one is refused.
+    again = await reserve(client, deal_id, user, "dl-room-02")
+    assert again.status_code == 403 and again.json()["code"] == "ADMISSION_REQUIRED", again.text
+    spent_before = await rds.hget(deal_keys(deal_id).room, "spent")
+    listed = _command(env, "queue", "dead-letters", "--deal", str(deal_id), "--json")
+    (letter,) = orjson.loads(listed[1])
+    retried = _command(env, "queue", "retry", str(letter["entry_id"]))
+    assert retried[0] == 0, retried[1]
+    row = await db.fetchone(
+        "SELECT retried_order_id FROM queue_dead_letters WHERE order_id = %s", (oid,)
+    )
+    assert row is not None and row[0]
+    states = await _read_all_pending(client, [(user, str(row[0]))], 20.0)
+    assert states[str(row[0])]["status"] == "PENDING_PAYMENT"
+    assert await rds.hget(deal_keys(deal_id).room, "spent") == spent_before
     await _queue_drained(rds, deal_id)
     report = await assert_invariants(db, rds, deal_id)
     assert report["totals"] == {"total": 10, "available": 9, "held": 1, "sold": 0}

@@ -171,7 +171,7 @@ async def _retry(gate: Any, entry_id: int) -> tuple[int, str]:
 
     try:
         result = await gate.reservations.reserve(
-            ReserveRequest(deal_id, user_id, quantity, key, "127.0.0.1", None)
+            ReserveRequest(deal_id, user_id, quantity, key, "127.0.0.1", None, operator_retry=True)
         )
     except Problem as problem:
         if problem.code in RETRY_AGAIN_CODES:
