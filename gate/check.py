@@ -21,8 +21,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gate.db import Database
-from gate.keys import deal_keys, partition_keys
+from gate.keys import DealKeys, deal_keys, partition_keys
 from gate.room.check import room_report
+from gate.scripts import read_call
 
 # An order's allocation "b:q[,b:q…]" as rows (b, q), by the server: the string made a
 # JSON array of pairs.
@@ -39,12 +40,7 @@ async def _redis_state(
 ) -> tuple[Any, ...] | None:
     if parts > 1:
         return await _partitions_state(client, deal_id, parts)
-    keys = deal_keys(deal_id)
-    pipe = client.pipeline(transaction=True)
-    pipe.hgetall(keys.meta)
-    pipe.hgetall(keys.buckets)
-    pipe.hlen(keys.inflight)
-    meta, buckets, inflight = await pipe.execute()
+    meta, buckets, inflight = await _state_of(client, deal_keys(deal_id))
     if not meta:
         return None
     return (
@@ -54,6 +50,25 @@ async def _redis_state(
         int(inflight),
         meta.get("drift"),
     )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _pairs(flat: list[Any]) -> dict[str, str]:
+    """HGETALL's flat field/value list (a script's reply) as a dict."""
+    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+async def _state_of(
+    client: aioredis.Redis, keys: DealKeys
+) -> tuple[dict[str, str], dict[str, str], int]:
+    """(meta, buckets, in-flight count) of one deal or partition, read in one step."""
+    meta, buckets, inflight = await read_call(
+        client, "deal_state", (keys.meta, keys.buckets, keys.inflight)
+    )
+    return _pairs(meta), _pairs(buckets), int(inflight)
 
 
 async def _partitions_state(
@@ -68,12 +83,7 @@ async def _partitions_state(
     per_total: list[int] = []
     foreign: list[str] = []
     for k in range(parts):
-        keys = partition_keys(deal_id, k)
-        pipe = client.pipeline(transaction=True)
-        pipe.hgetall(keys.meta)
-        pipe.hgetall(keys.buckets)
-        pipe.hlen(keys.inflight)
-        meta, buckets, n = await pipe.execute()
+        meta, buckets, n = await _state_of(client, partition_keys(deal_id, k))
         if not meta:
             return None
         nb = int(meta.get("nb", 0))

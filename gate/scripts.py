@@ -123,6 +123,23 @@ def read_scripts(directory: Path | None = None) -> dict[str, Script]:
     return scripts
 
 
+# Read-only scripts run outside the hot path by code that holds a redis-py client
+# rather than the runner (`gate check`: lua/deal_state.lua, lua/room_state.lua).
+_READ_SOURCES: dict[str, str] = {}
+
+
+async def read_call(client: Any, name: str, keys: Sequence[str]) -> Any:
+    """Run the read-only script lua/<name>.lua with EVAL on `client` (one Redis, or a
+    cluster client, which routes it by its keys' slot): several reads in one step."""
+    source = _READ_SOURCES.get(name)
+    if source is None:
+        path = lua_dir() / f"{name}.lua"
+        if not path.is_file():
+            raise ScriptMissing(f"Lua script {path} is missing")
+        source = _READ_SOURCES[name] = path.read_text(encoding="utf-8")
+    return await client.eval(source, len(keys), *keys)
+
+
 _Call = tuple[Script, Sequence[str], Sequence[Any], "asyncio.Future[Any]", float]
 _Addr = tuple[str, int]
 

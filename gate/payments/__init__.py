@@ -136,10 +136,9 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    import redis.asyncio as aioredis
-
     from gate.db import Database
     from gate.logs import configure
+    from gate.redismode import RedisModeError, detect_mode, make_redis
     from gate.settings import load_settings
 
     try:
@@ -149,13 +148,18 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         print(f"gate relay: configuration error: {exc}", file=sys.stderr)
         return 2
     configure(settings.log_level)
+    try:
+        mode = detect_mode(settings.redis_url, settings.redis_mode, settings.redis_timeout_seconds)
+    except RedisModeError as exc:
+        print(f"gate relay: configuration error: {exc}", file=sys.stderr)
+        return 2
 
     async def go() -> int:
         db = Database(settings, pool_max=4)
         await db.start()
-        client = aioredis.Redis.from_url(
-            settings.redis_url, socket_timeout=settings.redis_timeout_seconds
-        )
+        # As `gate serve` makes it: a cluster client on Redis Cluster (a plain one would
+        # be told MOVED whenever the stream's slot is not on the URL's node).
+        client = make_redis(settings.redis_url, 4, settings.redis_timeout_seconds, mode)
         relay = OutboxRelay(
             db,
             client,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gate.keys import deal_keys
+from gate.scripts import read_call
 
 
 async def room_report(client: Any, deal_id: int, available: int | None) -> dict[str, Any]:
@@ -13,15 +14,13 @@ async def room_report(client: Any, deal_id: int, available: int | None) -> dict[
     unspent admissions respect the stock bound at ratio 1 (reported, not a breach:
     a ratio above 1 or a stock removal may pass it)."""
     keys = deal_keys(deal_id)
-    # One MULTI: every script changes these counters together.
-    pipe = client.pipeline(transaction=True)
-    pipe.hmget(keys.room, "on", "admitted", "spent", "lapsed")
-    pipe.hlen(keys.room_admitted)
-    pipe.zcard(keys.room_expiry)
-    pipe.zcard(keys.room_queue)
-    pipe.hlen(keys.room_tickets)
-    (on, admitted, spent, lapsed), unspent, indexed, waiting, tickets = await pipe.execute()
-    if on != "1":
+    # One step: every script changes these counters together.
+    (on, admitted, spent, lapsed), unspent, indexed, waiting, tickets = await read_call(
+        client,
+        "room_state",
+        (keys.room, keys.room_admitted, keys.room_expiry, keys.room_queue, keys.room_tickets),
+    )
+    if on not in ("1", b"1"):
         return {"on": False, "ok": True}
     admitted_n, spent_n, lapsed_n = (int(x or 0) for x in (admitted, spent, lapsed))
     breaches: list[str] = []
