@@ -499,9 +499,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.baseline:
             deals = [await verify_baseline_deal(db, i, record) for i in ids]
             return finish(deals, record)
-        import redis.asyncio as aioredis
+        from gate.redismode import detect_mode, make_redis
 
-        rds = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        # As `gate serve` makes it: on Redis Cluster a cluster client (a plain one is
+        # told MOVED for every deal whose slot is not on the URL's node).
+        mode = detect_mode(settings.redis_url, settings.redis_mode, 5.0)
+        rds = make_redis(settings.redis_url, 4, 5.0, mode)
         try:
             deals = [await verify_gate_deal(db, rds, i, record, args.settle_seconds) for i in ids]
         finally:
