@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -17,9 +16,7 @@ from gate.redismode import detect_mode, make_redis
 from gate.runtime import Gate
 from gate.settings import Settings, load_settings
 from tests.cluster import cluster_clients_used, flush_all_primaries, mark_cluster_clients_used
-from tests.support import Client, GateProcess, base_env
-
-CLUSTER_RUN = os.environ.get("GATE_TEST_REDIS_CLUSTER", "") in ("1", "true", "yes")
+from tests.support import CLUSTER_PORT, CLUSTER_RUN, Client, GateProcess, base_env
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own hook is installed: wrap it
@@ -52,7 +49,7 @@ def env() -> Iterator[dict[str, str]]:
         return
     from tests.cluster import LocalCluster
 
-    cluster = LocalCluster(int(os.environ.get("GATE_TEST_REDIS_CLUSTER_PORT", "18510")))
+    cluster = LocalCluster(CLUSTER_PORT)
     try:
         cluster.start()
         variables["GATE_REDIS_URL"] = cluster.url

@@ -40,16 +40,21 @@ ADMISSION_SECRET = "test-admission-secret-0123456789abcdef012345"
 WEBHOOK_SECRET = "whsec_dGVzdC13ZWJob29rLXNlY3JldC0wMTIzNDU2Nzg5"
 
 
+# GATE_TEST_REDIS_CLUSTER=1: the suite runs against a local Redis Cluster started for
+# the session (tests/conftest.py `env`) on ports CLUSTER_PORT .. +5.
+CLUSTER_RUN = os.environ.get("GATE_TEST_REDIS_CLUSTER", "") in ("1", "true", "yes")
+CLUSTER_PORT = int(os.environ.get("GATE_TEST_REDIS_CLUSTER_PORT", "18510"))
+
+
 def base_env() -> dict[str, str]:
     redis_url = os.environ.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
     mysql_url = os.environ.get("GATE_MYSQL_URL", "mysql://root@127.0.0.1:3306/gate")
     # The suite owns a database and a Redis logical database of its own.
     test_redis = os.environ.get("GATE_TEST_REDIS_URL") or redis_url.rsplit("/", 1)[0] + "/15"
-    if os.environ.get("GATE_TEST_REDIS_CLUSTER", "") in ("1", "true", "yes"):
+    if CLUSTER_RUN:
         # The session's cluster (tests/conftest.py `env`): gates a test starts from this
         # environment use it too, as the checking client does.
-        port = os.environ.get("GATE_TEST_REDIS_CLUSTER_PORT", "18510")
-        test_redis = f"redis://127.0.0.1:{port}/0"
+        test_redis = f"redis://127.0.0.1:{CLUSTER_PORT}/0"
     test_mysql = os.environ.get("GATE_TEST_MYSQL_URL") or mysql_url.rsplit("/", 1)[0] + "/gate_test"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATE_")}
     env.update(

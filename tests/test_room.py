@@ -24,10 +24,10 @@ from gate.room.wire import RandomScores, Wire
 from gate.runtime import Gate
 from gate.scripts import Script
 from gate.settings import Secret
-from tests.conftest import CLUSTER_RUN
 from tests.support import (
     ADMIN,
     ADMISSION_SECRET,
+    CLUSTER_RUN,
     GATE_BIN,
     JWT_SECRET,
     Client,

@@ -78,6 +78,12 @@ def ticket_failed(deal_id: int, exc: BaseException) -> Problem:
     return overloaded("Waiting room unavailable; retry shortly.")
 
 
+def _ticket_keys(deal_id: int) -> tuple[str, ...]:
+    """room_ticket.lua's KEYS for a deal."""
+    k = deal_keys(deal_id)
+    return (k.room, k.room_queue, k.room_tickets, k.room_admitted, k.meta)
+
+
 class Room:
     def __init__(
         self,
@@ -139,8 +145,7 @@ class Room:
         the wire's one connection does not know: the call goes through the script
         runner (routed by slot, redirects and NOSCRIPT handled there), one buyer per
         call, and its future resolves to the buyer's part as the wire's does."""
-        k = deal_keys(deal_id)
-        keys = (k.room, k.room_queue, k.room_tickets, k.room_admitted, k.meta)
+        keys = _ticket_keys(deal_id)
         floor, ceiling = self.settings.poll_min_ms, self.settings.poll_max_ms
         args: tuple[Any, ...] = ("join" if join else "read", floor, ceiling, user_id)
         if join:
@@ -197,8 +202,7 @@ class Room:
         if packed is None:
             if len(self._prefixes) >= KEYS_CACHE_MAX:
                 self._prefixes.clear()
-            k = deal_keys(deal_id)
-            keys = (k.room, k.room_queue, k.room_tickets, k.room_admitted, k.meta)
+            keys = _ticket_keys(deal_id)
             sha = self.runner.scripts["room_ticket"].sha
             floor, ceiling = str(self.settings.poll_min_ms), str(self.settings.poll_max_ms)
             packed = (
