@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.keys import DealKeys, deal_keys, partition_keys
+from gate.resp import text
 from gate.room.check import room_report
 from gate.scripts import read_call
 
@@ -52,13 +53,9 @@ async def _redis_state(
     )
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _pairs(flat: list[Any]) -> dict[str, str]:
     """HGETALL's flat field/value list (a script's reply) as a dict."""
-    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
+    return {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 async def _state_of(

@@ -103,6 +103,11 @@ def parse_redis_url(url: str, name: str = "GATE_REDIS_URL") -> RedisTarget:
     )
 
 
+def text(value: Any) -> str:
+    """A reply's string, whether the client decodes replies (str) or not (bytes)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def pack(args: Sequence[Any]) -> bytes:
     """One command in RESP: an array of bulk strings. hiredis packs str, int, float and
     bytes arguments in C, byte for byte as `_pack_py` does (an admission's 35 arguments:

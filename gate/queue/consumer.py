@@ -48,6 +48,7 @@ from gate.errors import from_db
 from gate.groups import reservation_call
 from gate.keys import QUEUE_DEALS, deal_keys, owner_keys, queue_keys
 from gate.metrics import METRICS
+from gate.resp import text
 
 if TYPE_CHECKING:
     from gate.queue.service import QueueService, QueueSettings
@@ -124,11 +125,11 @@ class Entry:
         f = (
             fields
             if isinstance(next(iter(fields), ""), str)
-            else {_s(k): _s(v) for k, v in fields.items()}
+            else {text(k): text(v) for k, v in fields.items()}
         )
         try:
             return cls(
-                _s(entry_id),
+                text(entry_id),
                 f["token"],
                 int(f["user"]),
                 int(f["qty"]),
@@ -158,10 +159,6 @@ def _owner_of(consumer: str) -> str | None:
     """The lease id a consumer is named by ("OWNER-SLOT"); None for another name."""
     owner, _, slot = consumer.rpartition("-")
     return owner if owner and slot.isdigit() else None
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class QueueConsumer:
@@ -277,7 +274,7 @@ class QueueConsumer:
             own: Any = await redis.xreadgroup(GROUP, name, {stream: "0"}, count=room)
             for _, delivered in own or []:
                 for entry_id, fields in delivered:
-                    if self._next_try.get(_s(entry_id), 0.0) <= now:
+                    if self._next_try.get(text(entry_id), 0.0) <= now:
                         picked.append((entry_id, fields))
         if now - self._checked.get(deal_id, -1e9) >= RECHECK_SECONDS:
             # Now and then, per deal: what dead consumers left, and the gauges.
@@ -311,7 +308,7 @@ class QueueConsumer:
             entry = Entry.parse(entry_id, fields) if fields else None
             if entry is None:
                 # Trimmed while pending, or not ours to read: nothing left to settle.
-                await self._ack(stream, _s(entry_id))
+                await self._ack(stream, text(entry_id))
                 continue
             if entry.entry_id not in seen:
                 seen.add(entry.entry_id)
@@ -327,7 +324,7 @@ class QueueConsumer:
         holders: dict[str, list[str]] = {}
         idle_empty: dict[str, list[str]] = {}
         for info in infos[:CONSUMERS_SEEN_MAX]:
-            cname = _s(info["name"])
+            cname = text(info["name"])
             other = _owner_of(cname)
             if other is None or other == owner:
                 continue
@@ -377,7 +374,7 @@ class QueueConsumer:
         if depth:
             first: Any = await self.gate.redis.xrange(stream, "-", "+", count=1)
             if first:
-                age = max(0.0, time.time() - int(_s(first[0][0]).split("-")[0]) / 1000)
+                age = max(0.0, time.time() - int(text(first[0][0]).split("-")[0]) / 1000)
         OLDEST_AGE.labels(label).set(age)
 
     async def _ack(self, stream: str, entry_id: str) -> None:
