@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 from gate.db import Database
 from gate.keys import DEALS_GENERATION
 from gate.orders import new_id
+from gate.resp import text
 
 log = logging.getLogger("gate.deals")
 
@@ -68,10 +69,7 @@ class UnknownDeals:
         except Exception as exc:
             log.info("deals generation unreadable: %r", exc)
             return None
-        if value is None:
-            generation = ""
-        else:
-            generation = value.decode() if isinstance(value, bytes) else str(value)
+        generation = "" if value is None else text(value)
         if generation != self._generation:
             self._generation = generation
             self._ceiling = None

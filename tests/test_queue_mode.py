@@ -367,6 +367,50 @@ async def test_permanent_failure_ends_in_a_dead_letter(
     assert report["totals"] == {"total": 10, "available": 9, "held": 1, "sold": 0}
 
 
+async def test_a_retry_refused_for_good_is_its_outcome(
+    env: dict[str, str], db: Database, rds: aioredis.Redis, client: Client
+) -> None:
+    """The units a dead letter gave back were sold meanwhile: its retry is refused
+    SOLD_OUT, recorded as its outcome, and later retries answer that refusal without
+    trying again."""
+    deal_id = await create_deal(client, stock=1, mode="queue")
+    user = 17_000_201
+    oid, state = await _dead_lettered(
+        env,
+        db,
+        deal_id,
+        user,
+        lambda c: reserve(c, deal_id, user, "dl-final-01"),
+        {"GATE_QUEUE_ATTEMPTS_MAX": "2", "GATE_QUEUE_RETRY_BASE_SECONDS": "0.05"},
+    )
+    assert state["status"] == "REJECTED" and state["reason"] == "DEAD_LETTER"
+    await _queue_drained(rds, deal_id)
+    other = await reserve(client, deal_id, user + 1, "dl-final-02")
+    assert other.status_code == 202, other.text
+    other_id = str(other.json()["order_id"])
+    states = await _read_all_pending(client, [(user + 1, other_id)], 20.0)
+    assert states[other_id]["status"] == "PENDING_PAYMENT"
+
+    listed = _command(env, "queue", "dead-letters", "--deal", str(deal_id), "--json")
+    (letter,) = orjson.loads(listed[1])
+    refused = _command(env, "queue", "retry", str(letter["entry_id"]))
+    assert refused[0] == 1 and "refused: SOLD_OUT" in refused[1], refused
+    assert "again" not in refused[1], refused
+    row = await db.fetchone(
+        "SELECT retried_order_id, retried_outcome, retried_at IS NOT NULL"
+        " FROM queue_dead_letters WHERE order_id = %s",
+        (oid,),
+    )
+    assert row == (None, "SOLD_OUT", 1), row
+    again = _command(env, "queue", "retry", str(letter["entry_id"]))
+    assert again[0] == 1 and "already retried" in again[1] and "refused SOLD_OUT" in again[1]
+    listed = _command(env, "queue", "dead-letters", "--deal", str(deal_id), "--json")
+    (letter,) = orjson.loads(listed[1])
+    assert letter["retried_outcome"] == "SOLD_OUT" and letter["retried_order_id"] is None
+    report = await assert_invariants(db, rds, deal_id)
+    assert report["totals"] == {"total": 1, "available": 0, "held": 1, "sold": 0}
+
+
 async def test_a_dead_letter_of_a_deal_with_a_waiting_room_can_be_retried(
     env: dict[str, str], db: Database, rds: aioredis.Redis, client: Client
 ) -> None:

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from gate.db import Database
 from gate.drain import yield_to_sweeper
 from gate.payments.metrics import OUTBOX_LAG, OUTBOX_UNPUBLISHED
+from gate.resp import text
 from gate.scripts import ScriptMissing, lua_dir
 
 log = logging.getLogger("gate.payments.outbox")
@@ -195,13 +196,8 @@ class Consumer:
         return [entry for _, entries in result or [] for entry in entries]
 
     async def _handle(self, entry_id: Any, fields: dict[Any, Any]) -> int:
-        f = {
-            (k.decode() if isinstance(k, bytes) else str(k)): (
-                v.decode() if isinstance(v, bytes) else str(v)
-            )
-            for k, v in fields.items()
-        }
-        key = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        f = {text(k): text(v) for k, v in fields.items()}
+        key = text(entry_id)
         seen = f"{self.stream}:seen:{self.group}:{f['event_id']}"
         handled = 0
         if not await self.redis.exists(seen):

@@ -54,6 +54,7 @@ class NoSuchDeal(Exception):
 async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
     from gate.keys import QUEUE_DEALS, queue_keys
     from gate.queue.consumer import GROUP
+    from gate.resp import text
 
     redis = gate.redis
     if deal is not None:
@@ -86,8 +87,7 @@ async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
         if depth:
             first: Any = await redis.xrange(stream, "-", "+", count=1)
             if first:
-                raw = first[0][0]
-                ms = int((raw.decode() if isinstance(raw, bytes) else str(raw)).split("-")[0])
+                ms = int(text(first[0][0]).split("-")[0])
                 age = max(0.0, time.time() - ms / 1000)
         consumers = pending = retrying = 0
         try:
