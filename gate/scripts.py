@@ -82,6 +82,8 @@ SCRIPT_NAMES = (
     "queue_cancel",
     "queue_reject",
     "queue_ack",
+    "queue_locate",
+    "queue_peek",
 )
 
 

@@ -19,6 +19,8 @@ user + system), which a busy machine disturbs far less than requests per second:
               request; no consumer runs in this process: the entries wait)
   join        a first join of a deal's waiting room (one buyer per request)
   poll        a read of a waiting ticket (GATE_ROOM_POLL_MIN_MS/MAX_MS 100 unless set)
+  order       a poll of a queued order (GET /v1/orders/{id} while it waits; each
+              of N buyers queued one request first)
 
 `--profile PATH` also writes a cProfile of the measured requests per path
 (PATH.<case>.prof) and prints the functions with the most time of their own.
@@ -47,7 +49,7 @@ from typing import Any
 import orjson
 
 Scope = dict[str, Any]
-CASES = ("healthz", "sold_out", "limited", "committed", "queued", "join", "poll")
+CASES = ("healthz", "sold_out", "limited", "committed", "queued", "join", "poll", "order")
 USER_BASE = 5 * 10**12
 BIG_STOCK = 50_000_000
 
@@ -115,6 +117,10 @@ class Wire:
     async def call(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> tuple[int, bytes]:
+        # A kept-alive "connection" the gate closed meanwhile (idle past its keep-alive
+        # timeout while the probe set up another case) is not used again.
+        while self.free and self.free[-1][1].closing:
+            self.free.pop()
         if self.free:
             protocol, transport = self.free.pop()
         else:
@@ -238,6 +244,12 @@ class Probe:
             )
 
         return call
+
+    def order_call(self, order_id: str, user: int) -> Callable[[], Awaitable[tuple[int, bytes]]]:
+        auth = f"Bearer {self.mint.token(user)}".encode()
+        return functools.partial(
+            self.call, "GET", f"/v1/orders/{order_id}", [(b"authorization", auth)]
+        )
 
 
 async def drive(
@@ -367,10 +379,18 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         poll_deal = await probe.deal(BIG_STOCK, {"admit_per_second": 1})
         joiners = [USER_BASE + 10_000_000 + i for i in range(n * reps)]
         pollers = [USER_BASE + 20_000_000 + i for i in range(n)]
-        for u in [*fresh, *queue_fresh, *joiners, *pollers]:
+        waiters = [USER_BASE + 30_000_000 + i for i in range(n)]
+        for u in [*fresh, *queue_fresh, *joiners, *pollers, *waiters]:
             app.state.gate.buyer_auth.user_id(f"Bearer {mint.token(u)}")
         if "poll" in args.cases:
             await drive([probe.queue_call("POST", poll_deal, u) for u in pollers], c)
+        queued_orders: list[tuple[str, int]] = []
+        if "order" in args.cases:
+            # No consumer runs here: each order stays QUEUED while it is polled.
+            for u in waiters:
+                status, out = await probe.reserve_call(queue_deal, u)()
+                assert status == 202, (status, out)
+                queued_orders.append((str(orjson.loads(out)["order_id"]), u))
         health = [functools.partial(probe.call, "GET", "/healthz", []) for _ in range(n)]
         cases: dict[str, list[Callable[[], Awaitable[tuple[int, bytes]]]]] = {
             "healthz": health,
@@ -380,6 +400,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "queued": [probe.reserve_call(queue_deal, u) for u in queue_fresh],
             "join": [probe.queue_call("POST", room_deal, u) for u in joiners],
             "poll": [probe.queue_call("GET", poll_deal, u) for u in pollers],
+            "order": [probe.order_call(o, u) for o, u in queued_orders],
         }
         # Committed, queued, join: their buyers act once, so each run its own.
         parts = {
