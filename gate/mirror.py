@@ -587,23 +587,20 @@ class Mirror:
     async def available(self, deal_id: int) -> int | None:
         """Units Redis believes are left, loading the deal if absent. None: no such deal."""
         parts = await self.partitions(deal_id)
-        if parts > 1:
-            return await self._available_parts(deal_id, parts)
-        keys = deal_keys(deal_id)
-        value = await self.redis.hget(keys.meta, "avail")
-        if value is None:
-            if not await self.load(deal_id):
-                return None
-            value = await self.redis.hget(keys.meta, "avail")
-        return max(0, int(value or 0))
-
-    async def _available_parts(self, deal_id: int, parts: int) -> int | None:
-        values = [await self.redis.hget(k.meta, "avail") for k in self.keys_of(deal_id, parts)]
+        values = await self._avails(deal_id, parts)
         if any(v is None for v in values):
             if not await self.load(deal_id):
                 return None
-            values = [await self.redis.hget(k.meta, "avail") for k in self.keys_of(deal_id, parts)]
+            values = await self._avails(deal_id, parts)
         return sum(max(0, int(v or 0)) for v in values)
+
+    async def _avails(self, deal_id: int, parts: int) -> list[Any]:
+        """Each partition's `avail` (None: not loaded), one script call each, sent in
+        the same write."""
+        calls = [
+            self.runner.call("deal_avail", (k.meta,), ()) for k in self.keys_of(deal_id, parts)
+        ]
+        return list(await asyncio.gather(*calls))
 
 
 def _combined(results: list[tuple[SyncCode, str]]) -> tuple[SyncCode, str]:

@@ -64,6 +64,7 @@ LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
 SCRIPT_NAMES = (
     "admit",
     "deal_parts",
+    "deal_avail",
     "limit",
     "confirm",
     "confirm_many",

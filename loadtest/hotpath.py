@@ -19,6 +19,7 @@ user + system), which a busy machine disturbs far less than requests per second:
               request; no consumer runs in this process: the entries wait)
   join        a first join of a deal's waiting room (one buyer per request)
   poll        a read of a waiting ticket (GATE_ROOM_POLL_MIN_MS/MAX_MS 100 unless set)
+  deal        a buyer's view of a deal (GET /v1/deals/{id}: its remaining units)
   order       a poll of a queued order (GET /v1/orders/{id} while it waits; each
               of N buyers queued one request first)
 
@@ -49,7 +50,7 @@ from typing import Any
 import orjson
 
 Scope = dict[str, Any]
-CASES = ("healthz", "sold_out", "limited", "committed", "queued", "join", "poll", "order")
+CASES = ("healthz", "sold_out", "limited", "committed", "queued", "join", "poll", "deal", "order")
 USER_BASE = 5 * 10**12
 BIG_STOCK = 50_000_000
 
@@ -400,6 +401,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "queued": [probe.reserve_call(queue_deal, u) for u in queue_fresh],
             "join": [probe.queue_call("POST", room_deal, u) for u in joiners],
             "poll": [probe.queue_call("GET", poll_deal, u) for u in pollers],
+            "deal": [functools.partial(probe.call, "GET", f"/v1/deals/{open_deal}", [])] * n,
             "order": [probe.order_call(o, u) for o, u in queued_orders],
         }
         # Committed, queued, join: their buyers act once, so each run its own.
