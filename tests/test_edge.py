@@ -207,6 +207,41 @@ def test_edge_and_asgi_give_the_same_answers(edge_gate: GateProcess) -> None:
     assert edge_count(port) - before == 2 * len(cases) + 2
 
 
+def test_deal_views_alike_on_both_sides(edge_gate: GateProcess) -> None:
+    """GET /v1/deals/{id} at the edge answers what the ASGI route answers: the view,
+    a deal that is not there, an id out of range; a longer id and other spellings
+    are the ASGI route's."""
+    port = edge_gate.port
+    deal_id = admin_deal(port, stock=7)
+    assert send(port, reservation(deal_id, USER_BASE + 300, f"edge-view-{deal_id}")).status == 201
+    before = edge_count(port)
+    edge_paths = (f"/v1/deals/{deal_id}", f"/v1/deals/{deal_id}?x=1", "/v1/deals/999999999")
+    for path in (*edge_paths, "/v1/deals/0"):
+        head, _ = request("GET", path, {})
+        whole, asgi = send_whole(port, head, b""), send_asgi(port, head, b"")
+        assert comparable(whole) == comparable(asgi), path
+    assert edge_count(port) - before == len(edge_paths) + 1
+    head, _ = request("GET", f"/v1/deals/{deal_id}", {})
+    view = send_whole(port, head, b"")
+    assert view.status == 200 and view.headers["content-type"] == "application/json"
+    body = view.json()
+    assert isinstance(body, dict)
+    assert (body["id"], body["remaining_hint"], body["sold_out"]) == (deal_id, 6, False)
+    unknown = send_whole(port, *request("GET", "/v1/deals/999999999", {}))
+    assert unknown.status == 404 and unknown.headers["content-type"] == "application/problem+json"
+    before = edge_count(port)
+    # Starlette's router: 404, the same deal percent-encoded, a redirect for the
+    # trailing slash.
+    encoded = "".join(f"%{ord(c):02X}" for c in str(deal_id))
+    for path, status in (
+        ("/v1/deals/" + "9" * 19, 404),
+        (f"/v1/deals/{encoded}", 200),
+        (f"/v1/deals/{deal_id}/", 307),
+    ):
+        assert send_whole(port, *request("GET", path, {})).status == status, path
+    assert edge_count(port) == before
+
+
 def test_a_body_declared_too_long_is_413_before_it_comes(edge_gate: GateProcess) -> None:
     port = edge_gate.port
     head, _ = request("POST", "/v1/deals/1/reservations", buy(USER_BASE + 5, "edge-long-0001"))
