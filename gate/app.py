@@ -7,6 +7,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
@@ -52,6 +53,9 @@ READY_DB_PROBE_SECONDS = 1.0
 RESERVATION_FIELDS = {"quantity"}
 RESERVE_ROUTE = "/v1/deals/{deal_id}/reservations"
 DEAL_ROUTE = "/v1/deals/{deal_id}"
+ORDER_ROUTE = "/v1/orders/{order_id}"
+ORDER_PREFIX = b"/v1/orders/"
+_ORDER_ID = re.compile(orders.ORDER_ID_RE.pattern.encode("ascii"))
 
 
 def _gate(request: Request) -> Gate:
@@ -449,12 +453,16 @@ class FastLane:
 async def order_view(request: Request) -> Response:
     gate = _gate(request)
     user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
-    order_id = request.path_params["order_id"]
+    return RawResponse(*await _order_answer(gate, request.path_params["order_id"], user_id))
+
+
+async def _order_answer(gate: Gate, order_id: str, user_id: int) -> Encoded:
+    """GET /v1/orders/{id}'s answer, on the ASGI route and at the edge alike."""
     if gate.queue is not None:
         # A queued order's polls are answered by Redis where it knows the answer.
         early = await gate.queue.view_before_database(order_id, user_id)
         if early is not None:
-            return json_response(early)
+            return json_answer(early)
     try:
         order = await orders.get_for_buyer(gate.db, order_id, user_id)
     except Problem as problem:
@@ -462,8 +470,32 @@ async def order_view(request: Request) -> Response:
         queued = await gate.queue.view(order_id, user_id) if gate.queue else None
         if problem.code != "NOT_FOUND" or queued is None:
             raise
-        return json_response(queued)
-    return json_response(order.view())
+        return json_answer(queued)
+    except DbUnavailable:
+        raise overloaded("Database unavailable; retry shortly.") from None
+    return json_answer(order.view())
+
+
+class OrderViewEdge(EdgeRoute):
+    """GET /v1/orders/{id} at the edge (gate/edge.py): a buyer's poll of an order,
+    which a crowd in queue mode repeats until its order is committed; the same
+    answer as `order_view`, made by `_order_answer`, in a task. Only an id spelled
+    as the gate makes them (26 Crockford base-32 digits) is taken here; any other
+    goes to the ASGI route, which answers it (404)."""
+
+    __slots__ = ("gate",)
+
+    def __init__(self, gate: Gate) -> None:
+        super().__init__(b"GET", ORDER_PREFIX, b"", ORDER_ROUTE)
+        self.gate = gate
+
+    def key_of(self, middle: bytes) -> int | None:
+        return 0 if _ORDER_ID.fullmatch(middle) else None
+
+    def handle(self, req: EdgeRequest) -> None:
+        user_id = self.gate.buyer_auth.user_id(req.header(b"authorization"))
+        order_id = req.path[len(ORDER_PREFIX) :]
+        req.run(_order_answer(self.gate, order_id, user_id))
 
 
 async def order_cancel(request: Request) -> Response:
@@ -677,7 +709,7 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     app.state.gate = gate
     app.state.db_probe = DatabaseProbe(gate.db)
     recorder = next((ext.recorder for ext in gate.extensions if ext.recorder), None)
-    edge_routes: list[EdgeRoute] = [ReserveEdge(gate), DealViewEdge(gate)]
+    edge_routes: list[EdgeRoute] = [ReserveEdge(gate), DealViewEdge(gate), OrderViewEdge(gate)]
     for ext in gate.extensions:
         edge_routes.extend(ext.edge)
     # What gate.edge.EdgeProtocol answers itself (gate serve's protocol).

@@ -92,7 +92,9 @@ class EdgeRoute:
     """One route answered at the edge: `method` and a path of `prefix`, an id of at
     most 18 ASCII digits, `suffix` (the gate's buyer routes are all of that shape;
     a longer id, or any other spelling, goes to the ASGI route, which answers it).
-    `label` is the route's template, for the request metrics."""
+    A route whose id is not a number (an order's) overrides `key_of`, which gives 0
+    for what it accepts; its handler reads the id from `req.path`. `label` is the
+    route's template, for the request metrics."""
 
     __slots__ = ("label", "method", "prefix", "suffix")
 
@@ -101,6 +103,12 @@ class EdgeRoute:
         self.prefix = prefix
         self.suffix = suffix
         self.label = label
+
+    def key_of(self, middle: bytes) -> int | None:
+        """The id in the path (between prefix and suffix), or None: not the edge's."""
+        if 0 < len(middle) <= ID_DIGITS_MAX and middle.isdigit():
+            return int(middle)
+        return None
 
     def handle(self, req: EdgeRequest) -> None:
         """Answer `req` now (`req.answer`) or later (`req.run`). A Problem raised here
@@ -134,9 +142,9 @@ class Edge:
         path = url.split(b"?", 1)[0] if b"?" in url else url
         for route in routes:
             if path.startswith(route.prefix) and path.endswith(route.suffix):
-                digits = path[len(route.prefix) : len(path) - len(route.suffix)]
-                if 0 < len(digits) <= ID_DIGITS_MAX and digits.isdigit():
-                    return route, int(digits), path
+                id_ = route.key_of(path[len(route.prefix) : len(path) - len(route.suffix)])
+                if id_ is not None:
+                    return route, id_, path
         return None
 
 

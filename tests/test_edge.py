@@ -242,6 +242,43 @@ def test_deal_views_alike_on_both_sides(edge_gate: GateProcess) -> None:
     assert edge_count(port) == before
 
 
+def test_order_views_alike_on_both_sides(edge_gate: GateProcess) -> None:
+    """GET /v1/orders/{id} at the edge answers what the ASGI route answers: the
+    owner's order, another buyer's, no token, an id the gate never made; an id not
+    spelled as the gate makes them is the ASGI route's."""
+    port = edge_gate.port
+    deal_id = admin_deal(port, stock=5)
+    owner = USER_BASE + 400
+    made = send(port, reservation(deal_id, owner, f"edge-order-{deal_id}"))
+    assert made.status == 201, made
+    order_id = str(made.json()["order_id"])  # type: ignore[call-overload]
+    own = {"Authorization": f"Bearer {token(owner)}"}
+    other = {"Authorization": f"Bearer {token(owner + 1)}"}
+    path = f"/v1/orders/{order_id}"
+    cases = [
+        (path, own, 200),
+        (path + "?fields=all", own, 200),
+        (path, other, 404),
+        (path, {}, 401),
+        ("/v1/orders/" + "0" * 26, own, 404),
+    ]
+    before = edge_count(port)
+    for target, headers, status in cases:
+        head, _ = request("GET", target, headers)
+        whole, asgi = send_whole(port, head, b""), send_asgi(port, head, b"")
+        assert whole.status == status, (target, whole)
+        assert comparable(whole) == comparable(asgi), target
+    assert edge_count(port) - before == len(cases)
+    body = send_whole(port, *request("GET", path, own)).json()
+    assert isinstance(body, dict) and body["order_id"] == order_id
+    assert body["status"] == "PENDING_PAYMENT"
+    before = edge_count(port)
+    for target in (path.lower(), path + "0", "/v1/orders/" + "I" * 26, path + "/"):
+        answer = send_whole(port, *request("GET", target, own))
+        assert answer.status in (404, 307), (target, answer)
+    assert edge_count(port) == before
+
+
 def test_a_body_declared_too_long_is_413_before_it_comes(edge_gate: GateProcess) -> None:
     port = edge_gate.port
     head, _ = request("POST", "/v1/deals/1/reservations", buy(USER_BASE + 5, "edge-long-0001"))
