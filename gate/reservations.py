@@ -626,7 +626,7 @@ class Reservations:
             return await self._replay(adm.detail, req.user_id, fp)
         if adm.code == AdmitCode.IN_PROGRESS and self.queue is not None:
             # A replay of a request that waits in its deal's queue: 202 again.
-            queued = await self.queue.replay(req.deal_id, req.user_id, req.idempotency_key, fp)
+            queued = await self.queue.replay(req.deal_id, adm.detail)
             if queued is not None:
                 return Reserved(queued, replayed=True, queued=True)
         if adm.code != AdmitCode.OK:

@@ -22,6 +22,8 @@ user + system), which a busy machine disturbs far less than requests per second:
   deal        a buyer's view of a deal (GET /v1/deals/{id}: its remaining units)
   order       a poll of a queued order (GET /v1/orders/{id} while it waits; each
               of N buyers queued one request first)
+  replay      the same buyers' requests sent again with the same Idempotency-Key
+              while they wait: 202 again, the queued order
 
 `--profile PATH` also writes a cProfile of the measured requests per path
 (PATH.<case>.prof) and prints the functions with the most time of their own.
@@ -50,7 +52,18 @@ from typing import Any
 import orjson
 
 Scope = dict[str, Any]
-CASES = ("healthz", "sold_out", "limited", "committed", "queued", "join", "poll", "deal", "order")
+CASES = (
+    "healthz",
+    "sold_out",
+    "limited",
+    "committed",
+    "queued",
+    "join",
+    "poll",
+    "deal",
+    "order",
+    "replay",
+)
 USER_BASE = 5 * 10**12
 BIG_STOCK = 50_000_000
 
@@ -226,18 +239,22 @@ class Probe:
             self.call, method, f"/v1/deals/{deal_id}/queue", [(b"authorization", auth)]
         )
 
-    def reserve_call(self, deal_id: int, user: int) -> Callable[[], Awaitable[tuple[int, bytes]]]:
+    def reserve_call(
+        self, deal_id: int, user: int, key: str | None = None
+    ) -> Callable[[], Awaitable[tuple[int, bytes]]]:
+        """A reservation with a fresh Idempotency-Key each call, or always `key`."""
         auth = f"Bearer {self.mint.token(user)}".encode()
         path = f"/v1/deals/{deal_id}/reservations"
 
         def call() -> Awaitable[tuple[int, bytes]]:
             self.counter += 1
+            idempotency_key = key or f"probe-{self.tag}-{self.counter:09d}"
             return self.call(
                 "POST",
                 path,
                 [
                     (b"authorization", auth),
-                    (b"idempotency-key", f"probe-{self.tag}-{self.counter:09d}".encode()),
+                    (b"idempotency-key", idempotency_key.encode()),
                     (b"content-type", b"application/json"),
                     (b"content-length", b"15"),
                 ],
@@ -386,10 +403,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if "poll" in args.cases:
             await drive([probe.queue_call("POST", poll_deal, u) for u in pollers], c)
         queued_orders: list[tuple[str, int]] = []
-        if "order" in args.cases:
+        if "order" in args.cases or "replay" in args.cases:
             # No consumer runs here: each order stays QUEUED while it is polled.
             for u in waiters:
-                status, out = await probe.reserve_call(queue_deal, u)()
+                status, out = await probe.reserve_call(queue_deal, u, f"wait-{probe.tag}-{u}")()
                 assert status == 202, (status, out)
                 queued_orders.append((str(orjson.loads(out)["order_id"]), u))
         health = [functools.partial(probe.call, "GET", "/healthz", []) for _ in range(n)]
@@ -403,6 +420,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "poll": [probe.queue_call("GET", poll_deal, u) for u in pollers],
             "deal": [functools.partial(probe.call, "GET", f"/v1/deals/{open_deal}", [])] * n,
             "order": [probe.order_call(o, u) for o, u in queued_orders],
+            "replay": [
+                probe.reserve_call(queue_deal, u, f"wait-{probe.tag}-{u}") for _, u in queued_orders
+            ],
         }
         # Committed, queued, join: their buyers act once, so each run its own.
         parts = {

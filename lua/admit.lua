@@ -72,7 +72,8 @@
     4 BAD_QUANTITY    detail = max per order
     5 LIMIT_EXCEEDED  detail = per-user limit
     6 REPLAY          detail = order id of the earlier request with this key
-    7 IN_PROGRESS     an earlier request with this key is still running
+    7 IN_PROGRESS     an earlier request with this key is still running; detail =
+                      its token (in queue mode the order id it waits under)
     8 MISMATCH        this key was used with a different request
     9 RATE_LIMITED    detail = "scope|retry after (ms)"
    10 ADMISSION_REQUIRED  the deal has a waiting room and no token was sent
@@ -103,7 +104,7 @@ if seen then
   if state == 'D' then
     return {6, ref}
   end
-  return {7, ''}
+  return {7, ref}
 end
 
 -- Rejections below also say whether this user was ever admitted to the deal.

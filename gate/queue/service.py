@@ -6,7 +6,7 @@ admitted request, and what a queued order reads (docs/queue-mode.md).
            janitor's in-flight times (it stays in the in-flight hash: its units count
            as in flight), status "Q" ──> 202 QUEUED, Location /v1/orders/{id}
            └─ queue full (GATE_QUEUE_DEPTH_MAX) ──> compensate ──> 503
-    replay of the key while queued (admit: IN_PROGRESS) ──> 202, the queued body
+    replay of the key while queued (admit: IN_PROGRESS, naming its token) ──> 202, the queued body
     GET /v1/orders/{id}: the status key first, where it answers exactly (not taken
         yet: QUEUED; rejected: REJECTED), so polls of a queue stay off the database;
         else the database; else the status key again (QUEUED while being committed)
@@ -386,29 +386,24 @@ class QueueService:
         self.wake.set()
         return queued_body(token, deal_id, quantity, *price)
 
-    async def replay(
-        self, deal_id: int, user_id: int, idempotency_key: str, fp: str
-    ) -> dict[str, Any] | None:
-        """A replay of a key whose request waits in the queue: its 202 body."""
-        keys = deal_keys(deal_id)
-        seen = await self.gate.redis.get(keys.idempotency(user_id, idempotency_key))
-        if not seen:
+    async def replay(self, deal_id: int, token: str) -> dict[str, Any] | None:
+        """A replay of a key whose request is still in progress (the admission named
+        its token): the 202 body if it waits in the queue, None otherwise (a
+        synchronous request still running, or one that left the queue meanwhile)."""
+        if not token:
             return None
-        state, seen_fp, token = str(seen).split("|", 2)
-        if state != "P" or seen_fp != fp:
-            return None
-        status = await self.gate.redis.get(queue_keys(deal_id).status(token))
-        if not status or str(status)[0] not in "QC":
-            return None
-        return await self._waiting_body(token, deal_id)
-
-    async def _waiting_body(self, token: str, deal_id: int) -> dict[str, Any] | None:
-        """The QUEUED body of a request whose units are still in flight; None when its
-        in-flight marker is gone (committed or given back meanwhile)."""
-        record = await self.gate.redis.hget(deal_keys(deal_id).inflight, token)
-        if not record:
+        status, record = await self._peek(deal_id, token)
+        if status is None or status[0] not in "QC" or record is None:
             return None
         return await self._queued_view(token, deal_id, record)
+
+    async def _peek(self, deal_id: int, token: str) -> tuple[str | None, Any]:
+        """(status, in-flight record) of a queued request, each None when absent: one
+        script call through the runner (lua/queue_peek.lua)."""
+        status, record = await self.gate.runner.call(
+            "queue_peek", (queue_keys(deal_id).status(token), deal_keys(deal_id).inflight), (token,)
+        )
+        return (text(status) if status else None), (record or None)
 
     async def _queued_view(self, token: str, deal_id: int, record: Any) -> dict[str, Any]:
         quantity = int(text(record).split("|")[2])
@@ -427,14 +422,10 @@ class QueueService:
         if int(owner) != user_id:
             return None  # another buyer's order is indistinguishable from none
         deal_id = int(deal)
-        status, record = await self.gate.runner.call(
-            "queue_peek",
-            (queue_keys(deal_id).status(order_id), deal_keys(deal_id).inflight),
-            (order_id,),
-        )
-        if not status:
+        status, record = await self._peek(deal_id, order_id)
+        if status is None:
             return None
-        return deal_id, text(status), record or None
+        return deal_id, status, record
 
     async def view_before_database(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         """GET /v1/orders/{id}, asked before the database: what Redis alone answers
