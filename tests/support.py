@@ -46,8 +46,12 @@ CLUSTER_RUN = os.environ.get("GATE_TEST_REDIS_CLUSTER", "") in ("1", "true", "ye
 CLUSTER_PORT = int(os.environ.get("GATE_TEST_REDIS_CLUSTER_PORT", "18510"))
 
 
+# The standalone Redis the suite's environment names (it runs on a cluster run too).
+STANDALONE_REDIS_URL = os.environ.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
 def base_env() -> dict[str, str]:
-    redis_url = os.environ.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = STANDALONE_REDIS_URL
     mysql_url = os.environ.get("GATE_MYSQL_URL", "mysql://root@127.0.0.1:3306/gate")
     # The suite owns a database and a Redis logical database of its own.
     test_redis = os.environ.get("GATE_TEST_REDIS_URL") or redis_url.rsplit("/", 1)[0] + "/15"

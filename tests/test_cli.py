@@ -10,7 +10,16 @@ import redis.asyncio as aioredis
 
 from gate.db import Database
 from gate.keys import deal_keys
-from tests.support import GATE_BIN, JWT_SECRET, Client, create_deal, reserve, settled_report
+from tests.support import (
+    CLUSTER_RUN,
+    GATE_BIN,
+    JWT_SECRET,
+    STANDALONE_REDIS_URL,
+    Client,
+    create_deal,
+    reserve,
+    settled_report,
+)
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -49,8 +58,10 @@ async def test_check_reports_and_exits_by_verdict(
 
     # Redis disagreeing with the database while nothing is in flight is a breach too.
     # The shared gates repair drift within a second, so the drift is seeded in a
-    # Redis database none of them uses, and `gate check` is pointed at it.
-    alt_url = env["GATE_REDIS_URL"].rsplit("/", 1)[0] + "/10"
+    # Redis database none of them uses, and `gate check` is pointed at it (on a
+    # cluster run, a logical database of the standalone Redis: a cluster has only 0).
+    base_url = STANDALONE_REDIS_URL if CLUSTER_RUN else env["GATE_REDIS_URL"]
+    alt_url = base_url.rsplit("/", 1)[0] + "/10"
     alt = aioredis.Redis.from_url(alt_url, decode_responses=True)
     try:
         await alt.flushdb()
