@@ -10,11 +10,13 @@ routes the areas register (`EdgeRoute`) answered by itself:
 
     data_received ─▶ httptools ─▶ on_headers_complete
         an edge route (method and path), nothing in flight on the connection,
-        no Expect: 100-continue, no upgrade?
+        no Expect: 100-continue, no upgrade, no body on a GET?
           no ─▶ uvicorn's ASGI cycle, unchanged (every other request)
           yes ─▶ headers kept, the body gathered (at most the bound and a byte)
                    ─▶ on_message_complete (or at once: a body declared or gathered
-                      past the bound, answered 413 as the ASGI route answers it)
+                      past the bound, answered 413 as the ASGI route answers it
+                      by a route that reads one; the rest of it skipped, also while
+                      an answer is still being made)
                    ─▶ the HTTP guard's bound ─▶ route.handle(EdgeRequest)
                         answered at once (sold out, limited, invalid) ─▶ one write
                         or later, by a task (`EdgeRequest.run`) ─▶ one write
@@ -73,6 +75,7 @@ log = logging.getLogger("gate.edge")
 
 _REQUEST_ID = b"x-request-id"
 _CONTENT_LENGTH = b"content-length"
+_TRANSFER_ENCODING = b"transfer-encoding"
 _CLOSE = b"connection: close\r\n"
 INTERNAL = Problem("INTERNAL", "Internal error.")
 # A closed connection's lingering (`_Linger`): at most this long, this many bytes.
@@ -94,15 +97,18 @@ class EdgeRoute:
     a longer id, or any other spelling, goes to the ASGI route, which answers it).
     A route whose id is not a number (an order's) overrides `key_of`, which gives 0
     for what it accepts; its handler reads the id from `req.path`. `label` is the
-    route's template, for the request metrics."""
+    route's template, for the request metrics. A GET route takes no body: a GET that
+    comes with one goes to the ASGI route (which ignores it) rather than have body
+    bytes arrive while its answer is still being made."""
 
-    __slots__ = ("label", "method", "prefix", "suffix")
+    __slots__ = ("label", "method", "prefix", "suffix", "takes_body")
 
     def __init__(self, method: bytes, prefix: bytes, suffix: bytes, label: str) -> None:
         self.method = method
         self.prefix = prefix
         self.suffix = suffix
         self.label = label
+        self.takes_body = method != b"GET"
 
     def key_of(self, middle: bytes) -> int | None:
         """The id in the path (between prefix and suffix), or None: not the edge's."""
@@ -146,6 +152,14 @@ class Edge:
                 if id_ is not None:
                     return route, id_, path
         return None
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """A body announced (a Content-Length other than 0, or any Transfer-Encoding)."""
+    for name, value in headers:
+        if name == _TRANSFER_ENCODING or (name == _CONTENT_LENGTH and value.strip() != b"0"):
+            return True
+    return False
 
 
 def _declared_too_long(headers: list[tuple[bytes, bytes]], max_bytes: int) -> bool:
@@ -382,7 +396,7 @@ class EdgeProtocol(HttpToolsProtocol):
             ):
                 method = self.parser.get_method()
                 found = edge.route_of(method, self.url)
-                if found is not None:
+                if found is not None and (found[0].takes_body or not _has_body(self.headers)):
                     route, id_, path = found
                     req = EdgeRequest(
                         self,
@@ -406,6 +420,13 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         req = self._pending
         if req is None:
+            if isinstance(self.cycle, _EdgeCycle):
+                # The rest of a body declared past the bound, of a request the edge
+                # took at its headers and answers later (a route that reads no body):
+                # skipped, as after a 413. uvicorn's own code would append it to the
+                # cycle, which an edge cycle does not have (a 400 and a closed
+                # connection, not the route's answer).
+                return
             super().on_body(body)
             return
         req.body += body
@@ -417,6 +438,8 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         req = self._pending
         if req is None:
+            if isinstance(self.cycle, _EdgeCycle):
+                return  # the end of such a skipped body
             super().on_message_complete()
             return
         self._take(req)

@@ -289,6 +289,36 @@ def test_a_body_declared_too_long_is_413_before_it_comes(edge_gate: GateProcess)
     assert answer.status == 413 and answer.json()["code"] == "PAYLOAD_TOO_LARGE"
 
 
+def test_bodies_on_routes_that_read_none_are_skipped_not_a_400(edge_gate: GateProcess) -> None:
+    """A waiting-room join (a POST whose route reads no body) with a body declared
+    past the bound is taken at its headers and answered later; the body bytes that
+    arrive meanwhile are skipped, the join answered as the ASGI route answers it (it
+    was a bare 400 "Invalid HTTP request received." and a closed connection). A GET
+    with a body goes to the ASGI route, which ignores the body."""
+    port = edge_gate.port
+    deal_id = admin_deal(port, stock=10, waiting_room={"admit_per_second": 1})
+    before = edge_count(port)
+    for user in (USER_BASE + 500, USER_BASE + 501):
+        head, _ = request(
+            "POST", f"/v1/deals/{deal_id}/queue", {"Authorization": f"Bearer {token(user)}"}
+        )
+        head = head.replace(b"Content-Length: 0", b"Content-Length: 1000000")
+        with connect(port) as sock:
+            sock.sendall(head + b"{}")
+            time.sleep(0.05)
+            sock.sendall(b" " * 1000)
+            answer = Reader(sock).answer()
+        assert answer.status == 201, answer
+        assert answer.headers["content-type"] == "application/json"
+    assert edge_count(port) - before == 2
+    head, _ = request("GET", f"/v1/deals/{deal_id}", {"Content-Length": "1000000"})
+    with connect(port) as sock:
+        sock.sendall(head + b"x" * 100)
+        answer = Reader(sock).answer()
+    assert answer.status == 200 and answer.json()["id"] == deal_id  # type: ignore[call-overload]
+    assert edge_count(port) - before == 2
+
+
 def test_a_body_that_does_not_come_is_408_and_closed(edge_gate: GateProcess) -> None:
     port = edge_gate.port
     body = b'{"quantity": 1}'
