@@ -77,6 +77,9 @@ _REQUEST_ID = b"x-request-id"
 _CONTENT_LENGTH = b"content-length"
 _TRANSFER_ENCODING = b"transfer-encoding"
 _CLOSE = b"connection: close\r\n"
+_MALFORMED = Problem(
+    "INVALID_REQUEST", "Malformed HTTP request; the connection is closed.", cacheable=True
+)
 INTERNAL = Problem("INTERNAL", "Internal error.")
 # A closed connection's lingering (`_Linger`): at most this long, this many bytes.
 LINGER_SECONDS = 2.0
@@ -375,6 +378,22 @@ class EdgeProtocol(HttpToolsProtocol):
             if self._linger.lingering:
                 self._linger.finish()
         super().shutdown()
+
+    def send_400_response(self, msg: str) -> None:
+        """What httptools cannot parse (a malformed chunk, two Content-Lengths, bytes no
+        request line may hold): a problem+json 400 like every other refusal, rather
+        than uvicorn's text/plain one; the connection closed (lingering) after it,
+        since nothing that follows on it can be framed."""
+        status, headers, body = _MALFORMED.encoded()
+        parts = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts += (b"x-request-id: ", logs.new_request_id().encode("ascii"), b"\r\n")
+        parts += (_CLOSE, b"\r\n", body)
+        self.transport.write(b"".join(parts))
+        self.transport.close()
 
     def eof_received(self) -> None:
         # asyncio closes the transport after this returns (through `_Linger.close`,

@@ -279,6 +279,24 @@ def test_order_views_alike_on_both_sides(edge_gate: GateProcess) -> None:
     assert edge_count(port) == before
 
 
+def test_malformed_http_is_a_problem_400_and_closed(edge_gate: GateProcess) -> None:
+    """What the HTTP parser cannot read is answered problem+json like every other
+    refusal (uvicorn's own answer is text/plain), then the connection is closed."""
+    port = edge_gate.port
+    for data in (
+        b"GET /v1/deals/1 HTTP/1.1\r\nHost: gate\r\nContent-Length: 0\r\nContent-Length: 5\r\n\r\n",
+        b"GET /v1/deals/\xc3\xa9 HTTP/1.1\r\nHost: gate\r\n\r\n",
+        b"POST /v1/deals/1/reservations HTTP/1.1\r\nHost: gate\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"not http at all\r\n\r\n",
+    ):
+        answer = send(port, data)
+        assert answer.status == 400, (data, answer)
+        assert answer.headers["content-type"] == "application/problem+json", answer
+        assert answer.json()["code"] == "INVALID_REQUEST"  # type: ignore[call-overload]
+        assert answer.headers["connection"] == "close" and answer.headers["x-request-id"]
+
+
 def test_a_body_declared_too_long_is_413_before_it_comes(edge_gate: GateProcess) -> None:
     port = edge_gate.port
     head, _ = request("POST", "/v1/deals/1/reservations", buy(USER_BASE + 5, "edge-long-0001"))
