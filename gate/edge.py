@@ -80,6 +80,23 @@ _CLOSE = b"connection: close\r\n"
 _MALFORMED = Problem(
     "INVALID_REQUEST", "Malformed HTTP request; the connection is closed.", cacheable=True
 )
+# A request's line and headers together (httptools itself bounds neither: a 20 MB
+# header was read whole). nginx reads 4 × 8 KiB of headers by default; a buyer's
+# request with its token is well under 2 KiB. Past it: 400 (nginx's answer too) and
+# the connection closed.
+HEAD_MAX_BYTES = 32 * 1024
+_HEAD_TOO_LARGE = Problem(
+    "INVALID_REQUEST",
+    f"The request line and headers must be at most {HEAD_MAX_BYTES} bytes; the connection is"
+    " closed.",
+    cacheable=True,
+)
+
+
+class _HeadTooLarge(Exception):
+    """Raised in a parser callback to stop the parser: the head passed its bound."""
+
+
 INTERNAL = Problem("INTERNAL", "Internal error.")
 # A closed connection's lingering (`_Linger`): at most this long, this many bytes.
 LINGER_SECONDS = 2.0
@@ -359,6 +376,15 @@ class EdgeProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         state = getattr(self.app, "state", None)
         self.edge: Edge | None = getattr(state, "edge", None) if state is not None else None
+        # The current request head's size, from the reads alone (no parser callback
+        # per header: they cost a sold-out answer a tenth): the read it began in, and
+        # the reads that fell wholly inside it (a header still coming).
+        self._in_head = False
+        self._heads = 0
+        self._read_bytes = 0
+        self._head_first = 0
+        self._head_reads = 0
+        self._head_too_large = False
         # The request whose headers the edge took and whose body is still coming.
         self._pending: EdgeRequest | None = None
         self._linger: _Linger | None = None
@@ -384,7 +410,7 @@ class EdgeProtocol(HttpToolsProtocol):
         request line may hold): a problem+json 400 like every other refusal, rather
         than uvicorn's text/plain one; the connection closed (lingering) after it,
         since nothing that follows on it can be framed."""
-        status, headers, body = _MALFORMED.encoded()
+        status, headers, body = (_HEAD_TOO_LARGE if self._head_too_large else _MALFORMED).encoded()
         parts = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             parts += (name, b": ", value, b"\r\n")
@@ -403,7 +429,21 @@ class EdgeProtocol(HttpToolsProtocol):
 
     # -- uvicorn's callbacks --------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._heads += 1
+        self._head_first = self._read_bytes
+        self._head_reads = 0
+        super().on_message_begin()
+
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_first + self._head_reads > HEAD_MAX_BYTES and self._head_size() > (
+            HEAD_MAX_BYTES
+        ):
+            # Stops the parser; uvicorn answers its error with send_400_response.
+            self._head_too_large = True
+            raise _HeadTooLarge
         edge = self.edge
         if edge is not None and not self.root_path:
             cycle = self.cycle
@@ -469,7 +509,18 @@ class EdgeProtocol(HttpToolsProtocol):
         if linger is not None and linger.lingering:
             linger.dropped(len(data))
             return
+        in_head, heads = self._in_head, self._heads
+        self._read_bytes = len(data)
         super().data_received(data)
+        if self._in_head and in_head and heads == self._heads:
+            # The whole read was part of one head, still incomplete: a header the
+            # parser keeps until it ends. (A read in which a head began is not
+            # counted: the bound is off by one read at most, never too strict.)
+            self._head_reads += len(data)
+            if self._head_reads > HEAD_MAX_BYTES and not self.transport.is_closing():
+                self._head_too_large = True
+                self.send_400_response("")
+                return
         req = self._pending
         if req is not None and not req.watched and not self.transport.is_closing():
             # The read ended before the body did: the rest is due by the guard's
@@ -488,6 +539,11 @@ class EdgeProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     # -- the edge -------------------------------------------------------------------------
+
+    def _head_size(self) -> int:
+        """The finished head's size as parsed (only asked when its reads say it may be
+        past the bound: they also hold pipelined requests and bodies)."""
+        return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
 
     def _take(self, req: EdgeRequest) -> None:
         """The request is no longer waiting for its body."""

@@ -24,6 +24,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.db import Database
+from gate.edge import HEAD_MAX_BYTES
 from gate.keys import deal_keys
 from gate.metrics import sample_values, value_of
 from gate.settings import Settings
@@ -295,6 +296,32 @@ def test_malformed_http_is_a_problem_400_and_closed(edge_gate: GateProcess) -> N
         assert answer.headers["content-type"] == "application/problem+json", answer
         assert answer.json()["code"] == "INVALID_REQUEST"  # type: ignore[call-overload]
         assert answer.headers["connection"] == "close" and answer.headers["x-request-id"]
+
+
+def test_a_request_head_past_its_bound_is_a_problem_400_and_closed(
+    edge_gate: GateProcess,
+) -> None:
+    """The request line and headers are bounded (httptools bounds neither: a 20 MB
+    header was read whole): one long header coming in several reads, many headers,
+    a long URL. A head under the bound is served."""
+    port = edge_gate.port
+    head = b"GET /v1/deals/1 HTTP/1.1\r\nHost: gate\r\n"
+    for parts in (
+        [head + b"X-Big: " + b"a" * 20_000, b"a" * 20_000, b"a" * 20_000, b"\r\n\r\n"],
+        [head + b"X-H: a\r\n" * 5_000 + b"\r\n"],
+        [b"GET /v1/deals/1?" + b"q" * (HEAD_MAX_BYTES + 1) + b" HTTP/1.1\r\nHost: gate\r\n\r\n"],
+    ):
+        with connect(port) as sock:
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(0.02)
+            answer = Reader(sock).answer()
+        assert answer.status == 400, answer
+        body = answer.json()
+        assert isinstance(body, dict) and str(HEAD_MAX_BYTES) in str(body["detail"]), body
+        assert answer.headers["connection"] == "close"
+    fits = send(port, head + b"X-Big: " + b"a" * (HEAD_MAX_BYTES - 200) + b"\r\n\r\n")
+    assert fits.status in (200, 404), fits
 
 
 def test_a_body_declared_too_long_is_413_before_it_comes(edge_gate: GateProcess) -> None:
