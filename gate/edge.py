@@ -438,9 +438,10 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._head_first + self._head_reads > HEAD_MAX_BYTES and self._head_size() > (
-            HEAD_MAX_BYTES
-        ):
+        # What the reads say the head may be: the one it began in, those wholly inside
+        # it and the one it ends in (the same as the first when it began in this one).
+        reads = self._head_first + self._head_reads + self._read_bytes
+        if reads > HEAD_MAX_BYTES and self._head_size() > HEAD_MAX_BYTES:
             # Stops the parser; uvicorn answers its error with send_400_response.
             self._head_too_large = True
             raise _HeadTooLarge
