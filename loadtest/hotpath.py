@@ -403,10 +403,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if "poll" in args.cases:
             await drive([probe.queue_call("POST", poll_deal, u) for u in pollers], c)
         queued_orders: list[tuple[str, int]] = []
+        waiting = {u: probe.reserve_call(queue_deal, u, f"wait-{probe.tag}-{u}") for u in waiters}
         if "order" in args.cases or "replay" in args.cases:
             # No consumer runs here: each order stays QUEUED while it is polled.
             for u in waiters:
-                status, out = await probe.reserve_call(queue_deal, u, f"wait-{probe.tag}-{u}")()
+                status, out = await waiting[u]()
                 assert status == 202, (status, out)
                 queued_orders.append((str(orjson.loads(out)["order_id"]), u))
         health = [functools.partial(probe.call, "GET", "/healthz", []) for _ in range(n)]
@@ -420,9 +421,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "poll": [probe.queue_call("GET", poll_deal, u) for u in pollers],
             "deal": [functools.partial(probe.call, "GET", f"/v1/deals/{open_deal}", [])] * n,
             "order": [probe.order_call(o, u) for o, u in queued_orders],
-            "replay": [
-                probe.reserve_call(queue_deal, u, f"wait-{probe.tag}-{u}") for _, u in queued_orders
-            ],
+            "replay": [waiting[u] for _, u in queued_orders],
         }
         # Committed, queued, join: their buyers act once, so each run its own.
         parts = {
