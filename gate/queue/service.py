@@ -471,7 +471,7 @@ class QueueService:
     async def _committed_meanwhile(self, order_id: str, user_id: int) -> dict[str, Any] | None:
         """A queued order committed between the caller's database read and the status
         read (the consumer deletes the status once committed): the database again."""
-        if not await self.gate.redis.exists(queue_order_index(order_id)):
+        if not await self.gate.runner.call("queue_locate", (queue_order_index(order_id),), ()):
             return None
         order = await orders.get_for_buyer(self.gate.db, order_id, user_id)
         return order.view()
