@@ -35,6 +35,9 @@ def _settings() -> Settings:
 
 
 SERVE_BACKLOG = 4096
+PORT_MAX = 65_535
+WORKERS_MAX = 64
+TOKEN_TTL_SECONDS_MAX = 366 * 86_400  # a dev or test token; buyers' come from the shop
 SERVE_GRACE_SECONDS = 10
 
 
@@ -87,6 +90,10 @@ def run_server(
         # uvicorn's httptools protocol, with the edge's routes answered by the
         # protocol itself (gate/edge.py); any other application is served unchanged.
         "http": "gate.edge:EdgeProtocol",
+        # Gate serves no WebSocket: a request asking to upgrade is answered as HTTP/1.1
+        # (gate/edge.py `_unsupported_upgrade_warning`). uvicorn's own upgrade would
+        # hand the connection to a protocol the edge's transport cannot switch to.
+        "ws": "none",
         "access_log": False,
         # No "server: uvicorn" on every answer: it names the software to an attacker
         # and costs the sold-out answer a header (two regex checks in uvicorn).
@@ -257,10 +264,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gate", description="Flash-sale admission gate.")
     sub = p.add_subparsers(dest="command", required=True)
 
+    from gate.auth import MAX_USER_ID
+    from gate.dealcli import ranged_int
+    from gate.deals import MAX_BUCKETS, MAX_ID, MAX_STOCK
+
     s = sub.add_parser("serve", help="run the HTTP gate (and its background workers)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--port", type=ranged_int(1, PORT_MAX), default=8000)
+    s.add_argument("--workers", type=ranged_int(1, WORKERS_MAX), default=1)
     s.add_argument("--no-background", action="store_true", help="do not run background workers")
     s.set_defaults(fn=cmd_serve)
 
@@ -268,13 +279,13 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_migrate)
 
     s = sub.add_parser("check", help="verify every invariant (exit 1 on any breach)")
-    s.add_argument("--deal", type=int)
+    s.add_argument("--deal", type=ranged_int(1, MAX_ID))
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_check)
 
     s = sub.add_parser("token", help="mint a buyer token")
-    s.add_argument("user_id", type=int)
-    s.add_argument("--ttl-seconds", type=int, default=86_400)
+    s.add_argument("user_id", type=ranged_int(1, MAX_USER_ID))
+    s.add_argument("--ttl-seconds", type=ranged_int(1, TOKEN_TTL_SECONDS_MAX), default=86_400)
     s.set_defaults(fn=cmd_token)
 
     for name, text in (
@@ -286,8 +297,8 @@ def parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=_loop_command(name))
 
     s = sub.add_parser("demo", help="create a demo deal and print how to try it")
-    s.add_argument("--stock", type=int, default=100)
-    s.add_argument("--buckets", type=int, default=4)
+    s.add_argument("--stock", type=ranged_int(0, MAX_STOCK), default=100)
+    s.add_argument("--buckets", type=ranged_int(1, MAX_BUCKETS), default=4)
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.set_defaults(fn=cmd_demo)
 
@@ -304,14 +315,21 @@ def parser() -> argparse.ArgumentParser:
         if name not in sub.choices:
             s = sub.add_parser(name, help=f"{name} (not available in this version yet)")
             s.add_argument("--once", action="store_true")
-            s.add_argument("--port", type=int)
+            s.add_argument("--port", type=ranged_int(1, PORT_MAX))
             s.set_defaults(fn=_not_yet(name))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    code: int = args.fn(args)
+    try:
+        code: int = args.fn(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`gate deal list | head`): not an error of the command.
+        # Python would report the failed flush at exit; stdout goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return code
 
 

@@ -44,7 +44,7 @@ OPERATOR_RE = re.compile(r"^[A-Za-z0-9_.@:+-]{1,64}$")
 ADVISE_SAMPLE_SECONDS = 2.0
 
 
-def _ranged_int(lo: int, hi: int) -> Callable[[str], int]:
+def ranged_int(lo: int, hi: int) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         try:
             value = int(raw)
@@ -57,7 +57,7 @@ def _ranged_int(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-def _ranged_float(lo: float, hi: float) -> Callable[[str], float]:
+def ranged_float(lo: float, hi: float) -> Callable[[str], float]:
     def parse(raw: str) -> float:
         try:
             value = float(raw)
@@ -94,7 +94,7 @@ def _default_operator() -> str:
 
 
 # `int` would take "-5" or "10**30" for a deal id and fail later with a database error.
-_deal_id = _ranged_int(1, MAX_ID)
+_deal_id = ranged_int(1, MAX_ID)
 
 
 def _emit(args: argparse.Namespace, data: Any, text: Callable[[Any], str]) -> None:
@@ -123,6 +123,8 @@ def _run(
 
     try:
         return asyncio.run(_with_gate(go, scripts=False))
+    except BrokenPipeError:
+        raise  # the reader of the output went away: gate/cli.py main() ends quietly
     except (DbUnavailable, OSError) as exc:
         print(f"gate deal {args.deal_command}: unavailable: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -345,8 +347,8 @@ def add_commands(sub: Any) -> None:
         )
 
     p = command("list", "deals in id order with their stock totals", cmd_list)
-    p.add_argument("--after", type=_ranged_int(0, MAX_ID), default=0, help="deal id to start after")
-    p.add_argument("--limit", type=_ranged_int(1, LIST_PAGE_MAX), default=100)
+    p.add_argument("--after", type=ranged_int(0, MAX_ID), default=0, help="deal id to start after")
+    p.add_argument("--limit", type=ranged_int(1, LIST_PAGE_MAX), default=100)
 
     p = command("create", "create a deal (POST /v1/admin/deals)", cmd_create)
     p.add_argument("--title", required=True)
@@ -383,7 +385,7 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument(
         "--sample-seconds",
-        type=_ranged_float(0.0, SAMPLE_SECONDS_MAX),
+        type=ranged_float(0.0, SAMPLE_SECONDS_MAX),
         default=ADVISE_SAMPLE_SECONDS,
         help="with --advise: how long to watch the deal's lock waits",
     )
@@ -396,8 +398,8 @@ def add_commands(sub: Any) -> None:
 
     p = command("ledger", "the deal's stock ledger (GET …/ledger)", cmd_ledger)
     p.add_argument("deal_id", type=_deal_id)
-    p.add_argument("--after", type=_ranged_int(0, MAX_ID), default=0, help="ledger id")
-    p.add_argument("--limit", type=_ranged_int(1, LEDGER_PAGE_MAX), default=100)
+    p.add_argument("--after", type=ranged_int(0, MAX_ID), default=0, help="ledger id")
+    p.add_argument("--limit", type=ranged_int(1, LEDGER_PAGE_MAX), default=100)
 
     p = command(
         "repair", "recompute the bucket counters and per-user quota from the orders", cmd_repair
@@ -406,7 +408,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="show the difference, change nothing")
     p.add_argument(
         "--wait",
-        type=_ranged_float(0.0, WAIT_SECONDS_MAX),
+        type=ranged_float(0.0, WAIT_SECONDS_MAX),
         default=0.0,
         help="wait up to this long for reservations in flight to finish (default: refuse)",
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import jwt
@@ -88,6 +89,51 @@ def test_token_mints_a_verifiable_buyer_token(env: dict[str, str]) -> None:
     claims = jwt.decode(out.stdout.strip(), JWT_SECRET, algorithms=["HS256"])
     assert claims["sub"] == "4242" and claims["exp"] > claims["iat"]
     assert JWT_SECRET not in out.stdout + out.stderr
+
+
+def test_out_of_range_arguments_are_usage_errors(env: dict[str, str]) -> None:
+    """Each command bounds its numbers as the HTTP API bounds the same values: a usage
+    error (exit 2, no traceback) instead of a server on port 34463 (`--port 99999`),
+    a traceback (`demo --stock -5`) or an "invariant breach" for a deal id no deal
+    can have (`check --deal 2**64`)."""
+    for args, message in (
+        (("serve", "--port", "99999"), "--port: must be within 1..65535, got 99999"),
+        (("serve", "--workers", "0"), "--workers: must be within 1..64, got 0"),
+        (("demo", "--stock", "-5"), "--stock: must be within 0..1000000000, got -5"),
+        (("demo", "--buckets", "0"), "--buckets: must be within 1..1024, got 0"),
+        (("check", "--deal", str(2**64)), "--deal: must be within 1..9223372036854775807"),
+        (("token", "0"), "user_id: must be within 1..9223372036854775807, got 0"),
+        (("token", "7", "--ttl-seconds", "-5"), "--ttl-seconds: must be within 1..31622400"),
+        (
+            ("queue", "status", "--deal", str(2**63)),
+            "--deal: must be within 1..9223372036854775807",
+        ),
+        (("queue", "retry", "x"), "entry_id: must be an integer, got 'x'"),
+    ):
+        out = run(env, *args)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert message in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr, (args, out.stderr)
+
+
+def test_a_reader_that_went_away_is_not_a_traceback(env: dict[str, str]) -> None:
+    """`gate token 7 | head -c 10`: the reader closes the pipe before the command
+    writes (here: before it starts); the command ends quietly, exit 1."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [GATE_BIN, "token", "7"],
+            env=env,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
 
 
 def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: object) -> None:

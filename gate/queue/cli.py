@@ -26,11 +26,13 @@ import sys
 import time
 from typing import Any
 
+from gate.dealcli import ranged_int
+from gate.deals import MAX_ID as DEAL_ID_MAX
 from gate.settings import SettingsError
 
 DEAD_LETTERS_MAX = 1000
 DEALS_MAX = 1000
-ID_MAX = 2**64 - 1  # BIGINT UNSIGNED, the ids' column type
+ID_MAX = 2**64 - 1  # BIGINT UNSIGNED, a dead letter's id column type
 # Refusals that are not the request's outcome: a retry refused with one of these is
 # released (retried_at back to NULL) so that it may be retried again.
 RETRY_AGAIN_CODES = frozenset({"OVERLOADED", "RATE_LIMITED", "IDEMPOTENCY_IN_PROGRESS", "INTERNAL"})
@@ -292,29 +294,23 @@ def _retried_note(letter: dict[str, Any]) -> str:
     return ""
 
 
-def _positive_id(text: str) -> int:
-    """A positive id (a deal's, a dead letter's) as the database holds them."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= ID_MAX:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {ID_MAX}")
-    return value
+# A deal id as everywhere else (the HTTP API, gate deal); a dead letter's as its column.
+_deal_id = ranged_int(1, DEAL_ID_MAX)
+_entry_id = ranged_int(1, ID_MAX)
 
 
 def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     q = sub.add_parser("queue", help="queue mode: status, dead letters, retry")
     qs = q.add_subparsers(dest="queue_cmd", required=True)
     s = qs.add_parser("status", help="depth, oldest age, consumers, retries, dead letters")
-    s.add_argument("--deal", type=_positive_id, default=None, help="only this deal")
+    s.add_argument("--deal", type=_deal_id, default=None, help="only this deal")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     d = qs.add_parser("dead-letters", help="list the queue's dead letters")
-    d.add_argument("--deal", type=_positive_id, default=None, help="only this deal")
+    d.add_argument("--deal", type=_deal_id, default=None, help="only this deal")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     r = qs.add_parser("retry", help="re-submit one dead letter (exactly once)")
     r.add_argument(
-        "entry_id", type=_positive_id, help="the dead letter's id (gate queue dead-letters)"
+        "entry_id", type=_entry_id, help="the dead letter's id (gate queue dead-letters)"
     )
     for p in (s, d, r):
         p.set_defaults(fn=cmd_queue)
