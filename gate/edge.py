@@ -109,6 +109,11 @@ EDGE_REQUESTS = METRICS.counter(
     "Requests answered by the HTTP protocol itself (gate/edge.py), not the ASGI application.",
 )
 _ANSWERED = METRICS.counter_tally(EDGE_REQUESTS)
+_UPGRADES_REFUSED = METRICS.counter(
+    "gate_http_upgrades_refused_total",
+    "Requests that asked to upgrade the connection (WebSocket, h2c): answered as HTTP/1.1,"
+    " then the connection closed.",
+)
 
 
 class EdgeRoute:
@@ -421,11 +426,40 @@ class EdgeProtocol(HttpToolsProtocol):
         self.transport.write(b"".join(parts))
         self.transport.close()
 
-    def eof_received(self) -> None:
-        # asyncio closes the transport after this returns (through `_Linger.close`,
-        # which now closes at once).
-        if self._linger is not None:
-            self._linger.peer_done = True
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """The client shut its write side. Requests it sent whole are still answered,
+        then the connection is closed (`on_response_complete`), as a client that
+        half-closes after its request expects. Anything else ends here: asyncio
+        closes the transport when this returns None (through `_Linger.close`, which
+        now closes at once)."""
+        linger = self._linger
+        if linger is None:
+            return None
+        linger.peer_done = True
+        cycle = self.cycle  # the last request parsed
+        if (
+            linger.lingering
+            or self._pending is not None  # an edge request short of its body
+            or self._in_head
+            or cycle is None
+            or cycle.response_complete
+            or getattr(cycle, "more_body", False)  # an ASGI request short of its body
+        ):
+            return None
+        return True
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        linger, cycle = self._linger, self.cycle
+        if (
+            linger is not None
+            and linger.peer_done
+            and cycle is not None
+            and cycle.response_complete
+            and not self.transport.is_closing()
+        ):
+            # The last request of a client that shut its write side is answered.
+            self.transport.close()
 
     # -- uvicorn's callbacks --------------------------------------------------------------
 
@@ -528,6 +562,19 @@ class EdgeProtocol(HttpToolsProtocol):
             # body deadline.
             req.watched = True
             req.edge.guard.watch(id(req), lambda: self._late(req))
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """A request asking to upgrade (WebSocket, h2c), which `gate serve` does not
+        (uvicorn's `ws` is "none"): it is answered as HTTP/1.1 by its route, then the
+        connection is closed, because the parser reads nothing after an upgrade
+        request. uvicorn would log two warnings per such request, a log any client
+        could flood; they are counted instead."""
+        _UPGRADES_REFUSED.inc()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+        elif not self.transport.is_closing():
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         linger = self._linger

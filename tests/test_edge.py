@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -480,6 +481,88 @@ def test_connection_close_and_http_1_0_close_after_the_answer(
                 assert answer.status == status, answer
                 assert answer.headers.get("connection") == "close"
                 assert reader.closed()
+
+
+def test_a_client_that_shuts_its_write_side_is_answered_then_closed(
+    edge_gate: GateProcess,
+) -> None:
+    """A client may half-close (shut its write side) right after its requests, as
+    `nc -N` does: what it sent whole is answered, in order, whichever side answers
+    each, then the connection is closed. A request cut short by the shutdown (a
+    body that will not come) ends the connection without an answer. Before, every
+    such connection was closed at the client's EOF, unanswered."""
+    port = edge_gate.port
+    sold = sold_out_deal(port)
+    open_deal = admin_deal(port, stock=10)
+    body = b'{"quantity": 1}'
+    reqs = [
+        request("GET", f"/v1/deals/{open_deal}"),  # the edge, in a task
+        request(
+            "POST", f"/v1/deals/{sold}/reservations", buy(USER_BASE + 50, "edge-half-0001"), body
+        ),
+        request("GET", "/healthz"),  # the ASGI application
+        request(
+            "POST",
+            f"/v1/deals/{open_deal}/reservations",
+            buy(USER_BASE + 51, f"edge-half-{open_deal}"),
+            body,
+        ),
+    ]
+    for sent, statuses in (
+        (reqs[:1], [200]),
+        (reqs[2:3], [200]),
+        (reqs, [200, 409, 200, 201]),
+    ):
+        with connect(port) as sock:
+            sock.sendall(b"".join(h + b for h, b in sent))
+            sock.shutdown(socket.SHUT_WR)
+            reader = Reader(sock)
+            answers = [reader.answer() for _ in sent]
+            assert [a.status for a in answers] == statuses, [a.body for a in answers]
+            assert reader.closed()
+    head, _ = request(
+        "POST", f"/v1/deals/{open_deal}/reservations", buy(USER_BASE + 52, "edge-half-0002")
+    )
+    short = head.replace(b"Content-Length: 0", b"Content-Length: 15")
+    for data in (short + b'{"qua', b"GET /healthz HTTP/1.1\r\nHost: ga"):
+        with connect(port) as sock:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            assert Reader(sock).closed(), data
+    # Nothing was taken for the request cut short.
+    assert send(port, request("GET", f"/v1/deals/{open_deal}")[0]).json()["remaining_hint"] == 9
+
+
+def test_an_upgrade_is_answered_as_http_1_1_then_closed(edge_gate: GateProcess) -> None:
+    """`gate serve` speaks HTTP/1.1 only. A request asking for a WebSocket used to
+    be handed to uvicorn's WebSocket protocol, which the edge's transport cannot
+    switch to: no answer, the connection dropped and an error logged. Now it, and
+    an h2c upgrade, are answered by their route as any request, then the connection
+    is closed (the parser reads nothing after an upgrade request); counted, not
+    logged."""
+    port = edge_gate.port
+    deal_id = admin_deal(port, stock=3)
+    before = value_of(scrape(port), "gate_http_upgrades_refused_total")
+    for upgrade in (
+        {
+            "Upgrade": "websocket",
+            "Connection": "Upgrade",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+            "Sec-WebSocket-Version": "13",
+        },
+        {"Upgrade": "h2c", "Connection": "Upgrade, HTTP2-Settings", "HTTP2-Settings": "AAMAAABk"},
+    ):
+        head, _ = request("GET", f"/v1/deals/{deal_id}", upgrade)
+        with connect(port) as sock:
+            # A request sent after it on the same connection is not read.
+            sock.sendall(head + request("GET", "/healthz")[0])
+            reader = Reader(sock)
+            answer = reader.answer()
+            assert answer.status == 200 and answer.json()["id"] == deal_id, answer
+            assert reader.closed()
+    assert value_of(scrape(port), "gate_http_upgrades_refused_total") == before + 2
+    log = edge_gate.log_path.read_text()
+    assert "Fatal error on transport" not in log and "Unsupported upgrade" not in log
 
 
 def test_request_ids_are_echoed_or_made(edge_gate: GateProcess) -> None:
