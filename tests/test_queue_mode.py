@@ -686,6 +686,26 @@ async def test_queue_cap_answers_503_and_gives_the_units_back(
     assert report["totals"] == {"total": 10, "available": 8, "held": 2, "sold": 0}
 
 
+async def _flushed_then_queued(
+    client: Client, settings: Settings, deal_id: int, base_user: int, n: int
+) -> list[tuple[int, str]]:
+    """FLUSHDB on every primary, then n buyers queued through `client` (503s while a
+    gate reloads the deal are retried with other buyers): their (user, order id)."""
+    mode = detect_mode(settings.redis_url, settings.redis_mode, 2.0)
+    await asyncio.to_thread(flush_all_primaries, settings.redis_url, mode)
+    accepted: list[tuple[int, str]] = []
+    deadline = time.monotonic() + 10
+    attempt = 0
+    while len(accepted) < n:
+        assert time.monotonic() < deadline, "no admissions after the flush"
+        attempt += 1
+        base = base_user + 1_000 * attempt
+        statuses, more = await _crowd(client, deal_id, base, n - len(accepted))
+        assert set(statuses) <= {202, 503}, statuses
+        accepted += more
+    return accepted
+
+
 async def test_redis_flushed_mid_sale_later_requests_are_committed(
     client: Client, db: Database, rds: aioredis.Redis, settings: Settings
 ) -> None:
@@ -700,19 +720,7 @@ async def test_redis_flushed_mid_sale_later_requests_are_committed(
     states = await _read_all_pending(client, first, 10.0)
     assert Counter(s["status"] for s in states.values()) == {"PENDING_PAYMENT": 40}
 
-    mode = detect_mode(settings.redis_url, settings.redis_mode, 2.0)
-    await asyncio.to_thread(flush_all_primaries, settings.redis_url, mode)
-
-    accepted: list[tuple[int, str]] = []
-    deadline = time.monotonic() + 10
-    attempt = 0
-    while len(accepted) < 60:  # 503s while a gate reloads the deal are retried
-        assert time.monotonic() < deadline, "no admissions after the flush"
-        attempt += 1
-        base = 19_100_000 + 1_000 * attempt
-        statuses, more = await _crowd(client, deal_id, base, 60 - len(accepted))
-        assert set(statuses) <= {202, 503}, statuses
-        accepted += more
+    accepted = await _flushed_then_queued(client, settings, deal_id, 19_100_000, 60)
     # Every 202 after the flush reads PENDING_PAYMENT within 10 s, as before it.
     states = await _read_all_pending(client, accepted, 10.0)
     assert Counter(s["status"] for s in states.values()) == {"PENDING_PAYMENT": 60}
@@ -720,3 +728,91 @@ async def test_redis_flushed_mid_sale_later_requests_are_committed(
     report = await assert_invariants(db, rds, deal_id, timeout_seconds=30)
     assert report["totals"] == {"total": stock, "available": stock - 100, "held": 100, "sold": 0}
     assert await _held(db, deal_id) == 100
+
+
+async def test_redis_flushed_then_the_gate_that_queued_killed_another_drains(
+    env: dict[str, str],
+    client: Client,
+    db: Database,
+    rds: aioredis.Redis,
+    settings: Settings,
+) -> None:
+    """Redis loses everything, a gate queues requests of a deal, and is SIGKILLed
+    before it announces the deal again (at its next refresh of the modes): the
+    suite's gates, which never queued to that deal, find its queue all the same,
+    because a consumer walks every deal in queue mode, not only those the lost set
+    named. (Before, those requests waited, QUEUED, for a restart of a gate that had
+    queued to the deal.)"""
+    stock = 100
+    deal_id = await create_deal(client, stock=stock, buckets=2, mode="queue")
+    # No consumer of its own, and the longest refresh of the modes: its requests
+    # are drained by the suite's gates, and it announces the deal again at most
+    # every 2 s.
+    first = GateProcess(
+        {**env, "GATE_QUEUE_CONSUMERS": "0", "GATE_QUEUE_MODE_REFRESH_SECONDS": "2"}
+    )
+    first.wait_ready()
+    c = Client(first.url)
+    try:
+        _, before = await _crowd(c, deal_id, 19_200_000, 10)
+        assert len(before) == 10
+        states = await _read_all_pending(client, before, 10.0)
+        assert Counter(s["status"] for s in states.values()) == {"PENDING_PAYMENT": 10}
+
+        accepted = await _flushed_then_queued(c, settings, deal_id, 19_300_000, 20)
+        first.kill()
+    finally:
+        await c.close()
+        first.stop()
+    states = await _read_all_pending(client, accepted, 10.0)
+    assert Counter(s["status"] for s in states.values()) == {"PENDING_PAYMENT": 20}
+    await _queue_drained(rds, deal_id)
+    report = await assert_invariants(db, rds, deal_id, timeout_seconds=30)
+    # The ten committed before the flush are in the database; Redis rebuilt them.
+    assert report["totals"] == {"total": stock, "available": stock - 30, "held": 30, "sold": 0}
+
+
+async def test_a_replay_whose_record_redis_lost_is_answered_with_its_order(
+    client: Client, db: Database, rds: aioredis.Redis, settings: Settings
+) -> None:
+    """A buyer's request is queued and committed; Redis then loses everything, and
+    the buyer retries with the same Idempotency-Key. As in sync mode, the answer is
+    the order (200, replayed), not a 202 with a second order id whose commit can
+    only fail (it read REJECTED/DUPLICATE while the units of the first were held
+    for a buyer who had been told of neither). The same key with another quantity
+    is a 422; a new key of the same buyer is queued as usual."""
+    deal_id = await create_deal(
+        client, stock=20, buckets=2, mode="queue", per_user_limit=5, max_per_order=3
+    )
+    user = 19_400_001
+    first = await reserve(client, deal_id, user, "lost-replay-0001")
+    assert first.status_code == 202, first.text
+    order_id = first.json()["order_id"]
+    states = await _read_all_pending(client, [(user, order_id)], 10.0)
+    assert states[order_id]["status"] == "PENDING_PAYMENT"
+
+    mode = detect_mode(settings.redis_url, settings.redis_mode, 2.0)
+    await asyncio.to_thread(flush_all_primaries, settings.redis_url, mode)
+
+    deadline = time.monotonic() + 10
+    while True:  # 503 while the gate reloads the deal
+        again = await reserve(client, deal_id, user, "lost-replay-0001")
+        if again.status_code != 503 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert again.status_code == 200, again.text
+    assert again.json()["order_id"] == order_id
+    assert again.headers["Idempotent-Replayed"] == "true"
+    mismatch = await reserve(client, deal_id, user, "lost-replay-0001", quantity=2)
+    assert mismatch.status_code == 422, mismatch.text
+    assert mismatch.json()["code"] == "IDEMPOTENCY_MISMATCH"
+    other = await reserve(client, deal_id, user, "lost-replay-0002")
+    assert other.status_code == 202, other.text
+    other_id = other.json()["order_id"]
+    states = await _read_all_pending(client, [(user, other_id)], 10.0)
+    assert states[other_id]["status"] == "PENDING_PAYMENT"
+
+    await _queue_drained(rds, deal_id)
+    report = await assert_invariants(db, rds, deal_id, timeout_seconds=30)
+    assert report["totals"] == {"total": 20, "available": 18, "held": 2, "sold": 0}
+    assert await _held(db, deal_id) == 2

@@ -2,7 +2,8 @@
 
 Every `gate serve` process runs one consumer (`run()`), a member named per process
 of the group "gate" of each deal's stream {d:ID}:q. One pass (`run_once()`), per
-deal in gate:q:deals, takes at most GATE_QUEUE_BATCH_MAX entries:
+deal in gate:q:deals (and, every UNNAMED_WALK_SECONDS, per deal in queue mode that
+set does not name: it may have lost it), takes at most GATE_QUEUE_BATCH_MAX entries:
 
     its own unacknowledged entries whose retry backoff has passed
     + entries another consumer left unacknowledged for GATE_QUEUE_CLAIM_IDLE_SECONDS
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -75,6 +77,9 @@ CONSUMERS_SEEN_MAX = 1000
 FORGET_IDLE_MS = 600_000
 IDLE_MIN_SECONDS = 0.02
 IDLE_MAX_SECONDS = 0.5
+# How often a drain loop also walks the deals in queue mode that gate:q:deals does not
+# name (`_drain_unnamed`): an idle one costs a Redis call or two per walk.
+UNNAMED_WALK_SECONDS = 2.0
 
 COMMITTED = METRICS.counter(
     "gate_queue_committed_total", "Queued reservations committed (PENDING_PAYMENT).", ["deal"]
@@ -176,6 +181,9 @@ class QueueConsumer:
         # loop time dead consumers were last looked for.
         self._own_read: dict[tuple[int, str], float] = {}
         self._checked: dict[int, float] = {}
+        # Drain slot -> monotonic time the deals in queue mode the set did not name
+        # were last walked (`_drain_unnamed`).
+        self._unnamed_walked: dict[int, float] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """GATE_QUEUE_DRAINS drain loops, each a consumer of its own (so a deal has
@@ -227,9 +235,32 @@ class QueueConsumer:
     async def run_once(self, slot: int = 0) -> int:
         """One bounded batch per deal with a queue; how many entries it settled."""
         raw = await self.gate.redis.srandmember(QUEUE_DEALS, DEALS_PER_PASS_MAX)
+        named = [int(deal) for deal in raw or []]
         settled = 0
-        for deal in raw or []:
-            settled += await self.drain(int(deal), slot)
+        for deal_id in named:
+            settled += await self.drain(deal_id, slot)
+        now = time.monotonic()
+        if now - self._unnamed_walked.get(slot, -1e9) >= UNNAMED_WALK_SECONDS:
+            self._unnamed_walked[slot] = now
+            settled += await self._drain_unnamed(named, slot)
+        return settled
+
+    async def _drain_unnamed(self, named: list[int], slot: int) -> int:
+        """The deals in queue mode (as this process last read the modes) that the set
+        did not name. The set is only a record of queues, which a Redis that lost it
+        (flushed, failed over to a copy without it) has back when a process that
+        queued to the deal announces it again; had that process died first, its
+        requests queued since the loss would wait for a restart. A deal found with
+        entries is named again, so the next passes take it as before."""
+        unnamed = self.service.modes.queued.difference(named)
+        room = DEALS_PER_PASS_MAX - len(named)
+        deals = random.sample(sorted(unnamed), room) if len(unnamed) > room else unnamed
+        settled = 0
+        for deal_id in deals:
+            done = await self.drain(deal_id, slot)
+            if done:
+                await self.gate.redis.sadd(QUEUE_DEALS, str(deal_id))
+                settled += done
         return settled
 
     async def _ensure_group(self, stream: str, deal_id: int) -> None:
