@@ -673,7 +673,8 @@ def _schemas() -> dict[str, Any]:
                 "reason": {
                     "type": "string",
                     "description": "REJECTED: a problem code (SOLD_OUT, LIMIT_EXCEEDED…),"
-                    " CANCELLED or DEAD_LETTER.",
+                    " CANCELLED, DEAD_LETTER, or DUPLICATE (a retry of a committed request"
+                    " whose Redis record was lost; the first order stands).",
                 },
             },
             ["order_id", "status", "deal_id"],

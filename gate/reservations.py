@@ -178,6 +178,9 @@ class ReserveRequest:
 
 # lua/admit.lua ARGV[17] for `ReserveRequest.operator_retry` (a header never maps to it).
 OPERATOR_ADMISSION = "*"
+# Queue mode: how long an admission of a buyer admitted before waits for the database
+# to say whether it is a replay whose Redis record was lost (`_lost_replay`).
+LOST_REPLAY_WAIT_SECONDS = 0.5
 
 
 def _no_admission(deal_id: int, user_id: int, header: str | None) -> str:
@@ -456,8 +459,13 @@ class Reservations:
         reply = fut.result()
         code = AdmitCode(int(reply[0]))
         index = call.index
-        if code == AdmitCode.OK and (
-            index is None or (index.done() and not index.cancelled() and index.exception() is None)
+        if (
+            code == AdmitCode.OK
+            and reply[3] == 0  # a buyer admitted before goes the task's way (`_lost_replay`)
+            and (
+                index is None
+                or (index.done() and not index.cancelled() and index.exception() is None)
+            )
         ):
             assert self.queue is not None
             body = self.queue.queued(req.deal_id, call.token, req.quantity)
@@ -670,9 +678,19 @@ class Reservations:
             raise self._limited("global", adm.global_retry_ms)
 
         if mode:
+            if adm.known_buyer:
+                if index is not None:
+                    index.add_done_callback(_consumed)  # not awaited if taken back
+                replay = await self._lost_replay(keys, req, fp, token, queued=True)
+                if replay is not None:
+                    return replay
             return await self._queued(req, token, index)
         alloc = normalise_alloc(adm.detail)
         if mode is None and await queue.modes.is_queue(req.deal_id):  # type: ignore[union-attr]
+            if adm.known_buyer:
+                replay = await self._lost_replay(keys, req, fp, token, queued=False)
+                if replay is not None:
+                    return replay
             return await self._enqueue(keys, req, fp, token, alloc)
         # An allocation over several buckets goes through gate_reserve with `alloc`;
         # the item's bucket (its first) is used only when it names one.
@@ -890,6 +908,61 @@ class Reservations:
             if existing is not None:
                 return existing
             raise from_db(db_code)
+
+    async def _lost_replay(
+        self, keys: DealKeys, req: ReserveRequest, fp: str, token: str, queued: bool
+    ) -> Reserved | None:
+        """Queue mode: Redis admitted a buyer it had admitted to the deal before, with a
+        key it holds no record of. Sync mode's transaction would meet the key in the
+        database (DUPLICATE: the replay answered); a 202 would hand the buyer a second
+        order id whose commit can only fail. So the database is asked first (at most
+        one read per buyer per BUYER_KEYS_SECONDS, `BuyerKeys`), for at most
+        LOST_REPLAY_WAIT_SECONDS: a replay whose record Redis lost (a flush, a
+        failover) is taken back (unqueued, its units given back) and answered with
+        the order, as in sync mode; a key used with another request is a 422. A
+        database that does not answer in time leaves the 202 (queue mode accepts
+        through database trouble; a consumer then meets DUPLICATE)."""
+        # Shielded: a read cut short by the wait would cost its connection.
+        asked = asyncio.ensure_future(self._replayed(req, fp))
+        try:
+            existing = await asyncio.wait_for(asyncio.shield(asked), LOST_REPLAY_WAIT_SECONDS)
+        except TimeoutError:
+            asked.add_done_callback(_consumed)
+            return None
+        except Problem as problem:
+            if problem.code != "IDEMPOTENCY_MISMATCH":
+                return None  # the database is unavailable: queued, as without the check
+            await self._take_back(keys, req, token, queued)
+            raise
+        except Exception as exc:
+            log.warning("reservation %s: replay not checked: %r", token, exc)
+            return None
+        if existing is None:
+            return None
+        await self._take_back(keys, req, token, queued)
+        return existing
+
+    async def _replayed(self, req: ReserveRequest, fp: str) -> Reserved | None:
+        if not await self.buyer_keys.may_hold(req.user_id, req.idempotency_key):
+            return None
+        return await self._existing_or_none(req, fp)
+
+    async def _take_back(
+        self, keys: DealKeys, req: ReserveRequest, token: str, queued: bool
+    ) -> None:
+        """An admission that must not be queued after all: rejected first if queued (a
+        consumer already committing it meets DUPLICATE and gives the units back
+        itself), then its units given back."""
+        if queued:
+            assert self.queue is not None
+            try:
+                rejected = await self.queue.unqueue(req.deal_id, token, "DUPLICATE")
+            except Exception as exc:
+                log.warning("queued reservation %s not rejected: %r", token, exc)
+                return  # a consumer meets it: DUPLICATE, given back there
+            if not rejected:
+                return
+        await self._compensate(keys, req, token)
 
     async def _queued(
         self, req: ReserveRequest, token: str, index: asyncio.Future[Any] | None

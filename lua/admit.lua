@@ -63,7 +63,11 @@
   unchanged (14 keys): the branch costs it one comparison.
 
   Returns {code, detail}:
-    0 OK              detail = allocation "bucket:qty[,bucket:qty…]"
+    0 OK              detail = allocation "bucket:qty[,bucket:qty…]"; a fourth
+                      element is 1 when the user was in the buyers set before this
+                      admission, or that set is not known to be complete (queue mode
+                      then asks the database whether the request is a replay whose
+                      record Redis lost), 0 otherwise
     1 NOT_LOADED      the deal's state is absent; load it from the database
     2 SOLD_OUT        detail = units left (less than asked); a third element gives
                       the size of the buyers set, or -1 while that set is not known
@@ -256,11 +260,14 @@ if queued then
 else
   redis.call('ZADD', KEYS[6], now_ms, token)
 end
-redis.call('SADD', KEYS[11], user)
+-- SADD answers 0 for a member already there: a buyer admitted to the deal before.
+-- While the set is being rebuilt from the database (no buyers_ok) anyone may be one.
+local known = 1 - redis.call('SADD', KEYS[11], user)
+if not meta[7] then known = 1 end
 if room_on then
   -- The admission is spent with the units it bought: it cannot buy twice.
   redis.call('HDEL', KEYS[13], user)
   redis.call('ZREM', KEYS[14], user)
   redis.call('HINCRBY', KEYS[12], 'spent', 1)
 end
-return {0, alloc_s}
+return {0, alloc_s, -1, known}
