@@ -15,11 +15,13 @@ two nodes may differ. `redis_ms(client, key)` reads TIME on the node that owns
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -46,36 +48,69 @@ def refuse_cluster_db(url: str) -> None:
         raise RedisModeError("GATE_REDIS_URL: Redis Cluster cannot be reached over unix://")
 
 
-def detect_mode(url: str, mode: str, timeout_seconds: float) -> str:
-    """`standalone` or `cluster` for `mode` (auto asks the node: `INFO cluster`).
-    Raises RedisModeError for a cluster URL naming a database other than 0."""
+def node_url(url: str, host: str, port: int) -> str:
+    """`url` (its scheme, credentials, TLS, database) pointed at another node."""
+    parts = urlsplit(url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{address}"))
+
+
+def detect_mode(
+    url: str, mode: str, timeout_seconds: float, nodes: Sequence[tuple[str, int]] = ()
+) -> str:
+    """`standalone` or `cluster` for `mode` (auto asks the node: `INFO cluster`; when
+    it does not answer, the GATE_REDIS_CLUSTER_NODES `nodes` in turn). Raises
+    RedisModeError for a cluster URL naming a database other than 0."""
     if mode == "auto":
-        try:
-            client = redis.Redis.from_url(
-                url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds
-            )
+        last: Exception | None = None
+        for target in [url, *(node_url(url, host, port) for host, port in nodes)]:
             try:
-                info: Any = client.info("cluster")
-            finally:
-                client.close()
-            mode = "cluster" if int(info.get("cluster_enabled", 0)) == 1 else "standalone"
-        except redis.ResponseError as exc:
-            # A cluster node refuses SELECT of a database other than 0.
-            if "SELECT is not allowed in cluster mode" in str(exc):
-                mode = "cluster"
-            else:
-                raise RedisModeError(f"cannot ask Redis which mode it runs in: {exc}") from None
-        except redis.RedisError as exc:
+                mode = _asked_mode(target, timeout_seconds)
+                break
+            except redis.RedisError as exc:
+                last = exc
+        else:
             # Unreachable now: standalone, as before modes existed (start-up then
-            # fails or degrades exactly as it always did); cluster needs the mode set.
-            log.warning("GATE_REDIS_MODE=auto: Redis unreachable (%r); assuming standalone", exc)
-            mode = "standalone"
+            # fails or degrades exactly as it always did), unless cluster nodes are
+            # named; otherwise cluster needs the mode set.
+            mode = "cluster" if nodes else "standalone"
+            log.warning("GATE_REDIS_MODE=auto: Redis unreachable (%r); assuming %s", last, mode)
+        if mode == "standalone" and nodes:
+            raise RedisModeError(
+                "GATE_REDIS_CLUSTER_NODES names Redis Cluster nodes, but Redis is a"
+                " standalone server"
+            )
     if mode == "cluster":
         refuse_cluster_db(url)
     return mode
 
 
-def make_redis(url: str, pool_max: int, timeout_seconds: float, mode: str = "standalone") -> Any:
+def _asked_mode(url: str, timeout_seconds: float) -> str:
+    """INFO cluster of the node `url` names (redis.RedisError when it does not answer)."""
+    try:
+        client = redis.Redis.from_url(
+            url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds
+        )
+        try:
+            info: Any = client.info("cluster")
+        finally:
+            client.close()
+    except redis.ResponseError as exc:
+        # A cluster node refuses SELECT of a database other than 0.
+        if "SELECT is not allowed in cluster mode" in str(exc):
+            return "cluster"
+        raise RedisModeError(f"cannot ask Redis which mode it runs in: {exc}") from None
+    return "cluster" if int(info.get("cluster_enabled", 0)) == 1 else "standalone"
+
+
+def make_redis(
+    url: str,
+    pool_max: int,
+    timeout_seconds: float,
+    mode: str = "standalone",
+    nodes: Sequence[tuple[str, int]] = (),
+) -> Any:
     """A client that never retries on its own.
 
     redis-py retries failed commands by default, timeouts included. A timed-out
@@ -89,6 +124,8 @@ def make_redis(url: str, pool_max: int, timeout_seconds: float, mode: str = "sta
             aioredis.Redis,
             RedisCluster.from_url(
                 url,
+                # More nodes to start from (GATE_REDIS_CLUSTER_NODES) than the URL's.
+                startup_nodes=[ClusterNode(host, port) for host, port in nodes] or None,
                 decode_responses=True,
                 max_connections=pool_max,
                 socket_timeout=timeout_seconds,

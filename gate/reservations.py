@@ -39,7 +39,7 @@ import pymysql
 
 from gate import orders
 from gate.alloc import normalise_alloc
-from gate.breaker import Breaker
+from gate.breaker import CLOSED, HALF_OPEN, Breaker
 from gate.buyer_keys import BuyerKeys
 from gate.clock import iso
 from gate.codes import AdmitCode, DbCode, LimitCode
@@ -178,6 +178,10 @@ class ReserveRequest:
 
 # lua/admit.lua ARGV[17] for `ReserveRequest.operator_retry` (a header never maps to it).
 OPERATOR_ADMISSION = "*"
+# Open breakers whose time is up are probed this often without waiting for a call
+# (`probe_breakers`), at most this many per round.
+BREAKER_PROBE_SECONDS = 1.0
+BREAKERS_PROBED_MAX = 1000
 # Queue mode: how long an admission of a buyer admitted before waits for the database
 # to say whether it is a replay whose Redis record was lost (`_lost_replay`).
 LOST_REPLAY_WAIT_SECONDS = 0.5
@@ -338,6 +342,41 @@ class Reservations:
                 self.settings.redis_breaker_open_seconds,
             )
         return breaker
+
+    async def probe_breakers(self, stop: asyncio.Event) -> None:
+        """Every BREAKER_PROBE_SECONDS, `probe_breakers_once` (every serving process:
+        each has breakers of its own)."""
+        while not stop.is_set():
+            try:
+                await self.probe_breakers_once()
+            except Exception as exc:
+                log.warning("breaker probe failed: %r", exc)
+            try:
+                await asyncio.wait_for(stop.wait(), BREAKER_PROBE_SECONDS)
+            except TimeoutError:
+                pass
+
+    async def probe_breakers_once(self) -> int:
+        """An open breaker is probed by the first call past its open time. A node no
+        call reaches any more (its deals' sales are over) would keep it open for
+        good, and /readyz "degraded", gate_circuit_open and its alert with it: after
+        a Redis Cluster failover every node answers CLUSTERDOWN for a while, so
+        breakers of nodes that never failed open too. So breakers whose open time is
+        up are probed here as well, one Redis call each in a call's place
+        (`ScriptRunner.probe`). How many it probed."""
+        probed = 0
+        for breaker in [self.breaker, *self._breakers.values()][:BREAKERS_PROBED_MAX]:
+            if breaker.state == CLOSED:
+                continue
+            with breaker.call() as allowed:
+                if not allowed or breaker.state != HALF_OPEN:
+                    continue
+                probed += 1
+                if await self.mirror.runner.probe(breaker.name):
+                    breaker.success()
+                else:
+                    breaker.failure()
+        return probed
 
     def _retire_breakers(self, serving: frozenset[str]) -> None:
         """The slot map was read: the breakers of nodes that serve no slot any more

@@ -41,14 +41,16 @@ class Gate:
         scripts = read_scripts()
         self.db = Database(settings)
         # "standalone" or "cluster" (GATE_REDIS_MODE=auto asks the node once).
+        nodes = settings.redis_cluster_nodes
         self.redis_mode = detect_mode(
-            settings.redis_url, settings.redis_mode, settings.redis_timeout_seconds
+            settings.redis_url, settings.redis_mode, settings.redis_timeout_seconds, nodes
         )
         self.redis = make_redis(
             settings.redis_url,
             settings.redis_pool_max,
             settings.redis_timeout_seconds,
             self.redis_mode,
+            nodes,
         )
         self.runner = ScriptRunner(
             self.redis,
@@ -58,6 +60,7 @@ class Gate:
             settings.redis_timeout_seconds,
             mode=self.redis_mode,
             flush_every=settings.redis_flush_every,
+            nodes=nodes,
         )
         self.mirror = Mirror(settings, self.db, self.redis, self.runner)
         self.soldout = SoldOutCache(self.redis, self.runner, settings.sold_out_cache_seconds)
@@ -106,6 +109,7 @@ class Gate:
                 await hook()
         # Every serving process gives back its own admissions that will never commit.
         self._spawn(self.reservations.givebacks.run(self._stop))
+        self._spawn(self.reservations.probe_breakers(self._stop))
         run_background = self.settings.run_background if background is None else background
         if run_background:
             self._spawn(self.janitor.run(self._stop))

@@ -155,6 +155,10 @@ TRYAGAIN_SECONDS = 0.05
 REFRESH_MIN_SECONDS = 0.2
 # Nodes the runner ever learned of (a cluster of thousands is not a thing).
 NODES_MAX = 1000
+# After a node failed, the slot map is read again this often, for at most this long,
+# while it still names that node (`_until_replaced`).
+FAILED_NODE_REREAD_SECONDS = 1.0
+FAILED_NODE_WATCH_SECONDS = 60.0
 
 
 def _redirect(result: Any) -> tuple[str, int, _Addr | None] | None:
@@ -194,6 +198,7 @@ class ScriptRunner:
         connections: int = 2,
         mode: str = "standalone",
         flush_every: int = 0,
+        nodes: Sequence[tuple[str, int]] = (),
     ) -> None:
         self.client = client
         self.scripts = scripts
@@ -219,8 +224,13 @@ class ScriptRunner:
         self._slots: list[_Addr | None] = [None] * CLUSTER_SLOTS
         self._node_conns: dict[_Addr, list[RespConnection]] = {}
         target = parse_redis_url(url)
+        # The URL's node, then the other nodes named to start from
+        # (GATE_REDIS_CLUSTER_NODES): the slot map is asked of the first that answers.
         self._known: dict[_Addr, None] = {(target.host, target.port): None}
+        self._known.update((node, None) for node in nodes)
         self._refreshing: asyncio.Future[None] | None = None
+        # Nodes that failed, watched until the map no longer names them.
+        self._watchers: dict[_Addr, asyncio.Task[None]] = {}
         # Told the names (node_of) of the primaries serving slots after every read of
         # the slot map: a node that failed over serves nothing any more.
         self.slot_map_listeners: list[Callable[[frozenset[str]], None]] = []
@@ -303,9 +313,53 @@ class ScriptRunner:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _refresh_quietly(self) -> None:
+    async def probe(self, name: str) -> bool:
+        """A breaker's probe with no call to make it (`Reservations.probe_breakers`):
+        does the node named as `node_of` names it answer, and, on Redis Cluster, say
+        its cluster is ok (a node answers PING while it refuses every key, CLUSTERDOWN,
+        during a failover)? Redis's own reply deadline bounds it."""
         try:
-            await self.refresh()
+            if self.cluster:
+                host, _, port = name.removeprefix("redis ").rpartition(":")
+                conn = self._conn_for((host, int(port)))
+                command: tuple[str, ...] = ("CLUSTER", "INFO")
+            else:
+                conn = min(self._conns, key=lambda c: (not c.connected, c.pending))
+                command = ("PING",)
+            await conn.connect()
+            (reply,) = await asyncio.gather(*conn.send([command]))
+        except (RedisError, OSError, ValueError):
+            return False
+        if isinstance(reply, Exception):
+            return False
+        return not self.cluster or b"cluster_state:ok" in (
+            reply if isinstance(reply, bytes) else str(reply).encode()
+        )
+
+    def _watch_failed(self, addr: _Addr) -> None:
+        if addr in self._watchers or len(self._watchers) >= NODES_MAX:
+            return
+        task = asyncio.get_running_loop().create_task(self._until_replaced(addr))
+        self._watchers[addr] = task
+        task.add_done_callback(lambda _: self._watchers.pop(addr, None))
+
+    async def _until_replaced(self, addr: _Addr) -> None:
+        """A node failed. The map read at once may still name it (its replica not
+        promoted yet), and nothing reads the map again unless a call goes to one of
+        its slots: after a sale ends, a gate would keep the dead node's slots, and
+        its breaker would stay open (/readyz "degraded") for good. So the map is read
+        again every FAILED_NODE_REREAD_SECONDS while it names that node, for at most
+        FAILED_NODE_WATCH_SECONDS (a node that came back is read as serving: the
+        watch then just ends)."""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + FAILED_NODE_WATCH_SECONDS
+        while addr in self._slots and loop.time() < ends:
+            await asyncio.sleep(FAILED_NODE_REREAD_SECONDS)
+            await self._refresh_quietly(force=True)
+
+    async def _refresh_quietly(self, force: bool = False) -> None:
+        try:
+            await self.refresh(force)
         except Exception as exc:
             log.warning("redis cluster slot map not refreshed: %r", exc)
 
@@ -539,6 +593,7 @@ class ScriptRunner:
             # The node failed (a failover, perhaps): the map is asked again; these calls
             # may have run and are never re-sent.
             self._refresh_soon()
+            self._watch_failed(addr)
             for i in idx:
                 results[i] = exc
             return
@@ -548,6 +603,10 @@ class ScriptRunner:
             results[i] = reply
 
     async def aclose(self) -> None:
+        watchers = list(self._watchers.values())
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for conn in self._conns:

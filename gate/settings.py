@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -190,6 +191,8 @@ class Settings:
     redis_pool_max: int = 64
     # "auto" asks the node (INFO cluster) at start-up; "standalone" or "cluster".
     redis_mode: str = "auto"
+    # Redis Cluster: more nodes to start from than GATE_REDIS_URL's (host, port).
+    redis_cluster_nodes: tuple[tuple[str, int], ...] = ()
     redis_timeout_seconds: float = 0.5
     redis_pipeline_max: int = 512
     redis_flush_every: int = 0
@@ -279,6 +282,29 @@ def _is_dev_value(entry: str, dev_value: str) -> bool:
     return dev_value == DEV_WEBHOOK_SECRET and webhook_key(entry) == DEV_WEBHOOK_KEY
 
 
+CLUSTER_NODES_MAX = 16
+_NODE_HOST = re.compile(r"[A-Za-z0-9.:-]{1,253}")
+
+
+def _cluster_nodes(raw: str) -> tuple[tuple[str, int], ...]:
+    """GATE_REDIS_CLUSTER_NODES: "host:port" entries ([v6]:port for IPv6), separated by
+    spaces or commas; reached with GATE_REDIS_URL's credentials and TLS."""
+    nodes: list[tuple[str, int]] = []
+    for item in raw.replace(",", " ").split():
+        host, sep, port = item.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not (sep and _NODE_HOST.fullmatch(host) and port.isdigit() and 1 <= int(port) <= 65_535):
+            raise SettingsError(
+                f"GATE_REDIS_CLUSTER_NODES: {item!r} is not host:port (entries separated by"
+                " spaces or commas)"
+            )
+        nodes.append((host, int(port)))
+    if len(nodes) > CLUSTER_NODES_MAX:
+        raise SettingsError(f"GATE_REDIS_CLUSTER_NODES: at most {CLUSTER_NODES_MAX} nodes")
+    return tuple(dict.fromkeys(nodes))
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read every setting once. Raises SettingsError with a clear message."""
     env = os.environ if environ is None else environ
@@ -354,6 +380,14 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             )
         if target.unix_path is not None:
             raise SettingsError("GATE_REDIS_URL: Redis Cluster cannot be reached over unix://")
+    redis_cluster_nodes = _cluster_nodes(env.get("GATE_REDIS_CLUSTER_NODES", ""))
+    if redis_cluster_nodes and redis_mode == "standalone":
+        raise SettingsError(
+            "GATE_REDIS_CLUSTER_NODES names Redis Cluster nodes: not with"
+            " GATE_REDIS_MODE=standalone"
+        )
+    if redis_cluster_nodes and parse_redis_url(redis_url).unix_path is not None:
+        raise SettingsError("GATE_REDIS_URL: Redis Cluster cannot be reached over unix://")
     log_level = env.get("GATE_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if log_level not in LOG_LEVELS:
         raise SettingsError(f"GATE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
@@ -385,6 +419,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         redis_pool_max=env_int(env, "GATE_REDIS_POOL_MAX", 64, 1, 10_000),
         redis_mode=redis_mode,
+        redis_cluster_nodes=redis_cluster_nodes,
         redis_timeout_seconds=env_float(env, "GATE_REDIS_TIMEOUT_SECONDS", 0.5, 0.01, 60),
         redis_breaker_failures_max=env_int(env, "GATE_REDIS_BREAKER_FAILURES", 5, 1, 10_000),
         redis_breaker_open_seconds=env_float(

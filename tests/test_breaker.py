@@ -93,3 +93,22 @@ async def test_a_cancelled_reservation_probe_does_not_wedge_the_gate(local_gate:
     await asyncio.gather(task, return_exceptions=True)
     assert task.cancelled()
     assert breaker.allow(), "a cancelled reservation left the breaker half-open for good"
+
+
+async def test_an_open_breaker_no_call_reaches_is_probed_and_closes(local_gate: Gate) -> None:
+    """A breaker opens, then no call comes (its deals' sales are over): before, it
+    stayed open for good, /readyz read "degraded" and gate_circuit_open 1 (after a
+    Redis Cluster failover, breakers of nodes that never failed open too: every node
+    answers CLUSTERDOWN for a while). Once its open time is up, the gate probes it
+    itself, one Redis call, and closes it."""
+    clock = Clock()
+    breaker = Breaker("test_idle_probe", failures_max=1, open_seconds=1.0, clock=clock)
+    local_gate.reservations.breaker = breaker
+    breaker.failure()
+    assert local_gate.reservations.circuit_state == "open"
+    assert await local_gate.reservations.probe_breakers_once() == 0  # its time is not up
+    assert breaker.state == OPEN
+    clock.now += 2
+    assert await local_gate.reservations.probe_breakers_once() == 1
+    assert breaker.state == CLOSED and local_gate.reservations.circuit_state == "closed"
+    assert _open_gauge("test_idle_probe") == 0

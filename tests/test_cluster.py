@@ -28,6 +28,7 @@ from gate.runtime import Gate
 from gate.settings import SettingsError, load_settings
 from tests.cluster import LocalCluster, cluster_supported, mark_cluster_clients_used
 from tests.support import (
+    STANDALONE_REDIS_URL,
     Client,
     GateCommand,
     GateProcess,
@@ -35,6 +36,7 @@ from tests.support import (
     base_env,
     create_deal,
     db_available,
+    free_port,
     reserve,
 )
 from tests.support import buyer as buyer_of
@@ -165,6 +167,51 @@ def test_auto_mode_detects_the_cluster_and_refuses_a_database(
     bad.proc.wait(60)
     assert bad.stop() == 2
     assert "database 0 only" in bad.output()
+
+
+async def test_a_gate_starts_from_the_other_named_nodes_when_the_url_s_is_down(
+    cluster: LocalCluster, cenv: dict[str, str]
+) -> None:
+    """GATE_REDIS_CLUSTER_NODES: a gate (re)started while the node its URL names is
+    down (here: a port nothing listens on) asks the other named nodes for the mode
+    and the slot map, and sells; without them it cannot start. Malformed entries,
+    or nodes named beside a standalone Redis, stop start-up with the variable named."""
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    nodes = " ".join(f"127.0.0.1:{p}" for p in cluster.ports[:2])
+    assert detect_mode(down, "auto", 0.5, [("127.0.0.1", cluster.ports[1])]) == "cluster"
+
+    stuck = GateCommand({**cenv, "GATE_REDIS_URL": down}, "serve", "--port", str(free_port()))
+    assert stuck.proc.wait(60) != 0, stuck.output()
+    stuck.stop()
+
+    gate = GateProcess({**cenv, "GATE_REDIS_URL": down, "GATE_REDIS_CLUSTER_NODES": nodes})
+    try:
+        gate.wait_ready()
+        client = Client(gate.url)
+        try:
+            deal_id = await create_deal(client, stock=3)
+            responses = [
+                await reserve(client, deal_id, 77_000_000 + i, f"seed-{i:05d}") for i in range(4)
+            ]
+            assert [r.status_code for r in responses] == [201, 201, 201, 409], [
+                r.text for r in responses
+            ]
+        finally:
+            await client.close()
+    finally:
+        gate.stop()
+
+    for value, message in (
+        ("127.0.0.1", "is not host:port"),
+        ("127.0.0.1:0", "is not host:port"),
+        ("bad host:7000", "is not host:port"),
+    ):
+        with pytest.raises(SettingsError, match=message):
+            load_settings({**cenv, "GATE_REDIS_CLUSTER_NODES": value})
+    with pytest.raises(SettingsError, match="not with GATE_REDIS_MODE=standalone"):
+        load_settings({**cenv, "GATE_REDIS_CLUSTER_NODES": nodes, "GATE_REDIS_MODE": "standalone"})
+    with pytest.raises(SettingsError, match="standalone server"):
+        detect_mode(STANDALONE_REDIS_URL, "auto", 2.0, [("127.0.0.1", cluster.ports[0])])
 
 
 async def test_deals_on_different_primaries_sell_independently(

@@ -149,7 +149,12 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         return 2
     configure(settings.log_level)
     try:
-        mode = detect_mode(settings.redis_url, settings.redis_mode, settings.redis_timeout_seconds)
+        mode = detect_mode(
+            settings.redis_url,
+            settings.redis_mode,
+            settings.redis_timeout_seconds,
+            settings.redis_cluster_nodes,
+        )
     except RedisModeError as exc:
         print(f"gate relay: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -159,7 +164,13 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         await db.start()
         # As `gate serve` makes it: a cluster client on Redis Cluster (a plain one would
         # be told MOVED whenever the stream's slot is not on the URL's node).
-        client = make_redis(settings.redis_url, 4, settings.redis_timeout_seconds, mode)
+        client = make_redis(
+            settings.redis_url,
+            4,
+            settings.redis_timeout_seconds,
+            mode,
+            settings.redis_cluster_nodes,
+        )
         relay = OutboxRelay(
             db,
             client,
