@@ -963,10 +963,10 @@ class Reservations:
         through database trouble; a consumer then meets DUPLICATE)."""
         # Shielded: a read cut short by the wait would cost its connection.
         asked = asyncio.ensure_future(self._replayed(req, fp))
+        asked.add_done_callback(_consumed)  # also when nobody waits for it any more
         try:
             existing = await asyncio.wait_for(asyncio.shield(asked), LOST_REPLAY_WAIT_SECONDS)
         except TimeoutError:
-            asked.add_done_callback(_consumed)
             return None
         except Problem as problem:
             if problem.code != "IDEMPOTENCY_MISMATCH":

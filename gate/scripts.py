@@ -318,6 +318,13 @@ class ScriptRunner:
         does the node named as `node_of` names it answer, and, on Redis Cluster, say
         its cluster is ok (a node answers PING while it refuses every key, CLUSTERDOWN,
         during a failover)? Redis's own reply deadline bounds it."""
+        if self.cluster and name == "redis":
+            # The breaker of calls made before the slot map was known: the map read.
+            try:
+                await self.refresh(force=True)
+            except (RedisError, OSError):
+                return False
+            return any(addr is not None for addr in self._slots)
         try:
             if self.cluster:
                 host, _, port = name.removeprefix("redis ").rpartition(":")
