@@ -109,6 +109,25 @@ EDGE_REQUESTS = METRICS.counter(
     "Requests answered by the HTTP protocol itself (gate/edge.py), not the ASGI application.",
 )
 _ANSWERED = METRICS.counter_tally(EDGE_REQUESTS)
+_MALFORMED_ANSWERED = METRICS.counter(
+    "gate_http_malformed_total",
+    "Requests HTTP/1.1 cannot frame, or whose head passed its bound: answered 400, the"
+    " connection closed.",
+)
+
+
+class _NoMalformedWarning(logging.Filter):
+    """uvicorn logs a warning for every request it cannot parse, before it calls
+    `send_400_response`: a log line any client could ask for by the thousand a second.
+    `gate serve`'s protocol counts them instead (gate_http_malformed_total)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "Invalid HTTP request received."
+
+
+# On uvicorn's logger, in every process that imports the protocol (each worker).
+logging.getLogger("uvicorn.error").addFilter(_NoMalformedWarning())
+
 _UPGRADES_REFUSED = METRICS.counter(
     "gate_http_upgrades_refused_total",
     "Requests that asked to upgrade the connection (WebSocket, h2c): answered as HTTP/1.1,"
@@ -415,6 +434,7 @@ class EdgeProtocol(HttpToolsProtocol):
         request line may hold): a problem+json 400 like every other refusal, rather
         than uvicorn's text/plain one; the connection closed (lingering) after it,
         since nothing that follows on it can be framed."""
+        _MALFORMED_ANSWERED.inc()
         status, headers, body = (_HEAD_TOO_LARGE if self._head_too_large else _MALFORMED).encoded()
         parts = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
