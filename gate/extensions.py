@@ -19,15 +19,22 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 if TYPE_CHECKING:
-    from gate.edge import EdgeRoute
-    from gate.ops import RequestRecorder
+    from gate.api.ops import RequestRecorder
     from gate.runtime import Gate
+    from gate.web.edge import EdgeRoute
 
 Worker = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
 # Area modules, in installation order. Operations comes first so that its request
 # middleware (request ids, one log line and metrics per request) wraps all others.
-AREAS = ("gate.ops", "gate.payments", "gate.expiry", "gate.room", "gate.queue", "gate.console")
+AREAS = (
+    "gate.api.ops",
+    "gate.payments",
+    "gate.expiry",
+    "gate.room",
+    "gate.queuemode",
+    "gate.console",
+)
 
 
 @dataclass
@@ -38,11 +45,11 @@ class Extension:
     # stop event and must return soon after it is set.
     workers: list[Worker] = field(default_factory=list)
     middleware: list[Middleware] = field(default_factory=list)
-    # Inside the fast lane (gate/app.py FastLane): behind the HTTP guard, and never
+    # Inside the fast lane (gate/api/app.py FastLane): behind the HTTP guard, and never
     # reached by a reservation (the fast lane answers those first), so a lane of an
     # area's own costs the hot path nothing.
     inner_middleware: list[Middleware] = field(default_factory=list)
-    # Answered by the HTTP protocol itself when a request comes whole (gate/edge.py);
+    # Answered by the HTTP protocol itself when a request comes whole (gate/web/edge.py);
     # each beside an ASGI route of its own that answers the same.
     edge: list[EdgeRoute] = field(default_factory=list)
     # The request metrics and log line (gate.ops): the edge records its answers with

@@ -7,25 +7,25 @@ import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from gate.auth import AdminAuth, BuyerAuth
-from gate.db import Database
-from gate.deals import Deals
+from gate.base.settings import Settings
 from gate.extensions import install_all
-from gate.janitor import Janitor
-from gate.lease import Lease
-from gate.migrate import pending
-from gate.mirror import Mirror
-from gate.redismode import detect_mode, make_redis
-from gate.reservations import Reservations
-from gate.resync import Resync
-from gate.scripts import ScriptRunner, read_scripts
-from gate.settings import Settings
-from gate.soldout import SoldOutCache
-from gate.unknown_deals import UnknownDeals
-from gate.worklease import WorkLease
+from gate.reserve.reservations import Reservations
+from gate.reserve.soldout import SoldOutCache
+from gate.stock.deals import Deals
+from gate.stock.janitor import Janitor
+from gate.stock.mirror import Mirror
+from gate.stock.resync import Resync
+from gate.stock.unknown_deals import UnknownDeals
+from gate.store.db import Database
+from gate.store.migrate import pending
+from gate.store.process_lease import Lease
+from gate.store.redis_mode import detect_mode, make_redis
+from gate.store.scripts import ScriptRunner, read_scripts
+from gate.store.work_lease import WorkLease
+from gate.web.auth import AdminAuth, BuyerAuth
 
 if TYPE_CHECKING:
-    from gate.queue.service import QueueService
+    from gate.queuemode.service import QueueService
 
 log = logging.getLogger("gate")
 
@@ -82,7 +82,7 @@ class Gate:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lease_task: asyncio.Task[None] | None = None
-        # Queue mode's service (gate/queue/), set by its area when installed.
+        # Queue mode's service (gate/queuemode/), set by its area when installed.
         self.queue: QueueService | None = None
         # Areas install last: they may use every core service above.
         self.extensions = install_all(self)

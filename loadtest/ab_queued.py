@@ -34,9 +34,9 @@ VARIANTS = ("today", "task", "before")
 
 
 async def measure(rounds: int, n: int, concurrency: int) -> dict[str, Any]:
-    from gate.app import build_app
-    from gate.queue.service import QueueService
-    from gate.reservations import Reservations
+    from gate.api.app import build_app
+    from gate.queuemode.service import QueueService
+    from gate.reserve.reservations import Reservations
     from loadtest.tokens import TokenMint
 
     settings = await hp.prepared_settings()

@@ -26,8 +26,8 @@ from loadtest import hotpath as hp
 
 
 async def measure(pairs: int, n: int, concurrency: int) -> dict[str, Any]:
-    from gate.app import build_app
-    from gate.room import lane
+    from gate.api.app import build_app
+    from gate.room import edge_lane as lane
     from loadtest.tokens import TokenMint
 
     settings = await hp.prepared_settings()

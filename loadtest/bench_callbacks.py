@@ -51,11 +51,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gate.auth import mint
-from gate.check import check_deal
-from gate.db import Database
+from gate.base.settings import MysqlTarget, Secret, load_settings
 from gate.payments.signing import decode_secret, sign
-from gate.settings import MysqlTarget, Secret, load_settings
+from gate.stock.check import check_deal
+from gate.store.db import Database
+from gate.web.auth import mint
 from loadtest import procs, wrkrun
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gate.keys import deal_keys
+from gate.store.keys import deal_keys
 from loadtest import procs, wrkrun
 from loadtest.tokens import TokenMint, write_token_file
 from tests.cluster import LocalCluster
@@ -63,13 +63,13 @@ def _env(mysql: str, redis_url: str, jwt: str, admin: str) -> dict[str, str]:
 
 
 def _migrate(mysql: str) -> None:
-    from gate.migrate import migrate
-    from gate.settings import MysqlTarget
+    from gate.base.settings import MysqlTarget
+    from gate.store.migrate import migrate
 
     async def go() -> None:
         import aiomysql
 
-        from gate.db import connect_kwargs
+        from gate.store.db import connect_kwargs
 
         target = MysqlTarget.parse(mysql)
         conn = await aiomysql.connect(**connect_kwargs(target, 5, with_db=False))
@@ -110,7 +110,7 @@ def _create_deal(url: str, admin: str) -> int:
 def _orders(mysql: str, deal_id: int) -> int:
     import pymysql
 
-    from gate.settings import MysqlTarget
+    from gate.base.settings import MysqlTarget
 
     t = MysqlTarget.parse(mysql)
     conn = pymysql.connect(

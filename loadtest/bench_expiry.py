@@ -38,11 +38,11 @@ from ulid import ULID
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gate.check import check_deal  # noqa: E402
-from gate.keys import deal_keys  # noqa: E402
-from gate.migrate import migrate  # noqa: E402
+from gate.base.settings import load_settings  # noqa: E402
 from gate.runtime import Gate  # noqa: E402
-from gate.settings import load_settings  # noqa: E402
+from gate.stock.check import check_deal  # noqa: E402
+from gate.store.keys import deal_keys  # noqa: E402
+from gate.store.migrate import migrate  # noqa: E402
 
 GATE_BIN = str(Path(sys.executable).with_name("gate"))
 INSERT_CHUNK = 2000

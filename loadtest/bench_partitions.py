@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 import redis
 
-from gate.keys import partition_keys
+from gate.store.keys import partition_keys
 from loadtest import procs, wrkrun
 from loadtest.bench_cluster import _env, _migrate, _orders
 from loadtest.tokens import write_token_file

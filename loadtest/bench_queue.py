@@ -45,9 +45,9 @@ import redis.asyncio as aioredis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gate.keys import queue_keys  # noqa: E402
-from gate.migrate import migrate  # noqa: E402
-from gate.settings import load_settings  # noqa: E402
+from gate.base.settings import load_settings  # noqa: E402
+from gate.store.keys import queue_keys  # noqa: E402
+from gate.store.migrate import migrate  # noqa: E402
 from loadtest import procs, wrkrun  # noqa: E402
 from loadtest.procs import Server, free_port  # noqa: E402
 from loadtest.tokens import TokenMint, write_token_file  # noqa: E402

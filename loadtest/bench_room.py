@@ -49,7 +49,7 @@ SELLOUT_USER_BASE = 6 * 10**12
 def _sql(url: str, query: str, args: tuple[Any, ...] = (), with_db: bool = True) -> list[Any]:
     import pymysql
 
-    from gate.settings import MysqlTarget
+    from gate.base.settings import MysqlTarget
 
     target = MysqlTarget.parse(url)
     kwargs: dict[str, Any] = {
@@ -106,8 +106,8 @@ class RoomBench:
     def reset(self) -> None:
         import redis
 
-        from gate.migrate import migrate
-        from gate.settings import MysqlTarget
+        from gate.base.settings import MysqlTarget
+        from gate.store.migrate import migrate
 
         target = MysqlTarget.parse(self.args.mysql_url)
         _sql(self.args.mysql_url, f"DROP DATABASE IF EXISTS `{target.database}`", with_db=False)
@@ -142,7 +142,7 @@ class RoomBench:
         return int(answer["id"])
 
     def metric(self, name: str) -> float:
-        from gate.metrics import sample_values, value_of
+        from gate.base.metrics import sample_values, value_of
 
         assert self.gate is not None
         import urllib.request

@@ -249,13 +249,13 @@ class Bench:
     def reset_stores(self) -> None:
         import redis
 
-        from gate.settings import MysqlTarget
+        from gate.base.settings import MysqlTarget
         from loadtest.baseline.store import migrate
 
         async def drop() -> None:
             import aiomysql
 
-            from gate.db import connect_kwargs
+            from gate.store.db import connect_kwargs
 
             target = MysqlTarget.parse(self.gate_mysql)
             conn = await aiomysql.connect(**connect_kwargs(target, 5, with_db=False))
@@ -418,7 +418,7 @@ class Bench:
         """One query on its own connection; `database_url` None: the server, no database."""
         import pymysql
 
-        from gate.settings import MysqlTarget
+        from gate.base.settings import MysqlTarget
 
         target = MysqlTarget.parse(database_url or self.gate_mysql)
         kwargs: dict[str, Any] = {
@@ -444,7 +444,7 @@ class Bench:
     def db_attempts(self, server: procs.Server) -> int:
         """Reservations the gate has sent to the database (its own count, every worker:
         each reservation of a group and every retry counts)."""
-        from gate.metrics import sample_values, value_of
+        from gate.base.metrics import sample_values, value_of
 
         with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
@@ -782,8 +782,8 @@ class Bench:
         async def run() -> dict[str, Any]:
             import redis.asyncio as aioredis
 
-            from gate.db import Database
-            from gate.settings import load_settings
+            from gate.base.settings import load_settings
+            from gate.store.db import Database
 
             env = {**self.env}
             if server is self.baseline:

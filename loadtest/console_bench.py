@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
 def _reset(mysql_url: str, redis_url: str) -> None:
     import redis
 
-    from gate.migrate import migrate
-    from gate.settings import MysqlTarget
+    from gate.base.settings import MysqlTarget
+    from gate.store.migrate import migrate
 
     target = MysqlTarget.parse(mysql_url)
     import pymysql

@@ -29,7 +29,7 @@ user + system), which a busy machine disturbs far less than requests per second:
 (PATH.<case>.prof) and prints the functions with the most time of their own.
 
 `--edge` sends each request as bytes through the HTTP protocol `gate serve` runs
-(gate/edge.py's `EdgeProtocol` on an in-memory transport, one kept-alive
+(gate/web/edge.py's `EdgeProtocol` on an in-memory transport, one kept-alive
 "connection" per concurrent request): the edge answers its routes, the rest go
 through uvicorn's ASGI cycle, as on a socket. Without it the requests enter the ASGI
 application directly (what the routes the edge does not take cost).
@@ -118,7 +118,7 @@ class Wire:
         import uvicorn
         from uvicorn.server import ServerState
 
-        from gate.edge import EdgeProtocol
+        from gate.web.edge import EdgeProtocol
 
         self.config = uvicorn.Config(
             app, lifespan="off", proxy_headers=False, log_config=None, access_log=False
@@ -298,20 +298,20 @@ def switch_off(lever: str) -> None:
     if lever == "ulid":
         from ulid import ULID
 
-        from gate import orders
+        from gate.stock import orders
 
         orders.new_id = lambda: str(ULID())
     elif lever == "encoded":
-        from gate import errors
+        from gate.base import errors
 
         # Every answer encoded again, as before the cache.
         errors.Problem.encoded = lambda self, instance=None: self._encode(instance)  # type: ignore[method-assign]
     elif lever == "refusals":
-        from gate import reservations
+        from gate.reserve import reservations
 
         reservations.Refusals.check = lambda self, *request: None  # type: ignore[method-assign]
     elif lever == "route-order":
-        from gate import app
+        from gate.api import app
 
         first = app.routes
 
@@ -321,7 +321,7 @@ def switch_off(lever: str) -> None:
 
         app.routes = reordered
     elif lever == "ticket-callback":
-        from gate.room import lane
+        from gate.room import edge_lane as lane
 
         def in_a_task(self: Any, req: Any) -> None:
             # A join or a read in a task of its own, as before the callback.
@@ -332,12 +332,12 @@ def switch_off(lever: str) -> None:
 
         lane.TicketEdge.handle = in_a_task  # type: ignore[method-assign]
     elif lever == "queue-callback":
-        from gate.reservations import Reservations
+        from gate.reserve.reservations import Reservations
 
         # Every queue-mode reservation in a task of its own (`reserve`), as before.
         Reservations.start_queued = lambda self, req: None  # type: ignore[method-assign]
     elif lever == "queue-index":
-        from gate.queue.service import QueueService
+        from gate.queuemode.service import QueueService
 
         # The order's index in a call of its own beside the admission, as before.
         QueueService.index_in_admission = False  # type: ignore[assignment,misc]
@@ -349,9 +349,9 @@ async def prepared_settings() -> Any:
     the Redis logical database flushed: point both at throw-away ones."""
     import redis.asyncio as aioredis
 
-    from gate.logs import configure
-    from gate.migrate import migrate
-    from gate.settings import load_settings
+    from gate.base.logs import configure
+    from gate.base.settings import load_settings
+    from gate.store.migrate import migrate
 
     env = dict(os.environ)
     env.setdefault("GATE_LIMIT_USER", "1/m burst 1")
@@ -368,7 +368,7 @@ async def prepared_settings() -> Any:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from gate.app import build_app
+    from gate.api.app import build_app
     from loadtest.tokens import TokenMint
 
     settings = await prepared_settings()

@@ -23,11 +23,11 @@ from typing import Any
 import aiomysql
 import orjson
 
-from gate import orders
-from gate.db import connect_kwargs, session_init_sql
-from gate.migrate import migrate
-from gate.reservations import fingerprint
-from gate.settings import MysqlTarget
+from gate.base.settings import MysqlTarget
+from gate.reserve.reservations import fingerprint
+from gate.stock import orders
+from gate.store.db import connect_kwargs, session_init_sql
+from gate.store.migrate import migrate
 
 STOCK = 50_000_000
 

@@ -19,8 +19,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from gate.keys import deal_keys
-from gate.scripts import lua_dir
+from gate.store.keys import deal_keys
+from gate.store.scripts import lua_dir
 
 SCRATCH_DEAL = 9_000_000_001
 BATCH = 5000

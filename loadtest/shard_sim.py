@@ -17,7 +17,7 @@ primary"; issue #15 point 6).
     │                                                          an order: cancel, pay)
     │           idem_index   (user, key) -> order, deal       (the key is global per buyer)
     ▼
-    <base>_0 … <base>_{N-1}: gate/migrate.py's migrations and stored procedures, each
+    <base>_0 … <base>_{N-1}: gate/store/migrate.py's migrations and stored procedures, each
     behind its own gate.db.Database pool; every statement is Gate's own: CALL
     gate_reserve / gate_reserve_group / gate_release / gate_payment_event, the
     sweeper's SKIP LOCKED batch + CALL gate_expire_batch
@@ -57,13 +57,13 @@ from typing import Any
 import aiomysql
 import orjson
 
-from gate.check import check_deal
-from gate.codes import DbCode
-from gate.db import Database, connect_kwargs
-from gate.migrate import migrate
-from gate.orders import new_id
-from gate.reservations import fingerprint
-from gate.settings import Settings, load_settings
+from gate.base.codes import DbCode
+from gate.base.settings import Settings, load_settings
+from gate.reserve.reservations import fingerprint
+from gate.stock.check import check_deal
+from gate.stock.orders import new_id
+from gate.store.db import Database, connect_kwargs
+from gate.store.migrate import migrate
 
 # Bounds: a simulation, not a benchmark; it must stay seconds long.
 SHARDS_MAX = 8
@@ -258,7 +258,7 @@ def _with_database(settings: Settings, name: str) -> Settings:
 
 
 async def prepare(settings: Settings, base: str, shards: int) -> None:
-    """Migrate the directory and every shard schema (gate/migrate.py: a current schema
+    """Migrate the directory and every shard schema (gate/store/migrate.py: a current schema
     is only read), then empty their data: each run starts from nothing."""
     if not 1 <= shards <= SHARDS_MAX:
         raise ValueError(f"1..{SHARDS_MAX} shards")

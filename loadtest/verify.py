@@ -204,7 +204,7 @@ async def verify_gate_deal(
     settle_seconds: float = 15.0,
 ) -> dict[str, Any]:
     """One deal's verdict, once nothing is in flight (or the settle time ran out)."""
-    from gate.check import check_deal
+    from gate.stock.check import check_deal
 
     refs: list[OrderRef] = []
     if record is not None:
@@ -459,8 +459,8 @@ def render(report: Mapping[str, Any], roles: Mapping[int, str] | None = None) ->
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from gate.db import Database
-    from gate.settings import load_settings
+    from gate.base.settings import load_settings
+    from gate.store.db import Database
 
     record = ClientRecord.read(Path(args.record)) if args.record else None
     ids = list(args.deal or [])
@@ -499,7 +499,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.baseline:
             deals = [await verify_baseline_deal(db, i, record) for i in ids]
             return finish(deals, record)
-        from gate.redismode import detect_mode, make_redis
+        from gate.store.redis_mode import detect_mode, make_redis
 
         # As `gate serve` makes it: on Redis Cluster a cluster client (a plain one is
         # told MOVED for every deal whose slot is not on the URL's node).

@@ -22,7 +22,7 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from gate.errors import Encoded
+from gate.base.errors import Encoded
 from gate.payments.provider import EventInvalid, ProviderEvent
 from gate.payments.signing import WebhookRejected
 from tests.support import ROOT, base_env, free_port

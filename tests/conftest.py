@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.migrate import migrate
-from gate.redismode import detect_mode, make_redis
+from gate.base.settings import Settings, load_settings
 from gate.runtime import Gate
-from gate.settings import Settings, load_settings
+from gate.store.db import Database
+from gate.store.migrate import migrate
+from gate.store.redis_mode import detect_mode, make_redis
 from tests.cluster import cluster_clients_used, flush_all_primaries, mark_cluster_clients_used
 from tests.support import CLUSTER_PORT, CLUSTER_RUN, Client, GateProcess, base_env
 
@@ -66,7 +66,7 @@ def settings(env: dict[str, str]) -> Settings:
 async def _reset(settings: Settings) -> None:
     import aiomysql
 
-    from gate.db import connect_kwargs
+    from gate.store.db import connect_kwargs
 
     conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
     try:

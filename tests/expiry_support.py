@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from gate.db import Database
+from gate.store.db import Database
 from tests.support import GATE_BIN, Client, reserve
 
 

@@ -44,8 +44,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gate.payments.alipay_provider import CST, TIME_FORMAT, signing_string
-from gate.payments.rsa_http import (
+from gate.payments.providers.alipay import CST, TIME_FORMAT, signing_string
+from gate.payments.providers.rsa_http import (
     fen_to_yuan,
     read_private_key,
     read_public_key,

@@ -44,13 +44,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gate.payments.rsa_http import (
+from gate.payments.providers.rsa_http import (
     read_private_key,
     read_public_key,
     sign_sha256_rsa,
     verify_sha256_rsa,
 )
-from gate.payments.wechatpay_provider import (
+from gate.payments.providers.wechatpay import (
     CST,
     answer_message,
     encrypt_resource,

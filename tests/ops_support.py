@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.mmap_dict import MmapedDict
 
-from gate.metrics import METRICS_DIR_ENV, MULTIPROC_ENV, prepare_multiprocess, sample_values
+from gate.base.metrics import METRICS_DIR_ENV, MULTIPROC_ENV, prepare_multiprocess, sample_values
 from tests.support import Client, GateProcess
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

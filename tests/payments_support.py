@@ -22,11 +22,11 @@ from typing import Any
 import orjson
 import pytest
 
-from gate import orders
-from gate.db import Database
+from gate.base.settings import Settings
 from gate.payments.signing import decode_secret, sign_headers
 from gate.runtime import Gate
-from gate.settings import Settings
+from gate.stock import orders
+from gate.store.db import Database
 from tests.support import (
     GATE_BIN,
     ROOT,

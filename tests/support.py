@@ -26,10 +26,10 @@ import orjson
 import redis.asyncio as aioredis
 from multidict import CIMultiDictProxy
 
-from gate.check import check_deal
-from gate.db import Database, connect_kwargs
-from gate.keys import deal_keys
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.stock.check import check_deal
+from gate.store.db import Database, connect_kwargs
+from gate.store.keys import deal_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 GATE_BIN = str(Path(sys.executable).with_name("gate"))
@@ -103,7 +103,7 @@ def redis_client(url: str, decode_responses: bool = True) -> aioredis.Redis:
     """A redis-py client for `url`: a cluster client when it names a cluster node."""
     from typing import cast
 
-    from gate.redismode import detect_mode
+    from gate.store.redis_mode import detect_mode
 
     if detect_mode(url, "auto", 2.0) == "cluster":
         return cast(

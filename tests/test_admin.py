@@ -6,8 +6,8 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from gate.check import check_deal
-from gate.db import Database
+from gate.stock.check import check_deal
+from gate.store.db import Database
 from tests.support import (
     ADMIN,
     Client,

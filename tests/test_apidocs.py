@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from gate.settings import SettingsError, load_settings
+from gate.base.settings import SettingsError, load_settings
 from tests.support import Client, GateProcess
 
 

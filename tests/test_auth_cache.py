@@ -9,10 +9,10 @@ import time
 import jwt
 import pytest
 
-from gate.auth import MAX_TOKEN_BYTES, BuyerAuth, canonical_jws
-from gate.db import Database
-from gate.errors import Problem
-from gate.settings import Secret
+from gate.base.errors import Problem
+from gate.base.settings import Secret
+from gate.store.db import Database
+from gate.web.auth import MAX_TOKEN_BYTES, BuyerAuth, canonical_jws
 from tests.support import JWT_SECRET, Client, create_deal, token
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"

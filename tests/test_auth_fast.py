@@ -1,4 +1,4 @@
-"""gate/auth.py verify_hs256 against PyJWT: never more permissive, and the same
+"""gate/web/auth.py verify_hs256 against PyJWT: never more permissive, and the same
 claims for every ordinary token. Pure computation: no server needed."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import jwt
 import orjson
 import pytest
 
-from gate.auth import BuyerAuth, InvalidToken, TokenExpired, canonical_jws, verify_hs256
-from gate.errors import Problem
-from gate.settings import Secret
+from gate.base.errors import Problem
+from gate.base.settings import Secret
+from gate.web.auth import BuyerAuth, InvalidToken, TokenExpired, canonical_jws, verify_hs256
 
 KEY = "fast-path-test-secret-0123456789abcdef"
 NOW = time.time()

@@ -10,7 +10,7 @@ import jwt
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.store.db import Database
 from tests.support import (
     ADMIN,
     JWT_SECRET,

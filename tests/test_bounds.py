@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.errors import Problem
-from gate.http import check_json_headers
+from gate.base.errors import Problem
 from gate.payments.signing import decode_secret, sign_headers
+from gate.store.db import Database
+from gate.web.http_io import check_json_headers
 from tests.support import (
     ADMIN,
     WEBHOOK_SECRET,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gate.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
-from gate.metrics import METRICS, sample_values, value_of
-from gate.reservations import ReserveRequest
+from gate.base.metrics import METRICS, sample_values, value_of
+from gate.reserve.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
+from gate.reserve.reservations import ReserveRequest
 from gate.runtime import Gate
 
 
@@ -69,7 +69,7 @@ def _open_gauge(name: str) -> float:
 
 def test_a_retired_breaker_reports_no_open_circuit_and_stays_closed() -> None:
     """A Redis Cluster primary that failed over serves no slot: its breaker, open
-    when the node died, is retired (gate/reservations.py _retire_breakers)."""
+    when the node died, is retired (gate/reserve/reservations.py _retire_breakers)."""
     name = "redis 127.0.0.1:1"
     breaker, _ = half_open(name)
     assert _open_gauge(name) == 1

@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.base.settings import Settings
 from gate.payments.signing import decode_secret
-from gate.settings import Settings
+from gate.store.db import Database
 from tests.payments_support import event_body, post_webhook, signed
 from tests.support import (
     WEBHOOK_SECRET,
@@ -41,7 +41,7 @@ async def test_exhausted_reservation_pool_sheds_load_but_not_reads(
             "GATE_DB_RESERVATION_ACQUIRE_SECONDS": "0.3",
             "GATE_RESERVATION_INFLIGHT_MAX": "12",
             # Groups of at most 4: a second group leaves beside the first with a single
-            # reservation queued (a quarter of the maximum, gate/groups.py), so each
+            # reservation queued (a quarter of the maximum, gate/reserve/groups.py), so each
             # slow reservation below takes a connection of its own.
             "GATE_RESERVATION_GROUP_MAX": "4",
         }
@@ -57,7 +57,7 @@ async def test_exhausted_reservation_pool_sheds_load_but_not_reads(
         async with locked_buckets(settings, hot) as cur:
             # Two slow reservations take the reservations' whole share of the pool. One
             # after the other: sent together, they would share one connection as a
-            # group (gate/groups.py).
+            # group (gate/reserve/groups.py).
             slow: list[asyncio.Future[Resp]] = []
             threads: list[int] = []
             for i in range(2):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.store.db import Database
 from tests.support import (
     Client,
     assert_invariants,

@@ -1,4 +1,4 @@
-"""The invariant checker (gate/check.py) on a deal with holding, paid and cancelled
+"""The invariant checker (gate/stock/check.py) on a deal with holding, paid and cancelled
 orders across buckets: the per-bucket held and sold it derives from the orders
 (summed by the database) match the orders as read here, and seeded disagreements are
 each reported."""
@@ -9,9 +9,9 @@ from collections import defaultdict
 
 import redis.asyncio as aioredis
 
-from gate.check import check_deal
-from gate.db import Database
 from gate.payments.signing import decode_secret
+from gate.stock.check import check_deal
+from gate.store.db import Database
 from tests.payments_support import event_body, post_webhook, signed
 from tests.support import WEBHOOK_SECRET, Client, buyer, create_deal, reserve
 
@@ -86,7 +86,7 @@ async def test_an_absent_empty_bucket_is_not_drift(
     """The scripts read an absent bucket field as 0, and the resync loop writes only
     buckets that differ: a bucket hash lost at the end of a sale must not read as a
     breach forever."""
-    from gate.keys import deal_keys
+    from gate.store.keys import deal_keys
 
     deal_id = await create_deal(client, stock=2, buckets=2)
     for user in (9_310_001, 9_310_002):

@@ -9,8 +9,8 @@ import subprocess
 import jwt
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.support import (
     CLUSTER_RUN,
     GATE_BIN,
@@ -168,7 +168,7 @@ def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: objec
         ("GATE_SWEEP_BATCH_MAX", "banana", "GATE_SWEEP_BATCH_MAX must be an integer"),
         ("GATE_PAYMENT_PROVIDER_URL", "ftp://x", "GATE_PAYMENT_PROVIDER_URL must be"),
         ("GATE_WEBHOOK_SECRET", "whsec_not*base64", "GATE_WEBHOOK_SECRET"),
-        # Queue mode (gate/queue/service.py).
+        # Queue mode (gate/queuemode/service.py).
         ("GATE_QUEUE_ATTEMPTS_MAX", "0", "GATE_QUEUE_ATTEMPTS_MAX must be within 1..100"),
         ("GATE_QUEUE_CLAIM_IDLE_SECONDS", "1", "GATE_QUEUE_CLAIM_IDLE_SECONDS must exceed"),
         ("GATE_QUEUE_MODE_REFRESH_SECONDS", "5", "GATE_QUEUE_MODE_REFRESH_SECONDS must be"),

@@ -20,12 +20,12 @@ import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from gate.db import Database
-from gate.keys import deal_keys
-from gate.migrate import migrate
-from gate.redismode import detect_mode, make_redis
+from gate.base.settings import SettingsError, load_settings
 from gate.runtime import Gate
-from gate.settings import SettingsError, load_settings
+from gate.store.db import Database
+from gate.store.keys import deal_keys
+from gate.store.migrate import migrate
+from gate.store.redis_mode import detect_mode, make_redis
 from tests.cluster import LocalCluster, cluster_supported, mark_cluster_clients_used
 from tests.support import (
     STANDALONE_REDIS_URL,
@@ -72,7 +72,7 @@ def cenv(cluster: LocalCluster) -> dict[str, str]:
     async def reset() -> None:
         import aiomysql
 
-        from gate.db import connect_kwargs
+        from gate.store.db import connect_kwargs
 
         conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
         try:

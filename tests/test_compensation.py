@@ -6,9 +6,9 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.support import (
     Client,
     assert_invariants,

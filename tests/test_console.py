@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.console.session import SessionSigner
-from gate.db import Database
+from gate.store.db import Database
 from tests.console_support import ConsoleSession, console_env, session_cookie, sign_in
 from tests.support import (
     ADMIN,
@@ -304,8 +304,8 @@ def test_bad_console_settings_stop_start_up(env: dict[str, str], name: str, valu
 async def test_cookie_is_secure_over_https(env: dict[str, str]) -> None:
     """Sign-in does no I/O, so the app answers it without its lifespan: one ASGI
     request with the https scheme (what uvicorn sets behind TLS)."""
-    from gate.app import build_app
-    from gate.settings import load_settings
+    from gate.api.app import build_app
+    from gate.base.settings import load_settings
 
     app = build_app(load_settings(console_env(env)))
     body = b'{"token": "' + ADMIN_TOKEN.encode() + b'"}'

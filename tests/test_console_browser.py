@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.store.db import Database
 from tests.console_support import console_env
 from tests.support import (
     ADMIN_TOKEN,

@@ -27,9 +27,9 @@ import aiomysql
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database, connect_kwargs
-from gate.keys import deal_keys, owner_keys
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.store.db import Database, connect_kwargs
+from gate.store.keys import deal_keys, owner_keys
 from tests.support import (
     GATE_BIN,
     Client,

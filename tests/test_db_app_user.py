@@ -20,9 +20,9 @@ import pymysql
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database, connect_kwargs
-from gate.migrate import APP_PRIVILEGES, DB_DIR
-from gate.settings import MysqlTarget, Settings
+from gate.base.settings import MysqlTarget, Settings
+from gate.store.db import Database, connect_kwargs
+from gate.store.migrate import APP_PRIVILEGES, DB_DIR
 from tests.support import (
     ADMIN_TOKEN,
     GATE_BIN,

@@ -8,8 +8,8 @@ import time
 import pymysql
 import pytest
 
-from gate.db import READ_TRIES, Database, connect_kwargs
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.store.db import READ_TRIES, Database, connect_kwargs
 
 
 async def _kill_all(settings: Settings, victim: Database, n: int) -> None:

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import aiomysql
 import pytest
 
-from gate.db import Database, connect_kwargs
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.store.db import Database, connect_kwargs
 from tests.support import (
     ADMIN,
     Client,

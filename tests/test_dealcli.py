@@ -13,10 +13,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys
-from gate.repair import plan_counters
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.stock.repair import plan_counters
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.support import (
     GATE_BIN,
     Client,

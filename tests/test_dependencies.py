@@ -120,7 +120,7 @@ def test_every_import_is_declared(tree: str, groups: list[str]) -> None:
 
 
 def test_the_server_s_loop_and_parser_are_declared() -> None:
-    # Named as strings to uvicorn (gate/cli.py run_server), not imported.
+    # Named as strings to uvicorn (gate/cli/__init__.py run_server), not imported.
     assert {"uvloop", "httptools"} <= set(requirements(""))
 
 

@@ -3,8 +3,8 @@
     docs/configuration.md  <->  every GATE_* name the code reads (AST of gate/, loadtest/,
                                 tests/support.py; the set-up scripts), with the defaults
                                 and bounds of env_int/env_float/env_bool calls
-    docs/cli.md            <->  the argparse tree of gate/cli.py (and the areas' commands)
-    docs/api.md            <->  /openapi.json as a running gate serves it (gate/apidoc.py)
+    docs/cli.md            <->  the argparse tree of gate/cli/__init__.py (and the areas' commands)
+    docs/api.md            <->  /openapi.json as a running gate serves it (gate/api/markdown.py)
 
 A variable, command or option added later fails here, naming itself, until its row
 is written.
@@ -20,16 +20,16 @@ from typing import Any
 
 import pytest
 
-from gate import apidoc
+from gate.api import markdown as apidoc
+from gate.base.limits import SCOPES
 from gate.cli import parser
-from gate.limits import SCOPES
 from tests.support import ROOT, Client
 
 CONFIG_DOC = ROOT / "docs" / "configuration.md"
 CLI_DOC = ROOT / "docs" / "cli.md"
 NAME = re.compile(r"^GATE_[A-Z0-9_]*[A-Z0-9]$")
 SHELL_NAME = re.compile(r"\b(GATE_[A-Z0-9_]+)\b")
-# Names built at run time, expanded here: GATE_LIMIT_<scope> (gate/settings.py).
+# Names built at run time, expanded here: GATE_LIMIT_<scope> (gate/base/settings.py).
 DYNAMIC = {"GATE_LIMIT_": [f"GATE_LIMIT_{scope.upper()}" for scope in SCOPES]}
 SHELL_SCRIPTS = ("scripts/lib.sh", "scripts/test", "scripts/run", "scripts/lock")
 ENV_READERS = ("env_int", "env_float", "env_bool")
@@ -214,7 +214,7 @@ async def test_api_page_is_what_the_served_document_gives(client: Client) -> Non
     assert served.status_code == 200
     text = apidoc.API_DOC.read_text(encoding="utf-8")
     assert apidoc.splice(text, apidoc.render(served.json())) == text, (
-        "docs/api.md is not what /openapi.json gives: run `.venv/bin/python -m gate.apidoc`"
+        "docs/api.md is not what /openapi.json gives: run `.venv/bin/python -m gate.api.markdown`"
     )
     # Every operation, status and problem code of the document is on the page.
     doc = served.json()

@@ -1,4 +1,4 @@
-"""The edge (gate/edge.py), over real sockets against a real `gate serve`: its
+"""The edge (gate/web/edge.py), over real sockets against a real `gate serve`: its
 answers are the ASGI application's (the same request with Expect: 100-continue,
 which the edge leaves to the application), whether the request comes whole or in
 pieces; pipelined requests are answered in order, whichever side answers each;
@@ -24,11 +24,11 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.edge import HEAD_MAX_BYTES
-from gate.keys import deal_keys
-from gate.metrics import sample_values, value_of
-from gate.settings import Settings
+from gate.base.metrics import sample_values, value_of
+from gate.base.settings import Settings
+from gate.store.db import Database
+from gate.store.keys import deal_keys
+from gate.web.edge import HEAD_MAX_BYTES
 from tests.raw_http import TIMEOUT_SECONDS, Answer, Reader, connect, trickle
 from tests.support import (
     ADMIN_TOKEN,
@@ -731,8 +731,8 @@ async def in_process_gate(settings: Settings) -> AsyncIterator[tuple[Any, int]]:
     socket, in this process (so that a test can reach into it): (app, port)."""
     import uvicorn
 
-    from gate.app import build_app
-    from gate.edge import EdgeProtocol
+    from gate.api.app import build_app
+    from gate.web.edge import EdgeProtocol
 
     app = build_app(settings, background=False)
     port = free_port()
@@ -802,7 +802,7 @@ async def _created_deal(ask: Ask, deal: dict[str, Any]) -> int:
 async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_is_gone(
     settings: Settings, prepared: None, rds: aioredis.Redis
 ) -> None:
-    """The edge settles a join or a read in a callback on its reply (gate/room/lane.py
+    """The edge settles a join or a read in a callback on its reply (gate/room/edge_lane.py
     TicketEdge): a deal Redis lost (NOT_LOADED) and a script Redis lost (NOSCRIPT) go
     the coroutine's way, which loads and asks again, and the buyer gets the ticket; a
     Redis that cannot be reached is a 503 problem, and the connection goes on
@@ -811,7 +811,7 @@ async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_i
 
     from gate.room.service import Room
     from gate.room.wire import Wire
-    from gate.scripts import Script
+    from gate.store.scripts import Script
 
     async with in_process_gate(settings) as (app, port):
         gate = app.state.gate
@@ -891,7 +891,7 @@ async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_i
 async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task_path(
     settings: Settings, prepared: None, rds: aioredis.Redis
 ) -> None:
-    """Queue mode at the edge (gate/reservations.py `start_queued` / `settle_queued`):
+    """Queue mode at the edge (gate/reserve/reservations.py `start_queued` / `settle_queued`):
     the 202 is written from the admission's callback and its order is found by id
     (the admission wrote the index); a deal's first request (its price not read yet),
     a replay, a refusal, a deal Redis lost and a script Redis lost go on in a task
@@ -901,8 +901,8 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
     an order reads QUEUED or PENDING_PAYMENT)."""
     import hashlib
 
-    from gate.resp import RespConnection
-    from gate.scripts import Script
+    from gate.store.resp import RespConnection
+    from gate.store.scripts import Script
 
     async with in_process_gate(settings) as (app, port):
         gate = app.state.gate

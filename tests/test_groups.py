@@ -1,4 +1,4 @@
-"""Group commit of reservations (gate/groups.py, db/006): reservations queued behind
+"""Group commit of reservations (gate/reserve/groups.py, db/006): reservations queued behind
 a busy database leave together in one transaction, each with the order, ledger row
 and quota a single reservation would have written; a group in which one reservation
 would be answered differently runs one by one and answers each exactly; a group
@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys
-from gate.metrics import value_of
+from gate.base.metrics import value_of
+from gate.base.settings import Settings
 from gate.runtime import Gate
-from gate.settings import Settings
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.ops_support import scrape
 from tests.support import (
     GATE_BIN,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from gate.db import Database
+from gate.store.db import Database
 from tests import raw_http
 from tests.raw_http import Answer, read_answer
 from tests.support import ADMIN_TOKEN, GateProcess, base_env, token
@@ -170,7 +170,7 @@ def test_beyond_the_concurrency_bound_the_answer_is_503_at_once(
 
 
 def test_the_edge_s_requests_count_in_the_same_bound(guarded: GateProcess) -> None:
-    """A reservation that comes whole is answered by the edge (gate/edge.py), which
+    """A reservation that comes whole is answered by the edge (gate/web/edge.py), which
     shares the worker's bound: with the one slot held, it is refused 503 at once and
     its connection closed, like any other."""
     body = b'{"quantity": 1}'

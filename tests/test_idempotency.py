@@ -7,7 +7,7 @@ from collections import Counter
 
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.store.db import Database
 from tests.support import Client, assert_invariants, buyer, create_deal, reserve
 
 

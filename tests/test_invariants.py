@@ -8,13 +8,13 @@ import logging
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.base.metrics import METRICS
+from gate.base.settings import Settings
 from gate.expiry import make_monitor
-from gate.invariants import Alert, InvariantMonitor, MonitorConfig, ReleaseWindow
-from gate.keys import deal_keys
-from gate.metrics import METRICS
+from gate.expiry.invariant_monitor import Alert, InvariantMonitor, MonitorConfig, ReleaseWindow
 from gate.runtime import Gate
-from gate.settings import Settings
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.expiry_support import make_holds, statuses, wait_until
 from tests.support import Client, assert_invariants, create_deal, locked_buckets
 

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.limits import client_ip, limit_address, parse_networks
+from gate.base.limits import client_ip, limit_address, parse_networks
+from gate.store.db import Database
 from tests.support import (
     ADMIN,
     Client,

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from gate.db import Database
-from gate.settings import MysqlTarget, Settings
+from gate.base.settings import MysqlTarget, Settings
+from gate.store.db import Database
 from loadtest import wrkrun
 from loadtest.baseline.store import check_deal, migrate
 from loadtest.procs import Server

@@ -9,8 +9,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from loadtest.record import ClientRecord
 from loadtest.verify import verify_gate_deal
 from tests.loadtest_support import created, crowd, run_module, write_record

@@ -13,7 +13,7 @@ import jwt
 import orjson
 import pytest
 
-from gate import logs
+from gate.base import logs
 from tests.ops_support import multiprocess_env, running_gate
 from tests.support import (
     ADMIN,
@@ -179,8 +179,8 @@ async def test_an_unhandled_error_is_counted_and_logged_with_its_request_id(
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from gate.metrics import METRICS, sample_values, value_of
-    from gate.ops import RequestObserver
+    from gate.api.ops import RequestObserver
+    from gate.base.metrics import METRICS, sample_values, value_of
 
     seen: list[str | None] = []
 
@@ -252,7 +252,7 @@ async def test_the_gate_500_answer_carries_the_request_id(
     middleware; its 500 still names the request, as every other answer does."""
     from starlette.requests import Request
 
-    from gate.app import _unexpected
+    from gate.api.app import _unexpected
 
     logs.begin_request("unit-500-gate")
     scope = {

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import Counter, Gauge, Histogram
 
-from gate import metrics as gm
-from gate.metrics import AGREED_NAMES, METRICS, value_of
+from gate.base import metrics as gm
+from gate.base.metrics import AGREED_NAMES, METRICS, value_of
 from tests.ops_support import (
     FreshConnectionClient,
     multiprocess_env,

@@ -14,8 +14,9 @@ from typing import Any
 import aiomysql
 import pytest
 
-from gate.db import connect_kwargs
-from gate.migrate import (
+from gate.base.settings import MysqlTarget, Settings
+from gate.store.db import connect_kwargs
+from gate.store.migrate import (
     DB_DIR,
     SUPERSEDED_FILE_NAME,
     MigrationError,
@@ -26,7 +27,6 @@ from gate.migrate import (
     read_superseded,
     split_statements,
 )
-from gate.settings import MysqlTarget, Settings
 from tests.support import GATE_BIN
 
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gate.codes import SyncCode
-from gate.db import Database
-from gate.keys import ACTIVE_DEALS, deal_keys
+from gate.base.codes import SyncCode
 from gate.runtime import Gate
+from gate.store.db import Database
+from gate.store.keys import ACTIVE_DEALS, deal_keys
 from tests.support import (
     Client,
     Traffic,
@@ -189,8 +189,8 @@ async def test_the_resync_loop_rests_quiet_deals_and_wakes_them_on_any_move(
     """Every deal ever loaded stays active; the loop's passes skip a deal whose Redis
     state has not moved for a minute, but sync it every GATE_RESYNC_QUIET_SECONDS
     (15), at once when its state moves (a lost write), and all deals again on
-    another Redis server (gate/resync.py). A clock of the test's own."""
-    from gate.resync import RESYNC_QUIET_AFTER_SECONDS
+    another Redis server (gate/stock/resync.py). A clock of the test's own."""
+    from gate.stock.resync import RESYNC_QUIET_AFTER_SECONDS
 
     deal_id = await create_deal(client, stock=10, buckets=2)
     assert (await reserve(client, deal_id, 730_000, f"quiet-deal-{deal_id}")).status_code == 201
@@ -272,9 +272,9 @@ async def test_the_resync_loop_paces_a_deal_with_many_in_flight_markers(
     """A sync walks every in-flight marker inside one script, so the loop syncs a deal
     with N > RESYNC_MARKERS_PER_SECOND markers (a deep queue) at most every
     N / RESYNC_MARKERS_PER_SECOND seconds, at least every RESYNC_PACE_MAX_SECONDS;
-    fewer markers never pace it (gate/resync.py), on one Redis and on a cluster. The
+    fewer markers never pace it (gate/stock/resync.py), on one Redis and on a cluster. The
     deal's real look, with the marker count set in it; a clock of the test's own."""
-    from gate.resync import RESYNC_MARKERS_PER_SECOND, RESYNC_PACE_MAX_SECONDS
+    from gate.stock.resync import RESYNC_MARKERS_PER_SECOND, RESYNC_PACE_MAX_SECONDS
 
     deal_id = await create_deal(client, stock=10, buckets=2)
     assert (await reserve(client, deal_id, 731_000, f"paced-deal-{deal_id}")).status_code == 201
@@ -304,6 +304,6 @@ async def test_the_resync_loop_paces_a_deal_with_many_in_flight_markers(
 
 
 def _quiet_skips() -> float:
-    from gate.metrics import METRICS, sample_values, value_of
+    from gate.base.metrics import METRICS, sample_values, value_of
 
     return value_of(sample_values(METRICS.render().decode()), "gate_resync_quiet_skips_total")

@@ -9,11 +9,11 @@ from typing import Any
 
 import orjson
 
-from gate import openapi
-from gate.app import build_app
-from gate.errors import _PROBLEMS
-from gate.ops import route_label
-from gate.settings import Settings
+from gate.api.app import build_app
+from gate.api.ops import route_label
+from gate.base.errors import _PROBLEMS
+from gate.base.settings import Settings
+from gate.web import openapi
 from tests.support import ADMIN, Client, buyer, create_deal, reserve
 
 # Contract endpoints (docs/api.md) that no merged area serves yet. When one is

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from gate.base.settings import SettingsError, load_settings
 from gate.payments.config import load_payment_settings
-from gate.payments.sandbox import load_config as load_sandbox_config
+from gate.payments.sandbox.server import load_config as load_sandbox_config
 from gate.payments.signing import decode_secrets
-from gate.settings import SettingsError, load_settings
 from tests.support import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"

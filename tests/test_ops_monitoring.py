@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gate.metrics import AGREED_NAMES
+from gate.base.metrics import AGREED_NAMES
 from tests.support import ROOT
 
 PROM = ROOT / "deploy" / "prometheus"

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gate.check import check_deal
-from gate.codes import SyncCode
-from gate.db import Database
-from gate.keys import deal_keys, home_partition, partition_keys
+from gate.base.codes import SyncCode
 from gate.runtime import Gate
+from gate.stock.check import check_deal
+from gate.store.db import Database
+from gate.store.keys import deal_keys, home_partition, partition_keys
 from tests.support import (
     ADMIN,
     Client,

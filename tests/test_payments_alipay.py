@@ -16,7 +16,14 @@ from urllib.parse import urlencode
 import pytest
 from ulid import ULID
 
-from gate.payments.alipay_provider import (
+from gate.base.settings import SettingsError
+from gate.payments.config import PaymentSettings
+from gate.payments.provider import (
+    ProviderRejected,
+    ProviderUnavailable,
+    SessionRequest,
+)
+from gate.payments.providers.alipay import (
     CST,
     TIME_FORMAT,
     AlipayProvider,
@@ -26,15 +33,8 @@ from gate.payments.alipay_provider import (
     parse_notification,
     signing_string,
 )
-from gate.payments.config import PaymentSettings
-from gate.payments.provider import (
-    ProviderRejected,
-    ProviderUnavailable,
-    SessionRequest,
-)
-from gate.payments.rsa_http import fen_to_yuan, sign_sha256_rsa, yuan_to_fen
+from gate.payments.providers.rsa_http import fen_to_yuan, sign_sha256_rsa, yuan_to_fen
 from gate.payments.signing import WebhookRejected
-from gate.settings import SettingsError
 from tests.cn_support import (
     FakeControl,
     FakeProcess,

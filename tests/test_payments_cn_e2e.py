@@ -25,11 +25,11 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.payments.alipay_provider import CST, TIME_FORMAT, signing_string
-from gate.payments.rsa_http import fen_to_yuan, sign_sha256_rsa
-from gate.payments.wechatpay_provider import answer_message, encrypt_resource
+from gate.payments.providers.alipay import CST, TIME_FORMAT, signing_string
+from gate.payments.providers.rsa_http import fen_to_yuan, sign_sha256_rsa
+from gate.payments.providers.wechatpay import answer_message, encrypt_resource
 from gate.runtime import Gate
+from gate.store.db import Database
 from tests import payments_support as ps
 from tests.cn_support import FakeControl, FakeProcess, KeyPair, make_key_pair
 from tests.payments_support import counts, expire, new_order, order_row, start_payment, wait_status

@@ -7,7 +7,7 @@ import asyncio
 import orjson
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.store.db import Database
 from tests import payments_support as ps
 from tests.payments_support import (
     SandboxClient,

@@ -7,10 +7,10 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from gate.db import Database
 from gate.payments.config import load_payment_settings
-from gate.payments.http_provider import SandboxProvider
+from gate.payments.providers.http import SandboxProvider
 from gate.runtime import Gate
+from gate.store.db import Database
 from tests import payments_support as ps
 from tests.payments_support import (
     SandboxClient,

@@ -11,13 +11,13 @@ import orjson
 import pymysql
 import redis.asyncio as aioredis
 
-from gate.check import check_deal
-from gate.db import Database
+from gate.base.settings import Settings
 from gate.payments.codes import EventCode
 from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.provider import parse_event
 from gate.runtime import Gate
-from gate.settings import Settings
+from gate.stock.check import check_deal
+from gate.store.db import Database
 from tests import payments_support as ps
 from tests.payments_support import counts, event_body, new_order, order_row, post_webhook, signed
 from tests.support import Client, assert_invariants, buyer, create_deal

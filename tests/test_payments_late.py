@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from gate.db import Database
 from gate.payments.workers import refund_key
+from gate.store.db import Database
 from tests import payments_support as ps
 from tests.payments_support import (
     SandboxClient,

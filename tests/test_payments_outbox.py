@@ -24,11 +24,11 @@ import aiomysql
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database, connect_kwargs
-from gate.migrate import migrate
-from gate.orders import new_id
+from gate.base.settings import Settings
 from gate.payments.outbox import Consumer
-from gate.settings import Settings
+from gate.stock.orders import new_id
+from gate.store.db import Database, connect_kwargs
+from gate.store.migrate import migrate
 from tests.support import GATE_BIN, ROOT, base_env, free_port
 
 

@@ -9,11 +9,11 @@ import subprocess
 
 import pytest
 
-from gate.db import Database
+from gate.base.settings import SettingsError, load_settings
 from gate.payments.adapters import load_adapter
 from gate.payments.config import PROVIDER_NAMES, load_payment_settings
-from gate.payments.sandbox_adapter import StandardWebhook
-from gate.settings import SettingsError, load_settings
+from gate.payments.providers.sandbox import StandardWebhook
+from gate.store.db import Database
 from tests.payments_support import event_body, signed
 from tests.support import GATE_BIN, Client
 

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from gate.db import Database
 from gate.payments.signing import WebhookRejected, sign, sign_headers, verify
+from gate.store.db import Database
 from tests import payments_support as ps
 from tests.payments_support import (
     NEW_KEY,

@@ -25,13 +25,13 @@ import pytest
 import redis.asyncio as aioredis
 import stripe
 
-from gate.db import Database
+from gate.base.settings import load_settings
 from gate.payments.adapters import load_adapter
 from gate.payments.config import load_payment_settings
 from gate.payments.provider import ProviderRejected, SessionRequest
-from gate.payments.stripe_provider import StripeProvider
+from gate.payments.providers.stripe import StripeProvider
 from gate.runtime import Gate
-from gate.settings import load_settings
+from gate.store.db import Database
 from tests import payments_support as ps
 from tests.fake_stripe import signature
 from tests.payments_support import (

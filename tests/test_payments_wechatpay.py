@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding
 from ulid import ULID
 
+from gate.base.settings import Secret, SettingsError
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import (
     EventInvalid,
@@ -25,9 +26,8 @@ from gate.payments.provider import (
     ProviderUnavailable,
     SessionRequest,
 )
-from gate.payments.rsa_http import sign_sha256_rsa
-from gate.payments.signing import WebhookRejected
-from gate.payments.wechatpay_provider import (
+from gate.payments.providers.rsa_http import sign_sha256_rsa
+from gate.payments.providers.wechatpay import (
     WechatPayProvider,
     WechatPaySettings,
     WechatPayWebhook,
@@ -40,7 +40,7 @@ from gate.payments.wechatpay_provider import (
     parse_notification,
     request_message,
 )
-from gate.settings import Secret, SettingsError
+from gate.payments.signing import WebhookRejected
 from tests.cn_support import (
     FakeControl,
     FakeProcess,

@@ -8,14 +8,14 @@ import subprocess
 
 import pytest
 
-from gate.payments.config import load_payment_settings
-from gate.settings import (
+from gate.base.settings import (
     DEV_ADMIN_TOKEN,
     DEV_JWT_SECRET,
     DEV_WEBHOOK_SECRET,
     SettingsError,
     load_settings,
 )
+from gate.payments.config import load_payment_settings
 from tests.support import GATE_BIN, WEBHOOK_SECRET
 
 API_KEY = "test-provider-api-key-0123456789"

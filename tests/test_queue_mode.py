@@ -15,11 +15,11 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys, queue_keys
-from gate.queue.cli import RETRY_CLAIM_SECONDS
-from gate.redismode import detect_mode
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.queuemode.cli import RETRY_CLAIM_SECONDS
+from gate.store.db import Database
+from gate.store.keys import deal_keys, queue_keys
+from gate.store.redis_mode import detect_mode
 from tests.cluster import flush_all_primaries
 from tests.support import (
     ADMIN,

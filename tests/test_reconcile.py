@@ -13,9 +13,9 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.metrics import sample_values, value_of
-from gate.orders import new_id
+from gate.base.metrics import sample_values, value_of
+from gate.stock.orders import new_id
+from gate.store.db import Database
 from tests import payments_support as ps
 from tests.payments_support import (
     PayStack,

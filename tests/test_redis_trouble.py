@@ -12,10 +12,10 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gate.db import Database
-from gate.keys import deal_keys
-from gate.metrics import sample_values, value_of
-from gate.resp import RespConnection
+from gate.base.metrics import sample_values, value_of
+from gate.store.db import Database
+from gate.store.keys import deal_keys
+from gate.store.resp import RespConnection
 from tests.support import (
     Client,
     GateProcess,
@@ -135,7 +135,7 @@ async def test_a_timed_out_admission_is_never_re_run(
 ) -> None:
     """Redis runs the script but its answer arrives after the gate's timeout: the
     gate answers 503 without re-sending it, and gives the orphaned token's units back
-    itself once Redis answers (gate/giveback.py), long before the janitor's age rule."""
+    itself once Redis answers (gate/reserve/giveback.py), long before the janitor's age rule."""
     gate = await _gate_via(
         env, proxy, GATE_REDIS_TIMEOUT_SECONDS="1", GATE_INFLIGHT_MAX_SECONDS="60"
     )
@@ -289,7 +289,7 @@ async def test_limiters_fail_closed_or_open_by_configuration(
 async def test_hot_path_connection_times_out_only_a_late_batch(
     env: dict[str, str], proxy: TcpProxy
 ) -> None:
-    """The hot path's Redis connection (gate/resp.py) keeps one deadline timer for its
+    """The hot path's Redis connection (gate/store/resp.py) keeps one deadline timer for its
     oldest unanswered batch: batches answered in time never close it, however long it
     lives; a batch whose reply is late fails with a timeout and closes it, failing what
     is still pending on it; the next connect works again."""

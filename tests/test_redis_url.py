@@ -1,4 +1,4 @@
-"""GATE_REDIS_URL: the hot path's own connection (gate/resp.py) and redis-py's pool
+"""GATE_REDIS_URL: the hot path's own connection (gate/store/resp.py) and redis-py's pool
 read it through one parser, so both reach the same database as the same user; what
 the hot path cannot honour is refused at start-up (exit 2 naming the variable).
 
@@ -17,8 +17,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ResponseError
 
-from gate.keys import deal_keys
-from gate.resp import RespConnection, parse_redis_url
+from gate.store.keys import deal_keys
+from gate.store.resp import RespConnection, parse_redis_url
 from tests.support import GATE_BIN, GateProcess, create_deal, free_port, reserve
 from tests.support import Client as HttpClient
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.store.db import Database
 from tests.support import Client, assert_invariants, create_deal, reserve
 
 ATTEMPTS = 1000

@@ -14,9 +14,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.support import Client, Traffic, assert_invariants, create_deal, redis_client, reserve
 
 CONVERGE_SECONDS = 5.0

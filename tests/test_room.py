@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gate.clock import iso
-from gate.db import Database
-from gate.errors import Problem
-from gate.keys import deal_keys
+from gate.base.clock import iso
+from gate.base.errors import Problem
+from gate.base.settings import Secret
 from gate.room.service import Room, iso_ms
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import RandomScores, Wire
 from gate.runtime import Gate
-from gate.scripts import Script
-from gate.settings import Secret
+from gate.store.db import Database
+from gate.store.keys import deal_keys
+from gate.store.scripts import Script
 from tests.support import (
     ADMIN,
     ADMISSION_SECRET,
@@ -711,7 +711,7 @@ def test_bad_room_settings_stop_start_up_naming_the_variable(
 
 
 def test_the_dev_admission_secret_works_only_in_dev(env: dict[str, str]) -> None:
-    from gate.settings import DEV_ADMISSION_SECRET, load_settings
+    from gate.base.settings import DEV_ADMISSION_SECRET, load_settings
 
     dev = {k: v for k, v in env.items() if k != "GATE_ADMISSION_SECRET"}
     settings = load_settings({**dev, "GATE_ENV": "dev"})

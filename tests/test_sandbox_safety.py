@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gate.payments.sandbox import build_sandbox_app, load_config
+from gate.base.settings import DEV_WEBHOOK_SECRET
+from gate.payments.sandbox.server import build_sandbox_app, load_config
 from gate.payments.signing import WebhookRejected, decode_secret, verify
-from gate.settings import DEV_WEBHOOK_SECRET
 from tests.payments_support import OTHER_SECRET, SandboxProcess
 from tests.support import GATE_BIN, Client, base_env, free_port
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from gate.db import Database
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.store.db import Database
 from loadtest import shard_sim
 
 SHARDS = 3

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.store.db import Database
 from tests.support import Client, GateProcess, assert_invariants, create_deal, reserve
 
 pytestmark = pytest.mark.slow

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys, partition_keys
+from gate.reserve.soldout import SoldOutCache
 from gate.runtime import Gate
-from gate.soldout import SoldOutCache
+from gate.store.db import Database
+from gate.store.keys import deal_keys, partition_keys
 from tests.support import (
     Client,
     GateProcess,

@@ -1,4 +1,4 @@
-"""`gate serve --workers N` (gate/supervisor.py): a listening socket per worker, so
+"""`gate serve --workers N` (gate/cli/supervisor.py): a listening socket per worker, so
 connections that arrive together spread over the workers; a port in use stops
 start-up; a worker that dies is replaced."""
 

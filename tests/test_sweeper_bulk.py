@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
+from gate.store.db import Database
 from tests.expiry_support import holding, make_holds, wait_until
 from tests.support import Client, assert_invariants, create_deal, redis_available, reserve
 

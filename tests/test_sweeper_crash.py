@@ -18,9 +18,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.expiry_support import (
     TcpProxy,
     holding,

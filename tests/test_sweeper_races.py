@@ -20,8 +20,8 @@ from collections import Counter
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
 from gate.payments.signing import decode_secret
+from gate.store.db import Database
 from tests.expiry_support import db_now, holding, make_holds, wait_until
 from tests.payments_support import event_body, post_webhook, signed
 from tests.support import WEBHOOK_SECRET, Client, GateCommand, assert_invariants, create_deal

@@ -1,6 +1,6 @@
 """A reservation whose transaction broke mid-call while the database could not be
 reached for the look-up: the process resolves it itself once the database answers
-(gate/giveback.py), rather than leaving its units to the janitor's age rule."""
+(gate/reserve/giveback.py), rather than leaving its units to the janitor's age rule."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import deal_keys
-from gate.metrics import sample_values, value_of
-from gate.settings import Settings
+from gate.base.metrics import sample_values, value_of
+from gate.base.settings import Settings
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.support import (
     Client,
     GateProcess,

@@ -9,13 +9,13 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from gate.invariants import InvariantMonitor, MonitorConfig
-from gate.metrics import METRICS
-from gate.redismode import make_redis
+from gate.base.metrics import METRICS
+from gate.expiry.invariant_monitor import InvariantMonitor, MonitorConfig
+from gate.expiry.sweeper import STATS
 from gate.runtime import Gate
-from gate.scripts import ScriptRunner, read_scripts
-from gate.sweeper import STATS
-from gate.worklease import WorkLease, lease_key
+from gate.store.redis_mode import make_redis
+from gate.store.scripts import ScriptRunner, read_scripts
+from gate.store.work_lease import WorkLease, lease_key
 from tests.support import GateProcess, free_port
 
 WAIT_SECONDS = 10.0

@@ -21,12 +21,21 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gate import apidocs, logs, orders, validate
-from gate.db import Database, DbUnavailable
-from gate.edge import INTERNAL, Edge, EdgeRequest, EdgeRoute
-from gate.errors import Encoded, Problem, RawResponse, invalid, not_found, overloaded
-from gate.guard import BODY_METHODS, UNGUARDED_PATHS, BodyReceive, Guard
-from gate.http import (
+from gate.api.ops import RequestRecorder
+from gate.base import logs, validate
+from gate.base.errors import Encoded, Problem, RawResponse, invalid, not_found, overloaded
+from gate.base.limits import client_ip, device_id
+from gate.base.logs import configure
+from gate.base.metrics import METRICS, CounterTally
+from gate.base.settings import Settings, load_settings
+from gate.reserve.reservations import MAX_QUANTITY, QueuedCall, Reserved, ReserveRequest
+from gate.runtime import Gate
+from gate.stock import orders
+from gate.store.db import Database, DbUnavailable
+from gate.web import docs_page as apidocs
+from gate.web.edge import INTERNAL, Edge, EdgeRequest, EdgeRoute
+from gate.web.guard import BODY_METHODS, UNGUARDED_PATHS, BodyReceive, Guard
+from gate.web.http_io import (
     exact_paths,
     json_answer,
     json_body,
@@ -35,13 +44,6 @@ from gate.http import (
     receive_json,
     send_answer,
 )
-from gate.limits import client_ip, device_id
-from gate.logs import configure
-from gate.metrics import METRICS, CounterTally
-from gate.ops import RequestRecorder
-from gate.reservations import MAX_QUANTITY, QueuedCall, Reserved, ReserveRequest
-from gate.runtime import Gate
-from gate.settings import Settings, load_settings
 
 log = logging.getLogger("gate.app")
 
@@ -164,7 +166,7 @@ async def _deal_answer(gate: Gate, deal_id: int) -> Encoded:
 
 
 class DealViewEdge(EdgeRoute):
-    """GET /v1/deals/{id} at the edge (gate/edge.py): the buyer's view of a deal,
+    """GET /v1/deals/{id} at the edge (gate/web/edge.py): the buyer's view of a deal,
     which a crowd refreshes while it waits for the sale, past Starlette's middleware
     and router (what was most of its cost: docs/hotpath.md lever 56); the same answer
     as `deal_view`, made by `_deal_answer`, in a task (the view may read Redis and,
@@ -333,7 +335,7 @@ class Reserve:
 
 
 class ReserveEdge(EdgeRoute):
-    """POST /v1/deals/{id}/reservations at the edge (gate/edge.py): the same answers
+    """POST /v1/deals/{id}/reservations at the edge (gate/web/edge.py): the same answers
     as `Reserve`, made by the same functions; a sold-out or rate-limited answer, and
     every invalid request, written before any task or coroutine is made."""
 
@@ -396,7 +398,7 @@ FAST_LANE_ROUTES = ("reserve", "webhook")
 
 class FastLane:
     """The innermost middleware: the HTTP guard's two checks for every request (see
-    gate/guard.py: the concurrency bound, the body deadline), then the hot POST
+    gate/web/guard.py: the concurrency bound, the body deadline), then the hot POST
     routes (reservations, payment callbacks), plain ASGI applications, straight to
     their endpoints, past Starlette's exception middleware (which builds a Request
     for every request) and router (a regex per route), setting what the router would
@@ -412,7 +414,7 @@ class FastLane:
     def __init__(self, app: ASGIApp, routes: Sequence[Route], *, guard: Guard) -> None:
         self.app = app
         self.routes = tuple(routes)
-        self.guard = guard  # shared with the edge (gate/edge.py)
+        self.guard = guard  # shared with the edge (gate/web/edge.py)
         for route in self.routes:
             assert route.methods == {"POST"}, f"{route.path}: the fast lane is for POST routes"
             assert not inspect.isfunction(route.endpoint), f"{route.path}: not an ASGI endpoint"
@@ -466,7 +468,7 @@ async def _order_answer(gate: Gate, order_id: str, user_id: int) -> Encoded:
     try:
         order = await orders.get_for_buyer(gate.db, order_id, user_id)
     except Problem as problem:
-        # Not in the database: perhaps waiting in a queue (gate/queue/).
+        # Not in the database: perhaps waiting in a queue (gate/queuemode/).
         queued = await gate.queue.view(order_id, user_id) if gate.queue else None
         if problem.code != "NOT_FOUND" or queued is None:
             raise
@@ -477,7 +479,7 @@ async def _order_answer(gate: Gate, order_id: str, user_id: int) -> Encoded:
 
 
 class OrderViewEdge(EdgeRoute):
-    """GET /v1/orders/{id} at the edge (gate/edge.py): a buyer's poll of an order,
+    """GET /v1/orders/{id} at the edge (gate/web/edge.py): a buyer's poll of an order,
     which a crowd in queue mode repeats until its order is committed; the same
     answer as `order_view`, made by `_order_answer`, in a task. Only an id spelled
     as the gate makes them (26 Crockford base-32 digits) is taken here; any other
@@ -505,7 +507,7 @@ async def order_cancel(request: Request) -> Response:
     try:
         order = await orders.cancel(gate.db, gate.mirror, order_id, user_id)
     except Problem as problem:
-        # Not in the database: perhaps waiting in a queue (gate/queue/).
+        # Not in the database: perhaps waiting in a queue (gate/queuemode/).
         cancelled = await gate.queue.cancel(order_id, user_id) if gate.queue else None
         if problem.code != "NOT_FOUND" or cancelled is None:
             raise
@@ -692,7 +694,7 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     exact_paths(all_routes)
     lanes = [r for r in all_routes if isinstance(r, Route) and r.name in FAST_LANE_ROUTES]
     assert any(r.name == "reserve" for r in lanes), "the reservation route is missing"
-    # One HTTP guard (gate/guard.py) for the fast lane and the edge: one bound on the
+    # One HTTP guard (gate/web/guard.py) for the fast lane and the edge: one bound on the
     # requests this worker holds, wherever they are answered.
     guard = Guard(
         concurrency_max=settings.http_concurrency_max,

@@ -27,9 +27,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gate import logs, openapi
-from gate.extensions import Extension
-from gate.metrics import (
+from gate.base import logs
+from gate.base.metrics import (
     METRICS,
     TALLY_FLUSH_SECONDS,
     CounterTally,
@@ -37,12 +36,14 @@ from gate.metrics import (
     forget_dead_processes,
     process_stopping,
 )
-from gate.resp import parse_redis_url
-from gate.settings import SettingsError, env_float
+from gate.base.settings import SettingsError, env_float
+from gate.extensions import Extension
+from gate.store.resp import parse_redis_url
+from gate.web import openapi
 
 if TYPE_CHECKING:
+    from gate.base.settings import Settings
     from gate.runtime import Gate
-    from gate.settings import Settings
 
 log = logging.getLogger("gate.request")
 ops_log = logging.getLogger("gate.ops")
@@ -66,7 +67,7 @@ def route_label(path: str) -> str:
 
 class RequestRecorder:
     """The request metrics and log line of one answered request (the request
-    middleware's, and the edge's for the requests it answers, gate/edge.py)."""
+    middleware's, and the edge's for the requests it answers, gate/web/edge.py)."""
 
     def __init__(self, log_mode: str = "all") -> None:
         if log_mode not in REQUEST_LOG_MODES:
@@ -196,7 +197,7 @@ class PoolSampler:
 
 
 async def flush_tallies(stop: asyncio.Event, interval_seconds: float = TALLY_FLUSH_SECONDS) -> None:
-    """Adds this process's metric tallies (gate/metrics.py) to the metrics every
+    """Adds this process's metric tallies (gate/base/metrics.py) to the metrics every
     interval, so that under several workers a scrape, which reads the shared files,
     is at most that late."""
     while not stop.is_set():

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from gate.codes import AdmitCode, DbCode, RoomCode
+from gate.base.codes import AdmitCode, DbCode, RoomCode
 
 PROBLEM_TYPE_BASE = "https://gate.dev/problems/"
 

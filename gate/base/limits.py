@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gate.errors import Problem, invalid
+from gate.base.errors import Problem, invalid
 
 SCOPES = ("deal", "user", "ip", "device", "global")
 _PERIOD_SECONDS = {"s": 1, "m": 60, "h": 3600}

@@ -68,7 +68,7 @@ DELAY_BUCKETS_SECONDS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
 # The names every area agreed on (see the common brief); dashboards and alert rules
 # use exactly these. A metric outside this list is fine, but has no panel or alert.
 AGREED_NAMES: dict[str, tuple[str, ...]] = {
-    # Queue mode (gate/queue/, docs/queue-mode.md).
+    # Queue mode (gate/queuemode/, docs/queue-mode.md).
     "queue": (
         "gate_queue_enqueued_total",
         "gate_queue_committed_total",
@@ -207,7 +207,7 @@ def process_stopping() -> None:
         multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
 
 
-# How often each process adds its tallies to the metrics (gate/ops.py runs the loop):
+# How often each process adds its tallies to the metrics (gate/api/ops.py runs the loop):
 # under several workers a scrape reads the shared files, so what a worker counted
 # shows up at most this late.
 TALLY_FLUSH_SECONDS = 0.25

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
-from gate.limits import SCOPES, LimitError, LimitSpec, Network, parse_limit, parse_networks
-from gate.resp import RedisUrlError, parse_redis_url
+from gate.base.limits import SCOPES, LimitError, LimitSpec, Network, parse_limit, parse_networks
+from gate.store.resp import RedisUrlError, parse_redis_url
 
 DEV_JWT_SECRET = "gate-dev-jwt-secret-not-for-production-000000"
 DEV_ADMIN_TOKEN = "gate-dev-admin-token"
@@ -196,7 +196,7 @@ class Settings:
     redis_timeout_seconds: float = 0.5
     redis_pipeline_max: int = 512
     redis_flush_every: int = 0
-    # Python's cyclic collector in a serving process (gate/app.py tune_gc): 0 leaves it
+    # Python's cyclic collector in a serving process (gate/api/app.py tune_gc): 0 leaves it
     # as Python sets it; otherwise start-up's objects are frozen and a young
     # collection waits for this many net allocations (Python's default: 700).
     gc_gen0_threshold: int = 50_000
@@ -225,7 +225,7 @@ class Settings:
     db_reservation_acquire_seconds: float = 1.0
     db_acquire_timeout_seconds: float = 2.0
     reservation_inflight_max: int = 1024
-    # Group commit (gate/groups.py): at most this many reservations of one deal in one
+    # Group commit (gate/reserve/groups.py): at most this many reservations of one deal in one
     # transaction (1: no groups), at most this many groups of one deal per process in
     # the database at once.
     reservation_group_max: int = 64
@@ -236,30 +236,30 @@ class Settings:
     inflight_max_seconds: float = 30.0
     janitor_batch_max: int = 500
     janitor_interval_seconds: float = 1.0
-    # One process at a time runs each background loop (gate/worklease.py): the
+    # One process at a time runs each background loop (gate/store/work_lease.py): the
     # lease lasts the loop's interval plus this; 0: every process runs every pass.
     background_lease_seconds: float = 5.0
     janitor_committed_after_seconds: float = 2.0
-    # Each gate process's liveness lease (gate/lease.py), renewed every third of it:
+    # Each gate process's liveness lease (gate/store/process_lease.py), renewed every third of it:
     # a janitor resolves a dead process's in-flight tokens once it has lapsed.
     lease_seconds: float = 3.0
     resync_interval_seconds: float = 1.0
     # A deal whose Redis state has not moved for RESYNC_QUIET_AFTER_SECONDS is
-    # resynced this often instead of every pass (gate/resync.py); 0: every pass.
+    # resynced this often instead of every pass (gate/stock/resync.py); 0: every pass.
     resync_quiet_seconds: float = 15.0
     jwt_cache_max: int = 65_536
     sold_out_cache_seconds: float = 0.1
     body_max_bytes: int = 4096
-    # The HTTP guard (gate/guard.py): a request's body is due within this many
+    # The HTTP guard (gate/web/guard.py): a request's body is due within this many
     # seconds of its start (else 408); at most this many requests in flight per worker
     # (beyond it 503 at once).
     body_timeout_seconds: float = 5.0
     http_concurrency_max: int = 1024
 
-    # `gate serve --workers N` (gate/supervisor.py): a worker whose event loop has not
+    # `gate serve --workers N` (gate/cli/supervisor.py): a worker whose event loop has not
     # beaten for this long is killed and replaced.
     worker_timeout_seconds: float = 30.0
-    # /docs: a browsable reference of /openapi.json (gate/apidocs.py).
+    # /docs: a browsable reference of /openapi.json (gate/web/docs_page.py).
     docs: bool = False
 
     run_background: bool = True
@@ -364,7 +364,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
 
     redis_url = env.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
     try:
-        # The one parser both Redis connections use (redis-py's own, see gate/resp.py).
+        # The one parser both Redis connections use (redis-py's own, see gate/store/resp.py).
         parse_redis_url(redis_url)
     except RedisUrlError as exc:
         raise SettingsError(str(exc)) from None
@@ -476,7 +476,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         environ=MappingProxyType(dict(env)),
     )
     if settings.docs:
-        from gate import apidocs
+        from gate.web import docs_page as apidocs
 
         if not apidocs.available():
             raise SettingsError(

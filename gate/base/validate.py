@@ -6,8 +6,8 @@ import re
 from datetime import datetime
 from typing import Any
 
-from gate.clock import parse_iso
-from gate.errors import invalid
+from gate.base.clock import parse_iso
+from gate.base.errors import invalid
 
 _MISSING = object()
 IDEMPOTENCY_KEY_RE = re.compile(r"[A-Za-z0-9_.:-]{8,255}")

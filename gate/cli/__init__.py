@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gate.settings import Settings, SettingsError, load_settings
+from gate.base.settings import Settings, SettingsError, load_settings
 
 
 def _settings() -> Settings:
@@ -20,7 +20,7 @@ def _settings() -> Settings:
     inside each worker: too late for a clear message (a worker's traceback, restarted
     by the supervisor), so the gate is built once here to check them (no I/O)."""
     from gate.runtime import Gate
-    from gate.scripts import ScriptMissing
+    from gate.store.scripts import ScriptMissing
 
     try:
         settings = load_settings()
@@ -42,9 +42,9 @@ SERVE_GRACE_SECONDS = 10
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from gate.logs import configure
-    from gate.metrics import prepare_multiprocess
-    from gate.migrate import MigrationError, migrate
+    from gate.base.logs import configure
+    from gate.base.metrics import prepare_multiprocess
+    from gate.store.migrate import MigrationError, migrate
 
     if args.no_background:
         os.environ["GATE_BACKGROUND"] = "0"
@@ -58,10 +58,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except MigrationError as exc:
             print(f"gate: {exc}", file=sys.stderr)
             return 2
-    # Several workers keep their metrics in files one scrape merges (gate/metrics.py).
+    # Several workers keep their metrics in files one scrape merges (gate/base/metrics.py).
     prepare_multiprocess(args.workers)
     return run_server(
-        "gate.app:create_app",
+        "gate.api.app:create_app",
         args.host,
         args.port,
         args.workers,
@@ -81,17 +81,17 @@ def run_server(
     baseline's server, so that only the application differs between them)."""
     import uvicorn
 
-    from gate import supervisor
+    from gate.cli import supervisor
 
     server: dict[str, Any] = {
         "app": app,
         "factory": True,
         "loop": "uvloop",
         # uvicorn's httptools protocol, with the edge's routes answered by the
-        # protocol itself (gate/edge.py); any other application is served unchanged.
-        "http": "gate.edge:EdgeProtocol",
+        # protocol itself (gate/web/edge.py); any other application is served unchanged.
+        "http": "gate.web.edge:EdgeProtocol",
         # Gate serves no WebSocket: a request asking to upgrade is answered as HTTP/1.1
-        # (gate/edge.py `_unsupported_upgrade_warning`). uvicorn's own upgrade would
+        # (gate/web/edge.py `_unsupported_upgrade_warning`). uvicorn's own upgrade would
         # hand the connection to a protocol the edge's transport cannot switch to.
         "ws": "none",
         "access_log": False,
@@ -106,7 +106,7 @@ def run_server(
         "timeout_graceful_shutdown": SERVE_GRACE_SECONDS,
     }
     if workers > 1 and supervisor.available():
-        # A socket per worker (gate/supervisor.py): connections spread over the workers.
+        # A socket per worker (gate/cli/supervisor.py): connections spread over the workers.
         return supervisor.Supervisor(
             server,
             host,
@@ -123,7 +123,13 @@ def run_server(
 def cmd_migrate(args: argparse.Namespace) -> int:
     """Apply pending migrations; with GATE_MYSQL_APP_USER, also create the gate's
     least-privilege database user (docs/operations.md, "Database users")."""
-    from gate.migrate import APP_PRIVILEGES, MigrationError, ensure_app_user, load_app_user, migrate
+    from gate.store.migrate import (
+        APP_PRIVILEGES,
+        MigrationError,
+        ensure_app_user,
+        load_app_user,
+        migrate,
+    )
 
     settings = _settings()
     try:
@@ -149,7 +155,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True) -> int:
     """Run `fn(gate)` with the database and Redis started but no background loops."""
-    from gate.logs import configure
+    from gate.base.logs import configure
     from gate.runtime import Gate
 
     settings = _settings()
@@ -166,7 +172,7 @@ async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = Tru
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from gate.check import check_all, render
+    from gate.stock.check import check_all, render
 
     async def run(gate: Any) -> int:
         try:
@@ -189,7 +195,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    from gate.auth import mint
+    from gate.web.auth import mint
 
     settings = _settings()
     try:
@@ -219,7 +225,7 @@ def _loop_command(name: str) -> Callable[[argparse.Namespace], int]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Create a demo deal and print how to try the gate with it."""
-    from gate.auth import mint
+    from gate.web.auth import mint
 
     async def run(gate: Any) -> int:
         deal = await gate.deals.create(
@@ -264,9 +270,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gate", description="Flash-sale admission gate.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    from gate.auth import MAX_USER_ID
-    from gate.dealcli import ranged_int
-    from gate.deals import MAX_BUCKETS, MAX_ID, MAX_STOCK
+    from gate.cli.deals import ranged_int
+    from gate.stock.deals import MAX_BUCKETS, MAX_ID, MAX_STOCK
+    from gate.web.auth import MAX_USER_ID
 
     s = sub.add_parser("serve", help="run the HTTP gate (and its background workers)")
     s.add_argument("--host", default="127.0.0.1")
@@ -302,7 +308,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.set_defaults(fn=cmd_demo)
 
-    from gate import dealcli
+    from gate.cli import deals as dealcli
 
     dealcli.add_commands(sub)
 

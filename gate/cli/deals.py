@@ -4,10 +4,10 @@ a shell, plus repair and bucket advice.
     gate deal list | create | show | stock | buckets [--count N | --advise] | ledger | repair
         |  argparse: types, ranges, the operator name        -> exit 2, nothing changed
         v
-    the same functions as the admin endpoints (gate/deals.py: Deals.create,
+    the same functions as the admin endpoints (gate/stock/deals.py: Deals.create,
     admin_view, adjust_stock, rebucket, ledger), with the same bodies: the same
-    validation, ledger rows and Redis effects; repair is gate/repair.py, the
-    advice gate/advise.py
+    validation, ledger rows and Redis effects; repair is gate/stock/repair.py, the
+    advice gate/stock/advice.py
         |  Problem 400/404/413/415/422 (bad input, no such deal)      -> exit 2
         |  Problem 409/503, database or Redis unreachable (refused)    -> exit 1
         v
@@ -30,11 +30,11 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from gate.advise import SAMPLE_SECONDS_MAX
-from gate.db import DbUnavailable
-from gate.deals import LEDGER_PAGE_MAX, LIST_PAGE_MAX, MAX_BUCKETS, MAX_ID
-from gate.errors import Problem
-from gate.repair import WAIT_SECONDS_MAX
+from gate.base.errors import Problem
+from gate.stock.advice import SAMPLE_SECONDS_MAX
+from gate.stock.deals import LEDGER_PAGE_MAX, LIST_PAGE_MAX, MAX_BUCKETS, MAX_ID
+from gate.stock.repair import WAIT_SECONDS_MAX
+from gate.store.db import DbUnavailable
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -124,7 +124,7 @@ def _run(
     try:
         return asyncio.run(_with_gate(go, scripts=False))
     except BrokenPipeError:
-        raise  # the reader of the output went away: gate/cli.py main() ends quietly
+        raise  # the reader of the output went away: gate/cli/__init__.py main() ends quietly
     except (DbUnavailable, OSError) as exc:
         print(f"gate deal {args.deal_command}: unavailable: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -140,7 +140,7 @@ def _run(
 
 
 def _deal_text(view: dict[str, Any]) -> str:
-    from gate.check import render
+    from gate.stock.check import render
 
     lines = [
         f"deal {view['id']}: {view['title']!r}  {view['unit_price']} {view['currency']}"
@@ -284,7 +284,7 @@ def cmd_stock(args: argparse.Namespace) -> int:
 
 def cmd_buckets(args: argparse.Namespace) -> int:
     if args.advise:
-        from gate.advise import advise
+        from gate.stock.advice import advise
 
         return _run(
             args,
@@ -306,7 +306,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    from gate.repair import repair
+    from gate.stock.repair import repair
 
     return _run(
         args,

@@ -14,7 +14,7 @@ Off unless GATE_CONSOLE=1 (on by default with GATE_ENV=dev): then no route exist
 and /console is the usual 404. Every /console/api call but sign-in needs the signed
 session cookie (401 otherwise); every state-changing one the X-CSRF-Token header
 (403 otherwise). The actions call the very functions the admin API calls
-(gate/deals.py), with actor "console:<session prefix>", so the ledger names the
+(gate/stock/deals.py), with actor "console:<session prefix>", so the ledger names the
 operator's session; actions that move no stock are logged with it.
 """
 
@@ -33,6 +33,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from gate.base.errors import Problem, invalid, not_found, overloaded
+from gate.base.settings import SettingsError, env_bool, env_int
 from gate.console.session import (
     COOKIE_NAME,
     CSRF_HEADER,
@@ -41,17 +43,15 @@ from gate.console.session import (
     unauthorized,
 )
 from gate.console.snapshot import Snapshots
-from gate.errors import Problem, invalid, not_found, overloaded
 from gate.extensions import Extension
-from gate.http import json_response, read_json
-from gate.keys import console_revoked
-from gate.settings import SettingsError, env_bool, env_int
+from gate.store.keys import console_revoked
+from gate.web.http_io import json_response, read_json
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from gate.base.settings import Settings
     from gate.runtime import Gate
-    from gate.settings import Settings
 
 log = logging.getLogger("gate.console")
 
@@ -126,7 +126,7 @@ def _static(name: str) -> bytes:
 
 def bucket_advice(available: int, buckets: int) -> dict[str, Any]:
     """docs/buckets.md's rule of thumb: 1 to 4 buckets, at least ~50 units each.
-    `gate deal buckets --advise` (gate/advise.py) replaces it where it exists."""
+    `gate deal buckets --advise` (gate/stock/advice.py) replaces it where it exists."""
     suggested = max(1, min(4, available // 50))
     return {
         "source": "docs/buckets.md",
@@ -253,7 +253,7 @@ class Console:
         deal_id = self._deal_id(request)
         view = await self.gate.deals.admin_view(deal_id)
         try:
-            advise = importlib.import_module("gate.advise")
+            advise = importlib.import_module("gate.stock.advice")
         except ImportError:
             advise = None
         hook = getattr(advise, "console_advice", None)

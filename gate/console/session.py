@@ -21,7 +21,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from gate.errors import Problem
+from gate.base.errors import Problem
 
 COOKIE_NAME = "gate_console"
 CSRF_HEADER = "x-csrf-token"

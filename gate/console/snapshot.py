@@ -10,7 +10,7 @@ shared by every open page of that process.
               metrics   this gate's Prometheus samples (every worker's files merged in
                         multi-process mode): reservations by outcome, latency
                         histogram, invariant breaches per deal from the continuous
-                        checks (gate/invariants.py)
+                        checks (gate/expiry/invariant_monitor.py)
             rates and quantiles are differences against the previous computation
 
 So twenty open consoles cost what one does: a query, a pipeline and a metrics merge
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, multiprocess
 
-from gate.clock import iso, parse_iso
-from gate.keys import partition_keys
-from gate.metrics import METRICS, multiprocess_active
+from gate.base.clock import iso, parse_iso
+from gate.base.metrics import METRICS, multiprocess_active
+from gate.store.keys import partition_keys
 
 if TYPE_CHECKING:
     from gate.runtime import Gate

@@ -15,15 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gate.base.settings import SettingsError, env_bool, env_float, env_int
+from gate.expiry.invariant_monitor import InvariantMonitor, MonitorConfig
+from gate.expiry.sweeper import SweepConfig, Sweeper
 from gate.extensions import Extension, Worker
-from gate.invariants import InvariantMonitor, MonitorConfig
-from gate.settings import SettingsError, env_bool, env_float, env_int
-from gate.sweeper import SweepConfig, Sweeper
-from gate.worklease import WorkLease
+from gate.store.work_lease import WorkLease
 
 if TYPE_CHECKING:
+    from gate.base.settings import Settings
     from gate.runtime import Gate
-    from gate.settings import Settings
 
 # The longest a sweeper's batch may take by default; shorter when the janitor's
 # orphan age leaves less room (see ExpirySettings.from_env).
@@ -101,7 +101,7 @@ def install(gate: Gate) -> Extension:
         workers.append(Sweeper(gate.db, gate.mirror, settings.sweep).run)
     if settings.invariants_in_serve:
         monitor = InvariantMonitor(gate.db, gate.redis, settings.monitor)
-        # One process at a time across hosts checks the invariants (gate/worklease.py).
+        # One process at a time across hosts checks the invariants (gate/store/work_lease.py).
         monitor.work_lease = WorkLease(
             gate.runner, "invariants", gate.settings.background_lease_seconds
         )
@@ -110,9 +110,9 @@ def install(gate: Gate) -> Extension:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from gate.logs import configure
+    from gate.base.logs import configure
+    from gate.base.settings import load_settings
     from gate.runtime import Gate, StartupError
-    from gate.settings import load_settings
 
     try:
         settings = load_settings()

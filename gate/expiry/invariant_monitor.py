@@ -28,7 +28,7 @@ held by holds whose deadline passed longer ago than the release-lag threshold (s
 that has "vanished" in the article's sense: neither sellable nor sold).
 
 Every check is read-only, so any number of processes may run the monitor; each
-exports what it saw itself. With background leases (gate/worklease.py, on by
+exports what it saw itself. With background leases (gate/store/work_lease.py, on by
 default) one process at a time checks the deals; every process still evaluates its
 own sweeper's failure ratio and lag each interval (`evaluate_sweeper`).
 """
@@ -45,12 +45,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.check import check_deal
-from gate.db import Database
-from gate.drain import yield_to_sweeper
-from gate.metrics import METRICS
-from gate.sweeper import STATS
-from gate.worklease import WorkLease
+from gate.base.drain import yield_to_sweeper
+from gate.base.metrics import METRICS
+from gate.expiry.sweeper import STATS
+from gate.stock.check import check_deal
+from gate.store.db import Database
+from gate.store.work_lease import WorkLease
 
 log = logging.getLogger("gate.invariants")
 
@@ -246,7 +246,7 @@ class InvariantMonitor:
             rest = self.config.interval_seconds - (self.clock() - started)
             if rest > 0:
                 await self.rest(stop, rest)
-        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        # Stopping: the next process to ask takes the work at once (gate/store/work_lease.py).
         if self.work_lease is not None:
             await self.work_lease.release()
 
@@ -274,7 +274,7 @@ class InvariantMonitor:
         for deal_id in await self._next_deals():
             if stop.is_set():
                 break
-            # Not while this process's sweeper drains a backlog (gate/drain.py): a
+            # Not while this process's sweeper drains a backlog (gate/base/drain.py): a
             # check holds a snapshot open.
             await yield_to_sweeper(stop)
             if lease is not None and not await lease.held(cover):

@@ -36,10 +36,10 @@ from typing import Any
 import orjson
 import pymysql
 
-from gate.db import Database, errno_of, is_connection_error, is_retryable
-from gate.drain import mark_draining
-from gate.metrics import METRICS
-from gate.mirror import Intent, Mirror
+from gate.base.drain import mark_draining
+from gate.base.metrics import METRICS
+from gate.stock.mirror import Intent, Mirror
+from gate.store.db import Database, errno_of, is_connection_error, is_retryable
 
 log = logging.getLogger("gate.sweeper")
 

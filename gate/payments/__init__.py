@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gate.base.settings import SettingsError, env_bool
 from gate.extensions import Extension, Worker
-from gate.http import json_response
 from gate.payments.adapters import load_adapter
 from gate.payments.config import load_payment_settings, load_reconcile_settings
 from gate.payments.machine import PaymentMachine
@@ -27,7 +27,7 @@ from gate.payments.reconcile import add_command as add_reconcile_command
 from gate.payments.sessions import PaymentSessions
 from gate.payments.webhook import WebhookEndpoint
 from gate.payments.workers import PaymentWorker
-from gate.settings import SettingsError, env_bool
+from gate.web.http_io import json_response
 
 if TYPE_CHECKING:
     from gate.runtime import Gate
@@ -101,8 +101,8 @@ def install(gate: Gate) -> Extension:
 def _cmd_sandbox(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from gate.logs import configure
-    from gate.payments.sandbox import load_config
+    from gate.base.logs import configure
+    from gate.payments.sandbox.server import load_config
 
     try:
         load_config(os.environ, args.host, args.port)
@@ -120,7 +120,7 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     os.environ["GATE_SANDBOX_HOST"] = args.host
     os.environ["GATE_SANDBOX_PORT"] = str(args.port)
     uvicorn.run(
-        "gate.payments.sandbox:create_sandbox_app",
+        "gate.payments.sandbox.server:create_sandbox_app",
         factory=True,
         host=args.host,
         port=args.port,
@@ -136,10 +136,10 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    from gate.db import Database
-    from gate.logs import configure
-    from gate.redismode import RedisModeError, detect_mode, make_redis
-    from gate.settings import load_settings
+    from gate.base.logs import configure
+    from gate.base.settings import load_settings
+    from gate.store.db import Database
+    from gate.store.redis_mode import RedisModeError, detect_mode, make_redis
 
     try:
         settings = load_settings()

@@ -27,17 +27,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gate.errors import Encoded
+from gate.base.errors import Encoded
+from gate.base.settings import Secret, SettingsError
 from gate.payments.config import PROVIDER_NAMES, SANDBOX_LABEL_RE, PaymentSettings
 from gate.payments.provider import Provider, ProviderEvent
-from gate.settings import Secret, SettingsError
 
 # Provider name -> the module that builds its adapter.
 ADAPTER_MODULES = {
-    "sandbox": "gate.payments.sandbox_adapter",
-    "stripe": "gate.payments.stripe_provider",
-    "alipay": "gate.payments.alipay_provider",
-    "wechatpay": "gate.payments.wechatpay_provider",
+    "sandbox": "gate.payments.providers.sandbox",
+    "stripe": "gate.payments.providers.stripe",
+    "alipay": "gate.payments.providers.alipay",
+    "wechatpay": "gate.payments.providers.wechatpay",
 }
 assert tuple(ADAPTER_MODULES) == PROVIDER_NAMES
 # The request headers any adapter may read, at most this many (lower-case).

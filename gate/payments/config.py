@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gate.settings import (
+from gate.base.settings import (
     DEV_SANDBOX_API_KEY,
     Secret,
     SettingsError,

@@ -16,11 +16,11 @@ from typing import Any
 
 import orjson
 
-from gate.alloc import format_alloc, parse_alloc
-from gate.codes import OrderStatus
-from gate.db import Database, is_connection_error
-from gate.mirror import Intent, Mirror
-from gate.orders import new_id
+from gate.base.alloc import format_alloc, parse_alloc
+from gate.base.codes import OrderStatus
+from gate.stock.mirror import Intent, Mirror
+from gate.stock.orders import new_id
+from gate.store.db import Database, is_connection_error
 
 log = logging.getLogger("gate.payments.late")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from gate.metrics import METRICS
+from gate.base.metrics import METRICS
 
 _r = METRICS.registry
 

@@ -19,11 +19,11 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.drain import yield_to_sweeper
+from gate.base.drain import yield_to_sweeper
 from gate.payments.metrics import OUTBOX_LAG, OUTBOX_UNPUBLISHED
-from gate.resp import text
-from gate.scripts import ScriptMissing, lua_dir
+from gate.store.db import Database
+from gate.store.resp import text
+from gate.store.scripts import ScriptMissing, lua_dir
 
 log = logging.getLogger("gate.payments.outbox")
 
@@ -96,7 +96,7 @@ class OutboxRelay:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            # A crowd's stock comes back before the events saying so (gate/drain.py).
+            # A crowd's stock comes back before the events saying so (gate/base/drain.py).
             await yield_to_sweeper(stop)
             done = 0
             try:

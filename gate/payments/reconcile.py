@@ -52,8 +52,7 @@ from typing import Any
 import orjson
 import pymysql
 
-from gate.db import Database, errno_of
-from gate.metrics import METRICS
+from gate.base.metrics import METRICS
 from gate.payments.codes import EventCode
 from gate.payments.config import ReconcileSettings
 from gate.payments.machine import Applied, PaymentMachine
@@ -68,6 +67,7 @@ from gate.payments.provider import (
 )
 from gate.payments.window import attach_order_window
 from gate.payments.workers import PaymentWorker
+from gate.store.db import Database, errno_of
 
 log = logging.getLogger("gate.payments.reconcile")
 
@@ -846,10 +846,10 @@ def add_command(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from gate.logs import configure
+    from gate.base.logs import configure
+    from gate.base.settings import SettingsError, load_settings
     from gate.payments.adapters import load_adapter
     from gate.payments.config import load_payment_settings, load_reconcile_settings
-    from gate.settings import SettingsError, load_settings
 
     try:
         settings = load_settings()

@@ -12,11 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gate.clock import iso
-from gate.codes import OrderStatus
-from gate.db import Database
-from gate.errors import Problem, not_found, overloaded
-from gate.orders import valid_order_id
+from gate.base.clock import iso
+from gate.base.codes import OrderStatus
+from gate.base.errors import Problem, not_found, overloaded
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import (
     Provider,
@@ -24,6 +22,8 @@ from gate.payments.provider import (
     ProviderUnavailable,
     SessionRequest,
 )
+from gate.stock.orders import valid_order_id
+from gate.store.db import Database
 
 log = logging.getLogger("gate.payments.sessions")
 

@@ -23,7 +23,7 @@ import hmac
 import re
 from collections.abc import Mapping, Sequence
 
-from gate.settings import Secret, SettingsError
+from gate.base.settings import Secret, SettingsError
 
 TOLERANCE_SECONDS = 300
 # The request headers a Standard Webhooks delivery is verified with (lower-case).

@@ -19,16 +19,16 @@ from collections.abc import Callable
 
 from starlette.types import Receive, Scope, Send
 
-from gate.db import DbUnavailable
-from gate.errors import Encoded, Problem, invalid, not_found, overloaded
-from gate.http import send_answer
+from gate.base.errors import Encoded, Problem, invalid, not_found, overloaded
+from gate.base.validate import digits
 from gate.payments.adapters import WebhookVerifier
 from gate.payments.codes import METRIC_OUTCOME, EventCode
 from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.metrics import CALLBACK_DELAY, CALLBACKS
 from gate.payments.provider import EventInvalid
 from gate.payments.signing import WebhookRejected
-from gate.validate import digits
+from gate.store.db import DbUnavailable
+from gate.web.http_io import send_answer
 
 log = logging.getLogger("gate.payments.webhook")
 
@@ -66,7 +66,7 @@ class RecentEvents:
 
 class WebhookEndpoint:
     """The endpoint as a plain ASGI application, handed its requests by the app's
-    fast lane (gate/app.py) past Starlette's exception middleware and router: the
+    fast lane (gate/api/app.py) past Starlette's exception middleware and router: the
     headers read in one pass, the body straight from `receive`, every answer sent
     from its encoding. Callbacks are the second hottest path of a sale."""
 

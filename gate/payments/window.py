@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from gate.db import Database
+from gate.store.db import Database
 
 
 class OrderWindow(Protocol):

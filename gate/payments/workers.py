@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gate.db import Database
-from gate.mirror import Mirror
 from gate.payments.config import PaymentSettings
 from gate.payments.late import settle_late
 from gate.payments.machine import PaymentMachine
@@ -35,6 +33,8 @@ from gate.payments.provider import (
     synthetic_payment_event,
     synthetic_refund_event,
 )
+from gate.stock.mirror import Mirror
+from gate.store.db import Database
 
 log = logging.getLogger("gate.payments.worker")
 

@@ -4,10 +4,10 @@ background, switch per deal live.
     PUT /v1/admin/deals/{id}/mode {"mode": "queue"|"sync"} ──> deals.mode ──> every
         process follows within GATE_QUEUE_MODE_REFRESH_SECONDS (ModeCache)
     reservation of a queue-mode deal ──> admit.lua ──> enqueue.lua ──> 202 QUEUED
-        (gate/queue/service.py)
+        (gate/queuemode/service.py)
     consumers in `gate serve` ──> gate_reserve_group ──> confirm / compensate
-        (gate/queue/consumer.py)
-    gate queue status | dead-letters | retry (gate/queue/cli.py)
+        (gate/queuemode/consumer.py)
+    gate queue status | dead-letters | retry (gate/queuemode/cli.py)
 
 The area hooks into the core at four small points: `Reservations.queue` (after a
 successful admission, and for a replay of a queued key), the order view and cancel
@@ -23,12 +23,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gate import validate
-from gate.errors import Problem, invalid, not_found
+from gate.base import validate
+from gate.base.errors import Problem, invalid, not_found
 from gate.extensions import Extension, Worker
-from gate.http import json_response, read_json
-from gate.queue.consumer import QueueConsumer
-from gate.queue.service import MODES, QueueService, QueueSettings
+from gate.queuemode.consumer import QueueConsumer
+from gate.queuemode.service import MODES, QueueService, QueueSettings
+from gate.web.http_io import json_response, read_json
 
 if TYPE_CHECKING:
     from gate.runtime import Gate
@@ -58,7 +58,7 @@ async def admin_set_mode(request: Request) -> Response:
 
 
 def install(gate: Gate) -> Extension:
-    from gate import app as _app  # noqa: F401  (registers the route's "id" path convertor)
+    from gate.api import app as _app  # noqa: F401  (registers the route's "id" path convertor)
 
     settings = QueueSettings.from_env(gate.settings)
     service = QueueService(gate, settings)
@@ -80,6 +80,6 @@ def install(gate: Gate) -> Extension:
 
 
 def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
-    from gate.queue.cli import add_commands as add
+    from gate.queuemode.cli import add_commands as add
 
     add(sub)

@@ -26,9 +26,9 @@ import sys
 import time
 from typing import Any
 
-from gate.dealcli import ranged_int
-from gate.deals import MAX_ID as DEAL_ID_MAX
-from gate.settings import SettingsError
+from gate.base.settings import SettingsError
+from gate.cli.deals import ranged_int
+from gate.stock.deals import MAX_ID as DEAL_ID_MAX
 
 DEAD_LETTERS_MAX = 1000
 DEALS_MAX = 1000
@@ -54,9 +54,9 @@ class NoSuchDeal(Exception):
 
 
 async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
-    from gate.keys import QUEUE_DEALS, queue_keys
-    from gate.queue.consumer import GROUP
-    from gate.resp import text
+    from gate.queuemode.consumer import GROUP
+    from gate.store.keys import QUEUE_DEALS, queue_keys
+    from gate.store.resp import text
 
     redis = gate.redis
     if deal is not None:
@@ -143,8 +143,8 @@ async def _dead_letters(gate: Any, deal: int | None) -> list[dict[str, Any]]:
 
 
 async def _retry(gate: Any, entry_id: int) -> tuple[int, str]:
-    from gate.errors import Problem
-    from gate.reservations import ReserveRequest
+    from gate.base.errors import Problem
+    from gate.reserve.reservations import ReserveRequest
 
     row = await gate.db.fetchone(
         "SELECT deal_id, user_id, quantity, idempotency_key FROM queue_dead_letters WHERE id = %s",
@@ -220,9 +220,9 @@ async def _why_taken(gate: Any, entry_id: int) -> str:
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
-    from gate.logs import configure
+    from gate.base.logs import configure
+    from gate.base.settings import load_settings
     from gate.runtime import Gate, StartupError
-    from gate.settings import load_settings
 
     try:
         settings = load_settings()

@@ -14,7 +14,7 @@ set does not name: it may have lost it), takes at most GATE_QUEUE_BATCH_MAX entr
             "X|…" (rejected or cancelled) ──> compensate (acts once) ──> ack
         ──> a retried or claimed entry whose order the database already holds
             (an earlier attempt committed, the answer was lost) ──> confirm ──> ack
-        ──> CALL gate_reserve_group for the rest (one transaction, gate/groups.py's
+        ──> CALL gate_reserve_group for the rest (one transaction, gate/reserve/groups.py's
             procedure); an item it cannot take whole goes through gate_reserve alone
             ├─ committed ──> confirm (token leaves the in-flight hash) ──> ack
             ├─ refused (SOLD_OUT, LIMIT_EXCEEDED…) ──> status "X|CODE" ──> compensate
@@ -44,16 +44,16 @@ import orjson
 import pymysql
 from redis.exceptions import ResponseError
 
-from gate.codes import DbCode
-from gate.db import DbUnavailable, OutcomeUnknown
-from gate.errors import from_db
-from gate.groups import reservation_call
-from gate.keys import QUEUE_DEALS, deal_keys, owner_keys, queue_keys
-from gate.metrics import METRICS
-from gate.resp import text
+from gate.base.codes import DbCode
+from gate.base.errors import from_db
+from gate.base.metrics import METRICS
+from gate.reserve.groups import reservation_call
+from gate.store.db import DbUnavailable, OutcomeUnknown
+from gate.store.keys import QUEUE_DEALS, deal_keys, owner_keys, queue_keys
+from gate.store.resp import text
 
 if TYPE_CHECKING:
-    from gate.queue.service import QueueService, QueueSettings
+    from gate.queuemode.service import QueueService, QueueSettings
     from gate.runtime import Gate
 
 log = logging.getLogger("gate.queue.consumer")
@@ -482,7 +482,7 @@ class QueueConsumer:
     ) -> list[str | DbCode | BaseException]:
         """Per entry: its committed allocation, the database's refusal, or the error.
         Every transaction runs on a connection recorded under the consumer's lease
-        (gate/lease.py): once that lease is gone and those threads ended, nothing of
+        (gate/store/process_lease.py): once that lease is gone and those threads ended, nothing of
         this consumer can commit any more, and its entries are taken over at once."""
         lease = self.gate.lease
         owners = {owner}

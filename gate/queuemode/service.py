@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from gate import orders
-from gate.errors import Problem, overloaded
-from gate.keys import QUEUE_DEALS, QueueKeys, deal_keys, queue_keys, queue_order_index
-from gate.metrics import METRICS
-from gate.resp import text
+from gate.base.errors import Problem, overloaded
+from gate.base.metrics import METRICS
+from gate.stock import orders
+from gate.store.keys import QUEUE_DEALS, QueueKeys, deal_keys, queue_keys, queue_order_index
+from gate.store.resp import text
 
 if TYPE_CHECKING:
-    from gate.queue.consumer import QueueConsumer
+    from gate.base.settings import Settings
+    from gate.queuemode.consumer import QueueConsumer
     from gate.runtime import Gate
-    from gate.settings import Settings
 
 log = logging.getLogger("gate.queue")
 
@@ -71,8 +71,8 @@ class QueueSettings:
 
     @classmethod
     def from_env(cls, settings: Settings) -> QueueSettings:
-        from gate.groups import GROUP_MAX_LIMIT
-        from gate.settings import SettingsError, env_bool, env_float, env_int
+        from gate.base.settings import SettingsError, env_bool, env_float, env_int
+        from gate.reserve.groups import GROUP_MAX_LIMIT
 
         env = settings.environ
         # Default: past any commit's deadline (the reservation database timeout).

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from gate.metrics import METRICS
+from gate.base.metrics import METRICS
 
 CIRCUIT_OPEN = METRICS.circuit_open
 

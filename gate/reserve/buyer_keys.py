@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 
-from gate.db import Database
+from gate.store.db import Database
 
 log = logging.getLogger("gate.reservations")
 

@@ -21,7 +21,7 @@ The same loop finishes the reservations whose transaction's outcome is unknown (
 connection broke mid-call) and whose look-up failed too (the database unreachable):
 
     add_unresolved(token, server thread) ──> run_once(), once the database answers:
-        the thread ended (killed if need be: gate/db.py wait_thread_gone)
+        the thread ended (killed if need be: gate/store/db.py wait_thread_gone)
         ──> the order looked up ──> none: never will be ──> give back (above)
                                 └─ committed: left to the janitor, which confirms
                                    committed markers within seconds
@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass
 from typing import TypeVar
 
-from gate import orders
-from gate.keys import DealKeys
-from gate.metrics import METRICS
-from gate.mirror import Mirror
+from gate.base.metrics import METRICS
+from gate.stock import orders
+from gate.stock.mirror import Mirror
+from gate.store.keys import DealKeys
 
 log = logging.getLogger("gate.giveback")
 

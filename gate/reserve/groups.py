@@ -33,10 +33,10 @@ from typing import Any
 import orjson
 import pymysql
 
-from gate.codes import DbCode
-from gate.db import POOL_REFUSED, Database, DbUnavailable, OutcomeUnknown, is_connection_error
-from gate.lease import Lease
-from gate.metrics import METRICS
+from gate.base.codes import DbCode
+from gate.base.metrics import METRICS
+from gate.store.db import POOL_REFUSED, Database, DbUnavailable, OutcomeUnknown, is_connection_error
+from gate.store.process_lease import Lease
 
 log = logging.getLogger("gate.groups")
 
@@ -77,7 +77,7 @@ class Item:
     idempotency_key: str
     fingerprint: str
     deadline: float  # event-loop time by which its database part must be over
-    # The lease id its in-flight marker names (gate/lease.py); None: no marker (the
+    # The lease id its in-flight marker names (gate/store/process_lease.py); None: no marker (the
     # database-only path while Redis is down).
     owner: str | None = None
 
@@ -313,7 +313,7 @@ async def reservation_call(
 
     The connection is first recorded under the lease of every owner of the tokens the
     call commits (`owners`), so that a janitor that finds an owner dead knows which
-    server threads to wait for (gate/lease.py); DbUnavailable, before anything is
+    server threads to wait for (gate/store/process_lease.py); DbUnavailable, before anything is
     sent, when an owner's lease has lapsed."""
     thread: list[Any] = []
 

@@ -7,7 +7,7 @@
     CALL gate_reserve (one round trip, one short transaction, on the reservations'
     share of the pool), or, when several reservations of the deal are admitted while
     the database is busy with the previous ones, CALL gate_reserve_group for all of
-    them in one transaction (gate/groups.py)
+    them in one transaction (gate/reserve/groups.py)
         ├─ committed ──────────> confirm token ──> 201
         ├─ refused (sold out in the database, quota, duplicate key…) ──> compensate
         ├─ failed (database busy or down, statement error) ──> compensate ──> 503
@@ -37,27 +37,27 @@ from typing import TYPE_CHECKING, Any
 
 import pymysql
 
-from gate import orders
-from gate.alloc import normalise_alloc
-from gate.breaker import CLOSED, HALF_OPEN, Breaker
-from gate.buyer_keys import BuyerKeys
-from gate.clock import iso
-from gate.codes import AdmitCode, DbCode, LimitCode
-from gate.db import Database, DbUnavailable, OutcomeUnknown
-from gate.errors import Encoded, Problem, from_admit, from_db, not_found, overloaded
-from gate.giveback import GiveBacks
-from gate.groups import Item, ReservationGroups, reservation_call
-from gate.keys import GLOBAL_LIMIT, DealKeys, deal_keys, home_partition, partition_keys
-from gate.lease import Lease, LeaseLapsed
-from gate.limits import LimitSpec, rate_limited
-from gate.metrics import METRICS, CounterTally
-from gate.mirror import Mirror, QueueArgs
-from gate.settings import Settings
-from gate.soldout import SoldOutCache
-from gate.unknown_deals import UnknownDeals
+from gate.base.alloc import normalise_alloc
+from gate.base.clock import iso
+from gate.base.codes import AdmitCode, DbCode, LimitCode
+from gate.base.errors import Encoded, Problem, from_admit, from_db, not_found, overloaded
+from gate.base.limits import LimitSpec, rate_limited
+from gate.base.metrics import METRICS, CounterTally
+from gate.base.settings import Settings
+from gate.reserve.breaker import CLOSED, HALF_OPEN, Breaker
+from gate.reserve.buyer_keys import BuyerKeys
+from gate.reserve.giveback import GiveBacks
+from gate.reserve.groups import Item, ReservationGroups, reservation_call
+from gate.reserve.soldout import SoldOutCache
+from gate.stock import orders
+from gate.stock.mirror import Mirror, QueueArgs
+from gate.stock.unknown_deals import UnknownDeals
+from gate.store.db import Database, DbUnavailable, OutcomeUnknown
+from gate.store.keys import GLOBAL_LIMIT, DealKeys, deal_keys, home_partition, partition_keys
+from gate.store.process_lease import Lease, LeaseLapsed
 
 if TYPE_CHECKING:
-    from gate.queue.service import QueueService
+    from gate.queuemode.service import QueueService
 
 log = logging.getLogger("gate.reservations")
 
@@ -283,7 +283,7 @@ class Reservations:
         self.breaker = Breaker(
             "redis", settings.redis_breaker_failures_max, settings.redis_breaker_open_seconds
         )
-        # On Redis Cluster one breaker per node (gate/scripts.py node_of): a failing
+        # On Redis Cluster one breaker per node (gate/store/scripts.py node_of): a failing
         # primary pauses only the deals whose slots it serves. Standalone: just one.
         self._breakers: dict[str, Breaker] = {}
         self.mirror.runner.slot_map_listeners.append(self._retire_breakers)
@@ -309,7 +309,7 @@ class Reservations:
         # Gives back the admission a reservation spent when that reservation is tried
         # once more after its lease was found lapsed (see reserve); the room installs it.
         self.admission_restore: Callable[[ReserveRequest], Awaitable[None]] | None = None
-        # Queue mode (gate/queue/), set by its area: an admitted reservation of a deal
+        # Queue mode (gate/queuemode/), set by its area: an admitted reservation of a deal
         # in queue mode is handed to the deal's queue instead of the database.
         self.queue: QueueService | None = None
         self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
@@ -1106,7 +1106,7 @@ class Reservations:
             order = await orders.get(self.db, token)
         except Exception as lookup_exc:
             # Cannot tell yet. This process looks again once the database answers
-            # (gate/giveback.py), and the janitor in any case; neither gives units back
+            # (gate/reserve/giveback.py), and the janitor in any case; neither gives units back
             # for a committed order.
             METRICS.unknown_outcomes.labels("deferred").inc()
             log.warning("reservation %s unresolved, resolved later: %r", token, lookup_exc)

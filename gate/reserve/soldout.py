@@ -47,8 +47,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.keys import DealKeys, partition_keys
-from gate.scripts import ScriptRunner
+from gate.store.keys import DealKeys, partition_keys
+from gate.store.scripts import ScriptRunner
 
 log = logging.getLogger("gate.soldout")
 

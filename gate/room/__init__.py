@@ -13,21 +13,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gate import openapi
-from gate.errors import not_found
+from gate.base.errors import not_found
 from gate.extensions import Extension
-from gate.http import json_response, read_json
-from gate.keys import deal_keys
-from gate.room import api_doc
-from gate.room.config import load_room_settings
-from gate.room.lane import QueueLane, TicketEdge
+from gate.room import openapi as api_doc
+from gate.room.edge_lane import QueueLane, TicketEdge
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
-from gate.scripts import Script, ScriptMissing, lua_dir
+from gate.stock.room_config import load_room_settings
+from gate.store.keys import deal_keys
+from gate.store.scripts import Script, ScriptMissing, lua_dir
+from gate.web import openapi
+from gate.web.http_io import json_response, read_json
 
 if TYPE_CHECKING:
-    from gate.reservations import ReserveRequest
+    from gate.reserve.reservations import ReserveRequest
     from gate.runtime import Gate
 
 log = logging.getLogger("gate.room")

@@ -1,6 +1,6 @@
 """The queue's fast lanes: joins and polls answered at the edge (`TicketEdge`,
-gate/edge.py) when the request comes whole, else as plain ASGI, past Starlette's
-exception middleware and router (`QueueLane`; gate/app.py's FastLane does the same
+gate/web/edge.py) when the request comes whole, else as plain ASGI, past Starlette's
+exception middleware and router (`QueueLane`; gate/api/app.py's FastLane does the same
 for reservations). Polling is most of a room's traffic; issue #13 wants it as cheap
 as a sold-out answer. The routes stay registered with Starlette too (the OpenAPI
 check, a mounted app); the lanes only answer first, and both answer alike
@@ -17,13 +17,13 @@ from redis.exceptions import NoScriptError
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gate.auth import BuyerAuth
-from gate.codes import RoomCode
-from gate.db import DbUnavailable
-from gate.edge import INTERNAL, EdgeRequest, EdgeRoute
-from gate.errors import Encoded, Problem, not_found, overloaded
-from gate.http import json_answer, send_answer
+from gate.base.codes import RoomCode
+from gate.base.errors import Encoded, Problem, not_found, overloaded
 from gate.room.service import Room, ticket_failed
+from gate.store.db import DbUnavailable
+from gate.web.auth import BuyerAuth
+from gate.web.edge import INTERNAL, EdgeRequest, EdgeRoute
+from gate.web.http_io import json_answer, send_answer
 
 log = logging.getLogger("gate.room")
 
@@ -31,7 +31,7 @@ MAX_ID = 2**63 - 1
 PREFIX, SUFFIX = "/v1/deals/", "/queue"
 ROUTE_LABEL = "/v1/deals/{deal_id}/queue"
 PREFIX_LEN, SUFFIX_LEN = len(PREFIX), len(SUFFIX)
-# Up to 18 digits are below MAX_ID (gate/http.py IdConvertor does the same).
+# Up to 18 digits are below MAX_ID (gate/web/http_io.py IdConvertor does the same).
 SHORT_ID_DIGITS = 18
 
 

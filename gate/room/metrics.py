@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gate.metrics import DELAY_BUCKETS_SECONDS, METRICS
+from gate.base.metrics import DELAY_BUCKETS_SECONDS, METRICS
 
 WAITING = METRICS.gauge(
     "gate_room_waiting",

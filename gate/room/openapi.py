@@ -1,10 +1,10 @@
-"""The waiting room's endpoints in the OpenAPI document (gate/openapi.py)."""
+"""The waiting room's endpoints in the OpenAPI document (gate/web/openapi.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gate.openapi import ADMIN, ADMIN_BODY_PROBLEMS, BUYER, JSON, _json, _param, _problems, _ref
+from gate.web.openapi import ADMIN, ADMIN_BODY_PROBLEMS, BUYER, JSON, _json, _param, _problems, _ref
 
 _TICKET_PROBLEMS = ("UNAUTHORIZED", "NOT_FOUND", "RATE_LIMITED", "OVERLOADED")
 

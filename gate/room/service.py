@@ -23,16 +23,16 @@ from typing import Any, cast
 
 from redis.exceptions import NoScriptError, ResponseError
 
-from gate.codes import RoomCode
-from gate.db import Database
-from gate.errors import Problem, from_room, not_found, overloaded
-from gate.keys import ROOMS, deal_keys
-from gate.mirror import Mirror
+from gate.base.codes import RoomCode
+from gate.base.errors import Problem, from_room, not_found, overloaded
 from gate.room import metrics
-from gate.room.config import RoomConfig, RoomSettings, parse_room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Command, RandomScores, Wire
-from gate.scripts import REDIS_ERRORS, ScriptRunner, error_kind
+from gate.stock.mirror import Mirror
+from gate.stock.room_config import RoomConfig, RoomSettings, parse_room
+from gate.store.db import Database
+from gate.store.keys import ROOMS, deal_keys
+from gate.store.scripts import REDIS_ERRORS, ScriptRunner, error_kind
 
 log = logging.getLogger("gate.room")
 
@@ -128,7 +128,7 @@ class Room:
         """The buyer's part of room_ticket.lua, sent with this loop turn's others; the
         future is its reply as the wire hands it over (a list, an error object, or
         the connection's failure). `ticket` awaits it; the edge settles it in a
-        callback (gate/room/lane.py), with no task."""
+        callback (gate/room/edge_lane.py), with no task."""
         if self.runner.cluster:
             return self._cluster_ticket(deal_id, join, user_id)
         user = b"%d" % user_id

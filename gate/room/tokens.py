@@ -13,8 +13,8 @@ import hashlib
 import hmac
 import time
 
-from gate.settings import Secret
-from gate.validate import ADMISSION_TOKEN_MAX_CHARS as TOKEN_MAX_CHARS
+from gate.base.settings import Secret
+from gate.base.validate import ADMISSION_TOKEN_MAX_CHARS as TOKEN_MAX_CHARS
 
 # What lua/admit.lua is told (ARGV[17]).
 NO_TOKEN = ""

@@ -11,8 +11,8 @@ Here
 - the buyers of one deal and mode who ask in one event-loop turn share one call
   (`Batch`, at most `batch_max` buyers; the script handles them in turn, exactly as
   separate calls), and the calls of one turn go out in one write, as the script
-  runner's do (gate/scripts.py), on a connection of the room's own
-  (gate/resp.py RespConnection);
+  runner's do (gate/store/scripts.py), on a connection of the room's own
+  (gate/store/resp.py RespConnection);
 - each buyer still waits on a future of its own (a cancelled request cancels only
   its own), handed its part of the reply by the batch;
 - the script's latency is observed once per write (its last reply), in
@@ -35,8 +35,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from gate.resp import RespConnection
-from gate.scripts import script_seconds
+from gate.store.resp import RespConnection
+from gate.store.scripts import script_seconds
 
 # Random prequeue scores: 50 bits from 7 bytes of os.urandom, drawn 1,024 at a time
 # (one system call per 1,024 joins instead of one per join, secrets' quality).
@@ -85,7 +85,7 @@ class RandomScores:
 
 
 class Batch:
-    """One script call's buyers: waits for the call's reply (gate/resp.py's Waiter)
+    """One script call's buyers: waits for the call's reply (gate/store/resp.py's Waiter)
     and hands each buyer its part, or every buyer the error."""
 
     __slots__ = ("callers", "command", "finished", "members")

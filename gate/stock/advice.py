@@ -37,8 +37,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gate.db import Database
-from gate.errors import not_found
+from gate.base.errors import not_found
+from gate.store.db import Database
 
 SAMPLE_EVERY_SECONDS = 0.1
 SAMPLE_SECONDS_MAX = 60.0

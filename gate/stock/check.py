@@ -20,11 +20,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import DealKeys, deal_keys, partition_keys
-from gate.resp import text
-from gate.room.check import room_report
-from gate.scripts import read_call
+from gate.stock.room_check import room_report
+from gate.store.db import Database
+from gate.store.keys import DealKeys, deal_keys, partition_keys
+from gate.store.resp import text
+from gate.store.scripts import read_call
 
 # An order's allocation "b:q[,b:q…]" as rows (b, q), by the server: the string made a
 # JSON array of pairs.

@@ -16,18 +16,18 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from gate import validate
-from gate.alloc import parse_alloc
-from gate.check import check_deal
-from gate.clock import iso
-from gate.codes import OrderStatus
-from gate.db import Database
-from gate.errors import Problem, invalid, not_found
-from gate.keys import PARTITIONS_MAX, deal_keys
-from gate.mirror import Intent, Mirror
-from gate.orders import new_id
-from gate.room.config import parse_room, room_view
-from gate.unknown_deals import UnknownDeals
+from gate.base import validate
+from gate.base.alloc import parse_alloc
+from gate.base.clock import iso
+from gate.base.codes import OrderStatus
+from gate.base.errors import Problem, invalid, not_found
+from gate.stock.check import check_deal
+from gate.stock.mirror import Intent, Mirror
+from gate.stock.orders import new_id
+from gate.stock.room_config import parse_room, room_view
+from gate.stock.unknown_deals import UnknownDeals
+from gate.store.db import Database
+from gate.store.keys import PARTITIONS_MAX, deal_keys
 
 log = logging.getLogger("gate.deals")
 
@@ -64,7 +64,7 @@ class Deal:
     ends_at: datetime | None
     created_at: datetime
     updated_at: datetime
-    waiting_room: str | None = None  # the room's JSON (gate/room/config.py), None: no room
+    waiting_room: str | None = None  # the room's JSON (gate/stock/room_config.py), None: no room
     # "sync" or "queue" (docs/queue-mode.md).
     mode: str = "sync"
     # Redis partitions of the deal (docs/scale-out.md, "Deal partitions"), fixed at

@@ -19,7 +19,7 @@ copy was taken), so the deal is comparable again within seconds, not after
 
 A token whose admitting process is dead needs no wait either (issue #12, point 9: a
 SIGKILLed gate left its units unbuyable for 30 s). Each token names its process's
-liveness lease (gate/lease.py); once that lease has lapsed:
+liveness lease (gate/store/process_lease.py); once that lease has lapsed:
 
     owner's lease gone ──> kill the owner's recorded server threads, wait until the
     server shows them gone (none left: nothing of the owner can commit any more)
@@ -41,13 +41,13 @@ from collections.abc import Iterable
 import pymysql
 import redis.asyncio as aioredis
 
-from gate.db import Database, errno_of
-from gate.keys import ACTIVE_DEALS, DealKeys, deal_keys, owner_keys
-from gate.metrics import METRICS
-from gate.mirror import Marker, Mirror, parse_marker
-from gate.redismode import redis_ms, redis_ms_per_node
-from gate.settings import Settings
-from gate.worklease import WorkLease
+from gate.base.metrics import METRICS
+from gate.base.settings import Settings
+from gate.stock.mirror import Marker, Mirror, parse_marker
+from gate.store.db import Database, errno_of
+from gate.store.keys import ACTIVE_DEALS, DealKeys, deal_keys, owner_keys
+from gate.store.redis_mode import redis_ms, redis_ms_per_node
+from gate.store.work_lease import WorkLease
 
 log = logging.getLogger("gate.janitor")
 
@@ -263,6 +263,6 @@ class Janitor:
                     await asyncio.wait_for(stop.wait(), self.settings.janitor_interval_seconds)
                 except TimeoutError:
                     pass
-        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        # Stopping: the next process to ask takes the work at once (gate/store/work_lease.py).
         if self.work_lease is not None:
             await self.work_lease.release()

@@ -13,7 +13,7 @@ database snapshot and one atomic script compute exactly what Redis should hold
 a layout change and repairing drift never guess.
 
 A deal of P > 1 partitions (docs/scale-out.md, "Deal partitions") has P such states,
-one per hash tag (gate/keys.py partition_keys), each mirroring the buckets it owns
+one per hash tag (gate/store/keys.py partition_keys), each mirroring the buckets it owns
 (b MOD P = k) exactly as above: the markers of a partition only ever name its own
 buckets, so every argument of docs/redis-mirror.md holds per partition. An intent
 that spans partitions (a stock adjustment) is recorded in each partition it touches,
@@ -32,13 +32,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.clock import epoch_ms
-from gate.codes import SyncCode
-from gate.db import Database
-from gate.keys import ACTIVE_DEALS, DealKeys, deal_keys, partition_keys
-from gate.redismode import redis_ms
-from gate.scripts import ScriptRunner
-from gate.settings import Settings
+from gate.base.clock import epoch_ms
+from gate.base.codes import SyncCode
+from gate.base.settings import Settings
+from gate.store.db import Database
+from gate.store.keys import ACTIVE_DEALS, DealKeys, deal_keys, partition_keys
+from gate.store.redis_mode import redis_ms
+from gate.store.scripts import ScriptRunner
 
 log = logging.getLogger("gate.mirror")
 
@@ -102,7 +102,7 @@ class Marker:
     created_ms: int
     idempotency_key: str
     fingerprint: str
-    # The admitting process's lease id (gate/lease.py); "" for an intent, and for a
+    # The admitting process's lease id (gate/store/process_lease.py); "" for an intent, and for a
     # token admitted before tokens named their owner.
     owner: str = ""
 
@@ -148,7 +148,7 @@ def parse_marker(record: str) -> Marker:
 
 
 # A queue-mode admission's extra keys and arguments (lua/admit.lua KEYS[15..17],
-# ARGV[18..20]; gate/queue/service.py `QueueService.admission`).
+# ARGV[18..20]; gate/queuemode/service.py `QueueService.admission`).
 QueueArgs = tuple[tuple[str, ...], tuple[Any, ...]]
 
 
@@ -456,7 +456,7 @@ class Mirror:
             self.parts.clear()
         self.parts[deal_id] = parts
         if parts > 1:
-            # A partitioned deal is never rebucketed (gate/deals.py): nb is fixed too.
+            # A partitioned deal is never rebucketed (gate/stock/deals.py): nb is fixed too.
             if len(self._nbs) >= PARTS_CACHE_MAX:
                 self._nbs.clear()
             self._nbs[deal_id] = nb

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from gate.clock import iso
-from gate.codes import DbCode
-from gate.db import Database, DbUnavailable, is_connection_error
-from gate.errors import Problem, not_found, overloaded
-from gate.mirror import Intent, Mirror
+from gate.base.clock import iso
+from gate.base.codes import DbCode
+from gate.base.errors import Problem, not_found, overloaded
+from gate.stock.mirror import Intent, Mirror
+from gate.store.db import Database, DbUnavailable, is_connection_error
 
 log = logging.getLogger("gate.orders")
 

@@ -37,12 +37,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from gate.alloc import parse_alloc
-from gate.codes import OrderStatus
-from gate.db import Database
-from gate.errors import Problem, not_found
-from gate.keys import deal_keys
-from gate.mirror import Mirror
+from gate.base.alloc import parse_alloc
+from gate.base.codes import OrderStatus
+from gate.base.errors import Problem, not_found
+from gate.stock.mirror import Mirror
+from gate.store.db import Database
+from gate.store.keys import deal_keys
 
 # How often `--wait` looks at the in-flight markers again.
 WAIT_POLL_SECONDS = 0.1

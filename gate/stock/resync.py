@@ -49,12 +49,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.codes import SyncCode
-from gate.keys import ACTIVE_DEALS, deal_keys
-from gate.metrics import METRICS
-from gate.mirror import Mirror
-from gate.settings import Settings
-from gate.worklease import WorkLease
+from gate.base.codes import SyncCode
+from gate.base.metrics import METRICS
+from gate.base.settings import Settings
+from gate.stock.mirror import Mirror
+from gate.store.keys import ACTIVE_DEALS, deal_keys
+from gate.store.work_lease import WorkLease
 
 log = logging.getLogger("gate.resync")
 
@@ -218,6 +218,6 @@ class Resync:
                 await asyncio.wait_for(stop.wait(), self.settings.resync_interval_seconds)
             except TimeoutError:
                 pass
-        # Stopping: the next process to ask takes the work at once (gate/worklease.py).
+        # Stopping: the next process to ask takes the work at once (gate/store/work_lease.py).
         if self.work_lease is not None:
             await self.work_lease.release()

@@ -1,11 +1,11 @@
-"""The waiting room's part of `gate check` (gate/check.py): its counters balance."""
+"""The waiting room's part of `gate check` (gate/stock/check.py): its counters balance."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gate.keys import deal_keys
-from gate.scripts import read_call
+from gate.store.keys import deal_keys
+from gate.store.scripts import read_call
 
 
 async def room_report(client: Any, deal_id: int, available: int | None) -> dict[str, Any]:

@@ -9,9 +9,9 @@ from typing import Any
 
 import orjson
 
-from gate import validate
-from gate.errors import invalid
-from gate.settings import SettingsError, env_float, env_int
+from gate.base import validate
+from gate.base.errors import invalid
+from gate.base.settings import SettingsError, env_float, env_int
 
 ROOM_FIELDS = {"admit_per_second", "admission_ttl_seconds", "prequeue_seconds"}
 ADMIT_PER_SECOND_MAX = 100_000

@@ -32,10 +32,10 @@ import time
 
 import redis.asyncio as aioredis
 
-from gate.db import Database
-from gate.keys import DEALS_GENERATION
-from gate.orders import new_id
-from gate.resp import text
+from gate.stock.orders import new_id
+from gate.store.db import Database
+from gate.store.keys import DEALS_GENERATION
+from gate.store.resp import text
 
 log = logging.getLogger("gate.deals")
 

@@ -19,12 +19,12 @@ import aiomysql
 import pymysql
 from pymysql.constants import CLIENT
 
-from gate.metrics import METRICS
-from gate.settings import MysqlTarget, Settings
+from gate.base.metrics import METRICS
+from gate.base.settings import MysqlTarget, Settings
 
 log = logging.getLogger("gate.db")
 
-# The pool gauges (gate_db_pool_in_use / _waiting) are sampled by gate/ops.py.
+# The pool gauges (gate_db_pool_in_use / _waiting) are sampled by gate/api/ops.py.
 POOL_REFUSED = METRICS.counter(
     "gate_db_pool_refused_total",
     "Requests refused because no database connection was free in time.",
@@ -233,7 +233,7 @@ class Database:
     async def _read(self, sql: str, args: Sequence[Any], *, one: bool) -> list[tuple[Any, ...]]:
         """A read, tried again on another connection when the pooled one it got was
         dead: after a server restart or a janitor's KILL of a dead gate's threads
-        (gate/lease.py) every idle connection of the pool fails once, and a read that
+        (gate/store/process_lease.py) every idle connection of the pool fails once, and a read that
         resolves an unknown outcome must not fail for that. Only reads: a statement
         that changes something is never sent twice."""
         for i in range(READ_TRIES):

@@ -15,7 +15,7 @@ ACTIVE_DEALS = "gate:deals"
 # The global limiter of the reservation endpoint, in a slot of its own.
 GLOBAL_LIMIT = "{gate}:rl:global"
 # A fresh random value written after every deal creation: gate processes drop what
-# they remember about unknown deal ids when it changes (gate/deals.py UnknownDeals).
+# they remember about unknown deal ids when it changes (gate/stock/deals.py UnknownDeals).
 DEALS_GENERATION = "gate:deals:generation"
 # Deals that have a waiting room (gate/room/): the room loop advances each of them.
 # Outside any deal's slot, touched by plain commands only, rebuilt from the database.
@@ -144,7 +144,7 @@ def _make_keys(deal_id: int, tag: str) -> DealKeys:
 
 @dataclass(frozen=True, slots=True)
 class OwnerKeys:
-    """The keys of one gate process's liveness lease (gate/lease.py), hash-tagged per
+    """The keys of one gate process's liveness lease (gate/store/process_lease.py), hash-tagged per
     owner: the lease and its connection record live in one slot."""
 
     owner: str
@@ -162,7 +162,7 @@ def console_revoked(session_id: str) -> str:
     return f"gate:console:revoked:{session_id}"
 
 
-# Queue mode (gate/queue/): deals that have (or had) a request queue, walked by the
+# Queue mode (gate/queuemode/): deals that have (or had) a request queue, walked by the
 # consumers; outside any deal's slot, touched only by plain commands.
 QUEUE_DEALS = "gate:q:deals"
 

@@ -44,13 +44,13 @@ from typing import Any
 import aiomysql
 import pymysql
 
-from gate.db import connect_kwargs
-from gate.settings import DEV_PASSWORDS, MysqlTarget, Secret, SettingsError, refuse_dev_value
+from gate.base.settings import DEV_PASSWORDS, MysqlTarget, Secret, SettingsError, refuse_dev_value
+from gate.store.db import connect_kwargs
 
 log = logging.getLogger("gate.migrate")
 
-DB_DIR = Path(__file__).resolve().parent.parent / "db"
-LOCK_NAME = "gate.migrate"
+DB_DIR = Path(__file__).resolve().parent.parent.parent / "db"
+LOCK_NAME = "gate.store.migrate"
 LOCK_WAIT_SECONDS = 60
 _FILE_RE = re.compile(r"(\d{3,})_([a-z0-9_]+)\.sql")
 # What the gate needs at run time, its background loops included: rows, the stored

@@ -12,7 +12,7 @@
 
 A janitor that finds a marker whose owner's lease is gone kills the owner's recorded
 threads, waits until the server shows them gone, and then asks the database whether
-the token's order committed (gate/janitor.py). Every transaction of the owner's
+the token's order committed (gate/stock/janitor.py). Every transaction of the owner's
 tokens ran on a recorded thread (recorded while the lease existed, so before the
 janitor looked), and a thread that is gone can run nothing more: the database's
 answer is final, and the units go back exactly once. A missed renewal alone never
@@ -32,10 +32,10 @@ from typing import Any
 
 import pymysql
 
-from gate.db import Database, DbUnavailable
-from gate.keys import OwnerKeys, owner_keys
-from gate.scripts import ScriptRunner
-from gate.settings import Settings
+from gate.base.settings import Settings
+from gate.store.db import Database, DbUnavailable
+from gate.store.keys import OwnerKeys, owner_keys
+from gate.store.scripts import ScriptRunner
 
 log = logging.getLogger("gate.lease")
 

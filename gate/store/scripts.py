@@ -3,7 +3,7 @@
 Every call made during one event-loop turn goes out in one pipeline (DESIGN lever 1:
 ×2 on a one-script endpoint), so a burst of buyers costs one Redis round trip per
 turn instead of one per buyer. The pipeline is written as raw RESP on a connection
-of the runner's own (gate/resp.py): redis-py's pipeline objects cost three times
+of the runner's own (gate/store/resp.py): redis-py's pipeline objects cost three times
 the whole call.
 """
 
@@ -25,13 +25,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gate.metrics import METRICS, HistogramTally
-from gate.resp import RespConnection, parse_redis_url
+from gate.base.metrics import METRICS, HistogramTally
+from gate.store.resp import RespConnection, parse_redis_url
 
 log = logging.getLogger("gate.scripts")
 
 SCRIPT_SECONDS = METRICS.redis_script_seconds
-# One tally per script name and process (gate/metrics.py): a call's latency is kept
+# One tally per script name and process (gate/base/metrics.py): a call's latency is kept
 # as a bucket count and added to the histogram every TALLY_FLUSH_SECONDS, instead of
 # prometheus-client's lock and, under several workers, a write to the shared file per
 # call (2.8 against 0.2 µs an observation); there are as many as SCRIPT_NAMES and the
@@ -60,7 +60,7 @@ def error_kind(exc: BaseException) -> str:
     return "other"
 
 
-LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
+LUA_DIR = Path(__file__).resolve().parent.parent.parent / "lua"
 SCRIPT_NAMES = (
     "admit",
     "deal_parts",
@@ -76,7 +76,7 @@ SCRIPT_NAMES = (
     "lease",
     "work_lease",
     "work_lease_release",
-    # Queue mode (gate/queue/).
+    # Queue mode (gate/queuemode/).
     "queue_index",
     "enqueue",
     "queue_take",
@@ -178,7 +178,7 @@ def _redirect(result: Any) -> tuple[str, int, _Addr | None] | None:
 
 class ScriptRunner:
     """Runs scripts by name; calls issued in the same loop turn share one pipeline,
-    written to one of a few raw RESP connections (gate/resp.py).
+    written to one of a few raw RESP connections (gate/store/resp.py).
 
     On Redis Cluster (mode "cluster") the runner keeps the cluster's slot map and a
     few connections per primary; each loop turn's batch is split per node and the

@@ -23,7 +23,7 @@ it did before leases existed. GATE_BACKGROUND_LEASE_SECONDS=0 turns leases off
 (every process runs every pass).
 
 What a pass reads of its own process is not leased: each process's invariant monitor
-still evaluates its own sweeper's release failures and lag (gate/invariants.py); only
+still evaluates its own sweeper's release failures and lag (gate/expiry/invariant_monitor.py); only
 the deal checks are done once.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import secrets
 
-from gate.scripts import ScriptRunner
+from gate.store.scripts import ScriptRunner
 
 log = logging.getLogger("gate.worklease")
 

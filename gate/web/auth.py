@@ -31,9 +31,9 @@ from typing import Any
 import jwt
 import orjson
 
-from gate.errors import Problem
-from gate.logs import set_user
-from gate.settings import Secret
+from gate.base.errors import Problem
+from gate.base.logs import set_user
+from gate.base.settings import Secret
 
 ALGORITHM = "HS256"
 # A gate token is ≈ 150 bytes; a kilobyte leaves room for a few claims more.

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gate.errors import not_found
+from gate.base.errors import not_found
 
 PACKAGE = "swagger_ui"
 ASSETS = {

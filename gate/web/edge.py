@@ -26,7 +26,7 @@ routes the areas register (`EdgeRoute`) answered by itself:
 
 What the middleware does for every other request, the edge does for its own: the
 request id (taken or made, echoed in X-Request-Id), the log context, the request
-metrics and log line (gate/ops.py `RequestRecorder`), the HTTP guard's concurrency
+metrics and log line (gate/api/ops.py `RequestRecorder`), the HTTP guard's concurrency
 bound and body deadline, the 500 answer of an unexpected error. An edge route
 answers exactly what its ASGI route answers (the same functions make both answers);
 the ASGI route answers what the edge does not take (a pipelined request behind one
@@ -62,14 +62,14 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from gate import logs
-from gate.errors import Encoded, Problem
-from gate.guard import body_timeout
-from gate.metrics import METRICS
+from gate.base import logs
+from gate.base.errors import Encoded, Problem
+from gate.base.metrics import METRICS
+from gate.web.guard import body_timeout
 
 if TYPE_CHECKING:
-    from gate.guard import Guard
-    from gate.ops import RequestRecorder
+    from gate.api.ops import RequestRecorder
+    from gate.web.guard import Guard
 
 log = logging.getLogger("gate.edge")
 
@@ -101,12 +101,12 @@ INTERNAL = Problem("INTERNAL", "Internal error.")
 # A closed connection's lingering (`_Linger`): at most this long, this many bytes.
 LINGER_SECONDS = 2.0
 LINGER_MAX_BYTES = 256 * 1024
-# Up to 18 digits are below the largest id (gate/http.py IdConvertor does the same).
+# Up to 18 digits are below the largest id (gate/web/http_io.py IdConvertor does the same).
 ID_DIGITS_MAX = 18
 
 EDGE_REQUESTS = METRICS.counter(
     "gate_edge_requests_total",
-    "Requests answered by the HTTP protocol itself (gate/edge.py), not the ASGI application.",
+    "Requests answered by the HTTP protocol itself (gate/web/edge.py), not the ASGI application.",
 )
 _ANSWERED = METRICS.counter_tally(EDGE_REQUESTS)
 _MALFORMED_ANSWERED = METRICS.counter(

@@ -31,7 +31,7 @@ The deadline is enforced where the body is read (`receive`), as a Problem, so ea
 endpoint answers it the way it answers its other problems; it is kept to within
 WATCH_SECONDS (see `Guard`).
 
-The guard is no ASGI layer of its own: the fast lane (gate/app.py), the innermost
+The guard is no ASGI layer of its own: the fast lane (gate/api/app.py), the innermost
 middleware, which every request passes anyway, does its two checks. A layer of its
 own, with a bounded reader registered for every POST, cost the sold-out rejection
 a quarter of its time (docs/hotpath.md, issue #12).
@@ -48,7 +48,7 @@ from typing import Any
 
 from starlette.types import Message, Receive
 
-from gate.errors import Problem
+from gate.base.errors import Problem
 
 log = logging.getLogger("gate.guard")
 
@@ -218,7 +218,7 @@ class Guard:
         self.watch_seconds = min(WATCH_SECONDS, body_timeout_seconds / 4)
         self.in_flight = 0
         self._waiting: dict[int, BodyReceive] = {}
-        # The edge's requests whose body is still coming (gate/edge.py): key ->
+        # The edge's requests whose body is still coming (gate/web/edge.py): key ->
         # (deadline, what to call once it has passed).
         self._deadlines: dict[int, tuple[float, Callable[[], None]]] = {}
         self._watchdog: asyncio.Task[None] | None = None

@@ -13,9 +13,9 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Send
 
-from gate import validate
-from gate.errors import Encoded, Problem, RawResponse, encode_answer, invalid, raw_headers
-from gate.validate import digits
+from gate.base import validate
+from gate.base.errors import Encoded, Problem, RawResponse, encode_answer, invalid, raw_headers
+from gate.base.validate import digits
 
 JSON_CONTENT_TYPE = b"application/json"
 
@@ -99,7 +99,7 @@ async def receive_json(
 
 
 def json_body(body: bytes, max_bytes: int, content_type: str, content_length: str | None) -> Any:
-    """The JSON body of a request that came whole (gate/edge.py): the same checks,
+    """The JSON body of a request that came whole (gate/web/edge.py): the same checks,
     in the same order, as `receive_json`."""
     check_json_headers(max_bytes, content_type, content_length)
     if len(body) > max_bytes:

@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document of the HTTP API, served at /openapi.json.
 
 Written by hand: the document is the API contract in machine-readable form, not a
-by-product of the code; docs/api.md is rendered from it (gate/apidoc.py). Every
+by-product of the code; docs/api.md is rendered from it (gate/api/markdown.py). Every
 integer a request carries (path, query, body) states its bounds (minimum and
 maximum), and the gate answers a value past them with a 4xx problem:
 tests/test_bounds.py sends each one past its bounds, from this document.

@@ -12,7 +12,7 @@ import sys
 
 import orjson
 
-from gate.settings import MysqlTarget, SettingsError
+from gate.base.settings import MysqlTarget, SettingsError
 
 
 def _target() -> MysqlTarget:
@@ -46,7 +46,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from gate.db import Database
+    from gate.store.db import Database
     from loadtest.baseline.app import baseline_settings
     from loadtest.baseline.store import check_deal, deal_ids
 

@@ -17,15 +17,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gate import validate
-from gate.auth import AdminAuth, BuyerAuth
-from gate.clock import iso
-from gate.db import Database, DbUnavailable
-from gate.errors import Problem, not_found, overloaded
-from gate.http import json_response, read_json
-from gate.orders import new_id
-from gate.reservations import MAX_QUANTITY
-from gate.settings import Settings, load_settings
+from gate.base import validate
+from gate.base.clock import iso
+from gate.base.errors import Problem, not_found, overloaded
+from gate.base.settings import Settings, load_settings
+from gate.reserve.reservations import MAX_QUANTITY
+from gate.stock.orders import new_id
+from gate.store.db import Database, DbUnavailable
+from gate.web.auth import AdminAuth, BuyerAuth
+from gate.web.http_io import json_response, read_json
 from loadtest.baseline import store
 
 log = logging.getLogger("baseline")
@@ -291,7 +291,7 @@ def baseline_settings() -> Settings:
 
 def create_app() -> Starlette:
     """uvicorn factory: every worker process reads the settings once."""
-    from gate.logs import configure
+    from gate.base.logs import configure
 
     settings = baseline_settings()
     configure(settings.log_level)

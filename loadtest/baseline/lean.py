@@ -29,10 +29,10 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gate.clock import iso
-from gate.db import DbUnavailable
-from gate.http import json_response
-from gate.orders import new_id
+from gate.base.clock import iso
+from gate.stock.orders import new_id
+from gate.store.db import DbUnavailable
+from gate.web.http_io import json_response
 from loadtest.baseline.app import (
     MAX_ID,
     Baseline,
@@ -124,7 +124,7 @@ async def reserve(request: Request) -> Response:
 
 def create_app() -> Starlette:
     """uvicorn factory for `python -m loadtest.baseline serve --lean`."""
-    from gate.logs import configure
+    from gate.base.logs import configure
 
     settings = baseline_settings()
     configure(settings.log_level)

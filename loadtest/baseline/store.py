@@ -9,8 +9,8 @@ from typing import Any
 
 import aiomysql
 
-from gate.db import Database, connect_kwargs
-from gate.settings import MysqlTarget
+from gate.base.settings import MysqlTarget
+from gate.store.db import Database, connect_kwargs
 
 SCHEMA = Path(__file__).with_name("schema.sql")
 DEFAULT_DATABASE = "gate_baseline"
@@ -55,7 +55,7 @@ async def migrate(target: MysqlTarget, *, drop: bool = False) -> None:
 
 def validate_deal(body: Any) -> dict[str, Any]:
     """The admin body the gate accepts, reduced to what the baseline stores."""
-    from gate import validate
+    from gate.base import validate
 
     body = validate.obj(body)
     return {

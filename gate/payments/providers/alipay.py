@@ -35,7 +35,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import orjson
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from gate.errors import Encoded, encode_answer
+from gate.base.errors import Encoded, encode_answer
+from gate.base.settings import SettingsError
 from gate.payments.adapters import Adapter, AdapterContext
 from gate.payments.config import PaymentSettings, is_loopback_host
 from gate.payments.provider import (
@@ -53,7 +54,7 @@ from gate.payments.provider import (
     Transaction,
     TransactionPage,
 )
-from gate.payments.rsa_http import (
+from gate.payments.providers.rsa_http import (
     Exchange,
     fen_to_yuan,
     provider_key,
@@ -65,7 +66,6 @@ from gate.payments.rsa_http import (
 )
 from gate.payments.signing import WebhookRejected
 from gate.payments.window import OrderWindow
-from gate.settings import SettingsError
 
 NAME = "alipay"
 GATEWAY_URL = "https://openapi.alipay.com/gateway.do"

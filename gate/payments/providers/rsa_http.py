@@ -30,9 +30,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
+from gate.base.settings import SettingsError
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import AMOUNT_MAX, ProviderUnavailable
-from gate.settings import SettingsError
 
 CONNECTIONS_MAX = 64
 RESPONSE_MAX_BYTES = 1_048_576

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gate.errors import Encoded
-from gate.http import json_answer
+from gate.base.errors import Encoded
 from gate.payments.adapters import Adapter, AdapterContext
-from gate.payments.http_provider import SandboxProvider
 from gate.payments.provider import ProviderEvent, parse_event
+from gate.payments.providers.http import SandboxProvider
 from gate.payments.signing import HEADERS, decode_secrets, verify
+from gate.web.http_io import json_answer
 
 OUTCOMES = ("applied", "duplicate", "ignored", "quarantined", "late", "waiting")
 

@@ -35,8 +35,8 @@ import aiohttp
 import orjson
 import stripe
 
-from gate.errors import Encoded
-from gate.http import json_answer
+from gate.base.errors import Encoded
+from gate.base.settings import Secret, SettingsError
 from gate.payments.adapters import Adapter, AdapterContext, require
 from gate.payments.config import is_loopback_host
 from gate.payments.provider import (
@@ -55,9 +55,9 @@ from gate.payments.provider import (
     Transaction,
     TransactionPage,
 )
-from gate.payments.sandbox_adapter import json_acknowledgements
+from gate.payments.providers.sandbox import json_acknowledgements
 from gate.payments.signing import WebhookRejected
-from gate.settings import Secret, SettingsError
+from gate.web.http_io import json_answer
 
 log = logging.getLogger("gate.payments.stripe")
 

@@ -40,7 +40,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from gate.errors import Encoded
+from gate.base.errors import Encoded
+from gate.base.settings import Secret, SettingsError
 from gate.payments.adapters import Adapter, AdapterContext
 from gate.payments.config import PaymentSettings, is_loopback_host
 from gate.payments.provider import (
@@ -58,7 +59,7 @@ from gate.payments.provider import (
     Transaction,
     TransactionPage,
 )
-from gate.payments.rsa_http import (
+from gate.payments.providers.rsa_http import (
     Exchange,
     provider_key,
     read_private_key,
@@ -68,7 +69,6 @@ from gate.payments.rsa_http import (
 )
 from gate.payments.signing import WebhookRejected
 from gate.payments.window import OrderWindow
-from gate.settings import Secret, SettingsError
 
 NAME = "wechatpay"
 API_BASE = "https://api.mch.weixin.qq.com"

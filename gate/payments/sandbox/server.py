@@ -75,14 +75,9 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gate.http import exact_paths
+from gate.base.settings import DEV_WEBHOOK_SECRET, SettingsError, env_float, env_int
 from gate.payments.signing import decode_secret, sign_headers
-from gate.settings import (
-    DEV_WEBHOOK_SECRET,
-    SettingsError,
-    env_float,
-    env_int,
-)
+from gate.web.http_io import exact_paths
 
 log = logging.getLogger("gate.sandbox")
 
