@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
+from gate.reserve.ports import AdmissionPort, QueuedOrders, QueuePort
+from gate.store.scripts import Script
+
 if TYPE_CHECKING:
-    from gate.api.ops import RequestRecorder
-    from gate.runtime import Gate
     from gate.web.edge import EdgeRoute
+    from gate.web.recorder import RequestRecorder
 
 Worker = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
@@ -57,11 +59,15 @@ class Extension:
     recorder: RequestRecorder | None = None
     on_start: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Lua scripts of the area's own, by name: the runner loads them with the core's.
+    scripts: dict[str, Script] = field(default_factory=dict)
+    # Run before the mirror syncs a deal into Redis (deal id, sync mode).
+    before_sync: list[Callable[[int, str], Awaitable[None]]] = field(default_factory=list)
+    # Plugs of the reservation path (gate/reserve/ports.py); at most one area gives each.
+    admission: AdmissionPort | None = None
+    queue: QueuePort | None = None
+    queued_orders: QueuedOrders | None = None
 
 
 def area_modules() -> list[ModuleType]:
     return [importlib.import_module(name) for name in AREAS]
-
-
-def install_all(gate: Gate) -> list[Extension]:
-    return [module.install(gate) for module in area_modules()]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gate.base.settings import Settings
-from gate.extensions import install_all
+from gate.extensions import Extension, area_modules
+from gate.reserve.ports import QueuedOrders
 from gate.reserve.reservations import Reservations
 from gate.reserve.soldout import SoldOutCache
 from gate.stock.deals import Deals
@@ -24,14 +25,19 @@ from gate.store.scripts import ScriptRunner, read_scripts
 from gate.store.work_lease import WorkLease
 from gate.web.auth import AdminAuth, BuyerAuth
 
-if TYPE_CHECKING:
-    from gate.queuemode.service import QueueService
-
 log = logging.getLogger("gate")
 
 
 class StartupError(RuntimeError):
     pass
+
+
+def _plug(extensions: list[Extension], name: str) -> Any:
+    """The one area's plug of that name, or None when no area gives it."""
+    given = [getattr(ext, name) for ext in extensions if getattr(ext, name) is not None]
+    if len(given) > 1:
+        raise StartupError(f"two areas give the reservation path's {name}")
+    return given[0] if given else None
 
 
 class Gate:
@@ -67,9 +73,6 @@ class Gate:
         # One memory of unknown deal ids for the deal views and the reservations.
         self.unknown_deals = UnknownDeals(self.redis, self.db)
         self.lease = Lease(settings, self.runner, self.db)
-        self.reservations = Reservations(
-            settings, self.db, self.mirror, self.soldout, self.unknown_deals, self.lease
-        )
         self.deals = Deals(self.db, self.mirror, self.unknown_deals)
         self.buyer_auth = BuyerAuth(settings.jwt_secret, settings.jwt_cache_max)
         self.admin_auth = AdminAuth(settings.admin_token)
@@ -82,10 +85,24 @@ class Gate:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lease_task: asyncio.Task[None] | None = None
-        # Queue mode's service (gate/queuemode/), set by its area when installed.
-        self.queue: QueueService | None = None
-        # Areas install last: they may use every core service above.
-        self.extensions = install_all(self)
+        # Areas install after the core services above, which they may use, and before
+        # the reservation path, which is built with the plugs they hand over.
+        self.extensions: list[Extension] = [module.install(self) for module in area_modules()]
+        for ext in self.extensions:
+            self.runner.scripts.update(ext.scripts)
+            self.mirror.before_sync.extend(ext.before_sync)
+        # An order waiting in queue mode's queue, for the order view and cancel.
+        self.queue: QueuedOrders | None = _plug(self.extensions, "queued_orders")
+        self.reservations = Reservations(
+            settings,
+            self.db,
+            self.mirror,
+            self.soldout,
+            self.unknown_deals,
+            self.lease,
+            admission=_plug(self.extensions, "admission"),
+            queue=_plug(self.extensions, "queue"),
+        )
 
     async def start(self, *, background: bool | None = None) -> None:
         if self.settings.dev_secrets_used:

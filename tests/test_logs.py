@@ -179,8 +179,8 @@ async def test_an_unhandled_error_is_counted_and_logged_with_its_request_id(
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from gate.api.ops import RequestObserver
     from gate.base.metrics import METRICS, sample_values, value_of
+    from gate.web.recorder import RequestObserver
 
     seen: list[str | None] = []
 

@@ -10,10 +10,10 @@ from typing import Any
 import orjson
 
 from gate.api.app import build_app
-from gate.api.ops import route_label
 from gate.base.errors import _PROBLEMS
 from gate.base.settings import Settings
 from gate.web import openapi
+from gate.web.recorder import route_label
 from tests.support import ADMIN, Client, buyer, create_deal, reserve
 
 # Contract endpoints (docs/api.md) that no merged area serves yet. When one is

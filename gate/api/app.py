@@ -21,7 +21,6 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gate.api.ops import RequestRecorder
 from gate.base import logs, validate
 from gate.base.errors import Encoded, Problem, RawResponse, invalid, not_found, overloaded
 from gate.base.limits import client_ip, device_id
@@ -44,6 +43,7 @@ from gate.web.http_io import (
     receive_json,
     send_answer,
 )
+from gate.web.recorder import RequestRecorder
 
 log = logging.getLogger("gate.app")
 

@@ -1,12 +1,5 @@
-"""Operations: request metrics and request log lines, pool sampling, /openapi.json
-(issue #7).
-
-The request middleware is a pure ASGI middleware (no BaseHTTPMiddleware: that one
-spawns a task and copies the body per request): it takes or makes the request id,
-opens the request's log context, echoes the id in `X-Request-Id`, and once the
-answer is sent records gate_http_requests_total / gate_http_request_seconds under
-the route's path template (never the raw path: ids would make a series per order)
-and writes one log line.
+"""Operations: the request middleware installed outermost (request ids, one log
+line and metrics per request: gate/web/recorder.py), pool sampling, /openapi.json.
 """
 
 from __future__ import annotations
@@ -17,7 +10,6 @@ import contextlib
 import logging
 import os
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -25,14 +17,11 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gate.base import logs
 from gate.base.metrics import (
     METRICS,
     TALLY_FLUSH_SECONDS,
-    CounterTally,
-    HistogramTally,
     forget_dead_processes,
     process_stopping,
 )
@@ -40,126 +29,13 @@ from gate.base.settings import SettingsError, env_float
 from gate.extensions import Extension
 from gate.store.resp import parse_redis_url
 from gate.web import openapi
+from gate.web.recorder import REQUEST_LOG_MODES, RequestObserver, RequestRecorder
 
 if TYPE_CHECKING:
     from gate.base.settings import Settings
     from gate.runtime import Gate
 
-log = logging.getLogger("gate.request")
 ops_log = logging.getLogger("gate.ops")
-
-UNMATCHED_ROUTE = "unmatched"
-KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-REQUEST_ID_HEADER = b"x-request-id"
-REQUEST_LOG_MODES = ("all", "errors", "off")
-
-
-def route_label(path: str) -> str:
-    """A route's path template without converters: "/v1/deals/{deal_id:int}" →
-    "/v1/deals/{deal_id}"."""
-    parts = []
-    for piece in path.split("/"):
-        if piece.startswith("{") and piece.endswith("}"):
-            piece = "{" + piece[1:-1].split(":", 1)[0] + "}"
-        parts.append(piece)
-    return "/".join(parts)
-
-
-class RequestRecorder:
-    """The request metrics and log line of one answered request (the request
-    middleware's, and the edge's for the requests it answers, gate/web/edge.py)."""
-
-    def __init__(self, log_mode: str = "all") -> None:
-        if log_mode not in REQUEST_LOG_MODES:
-            raise ValueError(f"log_mode must be one of {REQUEST_LOG_MODES}")
-        self.log_all = log_mode == "all"
-        self.log_errors = log_mode in ("all", "errors")
-        # Caches keep the per-request cost to dictionary lookups: prometheus-client's
-        # labels() (a lock and a tuple build) runs once per series.
-        self._counters: dict[tuple[str, str, int], CounterTally] = {}
-        self._timers: dict[str, HistogramTally] = {}
-
-    def record(self, route: str, method: str, status: int, elapsed: float) -> None:
-        if method not in KNOWN_METHODS:
-            method = "OTHER"
-        key = (route, method, status)
-        counter = self._counters.get(key)
-        if counter is None:
-            series = METRICS.http_requests.labels(route, method, str(status))
-            counter = METRICS.counter_tally(series)
-            self._counters[key] = counter
-        counter.inc()
-        timer = self._timers.get(route)
-        if timer is None:
-            timer = METRICS.histogram_tally(METRICS.http_request_seconds.labels(route))
-            self._timers[route] = timer
-        timer.observe(elapsed)
-        if (self.log_all or (self.log_errors and status >= 500)) and log.isEnabledFor(logging.INFO):
-            logs.write_line(
-                log,
-                f"{method} {route} {status}",
-                {
-                    "method": method,
-                    "route": route,
-                    "status": status,
-                    "duration_ms": round(elapsed * 1000.0, 3),
-                },
-            )
-
-
-class RequestObserver:
-    """Request id, request metrics and the request log line, for every HTTP request
-    that reaches the ASGI application (the edge does the same for its own)."""
-
-    def __init__(self, app: ASGIApp, *, recorder: RequestRecorder | None = None) -> None:
-        self.app = app
-        self.recorder = recorder or RequestRecorder()
-        # Label resolution runs once per route.
-        self._labels: dict[int, str] = {}
-
-    def _route(self, scope: Scope) -> str:
-        route = scope.get("route")
-        if route is None:
-            return UNMATCHED_ROUTE
-        label = self._labels.get(id(route))
-        if label is None:
-            label = route_label(getattr(route, "path", "") or UNMATCHED_ROUTE)
-            self._labels[id(route)] = label
-        return label
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        rid = None
-        for name, value in scope["headers"]:
-            if name == REQUEST_ID_HEADER:
-                rid = logs.sane_request_id(value)
-                break
-        if rid is None:
-            rid = logs.new_request_id()
-        logs.begin_request(rid)
-        rid_header = (REQUEST_ID_HEADER, rid.encode("ascii"))
-        status = 500  # until a response starts: an error escaped, or the client left
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                # The message is made for this one send (send_answer, Starlette's
-                # responses); its header list may be kept by its maker, so a new list.
-                message["headers"] = [*message.get("headers", ()), rid_header]
-            await send(message)
-
-        # The context is not reset on the way out: the request's task ends with the
-        # request, and the 500 handler outside this middleware logs in it afterwards.
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            self.recorder.record(
-                self._route(scope), scope["method"], status, time.perf_counter() - started
-            )
 
 
 class PoolSampler:

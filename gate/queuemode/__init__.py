@@ -1,4 +1,4 @@
-"""Queue mode (issue #14, docs/queue-mode.md): accept at Redis speed, commit in the
+"""Queue mode (docs/queue-mode.md): accept at Redis speed, commit in the
 background, switch per deal live.
 
     PUT /v1/admin/deals/{id}/mode {"mode": "queue"|"sync"} ──> deals.mode ──> every
@@ -9,9 +9,10 @@ background, switch per deal live.
         (gate/queuemode/consumer.py)
     gate queue status | dead-letters | retry (gate/queuemode/cli.py)
 
-The area hooks into the core at four small points: `Reservations.queue` (after a
-successful admission, and for a replay of a queued key), the order view and cancel
-(an order the database does not hold yet), and the deals' `mode` field.
+The area plugs into the core through its Extension (gate/reserve/ports.py): the
+QueuePort the reservation path hands an admitted reservation of a queue-mode deal to
+(and asks about a replay of a queued key), the QueuedOrders the order view and cancel
+ask about an order the database does not hold yet; and the deals' `mode` field.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from gate.runtime import Gate
 
 
-async def admin_set_mode(request: Request) -> Response:
+async def admin_set_mode(request: Request, service: QueueService) -> Response:
     gate: Gate = request.app.state.gate
     gate.admin_auth.check(request.headers.get("authorization"))
     deal_id: int = request.path_params["deal_id"]
@@ -52,30 +53,30 @@ async def admin_set_mode(request: Request) -> Response:
             raise Problem("CONFLICT", "A deal of several partitions cannot use queue mode.")
     await gate.db.execute("UPDATE deals SET mode = %s WHERE id = %s", (mode, deal_id))
     view = await gate.deals.admin_view(deal_id)  # 404 for an unknown deal
-    assert gate.queue is not None
-    gate.queue.modes.set(deal_id, mode)
+    service.modes.set(deal_id, mode)
     return json_response({**view, "mode": mode})
 
 
 def install(gate: Gate) -> Extension:
-    from gate.api import app as _app  # noqa: F401  (registers the route's "id" path convertor)
-
     settings = QueueSettings.from_env(gate.settings)
     service = QueueService(gate, settings)
-    gate.queue = service
-    gate.reservations.queue = service
     consumer = QueueConsumer(gate, settings, service)
-    service.consumer = consumer
+
+    async def set_mode(request: Request) -> Response:
+        return await admin_set_mode(request, service)
+
     workers: list[Worker] = [service.modes.run]
     if settings.consumers_in_serve:
         workers.append(consumer.run)
     return Extension(
         name="queue",
         routes=[
-            Route("/v1/admin/deals/{deal_id:id}/mode", admin_set_mode, methods=["PUT"]),
+            Route("/v1/admin/deals/{deal_id:id}/mode", set_mode, methods=["PUT"]),
         ],
         workers=workers,
         on_start=[service.modes.run_once],
+        queue=service,
+        queued_orders=service,
     )
 
 

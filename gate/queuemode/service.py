@@ -37,7 +37,6 @@ from gate.store.resp import text
 
 if TYPE_CHECKING:
     from gate.base.settings import Settings
-    from gate.queuemode.consumer import QueueConsumer
     from gate.runtime import Gate
 
 log = logging.getLogger("gate.queue")
@@ -203,7 +202,6 @@ class QueueService:
         self._prices: dict[int, tuple[int, str]] = {}
         self._announced: set[int] = set()
         self._price_reads: dict[int, asyncio.Future[tuple[int, str]]] = {}
-        self.consumer: QueueConsumer | None = None
         self._admit_args = (settings.depth_max, self.status_ttl_ms)
         # Per deal: its queue keys and its metric child (bounded like _prices).
         self._queue_keys: dict[int, QueueKeys] = {}

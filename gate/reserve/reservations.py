@@ -31,9 +31,9 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pymysql
 
@@ -48,6 +48,7 @@ from gate.reserve.breaker import CLOSED, HALF_OPEN, Breaker
 from gate.reserve.buyer_keys import BuyerKeys
 from gate.reserve.giveback import GiveBacks
 from gate.reserve.groups import Item, ReservationGroups, reservation_call
+from gate.reserve.ports import AdmissionPort, QueuePort
 from gate.reserve.soldout import SoldOutCache
 from gate.stock import orders
 from gate.stock.mirror import Mirror, QueueArgs
@@ -55,9 +56,6 @@ from gate.stock.unknown_deals import UnknownDeals
 from gate.store.db import Database, DbUnavailable, OutcomeUnknown
 from gate.store.keys import GLOBAL_LIMIT, DealKeys, deal_keys, home_partition, partition_keys
 from gate.store.process_lease import Lease, LeaseLapsed
-
-if TYPE_CHECKING:
-    from gate.queuemode.service import QueueService
 
 log = logging.getLogger("gate.reservations")
 
@@ -187,7 +185,7 @@ BREAKERS_PROBED_MAX = 1000
 LOST_REPLAY_WAIT_SECONDS = 0.5
 
 
-def _no_admission(deal_id: int, user_id: int, header: str | None) -> str:
+def _no_admission(header: str | None) -> str:
     """Without the waiting room installed no token is ever valid."""
     return "" if header is None else "-"
 
@@ -269,6 +267,9 @@ class Reservations:
         soldout: SoldOutCache,
         unknown_deals: UnknownDeals | None = None,
         lease: Lease | None = None,
+        *,
+        admission: AdmissionPort | None = None,
+        queue: QueuePort | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -303,15 +304,12 @@ class Reservations:
         self._specs["global"] = settings.limit_global
         self._limited_answers: dict[tuple[str, int], Problem] = {}
         self._inflight = 0
-        # (deal, user, Admission-Token header) -> what lua/admit.lua is told; the
-        # waiting room (gate/room/) installs its token check here.
-        self.admission_arg: Callable[[int, int, str | None], str] = _no_admission
-        # Gives back the admission a reservation spent when that reservation is tried
-        # once more after its lease was found lapsed (see reserve); the room installs it.
-        self.admission_restore: Callable[[ReserveRequest], Awaitable[None]] | None = None
-        # Queue mode (gate/queuemode/), set by its area: an admitted reservation of a deal
-        # in queue mode is handed to the deal's queue instead of the database.
-        self.queue: QueueService | None = None
+        # The waiting room's token check (lua/admit.lua is told what the buyer's
+        # Admission-Token header is worth); without the room no token is ever valid.
+        self.admission = admission
+        # Queue mode: an admitted reservation of a deal in queue mode is handed to the
+        # deal's queue instead of the database.
+        self.queue = queue
         self._direct_slots = asyncio.Semaphore(settings.redis_down_db_concurrency_max)
         # Admissions this process will never commit whose units could not be given
         # back at once (Redis failing mid-call): returned once Redis answers.
@@ -440,10 +438,10 @@ class Reservations:
                     except Exception as exc:
                         log.warning("process lease not replaced: %r", exc)
                         raise overloaded("Database unavailable; retry shortly.") from None
-                    if self.admission_restore is not None and req.admission_token:
+                    if self.admission is not None and req.admission_token:
                         # The first try spent the buyer's waiting-room admission
                         # and bought nothing: the same request may use it again.
-                        await self.admission_restore(req)
+                        await self.admission.restore(req.deal_id, req.user_id, req.admission_token)
                     try:
                         return await self._reserve(req)
                     except LeaseLapsed:
@@ -777,6 +775,12 @@ class Reservations:
             log.info("deal %s: Redis admitted but the database is sold out", req.deal_id)
         raise from_db(db_code)
 
+    def _admission_arg(self, req: ReserveRequest) -> str:
+        """What lua/admit.lua is told of the request's Admission-Token header."""
+        if self.admission is None:
+            return _no_admission(req.admission_token)
+        return self.admission.arg(req.deal_id, req.user_id, req.admission_token)
+
     def _admit_call(
         self,
         keys: DealKeys,
@@ -798,9 +802,7 @@ class Reservations:
             keys.limiters(req.user_id, req.ip, req.device),
             self._scoped_args if req.device is not None else self._scoped_args_no_device,
             owner,
-            OPERATOR_ADMISSION
-            if req.operator_retry
-            else self.admission_arg(req.deal_id, req.user_id, req.admission_token),
+            OPERATOR_ADMISSION if req.operator_retry else self._admission_arg(req),
             queued,
         )
 

@@ -16,18 +16,17 @@ from starlette.routing import Route
 from gate.base.errors import not_found
 from gate.extensions import Extension
 from gate.room import openapi as api_doc
+from gate.room.admission import RoomAdmission
 from gate.room.edge_lane import QueueLane, TicketEdge
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
 from gate.stock.room_config import load_room_settings
-from gate.store.keys import deal_keys
 from gate.store.scripts import Script, ScriptMissing, lua_dir
 from gate.web import openapi
 from gate.web.http_io import json_response, read_json
 
 if TYPE_CHECKING:
-    from gate.reserve.reservations import ReserveRequest
     from gate.runtime import Gate
 
 log = logging.getLogger("gate.room")
@@ -60,8 +59,6 @@ def _deal_id(request: Request) -> int:
 def install(gate: Gate) -> Extension:
     settings = load_room_settings(gate.settings.environ)
     tokens = AdmissionTokens(gate.settings.admission_secret)
-    # The runner loads every script it holds at start-up (ScriptRunner.load).
-    gate.runner.scripts.update(_scripts())
     # The room's script calls on a connection of their own (gate/room/wire.py).
     wire = Wire(
         gate.settings.redis_url,
@@ -70,26 +67,6 @@ def install(gate: Gate) -> Extension:
         gate.settings.redis_flush_every,
     )
     room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire)
-    gate.mirror.before_sync.append(room.before_sync)
-    gate.reservations.admission_arg = tokens.admission_arg
-
-    async def restore(req: ReserveRequest) -> None:
-        """lua/room_restore.lua for a reservation tried again after a lapsed lease."""
-        held = tokens.admission(req.deal_id, req.user_id, req.admission_token)
-        if held is None:
-            return
-        keys = deal_keys(req.deal_id)
-        try:
-            await gate.runner.call(
-                "room_restore",
-                (keys.room, keys.room_admitted, keys.room_expiry),
-                (req.user_id, held[0], held[1]),
-            )
-        except Exception as exc:
-            # The retry then answers ADMISSION_INVALID, as it would have without this.
-            log.warning("admission of user %s not restored: %r", req.user_id, exc)
-
-    gate.reservations.admission_restore = restore
 
     async def join(request: Request) -> Response:
         user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
@@ -123,6 +100,10 @@ def install(gate: Gate) -> Extension:
         on_stop=[wire.aclose],
         inner_middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
         edge=[TicketEdge(room, gate.buyer_auth, join) for join in (True, False)],
+        # The runner loads every script it holds at start-up (ScriptRunner.load).
+        scripts=_scripts(),
+        before_sync=[room.before_sync],
+        admission=RoomAdmission(tokens, gate.runner),
     )
 
 

@@ -68,8 +68,8 @@ from gate.base.metrics import METRICS
 from gate.web.guard import body_timeout
 
 if TYPE_CHECKING:
-    from gate.api.ops import RequestRecorder
     from gate.web.guard import Guard
+    from gate.web.recorder import RequestRecorder
 
 log = logging.getLogger("gate.edge")
 
