@@ -17,8 +17,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ResponseError
 
+from gate.base.redis_url import parse_redis_url
 from gate.store.keys import deal_keys
-from gate.store.resp import RespConnection, parse_redis_url
+from gate.store.resp import RespConnection
 from tests.support import GATE_BIN, GateProcess, create_deal, free_port, reserve
 from tests.support import Client as HttpClient
 

@@ -25,10 +25,10 @@ from gate.base.metrics import (
     forget_dead_processes,
     process_stopping,
 )
+from gate.base.redis_url import parse_redis_url
 from gate.base.settings import SettingsError, env_float
 from gate.extensions import Extension
-from gate.store.resp import parse_redis_url
-from gate.web import openapi
+from gate.web import docs_page, openapi
 from gate.web.recorder import REQUEST_LOG_MODES, RequestObserver, RequestRecorder
 
 if TYPE_CHECKING:
@@ -117,6 +117,11 @@ def request_log_mode(env: Any) -> str:
 
 
 def install(gate: Gate) -> Extension:
+    # Checked when the gate is built, so that `gate serve` refuses to start (exit 2).
+    if gate.settings.docs and not docs_page.available():
+        raise SettingsError(
+            "GATE_DOCS is on but Swagger UI's files (the swagger-ui-py package) are missing"
+        )
     env = gate.settings.environ
     log_mode = request_log_mode(env)
     sample_seconds = env_float(env, "GATE_METRICS_SAMPLE_SECONDS", 1.0, 0.05, 60.0)

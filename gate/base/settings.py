@@ -15,7 +15,7 @@ from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
 from gate.base.limits import SCOPES, LimitError, LimitSpec, Network, parse_limit, parse_networks
-from gate.store.resp import RedisUrlError, parse_redis_url
+from gate.base.redis_url import RedisUrlError, parse_redis_url
 
 DEV_JWT_SECRET = "gate-dev-jwt-secret-not-for-production-000000"
 DEV_ADMIN_TOKEN = "gate-dev-admin-token"
@@ -475,13 +475,6 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         log_level=log_level,
         environ=MappingProxyType(dict(env)),
     )
-    if settings.docs:
-        from gate.web import docs_page as apidocs
-
-        if not apidocs.available():
-            raise SettingsError(
-                "GATE_DOCS is on but Swagger UI's files (the swagger-ui-py package) are missing"
-            )
     # The janitor treats a token older than inflight_max_seconds as orphaned; a live
     # request must therefore always finish (or give up) well before that age.
     # A statement sent just before the request's deadline may still wait on a lock

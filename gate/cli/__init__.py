@@ -6,33 +6,13 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from gate.base.settings import Settings, SettingsError, load_settings
-
-
-def _settings() -> Settings:
-    """Every setting, the areas' too (payments, expiry, operations), or exit 2 with the
-    message. The areas read theirs when the gate is built, which for `gate serve` is
-    inside each worker: too late for a clear message (a worker's traceback, restarted
-    by the supervisor), so the gate is built once here to check them (no I/O)."""
-    from gate.runtime import Gate
-    from gate.store.scripts import ScriptMissing
-
-    try:
-        settings = load_settings()
-        Gate(settings)
-    except SettingsError as exc:
-        print(f"gate: configuration error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except ScriptMissing as exc:
-        print(f"gate: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    return settings
-
+from gate.base.settings import SettingsError
+from gate.cli.common import checked_settings, ranged_int, with_gate
 
 SERVE_BACKLOG = 4096
 PORT_MAX = 65_535
@@ -49,7 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.no_background:
         os.environ["GATE_BACKGROUND"] = "0"
     # Also reads the Lua scripts: a missing one exits 2 here.
-    settings = _settings()
+    settings = checked_settings()
     configure(settings.log_level)
     if settings.auto_migrate:
         # A current schema is only read, so the least-privilege app user may do this.
@@ -131,7 +111,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         migrate,
     )
 
-    settings = _settings()
+    settings = checked_settings()
     try:
         app_user = load_app_user(settings.environ, settings.mysql)
     except SettingsError as exc:
@@ -151,24 +131,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         print(f"gate migrate: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True) -> int:
-    """Run `fn(gate)` with the database and Redis started but no background loops."""
-    from gate.base.logs import configure
-    from gate.runtime import Gate
-
-    settings = _settings()
-    # JSON lines at GATE_LOG_LEVEL, with the secrets' redaction, as in `gate serve`.
-    configure(settings.log_level)
-    gate = Gate(settings)
-    await gate.db.start()
-    if scripts:
-        await gate.runner.load()
-    try:
-        return await fn(gate)
-    finally:
-        await gate.stop()
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -191,13 +153,13 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(render(report))
         return 0 if report["ok"] else 1
 
-    return asyncio.run(_with_gate(run, scripts=False))
+    return asyncio.run(with_gate(run, scripts=False))
 
 
 def cmd_token(args: argparse.Namespace) -> int:
     from gate.web.auth import mint
 
-    settings = _settings()
+    settings = checked_settings()
     try:
         print(mint(settings.jwt_secret, args.user_id, args.ttl_seconds))
     except ValueError as exc:
@@ -218,7 +180,7 @@ def _loop_command(name: str) -> Callable[[argparse.Namespace], int]:
             await worker.run(stop)
             return 0
 
-        return asyncio.run(_with_gate(go))
+        return asyncio.run(with_gate(go))
 
     return run
 
@@ -255,7 +217,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("  gate check      # verify every invariant")
         return 0
 
-    return asyncio.run(_with_gate(run))
+    return asyncio.run(with_gate(run))
 
 
 def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
@@ -270,7 +232,6 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gate", description="Flash-sale admission gate.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    from gate.cli.deals import ranged_int
     from gate.stock.deals import MAX_BUCKETS, MAX_ID, MAX_STOCK
     from gate.web.auth import MAX_USER_ID
 

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from gate.base.errors import Problem
+from gate.cli.common import ranged_float, ranged_int, with_gate
 from gate.stock.advice import SAMPLE_SECONDS_MAX
 from gate.stock.deals import LEDGER_PAGE_MAX, LIST_PAGE_MAX, MAX_BUCKETS, MAX_ID
 from gate.stock.repair import WAIT_SECONDS_MAX
@@ -42,32 +43,6 @@ EXIT_BAD_INPUT = 2
 BAD_INPUT_STATUSES = frozenset((400, 404, 413, 415, 422))
 OPERATOR_RE = re.compile(r"^[A-Za-z0-9_.@:+-]{1,64}$")
 ADVISE_SAMPLE_SECONDS = 2.0
-
-
-def ranged_int(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(raw: str) -> int:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {raw!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be within {lo}..{hi}, got {value}")
-        return value
-
-    return parse
-
-
-def ranged_float(lo: float, hi: float) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        try:
-            value = float(raw)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {raw!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be within {lo:g}..{hi:g}, got {value:g}")
-        return value
-
-    return parse
 
 
 def _operator(raw: str) -> str:
@@ -110,7 +85,6 @@ def _run(
     text: Callable[[Any], str],
 ) -> int:
     """Run `work(gate)` with the database and Redis, map its outcome to an exit code."""
-    from gate.cli import _with_gate
 
     async def go(gate: Any) -> int:
         try:
@@ -122,7 +96,7 @@ def _run(
         return EXIT_OK
 
     try:
-        return asyncio.run(_with_gate(go, scripts=False))
+        return asyncio.run(with_gate(go, scripts=False))
     except BrokenPipeError:
         raise  # the reader of the output went away: gate/cli/__init__.py main() ends quietly
     except (DbUnavailable, OSError) as exc:

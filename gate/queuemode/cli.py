@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from gate.base.settings import SettingsError
-from gate.cli.deals import ranged_int
+from gate.cli.common import ranged_int
 from gate.stock.deals import MAX_ID as DEAL_ID_MAX
 
 DEAD_LETTERS_MAX = 1000

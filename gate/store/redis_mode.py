@@ -25,8 +25,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from gate.base.redis_url import parse_redis_url
 from gate.base.settings import SettingsError
-from gate.store.resp import parse_redis_url
 
 log = logging.getLogger("gate.redis")
 

@@ -26,7 +26,8 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gate.base.metrics import METRICS, HistogramTally
-from gate.store.resp import RespConnection, parse_redis_url
+from gate.base.redis_url import parse_redis_url
+from gate.store.resp import RespConnection
 
 log = logging.getLogger("gate.scripts")
 
