@@ -307,9 +307,9 @@ def switch_off(lever: str) -> None:
         # Every answer encoded again, as before the cache.
         errors.Problem.encoded = lambda self, instance=None: self._encode(instance)  # type: ignore[method-assign]
     elif lever == "refusals":
-        from gate.reserve import reservations
+        from gate.reserve import refusals
 
-        reservations.Refusals.check = lambda self, *request: None  # type: ignore[method-assign]
+        refusals.Refusals.check = lambda self, *request: None  # type: ignore[method-assign]
     elif lever == "route-order":
         from gate.api import app
 

@@ -59,7 +59,7 @@ import orjson
 
 from gate.base.codes import DbCode
 from gate.base.settings import Settings, load_settings
-from gate.reserve.reservations import fingerprint
+from gate.reserve.request import fingerprint
 from gate.stock.check import check_deal
 from gate.stock.orders import new_id
 from gate.store.db import Database, connect_kwargs

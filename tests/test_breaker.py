@@ -8,7 +8,7 @@ import asyncio
 
 from gate.base.metrics import METRICS, sample_values, value_of
 from gate.reserve.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
-from gate.reserve.reservations import ReserveRequest
+from gate.reserve.request import ReserveRequest
 from gate.runtime import Gate
 
 

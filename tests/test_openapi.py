@@ -12,7 +12,7 @@ import orjson
 from gate.api.app import build_app
 from gate.base.errors import _PROBLEMS
 from gate.base.settings import Settings
-from gate.web import openapi
+from gate.web import openapi, openapi_kit
 from gate.web.recorder import route_label
 from tests.support import ADMIN, Client, buyer, create_deal, reserve
 
@@ -122,7 +122,7 @@ def test_document_is_well_formed() -> None:
 
 
 def test_problem_codes_match_the_errors_module() -> None:
-    assert openapi.PROBLEM_CODES == {code: status for code, (status, _) in _PROBLEMS.items()}
+    assert openapi_kit.PROBLEM_CODES == {code: status for code, (status, _) in _PROBLEMS.items()}
     enum = openapi.document()["components"]["schemas"]["Problem"]["properties"]["code"]["enum"]
     assert set(enum) == set(_PROBLEMS)
 

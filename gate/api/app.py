@@ -27,7 +27,8 @@ from gate.base.limits import client_ip, device_id
 from gate.base.logs import configure
 from gate.base.metrics import METRICS, CounterTally
 from gate.base.settings import Settings, load_settings
-from gate.reserve.reservations import MAX_QUANTITY, QueuedCall, Reserved, ReserveRequest
+from gate.extensions import area_modules
+from gate.reserve.request import MAX_QUANTITY, QueuedCall, Reserved, ReserveRequest
 from gate.runtime import Gate
 from gate.stock import orders
 from gate.store.db import Database, DbUnavailable
@@ -46,6 +47,11 @@ from gate.web.http_io import (
 from gate.web.recorder import RequestRecorder
 
 log = logging.getLogger("gate.app")
+
+# The areas' modules load with the app, not only when a gate is built: an area adds
+# its endpoints to the OpenAPI document as its module loads (gate/room/openapi.py),
+# and the document is the same whoever asks first.
+area_modules()
 
 MAX_ID = validate.MAX_ID
 READY_TIMEOUT_SECONDS = 1.0

@@ -23,7 +23,7 @@ from gate.payments.config import load_payment_settings, load_reconcile_settings
 from gate.payments.machine import PaymentMachine
 from gate.payments.outbox import OutboxRelay
 from gate.payments.reconcile import Reconciler
-from gate.payments.reconcile import add_command as add_reconcile_command
+from gate.payments.reconcile_command import add_command as add_reconcile_command
 from gate.payments.sessions import PaymentSessions
 from gate.payments.webhook import WebhookEndpoint
 from gate.payments.workers import PaymentWorker

@@ -34,20 +34,14 @@ A pass holds a named database lock, so the loops of several gate processes and a
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import hashlib
 import logging
-import os
 import random
-import signal
-import socket
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 
 import orjson
 import pymysql
@@ -65,6 +59,7 @@ from gate.payments.provider import (
     synthetic_payment_event,
     synthetic_refund_event,
 )
+from gate.payments.reconcile_report import Finding, ReconcileUnavailable, Report
 from gate.payments.window import attach_order_window
 from gate.payments.workers import PaymentWorker
 from gate.store.db import Database, errno_of
@@ -119,134 +114,6 @@ LAST_RUN = METRICS.gauge(
     "gate_reconcile_last_run_timestamp_seconds",
     "Unix time at which the last reconciliation pass finished (whatever its result).",
 )
-
-
-class ReconcileUnavailable(Exception):
-    """The provider could not be read: nothing can be compared."""
-
-
-@dataclass
-class Finding:
-    kind: str
-    outcome: str
-    order_id: str | None
-    payment_id: str | None
-    refund_id: str | None = None
-    amount: int | None = None
-    currency: str | None = None
-    detail: str | None = None
-    new: bool = True
-
-    @property
-    def needs_operator(self) -> bool:
-        return self.outcome == "flagged"
-
-
-@dataclass
-class Report:
-    provider: str
-    window_seconds: float
-    grace_seconds: float
-    started_at: float = field(default_factory=time.time)
-    finished_at: float | None = None
-    pages: int = 0
-    transactions: int = 0
-    paid_checked: int = 0
-    refunds_checked: int = 0
-    actions: int = 0
-    complete: bool = True
-    # The action budget ran out with work left: deferred to the next pass.
-    budget_spent: bool = False
-    error: str | None = None
-    findings: list[Finding] = field(default_factory=list)
-    # Payments whose refund this pass scheduled: not "stuck", they just started.
-    scheduled: set[str] = field(default_factory=set)
-
-    @property
-    def result(self) -> str:
-        if self.error is not None:
-            return "unavailable"
-        if not self.complete or self.budget_spent:
-            return "incomplete"
-        return "flagged" if any(f.needs_operator for f in self.findings) else "ok"
-
-    @property
-    def exit_code(self) -> int:
-        return {"ok": 0, "flagged": 1}.get(self.result, 2)
-
-    def as_dict(self) -> dict[str, Any]:
-        counts: dict[str, dict[str, int]] = {}
-        for f in self.findings:
-            if f.new:
-                by_kind = counts.setdefault(f.kind, {})
-                by_kind[f.outcome] = by_kind.get(f.outcome, 0) + 1
-        return {
-            "provider": self.provider,
-            "result": self.result,
-            "exit_code": self.exit_code,
-            "error": self.error,
-            "window_seconds": self.window_seconds,
-            "grace_seconds": self.grace_seconds,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "scanned": {
-                "pages": self.pages,
-                "transactions": self.transactions,
-                "paid_orders": self.paid_checked,
-                "refunds": self.refunds_checked,
-                "complete": self.complete,
-            },
-            "actions": self.actions,
-            "new": sum(1 for f in self.findings if f.new),
-            "open": sum(1 for f in self.findings if f.needs_operator),
-            "counts": counts,
-            "findings": [{**asdict(f), "needs_operator": f.needs_operator} for f in self.findings],
-        }
-
-
-def render(report: Report) -> str:
-    """The text report: one line per finding, then the verdict."""
-    lines = [
-        f"reconcile {report.provider}: window {report.window_seconds:g} s"
-        f" (grace {report.grace_seconds:g} s); {report.transactions} provider transactions"
-        f" in {report.pages} page(s), {report.paid_checked} paid orders and"
-        f" {report.refunds_checked} unsettled refunds checked, {report.actions} actions"
-    ]
-    for f in report.findings:
-        money = f" {f.amount} {f.currency}" if f.amount is not None else ""
-        refs = " ".join(
-            f"{name} {value}"
-            for name, value in (
-                ("order", f.order_id),
-                ("payment", f.payment_id),
-                ("refund", f.refund_id),
-            )
-            if value
-        )
-        tag = "NEW " if f.new else "open"
-        detail = f"  ({f.detail})" if f.detail else ""
-        lines.append(f"  {tag} {f.kind:<20} {f.outcome:<16} {refs}{money}{detail}")
-    new = sum(1 for f in report.findings if f.new)
-    open_ = sum(1 for f in report.findings if f.needs_operator)
-    if report.error is not None:
-        verdict = f"UNAVAILABLE: could not reconcile: {report.error}"
-    elif not report.complete:
-        verdict = (
-            "INCOMPLETE: the window holds more transactions than GATE_RECONCILE_PAGES_MAX"
-            " pages; shorten GATE_RECONCILE_WINDOW_SECONDS or raise the bound"
-        )
-    elif report.budget_spent:
-        verdict = (
-            "INCOMPLETE: GATE_RECONCILE_ACTIONS_MAX was spent; what is left is deferred to"
-            " the next pass (run again, or raise the bound)"
-        )
-    elif open_:
-        verdict = f"FLAGGED: {open_} finding(s) need an operator"
-    else:
-        verdict = "OK"
-    summary = "nothing new" if new == 0 else f"{new} new"
-    lines.append(f"{verdict}; {summary} (exit {report.exit_code})")
-    return "\n".join(lines)
 
 
 def marker_id(provider: str, kind: str, subject: str) -> str:
@@ -825,93 +692,3 @@ class Reconciler:
             await self._mark(finding, ":".join(key))
             if finding.new:
                 report.findings.append(finding)
-
-
-# -- the command --------------------------------------------------------------------------
-
-
-def add_command(sub: argparse._SubParsersAction[Any]) -> None:
-    s = sub.add_parser(
-        "reconcile",
-        help="compare the payment provider's transactions with the gate's and repair"
-        " (exit 0 ok, 1 flagged for an operator, 2 could not reconcile)",
-    )
-    s.add_argument("--once", action="store_true", help="one pass (the default)")
-    s.add_argument(
-        "--loop", action="store_true", help="a pass every GATE_RECONCILE_INTERVAL_SECONDS"
-    )
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--window-seconds", type=float, help="override GATE_RECONCILE_WINDOW_SECONDS")
-    s.set_defaults(fn=command)
-
-
-def command(args: argparse.Namespace) -> int:
-    from gate.base.logs import configure
-    from gate.base.settings import SettingsError, load_settings
-    from gate.payments.adapters import load_adapter
-    from gate.payments.config import load_payment_settings, load_reconcile_settings
-
-    try:
-        settings = load_settings()
-        payment = load_payment_settings(settings.environ)
-        recon = load_reconcile_settings(settings.environ)
-        adapter = load_adapter(
-            settings.environ,
-            payment,
-            is_dev=settings.is_dev,
-            webhook_secrets=settings.webhook_secrets,
-        )
-    except SettingsError as exc:
-        print(f"gate reconcile: configuration error: {exc}", file=sys.stderr)
-        return 2
-    if args.window_seconds is not None:
-        if not 60 <= args.window_seconds <= 90 * 86_400:
-            print("gate reconcile: --window-seconds must be within 60..7776000", file=sys.stderr)
-            return 2
-        recon = replace(recon, window_seconds=args.window_seconds)
-    if args.loop and recon.interval_seconds == 0:
-        print("gate reconcile: --loop needs GATE_RECONCILE_INTERVAL_SECONDS > 0", file=sys.stderr)
-        return 2
-    provider = adapter.provider
-    if provider is None:
-        print("gate reconcile: no provider configured (GATE_PAYMENT_PROVIDER_URL)", file=sys.stderr)
-        return 2
-    configure(settings.log_level)
-
-    async def go() -> int:
-        from gate.runtime import Gate
-
-        gate = Gate(settings)
-        try:
-            await gate.db.start()
-            await gate.runner.load()
-            actor = f"reconcile@{socket.gethostname()[:40]}:{os.getpid()}"
-            machine = PaymentMachine(gate.db, gate.mirror, actor)
-            worker = PaymentWorker(gate.db, gate.mirror, machine, provider, payment, actor)
-            rec = Reconciler(gate.db, machine, worker, provider, recon, settings.mysql.database)
-            if args.loop:
-                stop = asyncio.Event()
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, stop.set)
-                await rec.run(stop)
-                return 0
-            report = await rec.run_once(CLI_LOCK_WAIT_SECONDS)
-        finally:
-            await provider.close()
-            await gate.stop()
-        if report is None:
-            print("gate reconcile: another reconciliation pass is running", file=sys.stderr)
-            return 2
-        if args.json:
-            sys.stdout.write(orjson.dumps(report.as_dict(), option=orjson.OPT_INDENT_2).decode())
-            sys.stdout.write("\n")
-        else:
-            print(render(report))
-        return report.exit_code
-
-    try:
-        return asyncio.run(go())
-    except Exception as exc:
-        print(f"gate reconcile: could not reconcile: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2

@@ -144,7 +144,7 @@ async def _dead_letters(gate: Any, deal: int | None) -> list[dict[str, Any]]:
 
 async def _retry(gate: Any, entry_id: int) -> tuple[int, str]:
     from gate.base.errors import Problem
-    from gate.reserve.reservations import ReserveRequest
+    from gate.reserve.request import ReserveRequest
 
     row = await gate.db.fetchone(
         "SELECT deal_id, user_id, quantity, idempotency_key FROM queue_dead_letters WHERE id = %s",

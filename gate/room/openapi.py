@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from gate.web.openapi import ADMIN, ADMIN_BODY_PROBLEMS, BUYER, JSON, _json, _param, _problems, _ref
+from gate.web.openapi_kit import (
+    ADMIN,
+    ADMIN_BODY_PROBLEMS,
+    BUYER,
+    JSON,
+    _json,
+    _param,
+    _problems,
+    _ref,
+)
 
 _TICKET_PROBLEMS = ("UNAUTHORIZED", "NOT_FOUND", "RATE_LIMITED", "OVERLOADED")
 

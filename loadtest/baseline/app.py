@@ -21,7 +21,7 @@ from gate.base import validate
 from gate.base.clock import iso
 from gate.base.errors import Problem, not_found, overloaded
 from gate.base.settings import Settings, load_settings
-from gate.reserve.reservations import MAX_QUANTITY
+from gate.reserve.request import MAX_QUANTITY
 from gate.stock.orders import new_id
 from gate.store.db import Database, DbUnavailable
 from gate.web.auth import AdminAuth, BuyerAuth
