@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +37,37 @@ def pytest_configure(config: pytest.Config) -> None:
     if CLUSTER_RUN:
         mark_cluster_clients_used()
         config.addinivalue_line("filterwarnings", "ignore::ResourceWarning")
+
+
+# A test needs Redis and MariaDB (the `integration` marker) when it asks, directly or
+# through another fixture, for the suite's environment, or when its module reaches the
+# services by itself (its own gate processes, connections or environment).
+SERVICE_FIXTURES = frozenset({"env"})
+SERVICE_MARKS = (
+    "GateProcess",
+    "base_env(",
+    "GATE_TEST_MYSQL_URL",
+    "GATE_TEST_REDIS_URL",
+    "redis.asyncio",
+    "aiomysql",
+    "Database(",
+)
+
+
+def _reaches_services(path: Path, seen: dict[Path, bool]) -> bool:
+    if path not in seen:
+        text = path.read_text(encoding="utf-8") if path.suffix == ".py" else ""
+        seen[path] = any(mark in text for mark in SERVICE_MARKS)
+    return seen[path]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`pytest -m "not integration"` runs the pure tests alone, in seconds."""
+    seen: dict[Path, bool] = {}
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & SERVICE_FIXTURES or _reaches_services(item.path, seen):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
