@@ -1,1 +1,1 @@
-"""Load tests, the DB-only peer baseline and the benchmark runner (issue #6)."""
+"""Load tests, the DB-only peer baseline and the benchmark runner."""

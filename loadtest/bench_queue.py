@@ -1,4 +1,4 @@
-"""Queue mode benchmark (issue #14, docs/queue-mode.md "Benchmark").
+"""Queue mode benchmark (docs/queue-mode.md "Benchmark").
 
     GATE_MYSQL_URL=mysql://root@127.0.0.1:3306/gate_bench \\
     GATE_REDIS_URL=redis://127.0.0.1:6379/14 GATE_ENV=dev \\

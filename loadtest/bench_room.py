@@ -1,4 +1,4 @@
-"""The waiting room's benchmark (issue #13, docs/waiting-room.md).
+"""The waiting room's benchmark (docs/waiting-room.md).
 
     python -m loadtest.bench_room [--rounds 3] [--duration 6] [--connections 64] …
 
@@ -89,7 +89,7 @@ class RoomBench:
                 "GATE_ADMIN_TOKEN": self.admin["Authorization"].split(" ", 1)[1],
                 "GATE_WEBHOOK_SECRET": "whsec_" + base64.b64encode(os.urandom(24)).decode(),
                 "GATE_ADMISSION_SECRET": "bench-admission-" + secrets.token_hex(24),
-                # Required outside dev (issue #18); nothing here pays.
+                # Required outside dev; nothing here pays.
                 "GATE_PAYMENT_PROVIDER": "sandbox",
                 "GATE_LOG_LEVEL": "WARNING",
                 # Buyers cycle faster than the production advice (1-10 s) would allow.

@@ -1,4 +1,4 @@
-"""Does the live console slow the sale? (issue #19: ≥ 0.97×)
+"""Does the live console slow the sale? (≥ 0.97×)
 
     python -m loadtest.console_bench [--consoles 20] [--rounds 3] [--seconds 10]
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             "GATE_ADMIN_TOKEN": admin_token,
             "GATE_WEBHOOK_SECRET": "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
             "GATE_ADMISSION_SECRET": "bench-admission-" + secrets.token_hex(24),
-            # Required outside dev (issue #18); nothing here pays.
+            # Required outside dev; nothing here pays.
             "GATE_PAYMENT_PROVIDER": "sandbox",
             "GATE_LOG_LEVEL": "WARNING",
             **{f"GATE_LIMIT_{s}": "off" for s in ("DEAL", "USER", "IP", "DEVICE", "GLOBAL")},

@@ -14,15 +14,15 @@ User classes (each a scenario; mix them by naming several):
                     retry: at most one 201 and one order id per key
   Reader            buyers polling their own order and the deal; peeking at another
                     buyer's order must answer 404
-  PayingBuyer       (needs payments, #4) reserve, open the payment session twice
+  PayingBuyer       (needs payments) reserve, open the payment session twice
                     (idempotent), then signed callbacks duplicated and reordered;
                     the order must end PAID
-  QueueBuyer        queue mode (#14): a crowd on a deal in queue mode; every 202 is
+  QueueBuyer        queue mode: a crowd on a deal in queue mode; every 202 is
                     polled until it reads PENDING_PAYMENT (within 10 s)
-  LatePayer         (needs payments #4 and the expiry sweeper #5) short holds that
+  LatePayer         (needs payments and the expiry sweeper) short holds that
                     expire while the buyer pays; the late payment must end PAID
                     (stock re-taken) or REFUND_PENDING/REFUNDED
-  WaitingRoomBuyer  (issue #13) joins a deal's waiting room, polls as advised,
+  WaitingRoomBuyer  joins a deal's waiting room, polls as advised,
                     reserves with its admission token once admitted, or abandons a
                     share of the admissions (they lapse and return their slot); a
                     position that grows while waiting, an admitted ticket without
@@ -137,7 +137,7 @@ class Run:
         return deal_id
 
 
-# A queued order must read PENDING_PAYMENT within this (issue #14: 10 s).
+# A queued order must read PENDING_PAYMENT within this (10 s).
 QUEUE_SETTLE_SECONDS = 10.0
 
 RUN = Run()

@@ -42,7 +42,7 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     if "ratio" in phases:
         r = phases["ratio"]
-        # Issue #16: the target holds in every round of the run, not on average.
+        # The target holds in every round of the run, not on average.
         per_round = [
             x["rejections_per_s"] / x["healthz_per_s"] for x in r["rounds"] if x["healthz_per_s"]
         ]

@@ -57,7 +57,7 @@ SCENARIOS = {
         0,
         4,
         "pay with duplicated and reordered callbacks",
-        needs="payments (#4)",
+        needs="payments",
     ),
     "late-pay": Scenario(
         ("LatePayer",),
@@ -67,7 +67,7 @@ SCENARIOS = {
         0,
         4,
         "short holds expire while buyers pay late",
-        needs="payments (#4) and the expiry sweeper (#5)",
+        needs="payments and the expiry sweeper",
     ),
     "waiting-room": Scenario(
         ("WaitingRoomBuyer",),

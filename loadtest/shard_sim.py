@@ -1,6 +1,6 @@
 """Sharding by deal, simulated: one recorded workload routed over N schemas of one
 MariaDB, then every invariant checked per shard (docs/scale-out.md, "MySQL beyond one
-primary"; issue #15 point 6).
+primary").
 
     python -m loadtest.shard_sim --shards 4 --ops 2000 --seed 7
     python -m loadtest.shard_sim --shards 3 --record /tmp/w.jsonl      (write the workload)

@@ -58,7 +58,7 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
     env.update(
         {
             # The sandbox speaks plain http, which a gate takes from its provider only
-            # with GATE_ENV=dev (#12.5: https without exception elsewhere). Its secrets
+            # with GATE_ENV=dev (https without exception elsewhere). Its secrets
             # are still the test's own, set here and by base_env.
             "GATE_ENV": "dev",
             "GATE_WEBHOOK_SECRET": f"{OLD_SECRET} {NEW_SECRET}",

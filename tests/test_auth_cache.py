@@ -1,4 +1,4 @@
-"""The verified-token cache cannot be inflated (issue #12, point 7): spellings of one
+"""The verified-token cache cannot be inflated: spellings of one
 token other than its canonical base64url are refused, not cached, and tokens over a
 kilobyte are refused."""
 

@@ -1,6 +1,6 @@
 """The circuit breaker's half-open probe is given back when the probing call is
-cancelled (issue #12.11b): before, a cancelled probe was judged neither success nor
-failure, so no call ever probed again and the breaker refused every call for good."""
+cancelled: a cancelled probe judged neither success nor failure would leave no
+call ever to probe again, and the breaker would refuse every call for good."""
 
 from __future__ import annotations
 
@@ -96,10 +96,10 @@ async def test_a_cancelled_reservation_probe_does_not_wedge_the_gate(local_gate:
 
 
 async def test_an_open_breaker_no_call_reaches_is_probed_and_closes(local_gate: Gate) -> None:
-    """A breaker opens, then no call comes (its deals' sales are over): before, it
-    stayed open for good, /readyz read "degraded" and gate_circuit_open 1 (after a
-    Redis Cluster failover, breakers of nodes that never failed open too: every node
-    answers CLUSTERDOWN for a while). Once its open time is up, the gate probes it
+    """A breaker opens, then no call comes (its deals' sales are over; after a Redis
+    Cluster failover, breakers of nodes that never failed open too: every node answers
+    CLUSTERDOWN for a while). Left alone it would stay open for good, /readyz reading
+    "degraded" and gate_circuit_open 1; once its open time is up, the gate probes it
     itself, one Redis call, and closes it."""
     clock = Clock()
     breaker = Breaker("test_idle_probe", failures_max=1, open_seconds=1.0, clock=clock)

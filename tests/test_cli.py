@@ -163,8 +163,8 @@ def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: objec
         ("GATE_LEASE_SECONDS", "soon", "GATE_LEASE_SECONDS must be a number"),
         ("GATE_MYSQL_URL", "mysql://root@127.0.0.1:99999/gate", "GATE_MYSQL_URL has a port"),
         ("GATE_REDIS_URL", "redis://127.0.0.1:http/0", "GATE_REDIS_URL has a port"),
-        # The areas' settings are checked before any worker starts (they used to fail
-        # inside each worker, with a traceback, restarted over and over).
+        # The areas' settings are checked before any worker starts (not inside each
+        # worker, with a traceback, restarted over and over).
         ("GATE_SWEEP_BATCH_MAX", "banana", "GATE_SWEEP_BATCH_MAX must be an integer"),
         ("GATE_PAYMENT_PROVIDER_URL", "ftp://x", "GATE_PAYMENT_PROVIDER_URL must be"),
         ("GATE_WEBHOOK_SECRET", "whsec_not*base64", "GATE_WEBHOOK_SECRET"),

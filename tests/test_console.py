@@ -1,4 +1,4 @@
-"""The live sale console's server side (issue #19), over real HTTP against a real
+"""The live sale console's server side, over real HTTP against a real
 gate process: off unless enabled, sessions, CSRF, the shared snapshot, the actions
 through the admin API's functions with the operator's session in the ledger."""
 

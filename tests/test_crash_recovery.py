@@ -1,4 +1,4 @@
-"""A gate SIGKILLed mid-storm leaves no ghost stock (issue #12, point 9).
+"""A gate SIGKILLed mid-storm leaves no ghost stock.
 
 2,000 buyers storm one deal of 700 units through a victim gate; once it has sold some,
 the whole process group is SIGKILLed (supervisor and both workers, wherever they are),
@@ -51,7 +51,7 @@ STOCK = 700
 CONNECTIONS_MAX = 200
 ORDERS_BEFORE_KILL = 100
 LOCK_SECONDS = 2.0
-# The target is 5 s after the kill (issue #12.9); measured 3-4 s. One second of margin
+# The target is 5 s after the kill; measured 3-4 s. One second of margin
 # for a loaded 2-core machine, and no more: a bound far above the target would pass a
 # gate that missed it (the 30 s age rule would hide a failure only much later).
 RECOVERY_BOUND_SECONDS = 6.0

@@ -1,4 +1,4 @@
-"""The least-privilege database user (#12): `gate migrate` creates it with only what the
+"""The least-privilege database user: `gate migrate` creates it with only what the
 gate needs, a real gate serves as it (background loops and the start-up schema check
 included), and it can change no schema, grant nothing and read nothing else.
 

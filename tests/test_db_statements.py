@@ -1,4 +1,4 @@
-"""Cheap requests stay off the database (issue #12, point 1).
+"""Cheap requests stay off the database.
 
 What the database sees is counted by MariaDB itself: the gate under test connects
 as a MariaDB user of its own, and `information_schema.USER_STATISTICS` (MariaDB's

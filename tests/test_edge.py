@@ -495,8 +495,8 @@ def test_a_client_that_shuts_its_write_side_is_answered_then_closed(
     """A client may half-close (shut its write side) right after its requests, as
     `nc -N` does: what it sent whole is answered, in order, whichever side answers
     each, then the connection is closed. A request cut short by the shutdown (a
-    body that will not come) ends the connection without an answer. Before, every
-    such connection was closed at the client's EOF, unanswered."""
+    body that will not come) ends the connection without an answer; the client's EOF
+    alone never leaves a whole request unanswered."""
     port = edge_gate.port
     sold = sold_out_deal(port)
     open_deal = admin_deal(port, stock=10)

@@ -1,4 +1,4 @@
-"""Slow or endless bodies cannot pin connections (issue #12.6), over real sockets.
+"""Slow or endless bodies cannot pin connections, over real sockets.
 
 A gate with a one-second body deadline and room for one request at a time:
   - headers and part of a body, then silence: 408 problem+json, connection closed;

@@ -99,9 +99,9 @@ async def test_replay_survives_a_redis_flush(
 async def test_keys_differing_only_by_case_are_two_keys(
     client: Client, db: Database, rds: aioredis.Redis
 ) -> None:
-    """Issue #12, point 8: Redis compares keys byte for byte, and so does the database
-    now (db/007). Before, the second key passed Redis, met the first order's unique key
-    (ascii_general_ci) and was answered with the first buyer click's order."""
+    """Redis compares keys byte for byte, and so does the database (db/007): a key
+    that differs from the first only in case passes Redis and is not answered with the
+    first buyer click's order by a case-insensitive unique key."""
     deal_id = await create_deal(client, stock=5)
     user, keys = 801, ("Case-Key-AbC-01", "case-key-abc-01", "CASE-KEY-ABC-01")
     answers = [await reserve(client, deal_id, user, k) for k in keys]

@@ -1,6 +1,6 @@
-"""GATE_LIMIT_IP counts an IPv6 client as its /GATE_LIMIT_IP_V6_PREFIX network
-(issue #12.11c): one subscriber usually holds a whole /64 and may use any address in
-it, so per address it had as many IP limits as it liked.
+"""GATE_LIMIT_IP counts an IPv6 client as its /GATE_LIMIT_IP_V6_PREFIX network: one
+subscriber usually holds a whole /64 and may use any address in it, so per address
+it would have as many IP limits as it liked.
 
 A real gate listening on ::1, which it trusts as a proxy, so that X-Forwarded-For
 carries the IPv6 clients' addresses.

@@ -81,7 +81,7 @@ def test_a_run_against_no_gate_says_so_and_writes_nothing(
 def test_a_waiting_room_run_passes_the_verifier(
     gate: GateProcess, env: dict[str, str], tmp_path: Path
 ) -> None:
-    """Issue #13: the crowd queues, polls as advised, buys when admitted or abandons;
+    """The crowd queues, polls as advised, buys when admitted or abandons;
     the verifier holds the deal (and the room's counters) against the database."""
     out = tmp_path / "room"
     result = run_module(
@@ -125,7 +125,7 @@ def test_a_waiting_room_run_passes_the_verifier(
 def test_a_short_queue_mode_run_passes_the_verifier(
     gate: GateProcess, env: dict[str, str], tmp_path: Path
 ) -> None:
-    """Issue #14: the `queue-mode` scenario (202, then PENDING_PAYMENT within 10 s)."""
+    """The `queue-mode` scenario (202, then PENDING_PAYMENT within 10 s)."""
     out = tmp_path / "queue"
     result = run_module(
         env,

@@ -1,6 +1,6 @@
 """The payment scenarios against a gate with payments and a running sandbox provider.
 
-They need the payments area (#4): until the gate has `gate sandbox`, they are skipped."""
+They need the payments area: until the gate has `gate sandbox`, they are skipped."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def has_sandbox(env: dict[str, str]) -> bool:
 @pytest.fixture(scope="module")
 def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProcess, str, dict]]:
     if not has_sandbox(env):
-        pytest.skip("needs the payments area (#4): this gate has no sandbox provider")
+        pytest.skip("needs the payments area: this gate has no sandbox provider")
     port = free_port()
     sandbox = Server(
         "sandbox",
@@ -54,7 +54,7 @@ def paying_gate(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProce
         gate_port = free_port()
         genv = {
             **env,
-            # Plain http to the sandbox: a gate takes that only in dev (#12.5).
+            # Plain http to the sandbox: a gate takes that only in dev.
             "GATE_ENV": "dev",
             "GATE_PAYMENT_PROVIDER_URL": sandbox_url,
             "GATE_PAYMENT_API_KEY": SANDBOX_KEY,
@@ -120,15 +120,14 @@ def test_payment_scenarios_pass_the_verifier(
 def test_a_callback_that_got_no_answer_is_delivered_again_not_counted_as_paid(
     paying_gate: tuple[GateProcess, str, dict], tmp_path: Path
 ) -> None:
-    """The mixed run's BREACH (issue #12, point 10): a late payment recorded as paid
+    """The mixed run's BREACH: a late payment recorded as paid
     while its order ended EXPIRED with no payment event. The delivery never reached the
     gate: uvicorn closed the idle keep-alive connection it was sent on (the late payer
     waits 2.5-5.5 s, the keep-alive timeout is 5 s), the client got no answer, and the
     load test counted it as paid. Here every first delivery gets no answer (a proxy
     closes the connection without forwarding it): the payers deliver each event again,
     as a provider does, the record keeps every delivery's answer, and the verifier
-    passes. Before, every such order was recorded as paid late and the verifier
-    reported it EXPIRED."""
+    passes: no such order is recorded as paid late, nor reported EXPIRED."""
     gate, _, genv = paying_gate
     proxy = UnansweredCallbacks(gate.port)
     out = tmp_path / "late-pay"

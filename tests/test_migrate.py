@@ -1,6 +1,6 @@
 """Migrations: versioned files applied once each, routines re-applied when their file
 changes; safe to run twice or from several processes at once; a database migrated
-before the routines moved out of the versioned files (issue #17) upgrades cleanly."""
+before the routines moved out of the versioned files upgrades cleanly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deal partitions (issue #15 point 5, docs/scale-out.md "Deal partitions"): one hot
+"""Deal partitions (docs/scale-out.md "Deal partitions"): one hot
 deal spread over P Redis hash tags, each owning the buckets b MOD P.
 
 What must hold, against the shared gate (real Redis, real MariaDB):

@@ -346,9 +346,9 @@ async def _event_row(db: Database, event_id: str) -> tuple[str, str | None]:
 async def test_event_payment_and_session_ids_differing_only_by_case_are_distinct(
     pay_client: Client, db: Database, rds: aioredis.Redis
 ) -> None:
-    """Issue #12, point 8: provider ids compare exactly, as at the provider. Before
-    db/007 an event id differing only by case was taken for a duplicate (the payment
-    it carried was lost), and a payment id for another payment's row."""
+    """Provider ids compare exactly, as at the provider (db/007): an event id differing
+    only by case is not taken for a duplicate (losing the payment it carried), nor a
+    payment id for another payment's row."""
     deal = await create_deal(pay_client, stock=3, unit_price=700)
     order_id = await new_order(pay_client, deal, 4901)
     tag = os.urandom(4).hex()
@@ -398,10 +398,9 @@ async def test_event_payment_and_session_ids_differing_only_by_case_are_distinct
 async def test_an_event_cannot_repoint_a_known_payment_or_change_its_amount(
     pay_client: Client, db: Database, rds: aioredis.Redis
 ) -> None:
-    """Issue #12, point 11: a signed event naming a payment the gate holds with another
-    order or another amount is quarantined, and nothing changes. Before this check
-    (gate_payment_event_in_tx), the success of order A's failed attempt named for order
-    B paid B."""
+    """A signed event naming a payment the gate holds with another
+    order or another amount is quarantined, and nothing changes (gate_payment_event_in_tx):
+    the success of order A's failed attempt named for order B does not pay B."""
     deal = await create_deal(pay_client, stock=4, unit_price=800)
     a = await new_order(pay_client, deal, 4911)
     b = await new_order(pay_client, deal, 4912)

@@ -1,4 +1,4 @@
-"""The provider plumbing (issue #18): GATE_PAYMENT_PROVIDER picks an adapter, start-up
+"""The provider plumbing: GATE_PAYMENT_PROVIDER picks an adapter, start-up
 refuses a missing or unknown provider naming the variable (real `gate serve`, exit 2),
 and the webhook route answers a {provider} other than the configured one with a 404
 problem+json that records nothing."""

@@ -1,4 +1,4 @@
-"""Stripe (issue #18) end to end: a real gate with GATE_PAYMENT_PROVIDER=stripe, a
+"""Stripe end to end: a real gate with GATE_PAYMENT_PROVIDER=stripe, a
 local fake of Stripe's API (tests/fake_stripe.py, its own process on loopback), real
 Redis and MariaDB. Sessions, signed deliveries, authorize/capture/void, a late
 payment refunded with the refund's notification, refused notifications, duplicates,

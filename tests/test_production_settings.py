@@ -1,4 +1,4 @@
-"""Production refuses development values (#12.5): the built-in dev secrets outside
+"""Production refuses development values: the built-in dev secrets outside
 GATE_ENV=dev, a plain-http payment provider off loopback, a provider without an API
 key. Real `gate serve` processes: exit 2 naming the variable, before any I/O."""
 
@@ -134,7 +134,7 @@ def test_the_payment_provider_needs_https_and_a_key_outside_dev(
         ("http://10.0.0.5:8090", API_KEY, "GATE_PAYMENT_PROVIDER_URL must be https://"),
         # A name is not trusted to be loopback: it resolves.
         ("http://localhost:8090", API_KEY, "GATE_PAYMENT_PROVIDER_URL must be https://"),
-        # Nor a loopback address: https without exception outside dev (#12.5).
+        # Nor a loopback address: https without exception outside dev.
         ("http://127.0.0.1:8090", API_KEY, "GATE_PAYMENT_PROVIDER_URL must be https://"),
         ("http://[::1]:8090", API_KEY, "GATE_PAYMENT_PROVIDER_URL must be https://"),
         ("https://psp.example.com", "", "GATE_PAYMENT_API_KEY is required"),

@@ -1,4 +1,4 @@
-"""Queue mode (issue #14, docs/queue-mode.md) against real Redis, MariaDB and gate
+"""Queue mode (docs/queue-mode.md) against real Redis, MariaDB and gate
 processes: 202 QUEUED after the same admission, background group commits, exactly
 once through kills, switching, dead letters, cancel."""
 
@@ -536,7 +536,7 @@ async def test_sigkill_mid_drain_a_new_gate_finishes(
             second.wait_ready()
             c2 = Client(second.url)
             try:
-                # Every 202 reads PENDING_PAYMENT within 10 s (issue #14).
+                # Every 202 reads PENDING_PAYMENT within 10 s.
                 states = await _read_all_pending(c2, accepted, 10.0)
             finally:
                 await c2.close()
@@ -591,7 +591,7 @@ async def test_db_connections_killed_mid_drain(
     try:
         results = await _fire(client, deal_id, 19_000_000, 1500, "dbk")
         accepted = _accepted(results)
-        # Every 202 reads PENDING_PAYMENT within 10 s (issue #14).
+        # Every 202 reads PENDING_PAYMENT within 10 s.
         states = await _read_all_pending(client, accepted, 10.0)
     finally:
         stop.set()
@@ -741,8 +741,8 @@ async def test_redis_flushed_then_the_gate_that_queued_killed_another_drains(
     before it announces the deal again (at its next refresh of the modes): the
     suite's gates, which never queued to that deal, find its queue all the same,
     because a consumer walks every deal in queue mode, not only those the lost set
-    named. (Before, those requests waited, QUEUED, for a restart of a gate that had
-    queued to the deal.)"""
+    named: those requests never wait, QUEUED, for a restart of a gate that had
+    queued to the deal."""
     stock = 100
     deal_id = await create_deal(client, stock=stock, buckets=2, mode="queue")
     # No consumer of its own, and the longest refresh of the modes: its requests

@@ -217,9 +217,9 @@ async def test_database_fallback_policy_sells_without_redis(
 async def test_database_fallback_keeps_keys_differing_only_by_case_apart(
     env: dict[str, str], db: Database, rds: aioredis.Redis, proxy: TcpProxy
 ) -> None:
-    """Issue #12, point 8, on the database fallback: without Redis the database alone
-    tells keys apart, byte for byte (db/007); before, the second key was answered
-    with the first key's order."""
+    """On the database fallback: without Redis the database alone tells keys apart,
+    byte for byte (db/007), so a second key is never answered with the first key's
+    order."""
     gate = await _fallback_gate(env, proxy)
     client = Client(gate.url)
     try:

@@ -175,7 +175,7 @@ async def test_a_gate_on_a_query_string_url_reserves_and_mirrors(
 ) -> None:
     """The whole gate on `?db=&password=`: the admission script (the hot path's own
     connection) and the mirror (redis-py) both work on database 6 of the protected
-    server. Before, the script runner ignored both and every reservation failed."""
+    server: the script runner honours both, so reservations succeed."""
     url = f"redis://127.0.0.1:{protected_redis}?db=6&password={PASSWORD_QUOTED}"
     gate = GateProcess({**env, "GATE_REDIS_URL": url})
     try:

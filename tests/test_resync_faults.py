@@ -1,4 +1,4 @@
-"""Redis faults injected in the middle of a running sale (issue #5, point 2).
+"""Redis faults injected in the middle of a running sale.
 
 Buyers keep reserving and cancelling while Redis loses the deal's keys, loses a
 write, or is replaced by a stale copy of itself (a failover to a lagging replica).

@@ -1,4 +1,4 @@
-"""The waiting room (issue #13): inventory-aware admission, rate, fairness, tokens,
+"""The waiting room: inventory-aware admission, rate, fairness, tokens,
 bad input, a Redis flush. Real gate processes, real Redis and MariaDB."""
 
 from __future__ import annotations

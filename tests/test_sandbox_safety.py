@@ -1,4 +1,4 @@
-"""The sandbox provider is fenced in (#12.4): it starts only with GATE_ENV=dev, signs
+"""The sandbox provider is fenced in: it starts only with GATE_ENV=dev, signs
 with its own secret (never GATE_WEBHOOK_SECRET), wants its API key on every route but
 the health probe and the buyer's page, sends callbacks only to allowed hosts (without
 following redirects), and refuses controls of the wrong type without changing any.

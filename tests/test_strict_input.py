@@ -1,4 +1,4 @@
-"""Regular expressions over external input match the whole input (issue #12.11a).
+"""Regular expressions over external input match the whole input.
 
 Python's `$` also matches before a final newline, so `re.match(r"^[a-z]+$", "abc\\n")`
 succeeds: every pattern over input from outside (idempotency keys, device ids,

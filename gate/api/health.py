@@ -20,7 +20,7 @@ READY_TIMEOUT_SECONDS = 1.0
 
 
 # /readyz answers from a database probe at most this old: a flood of readiness checks
-# costs the database one statement a second per process (issue #12).
+# costs the database one statement a second per process.
 READY_DB_PROBE_SECONDS = 1.0
 
 

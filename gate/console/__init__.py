@@ -1,4 +1,4 @@
-"""The live sale console (issue #19): a page for the people running a sale.
+"""The live sale console: a page for the people running a sale.
 
     GET  /console                         the page (HTML; CSS and JS beside it, packaged)
     GET  /console/static/{name}           console.css, console.js

@@ -1,4 +1,4 @@
-"""Expiry: the hold sweeper and the continuous invariant checks (issue #5).
+"""Expiry: the hold sweeper and the continuous invariant checks.
 
 Both run inside `gate serve` (one of each per process; any number of processes
 may run them at once) unless turned off, and the sweeper also runs on its own as

@@ -1,5 +1,5 @@
 """Payments: provider interface, sandbox provider, signed callbacks, order state machine,
-refunds, outbox (issue #4). See docs/payments.md."""
+refunds, outbox. See docs/payments.md."""
 
 from __future__ import annotations
 

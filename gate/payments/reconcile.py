@@ -1,4 +1,4 @@
-"""Provider reconciliation (issue #5, point 4): the provider's books against the gate's.
+"""Provider reconciliation: the provider's books against the gate's.
 
 Callbacks get lost, arrive twice, or never come; an operator refunds by hand; a
 provider has a bad day. A pass reads the provider's transaction listing over a time

@@ -1,6 +1,6 @@
 """The idempotency keys the database holds for a buyer, remembered briefly, so that a
 buyer refused again and again (at their per-user limit, a quantity above the
-deal's maximum) re-clicking with fresh keys stays off the database (issue #12).
+deal's maximum) re-clicking with fresh keys stays off the database.
 
     Redis refuses a buyer who was admitted to the deal before (admit.lua's
     "known buyer" flag): the request may be a replay whose Redis record was lost

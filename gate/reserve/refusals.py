@@ -43,7 +43,7 @@ LIMITED_ANSWERS_MAX = 4096
 class Refusals:
     """The limiters' near-cache: what Redis refused, remembered in this process
     until the refusal's own end, so that a client hammering over its limit is
-    answered 429 without a Redis round trip (issue #3: a limiter rejection must cost
+    answered 429 without a Redis round trip (a limiter rejection must cost
     no more than a sold-out one).
 
     Exact for the limits: a GCRA limiter that refuses "retry after w ms" keeps

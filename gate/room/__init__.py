@@ -1,4 +1,4 @@
-"""The waiting room (issue #13): an inventory-aware, fair queue in front of hot deals.
+"""The waiting room: an inventory-aware, fair queue in front of hot deals.
 See docs/waiting-room.md and gate/room/service.py."""
 
 from __future__ import annotations

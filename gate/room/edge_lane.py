@@ -1,8 +1,8 @@
 """The queue's fast lanes: joins and polls answered at the edge (`TicketEdge`,
 gate/web/edge.py) when the request comes whole, else as plain ASGI, past Starlette's
 exception middleware and router (`QueueLane`; gate/api/app.py's FastLane does the same
-for reservations). Polling is most of a room's traffic; issue #13 wants it as cheap
-as a sold-out answer. The routes stay registered with Starlette too (the OpenAPI
+for reservations). Polling is most of a room's traffic, so it must cost
+no more than a sold-out answer. The routes stay registered with Starlette too (the OpenAPI
 check, a mounted app); the lanes only answer first, and both answer alike
 (`_ticket_answer`)."""
 

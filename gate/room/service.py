@@ -1,4 +1,4 @@
-"""The waiting room of a deal (issue #13, docs/waiting-room.md).
+"""The waiting room of a deal (docs/waiting-room.md).
 
     buyer ── POST /v1/deals/{id}/queue ──> room_ticket.lua (join) ──> ticket
           ── GET  /v1/deals/{id}/queue ──> room_ticket.lua (read) ──> ticket

@@ -17,7 +17,7 @@ failover to a stale replica brings back (their requests finished after the repli
 copy was taken), so the deal is comparable again within seconds, not after
 `inflight_max_seconds`.
 
-A token whose admitting process is dead needs no wait either (issue #12, point 9: a
+A token whose admitting process is dead needs no wait either (a
 SIGKILLed gate left its units unbuyable for 30 s). Each token names its process's
 liveness lease (gate/store/process_lease.py); once that lease has lapsed:
 

@@ -1,5 +1,5 @@
 """Unknown deal ids, remembered briefly, so that a flood of them stays off the
-database (issue #12): `GET /v1/deals/{id}` and a reservation on a deal Redis holds
+database: `GET /v1/deals/{id}` and a reservation on a deal Redis holds
 no state for both ask the database only about ids it may hold.
 
     request for deal D

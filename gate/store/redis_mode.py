@@ -71,9 +71,9 @@ def detect_mode(
             except redis.RedisError as exc:
                 last = exc
         else:
-            # Unreachable now: standalone, as before modes existed (start-up then
-            # fails or degrades exactly as it always did), unless cluster nodes are
-            # named; otherwise cluster needs the mode set.
+            # Unreachable now: standalone (start-up then fails or degrades as it does
+            # for a standalone Redis that is down), unless cluster nodes are named;
+            # otherwise cluster needs the mode set.
             mode = "cluster" if nodes else "standalone"
             log.warning("GATE_REDIS_MODE=auto: Redis unreachable (%r); assuming %s", last, mode)
         if mode == "standalone" and nodes:

@@ -11,7 +11,7 @@ per spelling, `hmac.digest` in C, orjson). tests/test_auth_fast.py holds it to
 PyJWT's verdict on valid and hostile tokens. Verified tokens are also kept in a
 bounded cache that still honours `exp` on every use.
 
-The cache cannot be inflated by one buyer (issue #12): a token is verified (and so
+The cache cannot be inflated by one buyer: a token is verified (and so
 cached) only when each of its three segments is canonical base64url (no padding,
 the last character's unused bits zero), so the bytes a token stands for have one
 spelling only and the cache key, the token, cannot be varied for a token the buyer

@@ -1,4 +1,4 @@
-"""The HTTP guard: what one worker's requests may hold, and for how long (issue #12).
+"""The HTTP guard: what one worker's requests may hold, and for how long.
 
     request ─▶ RequestObserver ─▶ FastLane (the guard's checks, then the hot routes)
                                     │      ─▶ router ─▶ endpoint
@@ -34,7 +34,7 @@ WATCH_SECONDS (see `Guard`).
 The guard is no ASGI layer of its own: the fast lane (gate/api/app.py), the innermost
 middleware, which every request passes anyway, does its two checks. A layer of its
 own, with a bounded reader registered for every POST, cost the sold-out rejection
-a quarter of its time (docs/hotpath.md, issue #12).
+a quarter of its time (docs/hotpath.md).
 """
 
 from __future__ import annotations
