@@ -27,16 +27,16 @@ from loadtest import hotpath as hp
 
 async def measure(pairs: int, n: int, concurrency: int) -> dict[str, Any]:
     from gate.api.app import build_app
-    from gate.room import edge_lane as lane
+    from gate.room import edge_lane
     from loadtest.tokens import TokenMint
 
     settings = await hp.prepared_settings()
     app = build_app(settings, background=False)
     mint = TokenMint(settings.jwt_secret.reveal())
     probe = hp.Probe(app, settings.admin_token.reveal(), mint, edge=True)
-    callback = lane.TicketEdge.handle
+    callback = edge_lane.TicketEdge.handle
     hp.switch_off("ticket-callback")
-    task = lane.TicketEdge.handle
+    task = edge_lane.TicketEdge.handle
     samples: dict[str, dict[str, list[float]]] = {
         "callback": {"poll": [], "join": []},
         "task": {"poll": [], "join": []},
@@ -53,7 +53,7 @@ async def measure(pairs: int, n: int, concurrency: int) -> dict[str, Any]:
         for pair in range(pairs):
             order = [("callback", callback), ("task", task)]
             for name, handle in order if pair % 2 == 0 else order[::-1]:
-                lane.TicketEdge.handle = handle  # type: ignore[method-assign]
+                edge_lane.TicketEdge.handle = handle  # type: ignore[method-assign]
                 polls = [probe.queue_call("GET", poll_deal, u) for u in pollers]
                 started = time.process_time()
                 await hp.drive(polls, concurrency)
@@ -63,7 +63,7 @@ async def measure(pairs: int, n: int, concurrency: int) -> dict[str, Any]:
                 started = time.process_time()
                 await hp.drive(joins, concurrency)
                 samples[name]["join"].append((time.process_time() - started) / n * 1e6)
-        lane.TicketEdge.handle = callback  # type: ignore[method-assign]
+        edge_lane.TicketEdge.handle = callback  # type: ignore[method-assign]
     out: dict[str, Any] = {}
     for kind in ("poll", "join"):
         cb, tk = samples["callback"][kind], samples["task"][kind]

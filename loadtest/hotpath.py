@@ -321,16 +321,16 @@ def switch_off(lever: str) -> None:
 
         app.routes = reordered
     elif lever == "ticket-callback":
-        from gate.room import edge_lane as lane
+        from gate.room import edge_lane
 
         def in_a_task(self: Any, req: Any) -> None:
             # A join or a read in a task of its own, as before the callback.
             user_id = self.auth.user_id(req.header(b"authorization"))
-            if not 1 <= req.id <= lane.MAX_ID:
-                raise lane.not_found("deal")
-            req.run(lane._ticket_answer(self.room, req.id, user_id, self.join, req.path))
+            if not 1 <= req.id <= edge_lane.MAX_ID:
+                raise edge_lane.not_found("deal")
+            req.run(edge_lane._ticket_answer(self.room, req.id, user_id, self.join, req.path))
 
-        lane.TicketEdge.handle = in_a_task  # type: ignore[method-assign]
+        edge_lane.TicketEdge.handle = in_a_task  # type: ignore[method-assign]
     elif lever == "queue-callback":
         from gate.reserve.reservations import Reservations
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from gate.api import markdown as apidoc
+from gate.api import markdown
 from gate.base.limits import SCOPES
 from gate.cli import parser
 from tests.support import ROOT, Client
@@ -212,8 +212,8 @@ def test_cli_page_describes_every_command_option_and_exit_code() -> None:
 async def test_api_page_is_what_the_served_document_gives(client: Client) -> None:
     served = await client.get("/openapi.json")
     assert served.status_code == 200
-    text = apidoc.API_DOC.read_text(encoding="utf-8")
-    assert apidoc.splice(text, apidoc.render(served.json())) == text, (
+    text = markdown.API_DOC.read_text(encoding="utf-8")
+    assert markdown.splice(text, markdown.render(served.json())) == text, (
         "docs/api.md is not what /openapi.json gives: run `.venv/bin/python -m gate.api.markdown`"
     )
     # Every operation, status and problem code of the document is on the page.

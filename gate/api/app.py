@@ -49,7 +49,7 @@ from gate.base.settings import Settings, load_settings
 from gate.extensions import area_modules
 from gate.runtime import Gate
 from gate.store.db import DbUnavailable
-from gate.web import docs_page as apidocs
+from gate.web import docs_page
 from gate.web.edge import Edge, EdgeRoute
 from gate.web.guard import BODY_METHODS, UNGUARDED_PATHS, BodyReceive, Guard
 from gate.web.http_io import (
@@ -241,7 +241,7 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     }
     all_routes = routes()
     if settings.docs:
-        all_routes.extend(apidocs.routes())
+        all_routes.extend(docs_page.routes())
     middleware = []
     inner = []
     for ext in gate.extensions:

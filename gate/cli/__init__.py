@@ -269,9 +269,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.set_defaults(fn=cmd_demo)
 
-    from gate.cli import deals as dealcli
+    from gate.cli import deals
 
-    dealcli.add_commands(sub)
+    deals.add_commands(sub)
 
     from gate.extensions import area_modules
 

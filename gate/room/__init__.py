@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from gate.base.errors import not_found
 from gate.extensions import Extension
-from gate.room import openapi as api_doc
+from gate.room import openapi as room_openapi
 from gate.room.admission import RoomAdmission
 from gate.room.edge_lane import QueueLane, TicketEdge
 from gate.room.service import Room
@@ -33,7 +33,7 @@ log = logging.getLogger("gate.room")
 
 SCRIPTS = ("room_ticket", "room_advance", "room_restore")
 
-for (_path, _method), _operation in api_doc.operations().items():
+for (_path, _method), _operation in room_openapi.operations().items():
     openapi.add_operation(_path, _method, _operation)
 MAX_ID = 2**63 - 1
 
