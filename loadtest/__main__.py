@@ -1,0 +1,70 @@
+"""One entry point for the load tests and benchmarks:
+
+    python -m loadtest                      the list below
+    python -m loadtest NAME [ARGS...]       run one; `python -m loadtest NAME --help`
+
+Each name runs the `main` of its module with ARGS, as `python -m loadtest.MODULE ARGS`
+does; the shell wrappers (loadtest/run, loadtest/bench) come here too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, what it runs)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "scenario": ("loadtest.scenario", "one locust scenario headless, then the verifier"),
+    "verify": ("loadtest.verify", "the post-run verifier of a client record"),
+    "bench": ("loadtest.benchmark", "the benchmark runner: the gate against the baseline"),
+    "bench-callbacks": ("loadtest.bench_callbacks", "the payment callback benchmark"),
+    "bench-cluster": (
+        "loadtest.bench_cluster",
+        "the gate on Redis Cluster against one Redis",
+    ),
+    "bench-console": ("loadtest.console_bench", "the sale with and without the live console"),
+    "bench-expiry": ("loadtest.bench_expiry", "expiry release throughput"),
+    "bench-partitions": ("loadtest.bench_partitions", "one hot deal in 1 against 3 partitions"),
+    "bench-queue": ("loadtest.bench_queue", "the queue mode benchmark"),
+    "bench-room": ("loadtest.bench_room", "the waiting room's benchmark"),
+    "hotpath": ("loadtest.hotpath", "CPU per request of the hot paths, in process"),
+    "ab-queued": ("loadtest.ab_queued", "queue mode's 202 at the edge, measured pair by pair"),
+    "ab-ticket": (
+        "loadtest.ab_ticket",
+        "a room ticket by callback or by task, pair by pair",
+    ),
+    "reserve-probe": (
+        "loadtest.reserve_probe",
+        "the reservation procedures alone",
+    ),
+    "room-memory": ("loadtest.room_memory", "bytes per waiting-room ticket on a real Redis"),
+    "shard-sim": ("loadtest.shard_sim", "sharding by deal, simulated and checked"),
+    "baseline": ("loadtest.baseline.__main__", "the DB-only peer baseline (serve, migrate, check)"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: python -m loadtest NAME [ARGS...]", ""]
+    lines += [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"python -m loadtest: unknown name {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    # The module's own parser reads sys.argv, as when it is run by itself.
+    sys.argv = [f"python -m loadtest {name}", *rest]
+    code = module.main()
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
