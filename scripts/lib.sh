@@ -154,7 +154,7 @@ ensure_services() {
   ensure_mariadb
 }
 
-# promtool checks the alert rules (tests/test_ops_monitoring.py). Debian ships it
+# promtool checks the alert rules (tests/project/test_ops_monitoring.py). Debian ships it
 # only inside the prometheus package, which would also install a server; so the
 # package is downloaded and just the one binary unpacked under $STATE/bin.
 ensure_promtool() {
@@ -174,7 +174,7 @@ ensure_promtool() {
   if [ -x "$bin" ]; then export PROMTOOL="$bin"; fi
 }
 
-# The console's browser tests (tests/test_console_browser.py) drive Debian's
+# The console's browser tests (tests/console/test_console_browser.py) drive Debian's
 # chromium with chromium-driver through Selenium; nothing is downloaded at test
 # time. The two packages are ~100 MB and take 1-2 minutes to install on a fresh
 # Debian image (once: a second run finds them); when they cannot be installed the

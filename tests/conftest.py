@@ -25,7 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # redis-py's asyncio cluster client leaves the connection of a node it used while
     # discovering the cluster unclosed (a socket at garbage collection, not a failure
     # of the gate). Once a test has used such a client in this process (a cluster run,
-    # tests/test_cluster.py), those ResourceWarnings are not turned into errors.
+    # tests/store/test_cluster.py), those ResourceWarnings are not turned into errors.
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:

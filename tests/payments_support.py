@@ -75,7 +75,7 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
             "GATE_PAYMENT_BACKOFF_MAX_SECONDS": "2",
             "GATE_OUTBOX_INTERVAL_SECONDS": "0.2",
             "GATE_OUTBOX_STREAM": "gate:test-pay-events",
-            # No background reconciliation: tests/test_reconcile.py turns it on.
+            # No background reconciliation: tests/payments/test_reconcile.py turns it on.
             "GATE_RECONCILE_INTERVAL_SECONDS": "0",
         }
     )

@@ -1,5 +1,5 @@
 """HTTP/1.1 over a plain socket, for the tests that need to control the bytes and
-their timing (tests/test_guard.py, tests/test_edge.py): answers read off one
+their timing (tests/web/test_guard.py, tests/web/test_edge.py): answers read off one
 connection in order, Content-Length framed, an interim 100 Continue skipped."""
 
 from __future__ import annotations

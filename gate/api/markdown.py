@@ -11,7 +11,7 @@ it is edited by hand.
     python -m gate.api.markdown           rewrite the generated part of docs/api.md
     python -m gate.api.markdown --check   exit 1 when it is not what the document gives
 
-tests/test_docs.py renders what a running gate serves at /openapi.json and compares.
+tests/project/test_docs.py renders what a running gate serves at /openapi.json and compares.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ PROVIDER_NAME_MAX = 32
 # The providers an adapter exists for (gate/payments/adapters.py names their modules).
 PROVIDER_NAMES = ("sandbox", "stripe", "alipay", "wechatpay")
 # `sandbox-<label>`: the sandbox under a name of its own, so that a test suite's rows
-# stay apart from other suites' in a shared database (tests/test_reconcile.py).
+# stay apart from other suites' in a shared database (tests/payments/test_reconcile.py).
 SANDBOX_LABEL_RE = re.compile(r"sandbox-[a-z0-9]{1,24}")
 
 

@@ -10,7 +10,7 @@ before signing it (a non-UTF-8 body raises an error other than its verification
 error), accepts fractional and exponent timestamps and floors them, and raises a
 bare ValueError on a malformed signature entry. This module works on the bytes as
 received, accepts only an integer timestamp within ±300 s, bounds every header and
-compares in constant time. tests/test_payments_signing.py checks that the
+compares in constant time. tests/payments/test_payments_signing.py checks that the
 package's signatures verify here and ours there.
 """
 

@@ -7,7 +7,7 @@ A flash sale's crowd is mostly first requests: every buyer's first click brings 
 token not seen before. PyJWT's general decoder took ≈ 56 µs per token, more than
 the rest of a sold-out answer, so tokens are verified here by `verify_hs256`, the
 same rules written for this one algorithm (≈ 7 µs: the header segment checked once
-per spelling, `hmac.digest` in C, orjson). tests/test_auth_fast.py holds it to
+per spelling, `hmac.digest` in C, orjson). tests/web/test_auth_fast.py holds it to
 PyJWT's verdict on valid and hostile tokens. Verified tokens are also kept in a
 bounded cache that still honours `exp` on every use.
 

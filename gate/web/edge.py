@@ -48,7 +48,7 @@ shutdown, is closed at once, as uvicorn does.
 
 The protocol depends on uvicorn's HttpToolsProtocol internals (the parser callbacks,
 `cycle`, `pipeline`, `on_response_complete`): pyproject.toml pins uvicorn to one
-minor release, and tests/test_edge.py covers each of them over real sockets.
+minor release, and tests/web/test_edge.py covers each of them over real sockets.
 """
 
 from __future__ import annotations

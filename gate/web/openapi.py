@@ -4,8 +4,8 @@ Written by hand: the document is the API contract in machine-readable form, not 
 by-product of the code; docs/api.md is rendered from it (gate/api/markdown.py). Every
 integer a request carries (path, query, body) states its bounds (minimum and
 maximum), and the gate answers a value past them with a 4xx problem:
-tests/test_bounds.py sends each one past its bounds, from this document.
-tests/test_openapi.py keeps it in step with the routes the app really serves.
+tests/web/test_bounds.py sends each one past its bounds, from this document.
+tests/web/test_openapi.py keeps it in step with the routes the app really serves.
 Areas that add endpoints beyond the contract describe them with `add_operation`.
 """
 

@@ -288,7 +288,7 @@ async def test_console_in_a_real_browser(
         assert adjust[0][2] == "second pallet"
         await asyncio.to_thread(driver.save_screenshot, str(shots / "after-actions.png"))
         # The README's picture is refreshed on request only (the tree stays clean):
-        #   CONSOLE_README_SCREENSHOT=1 pytest tests/test_console_browser.py
+        #   CONSOLE_README_SCREENSHOT=1 pytest tests/console/test_console_browser.py
         if os.environ.get("CONSOLE_README_SCREENSHOT") == "1":
             (ROOT / "docs" / "img").mkdir(parents=True, exist_ok=True)
             shutil.copyfile(shots / "live.png", ROOT / "docs" / "img" / "console.png")

@@ -383,7 +383,7 @@ async def test_a_crowd_meets_a_process_that_has_not_seen_the_deals(
     """Every request for a deal a process has not routed yet reads the deal's partition
     count first. A crowd's first requests did that through redis-py's pool, one
     connection each: with the pool exhausted they were answered 500 (found by
-    tests/test_crash_recovery.py, a survivor gate taking over a dead gate's crowd).
+    tests/reserve/test_crash_recovery.py, a survivor gate taking over a dead gate's crowd).
     Now it is a script call in the hot path's pipeline: a fresh gate with a pool of
     one connection sells both deals out to 600 concurrent first requests."""
     one = await create_deal(client, stock=150, buckets=4)

@@ -37,7 +37,7 @@ def _victim_env(env: dict[str, str]) -> dict[str, str]:
         "GATE_INFLIGHT_MAX_SECONDS": "3.5",
         # These tests are about the age rule: the victim's liveness lease must not
         # lapse first (a running janitor would then resolve its token at once,
-        # tests/test_crash_recovery.py).
+        # tests/reserve/test_crash_recovery.py).
         "GATE_LEASE_SECONDS": "30",
     }
 

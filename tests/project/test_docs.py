@@ -41,7 +41,7 @@ def _python_sources() -> list[Path]:
         *sorted((ROOT / "loadtest").rglob("*.py")),
         ROOT / "tests" / "support.py",
         ROOT / "tests" / "conftest.py",
-        ROOT / "tests" / "test_cluster.py",
+        ROOT / "tests" / "store" / "test_cluster.py",
     ]
 
 

@@ -117,7 +117,7 @@ def violations(graph: Graph) -> list[str]:
             continue
         src_layer = layer_of(src)
         if src_layer is None:
-            found.append(f"{importer}: package {src!r} is in no layer (tests/test_layering.py)")
+            found.append(f"{importer}: package {src!r} is in no layer (see LAYERS)")
             continue
         for target in sorted(imported):
             dst = unit(target)

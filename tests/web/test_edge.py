@@ -973,7 +973,7 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
 
             # Redis cannot be reached: 503, nothing taken, and the connection serves on.
             # (One Redis only: the runner's connections are swapped for a dead one; a
-            # cluster's are per node, tests/test_cluster.py kills a primary instead.)
+            # cluster's are per node, tests/store/test_cluster.py kills a primary instead.)
             avail = await rds.hget(deal_keys(deal_id).meta, "avail")
             assert avail == "2", avail
             runner = gate.reservations.mirror.runner
