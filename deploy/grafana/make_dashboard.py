@@ -6,7 +6,7 @@ Panels follow what operators watch during a sale (seed 000: active connections,
 lock waits, transaction time, deadlocks, order latency, reservation success rate,
 callback delay, expiry releases, refund backlog) plus the invariant, drift and
 seed 003's thresholds, drawn as red lines where an alert fires.
-tests/test_ops_monitoring.py checks that the committed JSON is this script's output.
+tests/project/test_ops_monitoring.py checks that the committed JSON is this script's output.
 """
 
 from __future__ import annotations
