@@ -29,7 +29,7 @@
   KEYS[13] room admitted  hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
   KEYS[14] room expiry    zset   {d:ID}:rx    user -> expires_ms
   KEYS[15] queue          stream {d:ID}:q          } only for a deal in queue mode
-  KEYS[16] queue status   string {d:ID}:q:o:TOKEN  } (gate/queue/, docs/queue-mode.md)
+  KEYS[16] queue status   string {d:ID}:q:o:TOKEN  } (gate/queuemode/, docs/queue-mode.md)
   KEYS[17] order index    string gate:q:i:TOKEN  queue mode on one Redis only (on Redis
           Cluster it is in another slot: lua/queue_index.lua writes it instead)
 
@@ -42,7 +42,7 @@
   ARGV[7] idempotency key (raw, as sent by the buyer)
   ARGV[8..15] per limiter of KEYS[7..10]: emission interval (ms), burst;
           an interval of 0 turns that limiter off
-  ARGV[16] owner: the admitting process's lease id (gate/lease.py); a janitor
+  ARGV[16] owner: the admitting process's lease id (gate/store/process_lease.py); a janitor
           resolves the token at once when that lease has lapsed
   ARGV[17] admission: "" no Admission-Token header, "-" a token that failed its
           signature, buyer, deal or expiry check (gate/room/tokens.py), "*" the

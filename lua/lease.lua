@@ -1,6 +1,6 @@
 --[[
   lease: a gate process's liveness lease and the record of its database connections
-  (gate/lease.py). While the lease exists the process may be running reservation
+  (gate/store/process_lease.py). While the lease exists the process may be running reservation
   transactions; once it has lapsed it never comes back under the same owner id (a
   renewal only extends a lease that still exists; a process whose lease lapsed takes
   a new id). A connection is recorded before its first reservation transaction, and

@@ -1,6 +1,6 @@
 --[[
   queue_locate: which deal (and buyer) a queued order belongs to, for
-  GET /v1/orders/{id} (gate/queue/service.py `_locate`). Read-only. A script rather
+  GET /v1/orders/{id} (gate/queuemode/service.py `_locate`). Read-only. A script rather
   than a plain GET so that the read goes through the gate's script runner (raw RESP,
   routed by slot on a cluster) like the poll's second step, lua/queue_peek.lua: one
   redis-py command cost the gate about as much as the rest of the poll.

@@ -1,6 +1,6 @@
 --[[
   queue_peek: a queued order's state in its deal's slot, for GET /v1/orders/{id}
-  (gate/queue/service.py `_locate`), in one step after lua/queue_locate.lua found the
+  (gate/queuemode/service.py `_locate`), in one step after lua/queue_locate.lua found the
   deal. Read-only.
 
   KEYS[1] status    string {d:ID}:q:o:TOKEN  "Q|…" waiting, "C|…" being committed,

@@ -1,8 +1,8 @@
 --[[
   soldout_renew: one read that tells a process whether its sold-out near-cache entry
-  for a deal (or one partition of it) may be renewed (gate/soldout.py). A script
+  for a deal (or one partition of it) may be renewed (gate/reserve/soldout.py). A script
   call rather than a redis-py pipeline so that it travels in the hot path's pipeline
-  (gate/scripts.py): under a sold-out flood the pipeline's round trip waited behind
+  (gate/store/scripts.py): under a sold-out flood the pipeline's round trip waited behind
   the process's own requests for 20-90 ms, longer than what was left of the entry.
   TIME is the clock of the node that holds the deal (the admission's clock).
 

@@ -1,7 +1,7 @@
 --[[
   work_lease: one holder at a time for a kind of background work (the janitor, the
   resync loop, the invariant monitor) across every gate process and host
-  (gate/worklease.py). The holder extends its lease before each pass; another
+  (gate/store/work_lease.py). The holder extends its lease before each pass; another
   process takes it only once it has lapsed (its holder stopped or died).
 
   KEYS[1] lease  string {gate:bg}:KIND  the holder's owner id, TTL = the lease

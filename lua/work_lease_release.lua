@@ -1,6 +1,6 @@
 --[[
   work_lease_release: a background loop that stops gives its kind's lease back
-  (gate/worklease.py), so that another process takes the work at its next pass
+  (gate/store/work_lease.py), so that another process takes the work at its next pass
   instead of after the lease's TTL (a rolling restart pauses nothing). Only the
   holder's own lease is deleted: one that lapsed and was taken by another process
   is left alone.

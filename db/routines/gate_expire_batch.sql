@@ -9,7 +9,7 @@ DELIMITER $$
 
 -- Release a batch of due holds the caller has locked in this transaction.
 --
--- The caller (gate/sweeper.py) has already run START TRANSACTION and
+-- The caller (gate/expiry/sweeper.py) has already run START TRANSACTION and
 --   SELECT … FROM orders WHERE status = … AND expires_at <= NOW(6)
 --   ORDER BY expires_at LIMIT n FOR UPDATE SKIP LOCKED
 -- and recorded one Redis intent per order (docs/redis-mirror.md). This procedure
