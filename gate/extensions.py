@@ -54,7 +54,7 @@ class Extension:
     # Answered by the HTTP protocol itself when a request comes whole (gate/web/edge.py);
     # each beside an ASGI route of its own that answers the same.
     edge: list[EdgeRoute] = field(default_factory=list)
-    # The request metrics and log line (gate.ops): the edge records its answers with
+    # The request metrics and log line (gate/web/recorder.py): the edge records its answers with
     # the same recorder as the request middleware.
     recorder: RequestRecorder | None = None
     on_start: list[Callable[[], Awaitable[None]]] = field(default_factory=list)

@@ -113,7 +113,7 @@ DIRECTORY_DDL = (
 
 
 def _order_id(rng: random.Random) -> str:
-    # A valid order id (gate.orders.ORDER_ID_RE) drawn from the seed: a recorded
+    # A valid order id (gate.stock.orders.ORDER_ID_RE) drawn from the seed: a recorded
     # workload replays with the same ids.
     return "".join(rng.choice(_DIGITS) for _ in range(26))
 

@@ -66,7 +66,7 @@ log = logging.getLogger("gate.app")
 area_modules()
 
 
-# The "id" path convertor (bounded digits) is registered by gate.http, which every
+# The "id" path convertor (bounded digits) is registered by gate.web.http_io, which every
 # area imports before it builds its routes.
 
 
@@ -271,7 +271,7 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
     edge_routes: list[EdgeRoute] = [ReserveEdge(gate), DealViewEdge(gate), OrderViewEdge(gate)]
     for ext in gate.extensions:
         edge_routes.extend(ext.edge)
-    # What gate.edge.EdgeProtocol answers itself (gate serve's protocol).
+    # What gate.web.edge.EdgeProtocol answers itself (gate serve's protocol).
     app.state.edge = Edge(
         edge_routes, guard, recorder or RequestRecorder(), settings.body_max_bytes
     )

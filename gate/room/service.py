@@ -56,7 +56,7 @@ ISO_SECONDS_MAX = 4096
 
 
 def iso_ms(ms: int) -> str | None:
-    """Redis milliseconds as the API's ISO 8601 UTC timestamps (gate.clock.iso's
+    """Redis milliseconds as the API's ISO 8601 UTC timestamps (gate.base.clock.iso's
     format: microseconds and a Z)."""
     if ms <= 0:
         return None

@@ -13,7 +13,7 @@ PROBLEM_JSON = "application/problem+json"
 
 
 # Every problem code the API answers with, by status. The contract's codes plus
-# METHOD_NOT_ALLOWED and INTERNAL, which gate.errors also knows.
+# METHOD_NOT_ALLOWED and INTERNAL, which gate.base.errors also knows.
 PROBLEM_CODES: dict[str, int] = {
     "INVALID_REQUEST": 400,
     "UNAUTHORIZED": 401,

@@ -408,7 +408,7 @@ async def test_redis_unreachable_is_a_503_for_the_buyer(client: Client, local_ga
 
 
 def test_ticket_timestamps_and_random_scores() -> None:
-    # The per-second cache formats as gate.clock.iso does.
+    # The per-second cache formats as gate.base.clock.iso does.
     for ms in (
         1,
         999,
