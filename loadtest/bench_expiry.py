@@ -43,29 +43,10 @@ from gate.runtime import Gate  # noqa: E402
 from gate.stock.check import check_deal  # noqa: E402
 from gate.store.keys import deal_keys  # noqa: E402
 from gate.store.migrate import migrate  # noqa: E402
+from loadtest import procs  # noqa: E402
 
 GATE_BIN = str(Path(sys.executable).with_name("gate"))
 INSERT_CHUNK = 2000
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pids_named(name: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() == name:
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
 
 
 async def make_holds(gate: Gate, args: argparse.Namespace) -> int:
@@ -171,12 +152,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
         watched = {
-            "mariadb": pids_named("mariadbd") or pids_named("mysqld"),
-            "redis": pids_named("redis-server"),
+            "mariadb": procs.pids_named("mariadbd") or procs.pids_named("mysqld"),
+            "redis": procs.pids_named("redis-server"),
             "sweepers": [p.pid for p in sweepers],
         }
         await asyncio.sleep(max(0.0, due_at - time.monotonic()))
-        cpu0 = {k: sum(cpu_seconds(p) for p in v) for k, v in watched.items()}
+        cpu0 = {k: procs.cpu_seconds(v) for k, v in watched.items()}
         t_first = None
         while True:
             avail = int(await gate.redis.hget(keys.meta, "avail") or 0)
@@ -189,7 +170,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if now - due_at > args.timeout_seconds:
                 raise SystemExit(f"timed out: {avail} of {args.holds} units sellable again")
             await asyncio.sleep(0.005)
-        cpu = {k: round(sum(cpu_seconds(p) for p in v) - cpu0[k], 2) for k, v in watched.items()}
+        cpu = {k: round(procs.cpu_seconds(v) - cpu0[k], 2) for k, v in watched.items()}
     finally:
         for p in sweepers:
             p.terminate()
