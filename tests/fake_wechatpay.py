@@ -428,7 +428,8 @@ async def pay(request: Request) -> Response:
     if order["trade_state"] not in ("NOTPAY", "USERPAYING"):
         return JSONResponse({"error": f"order is {order['trade_state']}"}, 409)
     STATE.seq += 1
-    order["transaction_id"] = f"42000{STATE.seq:023d}"
+    # `transaction_id`: a test's own id (one WeChat would never issue, say).
+    order["transaction_id"] = str(doc.get("transaction_id") or f"42000{STATE.seq:023d}")
     if doc.get("outcome", "succeed") == "succeed":
         order["trade_state"] = "SUCCESS"
         order["success_time"] = _now()

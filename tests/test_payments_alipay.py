@@ -616,3 +616,19 @@ async def test_a_refund_alipay_does_not_know_is_recorded_without_an_amount(
     assert event.amount == 500  # the refunded total, before completion
     completed = await AlipayWebhook(provider.alipay, provider).complete(event)
     assert completed.amount is None and completed.refund_id == "refund-nobody-0"
+
+
+@pytest.mark.parametrize("trade_no", ["2026120122001000000000000001\n", "9" * 65, "2026x"])
+async def test_a_trade_no_alipay_never_issues_is_refused(
+    stack: tuple[AlipayProvider, Sink, FakeControl], trade_no: str
+) -> None:
+    # The notification is a 400 (nothing recorded); the query's answer a failed call.
+    provider, sink, control = stack
+    request = session_request(sink)
+    await provider.create_session(request, "k")
+    await control.post("/_fake/pay", {"out_trade_no": request.order_id, "trade_no": trade_no})
+    await eventually(lambda: sink.refused)
+    assert all("trade_no" in r for r in sink.refused)
+    assert sink.events == []
+    with pytest.raises(ProviderUnavailable, match="trade_no"):
+        await provider.payments_for_order(request.order_id)

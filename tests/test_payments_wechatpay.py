@@ -671,3 +671,53 @@ async def test_a_key_rotation_verifies_with_both_keys_and_only_with_both(
         await provider_a.close()
         await sink_both.stop()
         await sink_a.stop()
+
+
+# -- ids checked whole ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tx", ["4200000000202612010000000001\n", "4" * 33, "42000000002026120100000000x1", "４２"]
+)
+async def test_a_transaction_id_wechat_never_issues_is_refused(
+    stack: tuple[WechatPayProvider, Sink, FakeControl], tx: str
+) -> None:
+    # The notification is a 400 (EventInvalid: nothing recorded, counted as
+    # rejected by the gate); the query's answer a failed call, never a stored id.
+    provider, sink, control = stack
+    request = session_request(sink)
+    await provider.create_session(request, "k")
+    await control.post("/_fake/pay", {"out_trade_no": request.order_id, "transaction_id": tx})
+    await eventually(lambda: sink.refused)
+    assert all("transaction_id" in r for r in sink.refused)
+    assert sink.events == []
+    with pytest.raises(ProviderUnavailable, match="transaction_id"):
+        await provider.payments_for_order(request.order_id)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("out_refund_no", "refund wechat"),
+        ("out_refund_no", "r" * 65),
+        ("out_refund_no", "refund-x\n"),
+        ("event_type", "REFUND.SUCCESS\n"),
+        ("event_type", "refund.success"),
+    ],
+)
+def test_refund_ids_and_event_types_outside_the_alphabet_are_400(
+    keys: dict[str, KeyPair], field: str, value: str
+) -> None:
+    now = time.time()
+    resource = {
+        "mchid": MCHID,
+        "out_trade_no": str(ULID()),
+        "transaction_id": "4200000000202612010000000003",
+        "out_refund_no": value if field == "out_refund_no" else "refund-wechatpay-x-0",
+        "refund_status": "SUCCESS",
+        "amount": {"total": 1, "refund": 1, "currency": "CNY"},
+    }
+    event_type = value if field == "event_type" else "REFUND.SUCCESS"
+    headers, body = notification(keys, now, event_type=event_type, resource=resource)
+    with pytest.raises(EventInvalid, match=field):
+        parse_notification(settings_of(keys), headers, body, now)

@@ -53,7 +53,7 @@ from gate.payments.provider import (
     SessionRequest,
     Transaction,
     TransactionPage,
-    checked_id,
+    answer_id,
     event_id_of,
     order_id_or_none,
 )
@@ -444,10 +444,11 @@ def _seconds(text: Any) -> int | None:
 
 
 def _payment(trade: dict[str, Any]) -> Payment | None:
-    trade_no = checked_id(trade.get("trade_no"), TRADE_NO_RE)
+    raw_trade_no = trade.get("trade_no")
+    if not raw_trade_no:
+        return None  # no trade yet
+    trade_no = answer_id(raw_trade_no, TRADE_NO_RE, "trade_no")
     status = trade.get("trade_status")
-    if trade_no is None:
-        return None
     if status in PAID:
         state = "succeeded"
     elif status == "TRADE_CLOSED":

@@ -55,7 +55,6 @@ from gate.payments.provider import (
     Transaction,
     TransactionPage,
     answer_id,
-    checked_id,
     event_id_of,
     order_id_or_none,
 )
@@ -158,9 +157,7 @@ def _payment(pi: Mapping[str, Any]) -> Payment | None:
     if status is None:
         return None
     amount = pi.get("amount_received") if status == "succeeded" else pi.get("amount")
-    payment_id = checked_id(pi.get("id"), STRIPE_ID_RE)
-    if payment_id is None:
-        return None
+    payment_id = answer_id(pi.get("id"), STRIPE_ID_RE, "PaymentIntent id")
     return Payment(
         payment_id=payment_id,
         order_id=_order_id(pi),

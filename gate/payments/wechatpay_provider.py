@@ -57,7 +57,6 @@ from gate.payments.provider import (
     Transaction,
     TransactionPage,
     answer_id,
-    checked_id,
     event_id_of,
     order_id_or_none,
 )
@@ -487,7 +486,8 @@ class WechatPayProvider:
         else:
             return None  # NOTPAY / USERPAYING: nothing yet
         tx = doc.get("transaction_id")
-        payment_id = checked_id(tx, TRANSACTION_ID_RE)
+        # Present, it must be one WeChat issues (else the answer is a failed call).
+        payment_id = answer_id(tx, TRANSACTION_ID_RE, "transaction_id") if tx else None
         if payment_id is None:
             if status != "failed":
                 return None
