@@ -692,3 +692,46 @@ async def test_two_partial_alipay_refunds_record_two_right_amounts(
     assert await ps.wait_until(answered)
     assert await counts(db, order_id) == before
     assert await _refund_amounts(db, order_id) == [3000, 2000]
+
+
+async def test_an_alipay_refund_notification_waits_for_alipays_answer(
+    stack: Stack, client: Client, fake: FakeControl, db: Database
+) -> None:
+    # The refund's own amount comes from Alipay's refund query: while Alipay does not
+    # answer, the notification is a 503 and nothing is recorded; the redelivery is.
+    if stack.provider != "alipay":
+        pytest.skip("refund_fee is Alipay's")
+    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
+    order_id = await new_order(client, deal, 7193)
+    await start_payment(client, order_id, 7193)
+    trade_no = await pay(fake, order_id)
+    await wait_status(db, order_id, "PAID")
+    await fake.post("/_fake/configure", {"drop_refund_notifications": 1})
+    alipay = AlipayProvider(
+        PaymentSettings(provider="alipay", timeout_seconds=2.0, retry_max=3),
+        load_alipay_settings(stack.env),
+    )
+    try:
+        await alipay.refund(trade_no, 4000, "console-refund-3")
+    finally:
+        await alipay.close()
+    [note] = [n for n in await notes(fake, order_id) if n["kind"] == "refund"]
+    assert note["dropped"]
+    try:
+        await fake.post("/_fake/configure", {"unavailable_calls": 100})
+        await fake.post(f"/_fake/notifications/{note['id']}/redeliver", {})
+
+        async def answered(times: int) -> list[str]:
+            found = [n for n in await notes(fake, order_id) if n["id"] == note["id"]]
+            answers = list(found[0]["answers"])
+            return answers if len(answers) >= times else []
+
+        answers = await ps.wait_until(lambda: answered(1))
+        assert answers and answers[-1].startswith("503"), answers
+        assert await _refund_amounts(db, order_id) == []
+    finally:
+        await fake.post("/_fake/configure", {"unavailable_calls": 0})
+    await fake.post(f"/_fake/notifications/{note['id']}/redeliver", {})
+    answers = await ps.wait_until(lambda: answered(2))
+    assert answers[-1].startswith("200"), answers
+    assert await _refund_amounts(db, order_id) == [4000]

@@ -721,3 +721,16 @@ def test_refund_ids_and_event_types_outside_the_alphabet_are_400(
     headers, body = notification(keys, now, event_type=event_type, resource=resource)
     with pytest.raises(EventInvalid, match=field):
         parse_notification(settings_of(keys), headers, body, now)
+
+
+@pytest.mark.parametrize(
+    "header", ["wechatpay-signature", "wechatpay-nonce", "wechatpay-timestamp"]
+)
+def test_header_bytes_outside_ascii_are_a_rejection(keys: dict[str, KeyPair], header: str) -> None:
+    # As a server hands them over (latin-1 text of the raw bytes): a rejection (401),
+    # never an error.
+    now = time.time()
+    headers, body = notification(keys, now)
+    headers[header] = "\u00c3\u00a9" + headers[header][2:]
+    with pytest.raises(WebhookRejected):
+        parse_notification(settings_of(keys), headers, body, now)

@@ -148,7 +148,9 @@ class WebhookEndpoint:
             try:
                 event = await self.complete(event)
             except ProviderError as exc:
-                raise overloaded(f"The provider did not confirm the event ({exc}).") from None
+                # The provider redelivers; the reason stays in the log, not the answer.
+                log.warning("event %s: not completed by the provider: %s", event.event_id, exc)
+                raise overloaded("The provider did not confirm the event; retry later.") from None
         if event.created is not None:
             CALLBACK_DELAY.observe(max(0.0, now - event.created))
         applied = await self.groups.submit(event)
