@@ -541,6 +541,7 @@ def test_platform_keys_are_selected_by_wechatpay_serial(
     assert both.platform_keys.anonymous is None
     assert verifies(both, keys, "platform", SERIAL_A)
     assert verifies(both, keys, "platform", SERIAL_A.lower())  # hex in either case
+    assert verifies(both, keys, "platform", "00" + SERIAL_A)  # a number: padding aside
     assert verifies(both, keys, "platform_b", SERIAL_B)
     # The serial chooses the key: B's signature under A's serial does not verify.
     assert not verifies(both, keys, "platform_b", SERIAL_A)

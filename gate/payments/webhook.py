@@ -2,10 +2,10 @@
 
 Order of work, each step bounded: read at most `webhook_body_max_bytes`; the
 provider's adapter (gate/payments/adapters.py) verifies the raw bytes (401, nothing
-recorded) and reads them into the gate's event (400); an adapter whose events need
-a fact the webhook does not carry completes them (Alipay: a refund's own amount,
-asked of its API; no answer is a 503 and the provider redelivers); record and apply the event in
-one transaction; only then the adapter's own acknowledgement (JSON, Alipay's plain
+recorded) and reads them into the gate's event (400); an adapter whose events need a
+fact the webhook does not carry completes them (Alipay: a refund's own amount, asked
+of its API; no answer is a 503 and the provider redelivers); record and apply the
+event in one transaction; only then the adapter's own acknowledgement (JSON, Alipay's plain
 `success`, ...); then the follow-ups a late payment or a waiting refund needs. A
 follow-up that fails leaves its event recorded as 'late' or 'waiting' for the
 recovery loop, and the answer is still 2xx: the event is durable, and a redelivery

@@ -95,6 +95,13 @@ SERIAL_RE = re.compile(r"[0-9A-Fa-f]{1,64}|PUB_KEY_ID_[0-9A-Za-z]{1,64}")
 PLATFORM_KEYS_MAX = 16
 
 
+def key_id(serial: str) -> str:
+    """The form ids are compared in: upper case, and a hex serial without leading
+    zeros (a certificate's serial is a number; its text may or may not be padded)."""
+    upper = serial.upper()
+    return upper if upper.startswith("PUB_KEY_ID_") else upper.lstrip("0") or "0"
+
+
 @dataclass(frozen=True)
 class PlatformKeys:
     """WeChat Pay's verification keys by the id its Wechatpay-Serial header carries.
@@ -109,7 +116,7 @@ class PlatformKeys:
     def select(self, serial: str) -> rsa.RSAPublicKey:
         if not SERIAL_RE.fullmatch(serial):
             raise WebhookRejected("Wechatpay-Serial missing or malformed")
-        key = self.by_id.get(serial.upper(), self.anonymous)
+        key = self.by_id.get(key_id(serial), self.anonymous)
         if key is None:
             raise WebhookRejected("Wechatpay-Serial names no configured platform key")
         return key
@@ -186,7 +193,7 @@ def _key_id(name: str, raw: str) -> str:
             f"{name}: {raw[:80]!r} is not a platform certificate serial (hex) or a"
             " public key id (PUB_KEY_ID_…)"
         )
-    return raw.upper()
+    return key_id(raw)
 
 
 def _platform_key(
@@ -194,8 +201,10 @@ def _platform_key(
 ) -> tuple[str | None, rsa.RSAPublicKey]:
     """(id, key) of one file: the id given, else a certificate's serial, else None."""
     key = read_public_key(name, path)
-    key_id = _key_id(name, given_id) if given_id else certificate_serial(name, path)
-    return key_id, key
+    if given_id:
+        return _key_id(name, given_id), key
+    serial = certificate_serial(name, path)
+    return (key_id(serial) if serial is not None else None), key
 
 
 def load_platform_keys(env: Mapping[str, str]) -> PlatformKeys:
