@@ -177,7 +177,8 @@ async def test_sold_out_rejections_are_counted_across_workers(
     assert sum(1 for v in by_pid.values() if v > 0) >= 2, by_pid
     assert sum(by_pid.values()) == rejected
 
-    # Whichever worker answers the scrape, it reports the whole server.
+    # One scrape of the metrics listener (the supervising parent) reports the whole
+    # server: every worker's files merged.
     for _ in range(6):
         samples = await scrape(mp_client)
         assert value_of(samples, "gate_reservations_total", outcome="SOLD_OUT") == rejected
