@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -128,6 +129,38 @@ async def test_one_worker_serves_metrics_on_its_listener_only(one_worker: GatePr
     samples = scrape(one_worker)
     assert value_of(samples, "gate_reservations_total", outcome="created") == before + 1
     assert value_of(samples, "gate_http_requests_total", route=ROUTE, status="201") >= 1
+
+
+def test_the_listener_holds_at_most_its_bound_of_connections(one_worker: GateProcess) -> None:
+    """CONNECTIONS_MAX connections that send nothing take every slot: one more is
+    closed at once, unanswered; once they leave, scrapes are answered again."""
+    from gate.metrics_listener import CONNECTIONS_MAX
+
+    assert one_worker.metrics_port is not None
+    idle = [socket.create_connection(("127.0.0.1", one_worker.metrics_port), 5)]
+    try:
+        idle.extend(
+            socket.create_connection(("127.0.0.1", one_worker.metrics_port), 5)
+            for _ in range(CONNECTIONS_MAX - 1)
+        )
+        with socket.create_connection(("127.0.0.1", one_worker.metrics_port), 5) as extra:
+            extra.settimeout(5)
+            try:
+                extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                answer = extra.recv(100)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b"", answer
+    finally:
+        for sock in idle:
+            sock.close()
+    for _ in range(50):
+        try:
+            scrape(one_worker)
+            break
+        except (AssertionError, OSError):
+            time.sleep(0.1)
+    assert any(name == "gate_http_requests_total" for name, _ in scrape(one_worker))
 
 
 async def test_the_parent_merges_every_worker_and_outlives_a_killed_one(
