@@ -298,6 +298,7 @@ async def test_snapshot_is_computed_once_a_second_for_all_open_pages(
         ("GATE_CONSOLE_SESSION_SECONDS", "5"),
         ("GATE_CONSOLE_SESSION_SECONDS", "half an hour"),
         ("GATE_CONSOLE_SECRET", "short"),
+        ("GATE_CONSOLE_SECURE_COOKIE", "sometimes"),
     ],
 )
 def test_bad_console_settings_stop_start_up(env: dict[str, str], name: str, value: str) -> None:
