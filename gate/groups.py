@@ -37,6 +37,7 @@ from gate.codes import DbCode
 from gate.db import POOL_REFUSED, Database, DbUnavailable, OutcomeUnknown, is_connection_error
 from gate.lease import Lease
 from gate.metrics import METRICS
+from gate.timeouts import deadline_at
 
 log = logging.getLogger("gate.groups")
 
@@ -334,8 +335,9 @@ async def reservation_call(
             return row
 
     try:
-        # asyncio.timeout_at rather than wait_for: no task made per call.
-        async with asyncio.timeout_at(deadline):
+        # deadline_at rather than wait_for: no task made per call (and, unlike
+        # asyncio.timeout_at on Python 3.11.2, no spurious CancelledError).
+        async with deadline_at(deadline):
             return await db.retrying(attempt)
     except TimeoutError as exc:
         if thread:

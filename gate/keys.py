@@ -162,6 +162,11 @@ def console_revoked(session_id: str) -> str:
     return f"gate:console:revoked:{session_id}"
 
 
+def console_sign_ins(address: str) -> str:
+    """The console sign-in attempts of one client address (gate/console SignInLimiter)."""
+    return f"gate:console:signin:{address}"
+
+
 # Queue mode (gate/queue/): deals that have (or had) a request queue, walked by the
 # consumers; outside any deal's slot, touched only by plain commands.
 QUEUE_DEALS = "gate:q:deals"

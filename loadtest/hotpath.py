@@ -356,6 +356,8 @@ async def prepared_settings() -> Any:
     env = dict(os.environ)
     env.setdefault("GATE_LIMIT_USER", "1/m burst 1")
     env.setdefault("GATE_ENV", "dev")
+    # The app runs in this process: no metrics listener thread (nor its port).
+    env.setdefault("GATE_METRICS_ADDR", "off")
     env.setdefault("GATE_ROOM_POLL_MIN_MS", "100")
     env.setdefault("GATE_ROOM_POLL_MAX_MS", "100")
     settings = load_settings(env)
