@@ -46,9 +46,26 @@ is reset by the kernel, and a reset can throw away the answer before the client 
 read it. An idle keep-alive connection past its timeout, and every connection at
 shutdown, is closed at once, as uvicorn does.
 
+One connection holds a bounded part of the worker (docs/api.md, "Pipelining and
+back-pressure"), whether the edge or the ASGI application answers:
+
+    data_received ─▶ a read of at most 4 KiB, nothing held ─▶ the parser, at once
+                  ─▶ otherwise ─▶ the backlog (the transport's reading stopped)
+                        ─▶ one 4 KiB slice per turn of the event loop, while nothing
+                           holds parsing (`_held`): the client's answers past the
+                           write buffer's high water mark (`_Flow.pause_writing`),
+                           uvicorn's pause (a large body not yet read), requests
+                           waiting in uvicorn's pipeline
+                        ─▶ the backlog parsed: the transport reads again
+
+Trailer fields (after a chunked body's last chunk) go to a `_Trailers`, which counts
+them against what the head left of its bound and keeps none; a trailer field still
+coming is bounded by the bytes fed after its chunk began (`_feed`).
+
 The protocol depends on uvicorn's HttpToolsProtocol internals (the parser callbacks,
-`cycle`, `pipeline`, `on_response_complete`): pyproject.toml pins uvicorn to one
-minor release, and tests/test_edge.py covers each of them over real sockets.
+`cycle`, `pipeline`, `flow`, `headers`, `on_response_complete`): pyproject.toml pins
+uvicorn to one minor release, and tests/test_edge.py and
+tests/test_edge_backpressure.py cover each of them over real sockets.
 """
 
 from __future__ import annotations

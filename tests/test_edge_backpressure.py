@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gate.edge import HEAD_MAX_BYTES
+from gate.edge import FEED_SLICE_BYTES, HEAD_MAX_BYTES
 from tests.raw_http import Answer, Reader, connect
 from tests.support import ADMIN_TOKEN, GateProcess, base_env, token
 
@@ -222,3 +222,26 @@ def test_endless_trailers_are_a_400_and_closed(
     assert str(HEAD_MAX_BYTES) in str(answer.json()["detail"])
     assert answer.closed
     assert healthz(port).status == 200
+
+
+def test_a_pipelined_read_then_eof_is_answered_whole_then_closed(edge_gate: GateProcess) -> None:
+    """Many pipelined requests in one write (parsed a slice at a time), then the
+    client shuts its write side: every request is answered, in order, then the
+    connection is closed."""
+    port = edge_gate.port
+    deal_id = new_deal(port, stock=3)
+    views = [f"GET /v1/deals/{deal_id} HTTP/1.1\r\nHost: gate\r\n\r\n".encode()] * 300
+    asks = [b"GET /healthz HTTP/1.1\r\nHost: gate\r\n\r\n"] * 300
+    mixed = [request for pair in zip(views, asks, strict=True) for request in pair]
+    data = b"".join(mixed)
+    assert len(data) > 5 * FEED_SLICE_BYTES
+    with connect(port) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        reader = Reader(sock)
+        for i in range(len(mixed)):
+            answer = reader.answer()
+            assert answer.status == 200, (i, answer)
+            if i % 2 == 0:
+                assert answer.json()["id"] == deal_id
+        assert reader.closed()
