@@ -510,6 +510,9 @@ class EdgeProtocol(HttpToolsProtocol):
         self._feeding: asyncio.Handle | None = None
         self._reading_stopped = False
         self._raw: asyncio.Transport | None = None
+        # The ASGI request being answered: with requests pipelined behind it, uvicorn's
+        # `cycle` is the last one parsed, not this one.
+        self._asgi_cycle: Any = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -544,12 +547,10 @@ class EdgeProtocol(HttpToolsProtocol):
             parts += (name, b": ", value, b"\r\n")
         parts += (b"x-request-id: ", logs.new_request_id().encode("ascii"), b"\r\n")
         parts += (_CLOSE, b"\r\n", body)
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            # A request cut short (a malformed chunk, its trailers past the bound): its
-            # application sees a disconnect and writes nothing after this answer.
-            cycle.disconnected = True
-            cycle.message_event.set()
+        # A request cut short (a malformed chunk, its trailers past the bound) and the
+        # one answered before it: their application sees a disconnect and writes
+        # nothing after this answer.
+        self._disconnect_asgi()
         self.transport.write(b"".join(parts))
         self.transport.close()
 
@@ -815,7 +816,21 @@ class EdgeProtocol(HttpToolsProtocol):
         elif not self.transport.is_closing():
             self.transport.close()
 
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._asgi_cycle = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def _disconnect_asgi(self) -> None:
+        """The ASGI requests of the connection see a disconnect (uvicorn marks only the
+        last one parsed: the one being answered, with requests pipelined behind it,
+        would write on a closed transport, a 500 and a traceback logged)."""
+        for cycle in (self.cycle, self._asgi_cycle):
+            if cycle is not None and not cycle.response_complete and not cycle.disconnected:
+                cycle.disconnected = True
+                cycle.message_event.set()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._disconnect_asgi()
         if self._feeding is not None:
             self._feeding.cancel()
             self._feeding = None
