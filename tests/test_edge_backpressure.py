@@ -249,3 +249,29 @@ def test_a_pipelined_read_then_eof_is_answered_whole_then_closed(edge_gate: Gate
             if i % 2 == 0:
                 assert answer.json()["id"] == deal_id
         assert reader.closed()
+
+
+@pytest.mark.parametrize("side", ["edge", "asgi"])
+def test_a_body_in_many_small_chunks_is_not_taken_for_trailers(
+    edge_gate: GateProcess, side: str
+) -> None:
+    """Chunk framing is not trailer bytes: a body of nearly 4 KiB sent a byte per chunk
+    (about 24 KB of chunk lines, parsed over several slices) makes its reservation."""
+    port = edge_gate.port
+    deal_id = new_deal(port, stock=2)
+    body = b'{"quantity": 1}' + b" " * 3900
+    head = chunked(
+        f"/v1/deals/{deal_id}/reservations",
+        {
+            "Authorization": f"Bearer {token(USER_BASE + 40 + (side == 'asgi'))}",
+            "Idempotency-Key": f"pressure-chunks-{deal_id}-{side}",
+            "Content-Type": "application/json",
+        },
+        b"",
+        b"",
+    ).split(b"\r\n\r\n", 1)[0]
+    chunks = b"".join(b"1\r\n" + body[i : i + 1] + b"\r\n" for i in range(len(body)))
+    data = head + b"\r\n\r\n" + chunks + b"0\r\n\r\n"
+    assert len(data) > HEAD_MAX_BYTES * 2 // 3
+    answer = send(port, asgi(data) if side == "asgi" else data)
+    assert answer.status == 201, answer
