@@ -46,9 +46,26 @@ is reset by the kernel, and a reset can throw away the answer before the client 
 read it. An idle keep-alive connection past its timeout, and every connection at
 shutdown, is closed at once, as uvicorn does.
 
+One connection holds a bounded part of the worker (docs/api.md, "Pipelining and
+back-pressure"), whether the edge or the ASGI application answers:
+
+    data_received ─▶ a read of at most 4 KiB, nothing held ─▶ the parser, at once
+                  ─▶ otherwise ─▶ the backlog (the transport's reading stopped)
+                        ─▶ one 4 KiB slice per turn of the event loop, while nothing
+                           holds parsing (`_held`): the client's answers past the
+                           write buffer's high water mark (`_Flow.pause_writing`),
+                           uvicorn's pause (a large body not yet read), requests
+                           waiting in uvicorn's pipeline
+                        ─▶ the backlog parsed: the transport reads again
+
+Trailer fields (after a chunked body's last chunk) go to a `_Trailers`, which counts
+them against what the head left of its bound and keeps none; a trailer field still
+coming is bounded by the bytes fed after its chunk began (`_feed`).
+
 The protocol depends on uvicorn's HttpToolsProtocol internals (the parser callbacks,
-`cycle`, `pipeline`, `on_response_complete`): pyproject.toml pins uvicorn to one
-minor release, and tests/test_edge.py covers each of them over real sockets.
+`cycle`, `pipeline`, `flow`, `headers`, `on_response_complete`): pyproject.toml pins
+uvicorn to one minor release, and tests/test_edge.py and
+tests/test_edge_backpressure.py cover each of them over real sockets.
 """
 
 from __future__ import annotations
@@ -60,6 +77,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gate import logs
@@ -95,6 +113,70 @@ _HEAD_TOO_LARGE = Problem(
 
 class _HeadTooLarge(Exception):
     """Raised in a parser callback to stop the parser: the head passed its bound."""
+
+
+# Back-pressure (`_Flow`): a read is parsed a slice of this many bytes at a time, the
+# event loop getting a turn between slices, so one read of pipelined requests (up to
+# 250 KB with uvloop) is not answered in one go: at most this slice's worth of the
+# shortest requests (about 150) are answered without the loop getting a turn.
+FEED_SLICE_BYTES = 4 * 1024
+# A connection's unsent answers past this: its reading stops until they drain to a
+# quarter of it (asyncio's and uvloop's default, set explicitly so the bound is
+# known). Together with one slice's answers, at most about 200 KiB are held.
+WRITE_HIGH_WATER_BYTES = 64 * 1024
+
+
+class _Flow(FlowControl):
+    """uvicorn's flow control (pipelined requests and large bodies pause reading, its
+    answers wait for the socket to drain), with the edge's part in it: while the
+    client does not read its answers (the transport's write buffer is past its high
+    water mark), the gate stops reading from it; and what was read but not yet parsed
+    (`EdgeProtocol._backlog`) is parsed when reading may go on."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: EdgeProtocol) -> None:
+        super().__init__(transport)
+        self.protocol = protocol
+
+    def pause_reading(self) -> None:
+        self.read_paused = True
+        self.protocol.stop_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self.protocol.go_on()
+
+    def pause_writing(self) -> None:
+        if not self.write_paused:
+            self.write_paused = True
+            self._is_writable_event.clear()
+            self.protocol.stop_reading()
+
+    def resume_writing(self) -> None:
+        if self.write_paused:
+            self.write_paused = False
+            self._is_writable_event.set()
+            self.protocol.go_on()
+
+
+class _Trailers(list[tuple[bytes, bytes]]):
+    """Where uvicorn's `on_header` puts the trailer fields of a chunked request (after
+    its last chunk): counted against what is left of the head's bound, never kept, so
+    they never stand in for a header on either side (the request's headers are the
+    list the head filled)."""
+
+    __slots__ = ("protocol", "room_bytes")
+
+    def __init__(self, protocol: EdgeProtocol, room_bytes: int) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.room_bytes = room_bytes
+
+    def append(self, field: tuple[bytes, bytes]) -> None:
+        self.room_bytes -= len(field[0]) + len(field[1]) + 4
+        if self.room_bytes < 0:
+            self.protocol.head_too_large = True
+            raise _HeadTooLarge
 
 
 INTERNAL = Problem("INTERNAL", "Internal error.")
@@ -408,13 +490,35 @@ class EdgeProtocol(HttpToolsProtocol):
         self._read_bytes = 0
         self._head_first = 0
         self._head_reads = 0
-        self._head_too_large = False
+        self.head_too_large = False
+        # A chunked request's chunk (or trailer section) being parsed: the bytes of
+        # the slices fed wholly after its chunk header began, and of its body among
+        # them (what is not body is a trailer, bounded with the head).
+        self._in_chunk = False
+        self._chunk_fresh = False
+        self._chunk_bytes = 0
+        self._chunk_body_bytes = 0
+        self._head_bytes = 0
         # The request whose headers the edge took and whose body is still coming.
         self._pending: EdgeRequest | None = None
         self._linger: _Linger | None = None
+        # Back-pressure (`_Flow`): what was read and not yet parsed (from
+        # `_backlog_at` on; the transport's reading stopped meanwhile), the parse of
+        # its next slice when scheduled, and whether the transport's reading is stopped.
+        self._backlog = b""
+        self._backlog_at = 0
+        self._feeding: asyncio.Handle | None = None
+        self._reading_stopped = False
+        self._raw: asyncio.Transport | None = None
+        # The ASGI request being answered: with requests pipelined behind it, uvicorn's
+        # `cycle` is the last one parsed, not this one.
+        self._asgi_cycle: Any = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _Flow(transport, self)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
+        self._raw = transport
         self.transport = self._linger = _Linger(transport)
 
     def timeout_keep_alive_handler(self) -> None:
@@ -435,7 +539,7 @@ class EdgeProtocol(HttpToolsProtocol):
         than uvicorn's text/plain one; the connection closed (lingering) after it,
         since nothing that follows on it can be framed."""
         _MALFORMED_ANSWERED.inc()
-        status, headers, body = (_HEAD_TOO_LARGE if self._head_too_large else _MALFORMED).encoded()
+        status, headers, body = (_HEAD_TOO_LARGE if self.head_too_large else _MALFORMED).encoded()
         parts = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             parts += (name, b": ", value, b"\r\n")
@@ -443,6 +547,10 @@ class EdgeProtocol(HttpToolsProtocol):
             parts += (name, b": ", value, b"\r\n")
         parts += (b"x-request-id: ", logs.new_request_id().encode("ascii"), b"\r\n")
         parts += (_CLOSE, b"\r\n", body)
+        # A request cut short (a malformed chunk, its trailers past the bound) and the
+        # one answered before it: their application sees a disconnect and writes
+        # nothing after this answer.
+        self._disconnect_asgi()
         self.transport.write(b"".join(parts))
         self.transport.close()
 
@@ -459,6 +567,7 @@ class EdgeProtocol(HttpToolsProtocol):
         cycle = self.cycle  # the last request parsed
         if (
             linger.lingering
+            or self._backlog  # read, not yet parsed: answered first
             or self._pending is not None  # an edge request short of its body
             or self._in_head
             or cycle is None
@@ -469,11 +578,16 @@ class EdgeProtocol(HttpToolsProtocol):
         return True
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # the next pipelined request is started
+        self.go_on()
+        self._close_if_done()
+
+    def _close_if_done(self) -> None:
         linger, cycle = self._linger, self.cycle
         if (
             linger is not None
             and linger.peer_done
+            and not self._backlog
             and cycle is not None
             and cycle.response_complete
             and not self.transport.is_closing()
@@ -497,7 +611,7 @@ class EdgeProtocol(HttpToolsProtocol):
         reads = self._head_first + self._head_reads + self._read_bytes
         if reads > HEAD_MAX_BYTES and self._head_size() > HEAD_MAX_BYTES:
             # Stops the parser; uvicorn answers its error with send_400_response.
-            self._head_too_large = True
+            self.head_too_large = True
             raise _HeadTooLarge
         edge = self.edge
         if edge is not None and not self.root_path:
@@ -532,6 +646,8 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
+        if self._in_chunk:
+            self._chunk_body_bytes += len(body)
         req = self._pending
         if req is None:
             if isinstance(self.cycle, _EdgeCycle):
@@ -559,11 +675,98 @@ class EdgeProtocol(HttpToolsProtocol):
         self._take(req)
         self._dispatch(req)
 
+    def on_chunk_header(self) -> None:
+        """A chunk's size line was parsed: its data, or after the last one the trailer
+        section, follows. At the first chunk uvicorn's `on_header` is pointed at a
+        `_Trailers` (the request keeps the list its head filled)."""
+        if not isinstance(self.headers, _Trailers):
+            self._head_bytes = self._head_size()
+            self.headers = _Trailers(self, HEAD_MAX_BYTES - self._head_bytes)
+        self._in_chunk = True
+        self._chunk_fresh = True
+        self._chunk_bytes = 0
+        self._chunk_body_bytes = 0
+
+    def on_chunk_complete(self) -> None:
+        self._in_chunk = False
+
     def data_received(self, data: bytes) -> None:
         linger = self._linger
         if linger is not None and linger.lingering:
             linger.dropped(len(data))
             return
+        if self._backlog or len(data) > FEED_SLICE_BYTES or self._held():
+            # Parsed a slice at a time, or when the client has read its answers.
+            self._backlog = self._backlog[self._backlog_at :] + data
+            self._backlog_at = 0
+            self.stop_reading()
+            self.go_on()
+            return
+        self._feed(data)
+
+    def stop_reading(self) -> None:
+        """The transport reads no more (until `go_on` finds nothing holds it)."""
+        raw = self._raw
+        if not self._reading_stopped and raw is not None and not raw.is_closing():
+            self._reading_stopped = True
+            raw.pause_reading()
+
+    def _held(self) -> bool:
+        """Nothing more is parsed: the client's answers are unread (past the high
+        water mark), uvicorn paused reading (a large body not yet read), or requests
+        wait in uvicorn's pipeline (uvicorn itself resumes reading after each answer,
+        and one read can queue thousands of pipelined requests)."""
+        flow = self.flow
+        return flow.read_paused or flow.write_paused or bool(self.pipeline)
+
+    def go_on(self) -> None:
+        """Reading may go on, unless `_held`: the backlog's next slice is parsed in the
+        loop's next turn, or, with none left, the transport reads again."""
+        if self._held():
+            return
+        if self._backlog:
+            if self._feeding is None:
+                self._feeding = self.loop.call_soon(self._feed_backlog)
+            return
+        raw = self._raw
+        if self._reading_stopped and raw is not None and not raw.is_closing():
+            self._reading_stopped = False
+            raw.resume_reading()
+
+    def _feed_backlog(self) -> None:
+        self._feeding = None
+        if self.transport.is_closing():
+            self._backlog = b""  # nothing more is answered on this connection
+            return
+        if self._held():
+            return  # `go_on` comes back
+        at = self._backlog_at
+        data = self._backlog[at : at + FEED_SLICE_BYTES]
+        at += len(data)
+        if at >= len(self._backlog):
+            self._backlog, self._backlog_at = b"", 0
+        else:
+            self._backlog_at = at
+        self._feed(data)
+        if self.transport.is_closing():
+            self._backlog = b""
+            return
+        self.go_on()
+        if not self._backlog:
+            self._backlog_parsed()
+
+    def _backlog_parsed(self) -> None:
+        """All that was read is parsed: if the client has shut its write side, the
+        connection ends as `eof_received` would have ended it then."""
+        linger = self._linger
+        if linger is not None and linger.peer_done and not linger.lingering:
+            if self.eof_received() is None:
+                self.transport.close()
+            else:
+                self._close_if_done()
+
+    def _feed(self, data: bytes) -> None:
+        """One read, or one slice of a read, to the parser."""
         in_head, heads = self._in_head, self._heads
         self._read_bytes = len(data)
         super().data_received(data)
@@ -573,9 +776,26 @@ class EdgeProtocol(HttpToolsProtocol):
             # counted: the bound is off by one read at most, never too strict.)
             self._head_reads += len(data)
             if self._head_reads > HEAD_MAX_BYTES and not self.transport.is_closing():
-                self._head_too_large = True
+                self.head_too_large = True
                 self.send_400_response("")
                 return
+        if self._in_chunk:
+            if self._chunk_fresh:
+                # The slice its chunk header came in is not counted (it holds what
+                # came before too): off by one slice at most, never too strict.
+                self._chunk_fresh = False
+                self._chunk_body_bytes = 0
+            else:
+                self._chunk_bytes += len(data)
+                trailer_bytes = self._chunk_bytes - self._chunk_body_bytes
+                if (
+                    trailer_bytes > HEAD_MAX_BYTES - self._head_bytes
+                    and not self.transport.is_closing()
+                ):
+                    # A trailer field still coming (httptools keeps it until it ends).
+                    self.head_too_large = True
+                    self.send_400_response("")
+                    return
         req = self._pending
         if req is not None and not req.watched and not self.transport.is_closing():
             # The read ended before the body did: the rest is due by the guard's
@@ -596,7 +816,25 @@ class EdgeProtocol(HttpToolsProtocol):
         elif not self.transport.is_closing():
             self.transport.close()
 
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._asgi_cycle = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def _disconnect_asgi(self) -> None:
+        """The ASGI requests of the connection see a disconnect (uvicorn marks only the
+        last one parsed: the one being answered, with requests pipelined behind it,
+        would write on a closed transport, a 500 and a traceback logged)."""
+        for cycle in (self.cycle, self._asgi_cycle):
+            if cycle is not None and not cycle.response_complete and not cycle.disconnected:
+                cycle.disconnected = True
+                cycle.message_event.set()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._disconnect_asgi()
+        if self._feeding is not None:
+            self._feeding.cancel()
+            self._feeding = None
+        self._backlog = b""
         linger = self._linger
         if linger is not None and linger.timer is not None:
             linger.timer.cancel()

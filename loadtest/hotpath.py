@@ -110,6 +110,9 @@ class _Transport:
     def resume_reading(self) -> None:
         pass
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass  # nothing is buffered: every write is taken at once
+
 
 class Wire:
     """Requests as bytes through `gate serve`'s protocol (see `--edge`)."""
