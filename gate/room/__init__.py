@@ -69,7 +69,7 @@ def install(gate: Gate) -> Extension:
         gate.settings.redis_pipeline_max,
         gate.settings.redis_flush_every,
     )
-    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire)
+    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire, gate.unknown_deals)
     gate.mirror.before_sync.append(room.before_sync)
     gate.reservations.admission_arg = tokens.admission_arg
 

@@ -33,6 +33,7 @@ from gate.room.config import RoomConfig, RoomSettings, parse_room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Command, RandomScores, Wire
 from gate.scripts import REDIS_ERRORS, ScriptRunner, error_kind
+from gate.unknown_deals import UnknownDeals
 
 log = logging.getLogger("gate.room")
 
@@ -93,6 +94,7 @@ class Room:
         runner: ScriptRunner,
         tokens: AdmissionTokens,
         wire: Wire,
+        unknown: UnknownDeals | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -101,6 +103,9 @@ class Room:
         self.runner = runner
         self.tokens = tokens
         self.wire = wire
+        # Unknown deal ids answered 404 without the database, as reservations and
+        # deal views are (gate/unknown_deals.py).
+        self.unknown = unknown or UnknownDeals(mirror.redis, db)
         # deal -> room_ticket.lua's commands (join, read), packed once
         self._prefixes: dict[int, tuple[Command, Command]] = {}
         self._scores = RandomScores()
@@ -112,12 +117,18 @@ class Room:
         join = mode == "join"
         reply = await self._ticket_call(deal_id, user_id, join)
         if reply[0] == RoomCode.NOT_LOADED:
+            # Redis holds no state for the deal: an unknown id (a flood of random
+            # ones, say) is answered before any database look-up or load.
+            generation = await self.unknown.generation()
+            if self.unknown.unknown(deal_id, generation):
+                raise not_found("deal")
             try:
                 found = await self.mirror.load(deal_id)
             except Exception as exc:
                 log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
                 raise overloaded("Deal state unavailable; retry shortly.") from None
             if not found:
+                await self.unknown.learn(deal_id, generation)
                 raise not_found("deal")
             reply = await self._ticket_call(deal_id, user_id, join)
             if reply[0] == RoomCode.NOT_LOADED:
