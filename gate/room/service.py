@@ -28,7 +28,7 @@ from gate.db import Database
 from gate.errors import Problem, from_room, not_found, overloaded
 from gate.keys import ROOMS, deal_keys
 from gate.mirror import Mirror
-from gate.room import metrics
+from gate.room import metrics, retire
 from gate.room.config import RoomConfig, RoomSettings, parse_room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Command, RandomScores, Wire
@@ -46,8 +46,9 @@ REFRESH_SECONDS = 5.0
 GAUGES_SECONDS = 1.0
 ROOMS_MAX = 10_000
 KEYS_CACHE_MAX = 10_000
-# Tickets read "closed" for this long after ends_at; then the room loop drops them.
-RETAIN_AFTER_END_MS = 3_600_000
+# room_advance.lua reports a sale over (code 3) this long after ends_at: at once;
+# the tickets then read "closed" until the room is retired (gate/room/retire.py).
+RETAIN_AFTER_END_MS = 0
 
 
 # "YYYY-MM-DDTHH:MM:SS" by epoch second: a ticket's timestamps are formatted from
@@ -269,6 +270,9 @@ class Room:
         if room is None:
             if await self.redis.hget(keys.room, "on") == "1":
                 await self.redis.hset(keys.room, "on", "0")
+                # Its tickets, queue and admissions are dead now: deleted by the
+                # retire loop (gate/room/retire.py) within its interval.
+                await retire.schedule(self.redis, deal_id)
             await self.redis.srem(ROOMS, deal_id)
             return
         await self.redis.hset(
@@ -316,16 +320,11 @@ class Room:
             await self.redis.srem(ROOMS, deal_id)
             return 0, 0
         if int(code) == 3:
-            # Long over: free the memory (UNLINK frees it off Redis's main thread).
-            await self.redis.unlink(
-                keys.room_queue,
-                keys.room_tickets,
-                keys.room_admitted,
-                keys.room_expiry,
-                keys.room_window,
-            )
+            # The sale is over: nothing more to admit. Its keys are deleted by the
+            # retire loop once the admission TTL has passed too (gate/room/retire.py).
+            await retire.schedule(self.redis, deal_id)
             await self.redis.srem(ROOMS, deal_id)
-            log.info("deal %s: sale over, waiting room tickets dropped", deal_id)
+            log.info("deal %s: sale over, waiting room to be retired", deal_id)
             return 0, 0
         label = str(deal_id)
         if int(admitted):
