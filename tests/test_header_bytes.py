@@ -89,6 +89,8 @@ EXPECTED: dict[str, Expected] = {
     "x-device-id": _expect(400, s400="INVALID_REQUEST"),
     # A webhook reads no Content-Type (its verifier judges the body).
     "content-type": _expect(400, 415, same=SAME),
+    # Framing: the HTTP parser's 400, or the route's 413 for a length past its bound.
+    "content-length": _expect(400, 413),
     "cookie": _expect(401, s401="UNAUTHORIZED"),
     "x-csrf-token": _expect(403, s403="FORBIDDEN"),
     "x-forwarded-for": _expect(same=SAME),
@@ -116,7 +118,7 @@ EXTRA_HEADERS: dict[tuple[str, str], tuple[str, ...]] = {
 EVERY_ROUTE = ("x-request-id",)
 # The console (not in the OpenAPI document): its routes and the headers each reads.
 CONSOLE_ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("POST", "/console/api/session"): ("content-type",),
+    ("POST", "/console/api/session"): ("content-type", "content-length"),
     ("GET", "/console/api/session"): ("cookie",),
     ("DELETE", "/console/api/session"): ("cookie", "x-csrf-token"),
     ("GET", "/console/api/snapshot"): ("cookie",),
@@ -175,7 +177,7 @@ class Call:
 def send(port: int, call: Call) -> Answer:
     lines = [f"{call.method} {call.path} HTTP/1.1".encode(), b"host: 127.0.0.1"]
     lines.append(b"connection: close")
-    if call.body or call.method != "GET":
+    if (call.body or call.method != "GET") and "content-length" not in call.headers:
         lines.append(b"content-length: %d" % len(call.body))
     lines += [name.encode() + b": " + value for name, value in call.headers.items()]
     with connect(port) as sock:
@@ -243,6 +245,8 @@ class Stack:
             headers.update({k.lower(): v for k, v in signed.items()})
         if method == "GET":
             body = b""
+        else:
+            headers["content-length"] = str(len(body))
         return Call(method, path, {k: v.encode("latin-1") for k, v in headers.items()}, body)
 
 
@@ -268,7 +272,7 @@ def routes_and_headers(
             if key == WEBHOOK and webhook_headers is not None:
                 names = list(webhook_headers)
             if "requestBody" in op:
-                names.append("content-type")
+                names += ("content-type", "content-length")
             names += EXTRA_HEADERS.get(key, ())
             names += EVERY_ROUTE
             found.append((*key, op, tuple(dict.fromkeys(names))))
