@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from gate.keys import ROOMS_RETIRING, deal_keys
+from gate.room import metrics
 from gate.scripts import ScriptRunner
 from gate.worklease import WorkLease
 
@@ -78,6 +79,7 @@ class RoomRetirer:
                 "room_retire", (*keys.room_state, keys.meta), ()
             )
             if int(deleted):
+                metrics.RETIRED.inc()
                 log.info("deal %s: waiting room retired, its keys deleted", deal_id)
             settled = str(int(later)) if int(later) > 0 else ""
             await self.runner.call(
