@@ -20,6 +20,10 @@ DEALS_GENERATION = "gate:deals:generation"
 # Deals that have a waiting room (gate/room/): the room loop advances each of them.
 # Outside any deal's slot, touched by plain commands only, rebuilt from the database.
 ROOMS = "gate:rooms"
+# Deals whose waiting room was removed or whose sale ended, by when (ms) its keys are
+# due for deletion (gate/room/retire.py). A plain key, touched by plain commands and
+# lua/room_retire_done.lua only.
+ROOMS_RETIRING = "gate:rooms:retiring"
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,6 +228,10 @@ class StripeWebhook:
     def _verify(self, header: str, body: bytes, now: float) -> None:
         if not header or len(header) > SIGNATURE_HEADER_MAX:
             raise WebhookRejected("missing or oversized Stripe-Signature")
+        if not header.isascii():
+            # The library compares signatures with hmac.compare_digest, which raises
+            # TypeError on a str past ASCII (a header's bytes 0x80-0xff).
+            raise WebhookRejected("Stripe-Signature must be ASCII")
         try:
             payload = body.decode("utf-8")
         except UnicodeDecodeError:

@@ -21,10 +21,12 @@ from gate.keys import deal_keys
 from gate.room import api_doc
 from gate.room.config import load_room_settings
 from gate.room.lane import QueueLane, TicketEdge
+from gate.room.retire import RoomRetirer
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
 from gate.scripts import Script, ScriptMissing, lua_dir
+from gate.worklease import WorkLease
 
 if TYPE_CHECKING:
     from gate.reservations import ReserveRequest
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gate.room")
 
-SCRIPTS = ("room_ticket", "room_advance", "room_restore")
+SCRIPTS = ("room_ticket", "room_advance", "room_restore", "room_retire", "room_retire_done")
 
 for (_path, _method), _operation in api_doc.operations().items():
     openapi.add_operation(_path, _method, _operation)
@@ -69,8 +71,14 @@ def install(gate: Gate) -> Extension:
         gate.settings.redis_pipeline_max,
         gate.settings.redis_flush_every,
     )
-    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire)
+    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire, gate.unknown_deals)
     gate.mirror.before_sync.append(room.before_sync)
+    # One process at a time deletes retired rooms' keys (gate/room/retire.py).
+    retirer = RoomRetirer(
+        gate.redis,
+        gate.runner,
+        WorkLease(gate.runner, "room-retire", gate.settings.background_lease_seconds),
+    )
     gate.reservations.admission_arg = tokens.admission_arg
 
     async def restore(req: ReserveRequest) -> None:
@@ -119,7 +127,7 @@ def install(gate: Gate) -> Extension:
             *queue,
             Route("/v1/admin/deals/{deal_id:id}/waiting-room", configure, methods=["PUT"]),
         ],
-        workers=[room.run],
+        workers=[room.run, retirer.run],
         on_stop=[wire.aclose],
         inner_middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
         edge=[TicketEdge(room, gate.buyer_auth, join) for join in (True, False)],
