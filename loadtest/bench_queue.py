@@ -273,7 +273,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 rounds.append(row)
                 print(orjson.dumps(row, option=orjson.OPT_NON_STR_KEYS).decode(), flush=True)
-            p50, p99, queue_counts = await _lag(s, server.url)
+            p50, p99, queue_counts = await _lag(s, server.metrics_url)
     finally:
         server.stop()
         await rds.aclose()

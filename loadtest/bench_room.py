@@ -147,7 +147,7 @@ class RoomBench:
         assert self.gate is not None
         import urllib.request
 
-        with urllib.request.urlopen(self.gate.url + "/metrics", timeout=10) as resp:
+        with urllib.request.urlopen(self.gate.metrics_url + "/metrics", timeout=10) as resp:
             return value_of(sample_values(resp.read().decode()), name)
 
     # -- ratio -------------------------------------------------------------------------

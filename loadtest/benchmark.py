@@ -446,7 +446,7 @@ class Bench:
         each reservation of a group and every retry counts)."""
         from gate.base.metrics import sample_values, value_of
 
-        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
+        with urllib.request.urlopen(server.metrics_url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
         return int(value_of(sample_values(text), "gate_reservation_db_attempts_total"))
 

@@ -110,6 +110,9 @@ class _Transport:
     def resume_reading(self) -> None:
         pass
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass  # nothing is buffered: every write is taken at once
+
 
 class Wire:
     """Requests as bytes through `gate serve`'s protocol (see `--edge`)."""
@@ -356,6 +359,8 @@ async def prepared_settings() -> Any:
     env = dict(os.environ)
     env.setdefault("GATE_LIMIT_USER", "1/m burst 1")
     env.setdefault("GATE_ENV", "dev")
+    # The app runs in this process: no metrics listener thread (nor its port).
+    env.setdefault("GATE_METRICS_ADDR", "off")
     env.setdefault("GATE_ROOM_POLL_MIN_MS", "100")
     env.setdefault("GATE_ROOM_POLL_MAX_MS", "100")
     settings = load_settings(env)

@@ -23,7 +23,11 @@ def free_port() -> int:
 
 
 class Server:
-    """A server process in its own process group, logging to a file."""
+    """A server process in its own process group, logging to a file. A gate's
+    /metrics is on its own listener (GATE_METRICS_ADDR): unless the environment
+    names one, each server is given a free port for it (`metrics_url`), so that
+    servers started side by side never collide on the default 127.0.0.1:9100
+    (`metrics_url` is empty when the environment says `off`)."""
 
     def __init__(
         self,
@@ -39,6 +43,9 @@ class Server:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        address = env.get("GATE_METRICS_ADDR") or f"127.0.0.1:{free_port()}"
+        env = {**env, "GATE_METRICS_ADDR": address}
+        self.metrics_url = "" if address == "off" else f"http://{address}"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(

@@ -28,8 +28,8 @@
 
   Returns {code, admitted, lapsed, "wait_ms,wait_ms,…" (join to admission)}
     0 OK   1 NOT_LOADED (no deal state: nothing done)   2 NO_ROOM
-    3 DONE  the sale ended more than ARGV[4] ago: the caller drops the tickets
-            (UNLINK, outside the script: a million tickets must not block Redis)
+    3 DONE  the sale ended more than ARGV[4] ago: the caller schedules the room's
+            retirement (gate/room/retire.py, lua/room_retire.lua)
 ]]
 local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'ttl_ms', 'last_ms')
 if cfg[1] ~= '1' then

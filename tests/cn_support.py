@@ -23,7 +23,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from gate.base.errors import Encoded
-from gate.payments.provider import EventInvalid, ProviderEvent
+from gate.payments.adapters import verifier_completion
+from gate.payments.provider import EventInvalid, ProviderError, ProviderEvent
 from gate.payments.signing import WebhookRejected
 from tests.support import ROOT, base_env, free_port
 
@@ -53,6 +54,32 @@ def make_key_pair(directory: Path, name: str) -> KeyPair:
         )
     )
     return KeyPair(key, str(private_file), str(public_file))
+
+
+def make_certificate(directory: Path, pair: KeyPair, name: str, serial: int) -> str:
+    """A self-signed PEM certificate of `pair`'s key with serial number `serial`
+    (as WeChat Pay's platform certificates: the serial is the key's id)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Tenpay.com Root CA test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(pair.private.public_key())
+        .serial_number(serial)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .sign(pair.private, hashes.SHA256())
+    )
+    path = directory / f"{name}-cert.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(path)
 
 
 class FakeProcess:
@@ -160,6 +187,13 @@ class Sink:
         except EventInvalid as exc:
             self.refused.append(str(exc))
             return web.Response(status=400, text=str(exc))
+        complete = verifier_completion(self.webhook)
+        if complete is not None:
+            try:
+                event = await complete(event)
+            except ProviderError as exc:
+                self.refused.append(str(exc))
+                return web.Response(status=503, text=str(exc))
         if event.event_id not in {e.event_id for e in self.events}:
             self.events.append(event)
         status, raw_headers, answer = self.webhook.acknowledge("applied")

@@ -2,10 +2,17 @@
 
 The cookie is carried by hand (aiohttp's jar keeps no cookies of an IP address),
 which also lets the tests send a cookie without its CSRF token and the other way
-round."""
+round.
+
+Sign-in is limited to 10 attempts a minute per client address, and every test
+signs in from 127.0.0.1: the console's gates trust 127.0.0.1 as a proxy
+(`console_env`) and each sign-in names an address of its own in X-Forwarded-For
+unless the test picks one."""
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -31,8 +38,23 @@ def session_cookie(r: Resp) -> str | None:
     return None
 
 
-async def sign_in(client: Client, token: str = ADMIN_TOKEN) -> tuple[Resp, ConsoleSession | None]:
-    r = await client.post("/console/api/session", json={"token": token})
+# Addresses of 10.0.0.0/8, unique per sign-in of this test process.
+_ADDRESSES = itertools.count((os.getpid() % 256) << 16)
+
+
+def fresh_address() -> str:
+    n = next(_ADDRESSES) % (1 << 24)
+    return f"10.{n >> 16}.{(n >> 8) & 255}.{n & 255}"
+
+
+async def sign_in(
+    client: Client,
+    token: str = ADMIN_TOKEN,
+    address: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[Resp, ConsoleSession | None]:
+    sent = {"X-Forwarded-For": address or fresh_address(), **(headers or {})}
+    r = await client.post("/console/api/session", json={"token": token}, headers=sent)
     cookie = session_cookie(r)
     if r.status_code != 200 or cookie is None:
         return r, None
@@ -40,4 +62,4 @@ async def sign_in(client: Client, token: str = ADMIN_TOKEN) -> tuple[Resp, Conso
 
 
 def console_env(env: Mapping[str, str], **extra: str) -> dict[str, str]:
-    return {**env, "GATE_CONSOLE": "1", **extra}
+    return {**env, "GATE_CONSOLE": "1", "GATE_TRUSTED_PROXIES": "127.0.0.1", **extra}

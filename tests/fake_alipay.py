@@ -104,6 +104,9 @@ def _notify(trade: dict[str, Any], refund: dict[str, Any] | None = None) -> None
     if not url:
         return
     notify_id = STATE.notes.new_id("2026notify")
+    # The trade's refunded total when this refund settled (refund_fee is cumulative):
+    # every retry of this notification carries the same value.
+    refunded_fen = trade["refunded_fen"]
 
     def build() -> tuple[bytes, dict[str, str]]:
         params = {
@@ -127,7 +130,7 @@ def _notify(trade: dict[str, Any], refund: dict[str, Any] | None = None) -> None
             params["buyer_pay_amount"] = trade["total_amount"]
         if refund is not None:
             params["out_biz_no"] = refund["out_request_no"]
-            params["refund_fee"] = fen_to_yuan(trade["refunded_fen"])
+            params["refund_fee"] = fen_to_yuan(refunded_fen)
             params["gmt_refund"] = refund["gmt_refund"]
         params["sign"] = sign_sha256_rsa(ALIPAY_KEY, signing_string(params, notification=True))
         return urlencode(params).encode(), {
@@ -343,6 +346,8 @@ async def pay(request: Request) -> Response:
         return JSONResponse({"error": "no such trade"}, 404)
     if trade["status"] not in ("PRECREATED", "WAIT_BUYER_PAY"):
         return JSONResponse({"error": f"trade is {trade['status']}"}, 409)
+    if doc.get("trade_no"):
+        trade["trade_no"] = str(doc["trade_no"])  # a test's own (one Alipay never issues)
     if doc.get("outcome", "succeed") == "succeed":
         trade["status"] = "TRADE_SUCCESS"
         trade["gmt_payment"] = _now()

@@ -23,7 +23,8 @@ the gate uses:
   notification for a failed or closed one); REFUND.SUCCESS / REFUND.ABNORMAL.
 
 Test controls under /_fake/: pay, configure (drop notifications, fail calls with
-500, refund outcome), notifications, redeliver.
+500, refund outcome, which platform key signs: a rotation), notifications,
+redeliver.
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ PLATFORM_KEY = read_private_key(
     "FAKE_WECHATPAY_PLATFORM_PRIVATE_KEY_FILE",
     os.environ.get("FAKE_WECHATPAY_PLATFORM_PRIVATE_KEY_FILE", ""),
 )
+# A second platform key, for rotations: /_fake/configure {"platform_key": "b"} signs
+# everything from then on with it and names its serial (WeChat's public-key mode id
+# by default) in Wechatpay-Serial; {"platform_key": "a"} goes back.
+PLATFORM_B_SERIAL = os.environ.get(
+    "FAKE_WECHATPAY_PLATFORM_B_SERIAL", "PUB_KEY_ID_0114232134912410000000000000"
+)
+PLATFORM_B_KEY_FILE = os.environ.get("FAKE_WECHATPAY_PLATFORM_B_PRIVATE_KEY_FILE", "")
+PLATFORM_KEYS = {"a": (PLATFORM_SERIAL, PLATFORM_KEY)}
+if PLATFORM_B_KEY_FILE:
+    PLATFORM_KEYS["b"] = (
+        PLATFORM_B_SERIAL,
+        read_private_key("FAKE_WECHATPAY_PLATFORM_B_PRIVATE_KEY_FILE", PLATFORM_B_KEY_FILE),
+    )
 SCHEDULE = [float(s) for s in os.environ.get("FAKE_NOTIFY_SCHEDULE", "0.3,0.6,1.2").split(",")]
 TOLERANCE_SECONDS = 300
 
@@ -88,6 +102,7 @@ class State:
         self.refunds: dict[str, dict[str, Any]] = {}  # out_refund_no -> refund
         self.failing = 0
         self.refund_outcome = "SUCCESS"
+        self.platform = "a"
         self.notes = Deliveries(SCHEDULE, lambda status, body: status in (200, 204))
         self.seq = random.randrange(10**8)
 
@@ -98,11 +113,12 @@ STATE = State()
 def _signed_headers(body: bytes) -> dict[str, str]:
     ts = str(int(time.time()))
     nonce = secrets.token_hex(16)
+    serial, key = PLATFORM_KEYS[STATE.platform]
     return {
         "Wechatpay-Timestamp": ts,
         "Wechatpay-Nonce": nonce,
-        "Wechatpay-Signature": sign_sha256_rsa(PLATFORM_KEY, answer_message(ts, nonce, body)),
-        "Wechatpay-Serial": PLATFORM_SERIAL,
+        "Wechatpay-Signature": sign_sha256_rsa(key, answer_message(ts, nonce, body)),
+        "Wechatpay-Serial": serial,
         "Request-ID": str(uuid.uuid4()),
     }
 
@@ -412,7 +428,8 @@ async def pay(request: Request) -> Response:
     if order["trade_state"] not in ("NOTPAY", "USERPAYING"):
         return JSONResponse({"error": f"order is {order['trade_state']}"}, 409)
     STATE.seq += 1
-    order["transaction_id"] = f"42000{STATE.seq:023d}"
+    # `transaction_id`: a test's own id (one WeChat would never issue, say).
+    order["transaction_id"] = str(doc.get("transaction_id") or f"42000{STATE.seq:023d}")
     if doc.get("outcome", "succeed") == "succeed":
         order["trade_state"] = "SUCCESS"
         order["success_time"] = _now()
@@ -428,6 +445,10 @@ async def configure(request: Request) -> Response:
     STATE.notes.drop_refunds = int(doc.get("drop_refund_notifications", STATE.notes.drop_refunds))
     STATE.failing = int(doc.get("failing_calls", STATE.failing))
     STATE.refund_outcome = str(doc.get("refund_outcome", STATE.refund_outcome))
+    platform = str(doc.get("platform_key", STATE.platform))
+    if platform not in PLATFORM_KEYS:
+        return JSONResponse({"error": f"no platform key {platform!r}"}, 400)
+    STATE.platform = platform
     return JSONResponse({"drop": STATE.notes.drop, "failing": STATE.failing})
 
 

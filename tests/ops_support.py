@@ -3,17 +3,25 @@ prepares them for several workers, and metric scraping."""
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import json
 import os
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
 from prometheus_client.mmap_dict import MmapedDict
 
-from gate.base.metrics import METRICS_DIR_ENV, MULTIPROC_ENV, prepare_multiprocess, sample_values
+from gate.base.metrics import (
+    METRICS_DIR_ENV,
+    MULTIPROC_ENV,
+    TALLY_FLUSH_SECONDS,
+    prepare_multiprocess,
+    sample_values,
+)
 from tests.support import Client, GateProcess
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -55,10 +63,22 @@ class FreshConnectionClient(Client):
 
 
 async def scrape(client: Client) -> Samples:
-    r = await client.get("/metrics")
-    assert r.status_code == 200, r.text
-    assert r.headers["Content-Type"].startswith("text/plain")
-    return sample_values(r.text)
+    """The samples of the client's gate, from its metrics listener."""
+    return sample_values(await client.metrics())
+
+
+async def scrape_until(
+    client: Client, check: Callable[[Samples], bool], timeout_seconds: float = 10.0
+) -> Samples:
+    """Scrapes until `check` holds, then those samples (the last ones if it never
+    does). Under several workers each adds its tallies to its file every
+    TALLY_FLUSH_SECONDS, so a scrape may miss the last quarter second."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        samples = await scrape(client)
+        if check(samples) or time.monotonic() > deadline:
+            return samples
+        await asyncio.sleep(TALLY_FLUSH_SECONDS / 2)
 
 
 def per_process_values(metrics_dir: Path, name: str, **labels: str) -> dict[int, float]:

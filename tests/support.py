@@ -81,6 +81,9 @@ def base_env() -> dict[str, str]:
             "GATE_JANITOR_INTERVAL_SECONDS": "0.2",
             "GATE_RESYNC_INTERVAL_SECONDS": "0.3",
             "GATE_LOG_LEVEL": "WARNING",
+            # No gate of the suite may take the default 127.0.0.1:9100 (gates run side
+            # by side, other suites too): GateProcess gives each a port of its own.
+            "GATE_METRICS_ADDR": "off",
             # Limits are off unless a test turns them on: many tests fire hundreds
             # of requests from one address and a few buyers.
             "GATE_LIMIT_DEAL": "off",
@@ -97,6 +100,18 @@ def base_env() -> dict[str, str]:
         }
     )
     return env
+
+
+# Each GateProcess's metrics listener by the gate's public URL: `metrics_url_of`.
+METRICS_URLS: dict[str, str] = {}
+
+
+def metrics_url_of(url: str) -> str:
+    """The metrics listener of the gate serving `url` (a GateProcess of this run)."""
+    try:
+        return METRICS_URLS[url]
+    except KeyError:
+        raise AssertionError(f"no metrics listener known for {url}") from None
 
 
 def redis_client(url: str, decode_responses: bool = True) -> aioredis.Redis:
@@ -175,7 +190,10 @@ class GateCommand:
 
 
 class GateProcess(GateCommand):
-    """A real `gate serve` process on its own port."""
+    """A real `gate serve` process on its own port, with its metrics listener
+    (GATE_METRICS_ADDR) on another port of its own (`metrics_url`), so that gates
+    started side by side never collide on the default 127.0.0.1:9100. `metrics=False`:
+    no listener (GATE_METRICS_ADDR=off)."""
 
     def __init__(
         self,
@@ -183,10 +201,17 @@ class GateProcess(GateCommand):
         workers: int = 1,
         background: bool = True,
         port: int | None = None,
+        metrics: bool = True,
     ):
         self.port = port or free_port()
         self.workers = workers
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_port = free_port() if metrics else None
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}" if metrics else None
+        address = f"127.0.0.1:{self.metrics_port}" if metrics else "off"
+        env = {**env, "GATE_METRICS_ADDR": address}
+        if self.metrics_url is not None:
+            METRICS_URLS[self.url] = self.metrics_url
         # Every gate serving the suite (a cluster run starts two): see Client.
         self.peers: list[str] = [self.url]
         # The suite's other gate processes (tests/conftest.py `gate`): `signal_suite`.
@@ -292,6 +317,14 @@ class Client:
 
     async def put(self, path: str, **kw: Any) -> Resp:
         return await self.request("PUT", path, **kw)
+
+    async def metrics(self) -> str:
+        """The text exposition of this client's gate, from its metrics listener
+        (outside GATE_ENV=dev /metrics is not served on the public port)."""
+        async with self.session.get(metrics_url_of(self.base_url) + "/metrics") as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["Content-Type"].startswith("text/plain")
+            return await r.text()
 
     async def close(self) -> None:
         await self.session.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import inspect
@@ -56,6 +57,7 @@ from gate.web.http_io import (
     exact_paths,
     send_answer,
 )
+from gate.web.metrics_listener import MetricsListener, loop_render
 from gate.web.recorder import RequestRecorder
 
 log = logging.getLogger("gate.app")
@@ -176,16 +178,18 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def routes() -> list[BaseRoute]:
+def routes(*, public_metrics: bool = False) -> list[BaseRoute]:
+    """The core's routes; /metrics among them only with `public_metrics` (dev)."""
     deal = "/v1/deals/{deal_id:id}"
     order = "/v1/orders/{order_id:str}"
     admin_deal_path = "/v1/admin/deals/{deal_id:id}"
     # The router tries routes in order: the hot path first.
+    metrics_route = [Route("/metrics", metrics, methods=["GET"])] if public_metrics else []
     return [
         Route(deal + "/reservations", Reserve(), methods=["POST"], name="reserve"),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        *metrics_route,
         Route(deal, deal_view, methods=["GET"]),
         Route(order, order_view, methods=["GET"]),
         Route(order + "/cancel", order_cancel, methods=["POST"]),
@@ -226,12 +230,30 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gate.start(background=background)
-        tune_gc(settings.gc_gen0_threshold)
+        # This process's own metrics listener: set only where this worker is the
+        # whole gate (several workers: the supervising parent serves it and gives
+        # the workers GATE_METRICS_ADDR=off; see gate/web/metrics_listener.py). Bound
+        # first, so that a port in use fails start-up before any work starts.
+        listener = None
+        if settings.metrics_addr is not None:
+            host, port = settings.metrics_addr
+            try:
+                listener = MetricsListener(
+                    settings.metrics_addr, loop_render(asyncio.get_running_loop())
+                ).start()
+            except OSError as exc:
+                log.error("cannot listen on GATE_METRICS_ADDR %s:%d: %s", host, port, exc)
+                raise
         try:
-            yield
+            await gate.start(background=background)
+            tune_gc(settings.gc_gen0_threshold)
+            try:
+                yield
+            finally:
+                await gate.stop()
         finally:
-            await gate.stop()
+            if listener is not None:
+                await asyncio.to_thread(listener.stop)
 
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         Problem: _problem,
@@ -239,7 +261,7 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
         DbUnavailable: _db_unavailable,
         Exception: _unexpected,
     }
-    all_routes = routes()
+    all_routes = routes(public_metrics=settings.is_dev)
     if settings.docs:
         all_routes.extend(docs_page.routes())
     middleware = []

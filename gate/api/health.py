@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from gate.api.common import _gate
 from gate.base.errors import Problem
-from gate.base.metrics import METRICS
+from gate.base.metrics import CONTENT_TYPE, METRICS
 from gate.store.db import Database
 from gate.web.http_io import (
     json_response,
@@ -92,4 +92,9 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(METRICS.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    """/metrics on the public port, with GATE_ENV=dev only (elsewhere the metrics
+    listener serves it, gate/web/metrics_listener.py). The loop adds its tallies, a
+    thread renders: the loop is not held for the whole render."""
+    METRICS.flush()
+    body = await asyncio.to_thread(METRICS.render, flush=False)
+    return Response(body, media_type=CONTENT_TYPE)

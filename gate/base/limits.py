@@ -117,9 +117,14 @@ def _client_address(
     for hop in reversed(hops):
         if not _trusted(hop, trusted):
             try:
-                return str(ipaddress.ip_address(hop))
+                ip = ipaddress.ip_address(hop)
             except ValueError:
                 return address
+            if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id is not None:
+                # A scope id ("fe80::1%eth0") is free text, any bytes: one client
+                # spelling it many ways would count as many addresses.
+                return address
+            return str(ip)
     return hops[0] if hops else address
 
 

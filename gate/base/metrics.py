@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Literal, TypeVar
 
@@ -267,7 +268,10 @@ class HistogramTally:
 
 class _FlushFirst:
     """Registered first on the registry: every collection (a scrape, a test reading a
-    sample) adds this process's tallies before the metrics are read."""
+    sample) adds this process's tallies before the metrics are read. Only on the
+    main thread, which runs the event loop that writes the tallies (a tally is a
+    plain int: a flush from another thread could lose an increment made meanwhile);
+    the metrics listener's thread has the loop flush instead (gate/web/metrics_listener.py)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -276,7 +280,8 @@ class _FlushFirst:
         return []
 
     def collect(self) -> list[object]:
-        self.metrics.flush()
+        if threading.current_thread() is threading.main_thread():
+            self.metrics.flush()
         return []
 
 
@@ -448,15 +453,22 @@ class Metrics:
 
     # -- exposition ------------------------------------------------------------------
 
-    def render(self) -> bytes:
+    def render(self, *, flush: bool = True) -> bytes:
         """The text exposition: this process's registry, or with several workers the
-        merge of every worker's files."""
-        self.flush()
+        merge of every worker's files. `flush=False` off the event loop's thread
+        (the tallies are that thread's)."""
+        if flush:
+            self.flush()
         if multiprocess_active():
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-            return generate_latest(registry)
+            return render_files(os.environ[MULTIPROC_ENV])
         return generate_latest(self.registry)
+
+
+def render_files(path: str) -> bytes:
+    """The merge of every process's metric files in `path` (several workers)."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+    return generate_latest(registry)
 
 
 def sample_values(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

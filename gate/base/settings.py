@@ -261,6 +261,8 @@ class Settings:
     worker_timeout_seconds: float = 30.0
     # /docs: a browsable reference of /openapi.json (gate/web/docs_page.py).
     docs: bool = False
+    # /metrics's own listener (gate/web/metrics_listener.py): (host, port), None: off.
+    metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9100)
 
     run_background: bool = True
     auto_migrate: bool = True
@@ -303,6 +305,24 @@ def _cluster_nodes(raw: str) -> tuple[tuple[str, int], ...]:
     if len(nodes) > CLUSTER_NODES_MAX:
         raise SettingsError(f"GATE_REDIS_CLUSTER_NODES: at most {CLUSTER_NODES_MAX} nodes")
     return tuple(dict.fromkeys(nodes))
+
+
+METRICS_ADDR_DEFAULT = "127.0.0.1:9100"
+
+
+def parse_listen_address(name: str, raw: str) -> tuple[str, int] | None:
+    """ "host:port" ([v6]:port for IPv6) to listen on, or None for "off"."""
+    text = raw.strip() or METRICS_ADDR_DEFAULT
+    if text.lower() == "off":
+        return None
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not (sep and _NODE_HOST.fullmatch(host) and port.isdigit() and 1 <= int(port) <= 65_535):
+        raise SettingsError(
+            f"{name} must be host:port (e.g. 127.0.0.1:9100, [::1]:9100) or 'off', got {raw!r}"
+        )
+    return host, int(port)
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -470,6 +490,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         http_concurrency_max=env_int(env, "GATE_HTTP_CONCURRENCY_MAX", 1024, 1, 100_000),
         worker_timeout_seconds=env_float(env, "GATE_WORKER_TIMEOUT_SECONDS", 30.0, 1.0, 3600),
         docs=env_bool(env, "GATE_DOCS", dev),
+        metrics_addr=parse_listen_address("GATE_METRICS_ADDR", env.get("GATE_METRICS_ADDR", "")),
         run_background=env_bool(env, "GATE_BACKGROUND", True),
         auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),
         log_level=log_level,

@@ -39,14 +39,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"gate: {exc}", file=sys.stderr)
             return 2
     # Several workers keep their metrics in files one scrape merges (gate/base/metrics.py).
-    prepare_multiprocess(args.workers)
+    metrics_dir = prepare_multiprocess(args.workers)
     return run_server(
         "gate.api.app:create_app",
         args.host,
         args.port,
         args.workers,
         worker_timeout_seconds=settings.worker_timeout_seconds,
+        metrics_addr=settings.metrics_addr,
+        metrics_dir=metrics_dir,
     )
+
+
+def _parent_metrics(addr: tuple[str, int] | None, metrics_dir: str | None) -> Any:
+    """With several workers, the metrics listener of this supervising process over
+    the workers' files, and GATE_METRICS_ADDR=off for the workers it spawns
+    (gate/web/metrics_listener.py); None otherwise (one worker starts its own).
+    Exits 2 when the address cannot be bound."""
+    if addr is None or metrics_dir is None:
+        return None
+    from gate.web.metrics_listener import MetricsListener, files_render
+
+    try:
+        listener = MetricsListener(addr, files_render(metrics_dir)).start()
+    except OSError as exc:
+        print(
+            f"gate: cannot listen on GATE_METRICS_ADDR {addr[0]}:{addr[1]}: {exc}", file=sys.stderr
+        )
+        raise SystemExit(2) from None
+    os.environ["GATE_METRICS_ADDR"] = "off"
+    return listener
 
 
 def run_server(
@@ -56,9 +78,22 @@ def run_server(
     workers: int,
     *,
     worker_timeout_seconds: float = 30.0,
+    metrics_addr: tuple[str, int] | None = None,
+    metrics_dir: str | None = None,
 ) -> int:
     """Serve the ASGI app factory `app` the way `gate serve` does (also the peer
-    baseline's server, so that only the application differs between them)."""
+    baseline's server, so that only the application differs between them).
+    `metrics_addr` with `metrics_dir` (several workers): this process serves the
+    merged metrics there."""
+    listener = _parent_metrics(metrics_addr, metrics_dir)
+    try:
+        return _serve(app, host, port, workers, worker_timeout_seconds)
+    finally:
+        if listener is not None:
+            listener.stop()
+
+
+def _serve(app: str, host: str, port: int, workers: int, worker_timeout_seconds: float) -> int:
     import uvicorn
 
     from gate.cli import supervisor

@@ -366,7 +366,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--gate-url",
         type=_http_url,
-        help="with --advise: also read this running gate's /metrics (e.g. http://gate:8000)",
+        help="with --advise: also read this running gate's /metrics, from its metrics"
+        " listener (GATE_METRICS_ADDR, e.g. http://gate:9100)",
     )
     operator(p)
 

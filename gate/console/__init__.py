@@ -16,6 +16,18 @@ session cookie (401 otherwise); every state-changing one the X-CSRF-Token header
 (403 otherwise). The actions call the very functions the admin API calls
 (gate/stock/deals.py), with actor "console:<session prefix>", so the ledger names the
 operator's session; actions that move no stock are logged with it.
+
+Sign-in is the one call that takes the admin token, so it is the one a guesser
+would hammer:
+
+    POST /console/api/session
+      -> SignInLimiter: at most SIGN_INS_PER_WINDOW attempts per client address
+         (GATE_TRUSTED_PROXIES decides the address, as for the IP limiter) in any
+         SIGN_IN_WINDOW_SECONDS, counted in Redis for every worker and process;
+         beyond it 429 RATE_LIMITED with Retry-After (Redis unreachable: 503)
+      -> the token compared in constant time; a wrong one is 401 and counted in
+         gate_console_signin_failures_total{reason}, not logged one by one (a
+         guesser would otherwise write the log)
 """
 
 from __future__ import annotations
@@ -23,9 +35,10 @@ from __future__ import annotations
 import importlib
 import importlib.resources
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
@@ -34,17 +47,20 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gate.base.errors import Problem, invalid, not_found, overloaded
+from gate.base.limits import LimitSpec, client_ip, rate_limited
+from gate.base.metrics import METRICS
 from gate.base.settings import SettingsError, env_bool, env_int
 from gate.console.session import (
     COOKIE_NAME,
     CSRF_HEADER,
     Session,
     SessionSigner,
+    request_scheme,
     unauthorized,
 )
 from gate.console.snapshot import Snapshots
 from gate.extensions import Extension
-from gate.store.keys import console_revoked
+from gate.store.keys import console_revoked, console_sign_ins
 from gate.web.http_io import json_response, read_json
 
 if TYPE_CHECKING:
@@ -73,13 +89,44 @@ PAGE_HEADERS = {
 }
 LEDGER_ROWS_SHOWN = 50
 MAX_DEAL_ID = 2**63 - 1
+SIGN_INS_PER_WINDOW = 10
+SIGN_IN_WINDOW_SECONDS = 60
+SECURE_COOKIE_MODES = ("always", "auto")
+
+SIGN_IN_FAILURES = METRICS.counter(
+    "gate_console_signin_failures_total",
+    "Console sign-ins refused, by reason (wrong_token, malformed, rate_limited).",
+    ["reason"],
+)
+
+# A sliding window per client address: the attempts of the last window_ms, one
+# sorted-set member each (scored by its time); one more is taken only below the
+# bound. Returns 0 when taken, else the milliseconds until the oldest leaves.
+#   KEYS[1] the address's attempts; ARGV now_ms, window_ms, max, a unique member
+_SIGN_IN_SCRIPT = """
+local now = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return math.max(1, tonumber(oldest[2]) + window - now)
+end
+redis.call('ZADD', KEYS[1], now, ARGV[4])
+redis.call('PEXPIRE', KEYS[1], window)
+return 0
+"""
 
 
 @dataclass(frozen=True)
 class ConsoleSettings:
     enabled: bool
     session_seconds: int
-    secret: str  # GATE_CONSOLE_SECRET, or the admin token when unset
+    # GATE_CONSOLE_SECRET, or the admin token when unset.
+    secret: str = field(repr=False)
+    # The session key is bound to it (gate/console/session.py).
+    admin_token: str = field(repr=False)
+    # "always": every cookie Secure; "auto": when the request's scheme is https.
+    secure_cookie: str = "auto"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], settings: Settings) -> ConsoleSettings:
@@ -92,7 +139,36 @@ class ConsoleSettings:
             raise SettingsError(
                 f"GATE_CONSOLE_SECRET must be at least {SECRET_MIN_CHARS} characters"
             )
-        return cls(enabled, session_seconds, secret or settings.admin_token.reveal())
+        secure_cookie = env.get("GATE_CONSOLE_SECURE_COOKIE", "auto").strip().lower() or "auto"
+        if secure_cookie not in SECURE_COOKIE_MODES:
+            raise SettingsError("GATE_CONSOLE_SECURE_COOKIE must be 'always' or 'auto'")
+        admin_token = settings.admin_token.reveal()
+        return cls(enabled, session_seconds, secret or admin_token, admin_token, secure_cookie)
+
+
+class SignInLimiter:
+    """At most `SIGN_INS_PER_WINDOW` sign-in attempts per client address in any
+    `SIGN_IN_WINDOW_SECONDS` (see the module docstring)."""
+
+    SPEC = LimitSpec(SIGN_INS_PER_WINDOW, SIGN_IN_WINDOW_SECONDS, SIGN_INS_PER_WINDOW)
+
+    def __init__(self, redis: Any) -> None:
+        self._script = redis.register_script(_SIGN_IN_SCRIPT)
+
+    async def take(self, address: str) -> None:
+        """One attempt of `address`, or the 429 problem (503 when Redis fails)."""
+        now_ms = int(time.time() * 1000)
+        member = f"{now_ms}:{secrets.token_hex(4)}"
+        try:
+            retry_ms = await self._script(
+                keys=[console_sign_ins(address)],
+                args=[now_ms, SIGN_IN_WINDOW_SECONDS * 1000, SIGN_INS_PER_WINDOW, member],
+            )
+        except RedisError:
+            raise overloaded("Redis unavailable; console sign-in cannot be checked.") from None
+        if int(retry_ms) > 0:
+            SIGN_IN_FAILURES.labels("rate_limited").inc()
+            raise rate_limited("console_sign_in", self.SPEC, int(retry_ms))
 
 
 # An action: (gate, deal id, body, actor) -> the deal's admin view. Areas add theirs
@@ -144,7 +220,8 @@ class Console:
     def __init__(self, gate: Gate, settings: ConsoleSettings) -> None:
         self.gate = gate
         self.settings = settings
-        self.signer = SessionSigner(settings.secret, settings.session_seconds)
+        self.signer = SessionSigner(settings.secret, settings.admin_token, settings.session_seconds)
+        self.sign_ins = SignInLimiter(gate.redis)
         self.snapshots = Snapshots(gate)
         self._files = {name: _static(name) for name in STATIC_FILES}
         self._page = _static("index.html")
@@ -168,6 +245,27 @@ class Console:
         self.signer.check_csrf(session, request.headers.get(CSRF_HEADER))
         return session
 
+    def _secure(self, request: Request) -> bool:
+        if self.settings.secure_cookie == "always":
+            return True
+        client = request.client
+        scheme = request_scheme(
+            request.url.scheme,
+            client.host if client else None,
+            request.headers.get("x-forwarded-proto"),
+            self.gate.settings.trusted_proxies,
+        )
+        return scheme == "https"
+
+    def _client_address(self, request: Request) -> str:
+        settings = self.gate.settings
+        return client_ip(
+            request.client.host if request.client else None,
+            request.headers.get("x-forwarded-for"),
+            settings.trusted_proxies,
+            settings.limit_ip_v6_prefix,
+        )
+
     def _cookie(self, response: Response, request: Request, value: str, max_age: int) -> None:
         response.set_cookie(
             COOKIE_NAME,
@@ -176,7 +274,7 @@ class Console:
             path="/console",
             httponly=True,
             samesite="strict",
-            secure=request.url.scheme == "https",
+            secure=self._secure(request),
         )
 
     # -- endpoints -------------------------------------------------------------------
@@ -191,17 +289,24 @@ class Console:
         return Response(self._files[name], media_type=STATIC_FILES[name], headers=PAGE_HEADERS)
 
     async def sign_in(self, request: Request) -> Response:
-        body = await read_json(request, self.gate.settings.body_max_bytes)
+        # Every attempt counts, a malformed one too, before the token is looked at.
+        await self.sign_ins.take(self._client_address(request))
+        try:
+            body = await read_json(request, self.gate.settings.body_max_bytes)
+        except Problem:
+            SIGN_IN_FAILURES.labels("malformed").inc()
+            raise
         if (
             not isinstance(body, dict)
             or set(body) != {"token"}
             or not isinstance(body["token"], str)
         ):
+            SIGN_IN_FAILURES.labels("malformed").inc()
             raise invalid('The body must be {"token": "<admin token>"}.')
         try:
             self.gate.admin_auth.check(f"Bearer {body['token']}")
         except Problem:
-            log.warning("console: sign-in refused (wrong token)")
+            SIGN_IN_FAILURES.labels("wrong_token").inc()
             raise unauthorized("Wrong admin token.") from None
         session, cookie = self.signer.issue()
         log.warning("console: %s signed in", session.actor)

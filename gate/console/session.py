@@ -7,9 +7,14 @@
     state-changing call --> X-CSRF-Token == HMAC(key, "csrf|" + sid)
     sign-out --> the sid is revoked in Redis until it would have expired anyway
 
-The key is HMAC-SHA256(GATE_CONSOLE_SECRET or GATE_ADMIN_TOKEN, a fixed label): a
-cookie cannot be turned back into the admin token, and rotating either secret ends
-every session.
+The key is HMAC-SHA256(GATE_CONSOLE_SECRET or GATE_ADMIN_TOKEN, a fixed label and
+SHA-256 of GATE_ADMIN_TOKEN): a cookie cannot be turned back into the admin token,
+and rotating either secret ends every session (the admin token too when
+GATE_CONSOLE_SECRET is set: whoever held the old token may have signed in with it).
+
+The cookie is Secure when the request came over https (`request_scheme`: the
+socket's scheme, or behind a trusted proxy its X-Forwarded-Proto), or always with
+GATE_CONSOLE_SECURE_COOKIE=always.
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import time
 from dataclasses import dataclass
 
 from gate.base.errors import Problem
+from gate.base.limits import Network
 
 COOKIE_NAME = "gate_console"
 CSRF_HEADER = "x-csrf-token"
-_KEY_LABEL = b"gate-console-session-v1"
+_KEY_LABEL = b"gate-console-session-v2"
 SID_BYTES = 16
 # A cookie is ~80 bytes; anything much longer is not one of ours.
 COOKIE_MAX_BYTES = 256
@@ -55,9 +62,31 @@ def unauthorized(detail: str = "Sign in to the console first.") -> Problem:
     return Problem("UNAUTHORIZED", detail, headers={"WWW-Authenticate": 'Cookie realm="console"'})
 
 
+def request_scheme(
+    scheme: str, peer: str | None, forwarded_proto: str | None, trusted: tuple[Network, ...]
+) -> str:
+    """The scheme the client used: the socket's, unless the peer is a trusted proxy
+    (GATE_TRUSTED_PROXIES) that says otherwise in X-Forwarded-Proto. Of several
+    comma-separated values the last counts: the one the trusted peer itself added
+    (earlier ones came from further away, possibly from the client)."""
+    if not trusted or not forwarded_proto or not peer:
+        return scheme
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return scheme
+    if not any(ip in net for net in trusted):
+        return scheme
+    said = forwarded_proto.rpartition(",")[2].strip().lower()
+    return said if said in ("http", "https") else scheme
+
+
 class SessionSigner:
-    def __init__(self, secret: str, lifetime_seconds: int) -> None:
-        self._key = hmac.new(secret.encode(), _KEY_LABEL, hashlib.sha256).digest()
+    def __init__(self, secret: str, admin_token: str, lifetime_seconds: int) -> None:
+        # The admin token's digest is part of the key: rotating the token ends every
+        # session even when GATE_CONSOLE_SECRET (the key's secret) stays.
+        bound = _KEY_LABEL + b"|" + hashlib.sha256(admin_token.encode()).digest()
+        self._key = hmac.new(secret.encode(), bound, hashlib.sha256).digest()
         self.lifetime_seconds = lifetime_seconds
 
     def _mac(self, message: bytes) -> bytes:

@@ -23,7 +23,7 @@ build is refused at start-up like a bad setting. See docs/payments.md ("Provider
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +65,18 @@ class WebhookVerifier(Protocol):
         ...
 
 
+# An adapter's optional second step, `async complete(event) -> event`: fills in
+# from the provider's API a fact its webhook does not carry, after verification and
+# before the event is recorded (provider.ProviderError: not recorded, answered 503
+# so the provider redelivers).
+Completion = Callable[[ProviderEvent], Awaitable[ProviderEvent]]
+
+
+def verifier_completion(verifier: WebhookVerifier) -> Completion | None:
+    complete = getattr(verifier, "complete", None)
+    return complete if callable(complete) else None
+
+
 @dataclass(frozen=True)
 class AdapterContext:
     """What an adapter may read to build itself."""
@@ -95,7 +107,7 @@ class AdapterBuilder(Protocol):
 
 def adapter_module(name: str) -> str:
     """The module of provider `name`; SettingsError for a name no adapter has."""
-    if SANDBOX_LABEL_RE.match(name):
+    if SANDBOX_LABEL_RE.fullmatch(name):
         return ADAPTER_MODULES["sandbox"]
     module = ADAPTER_MODULES.get(name)
     if module is None:

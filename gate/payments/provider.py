@@ -21,6 +21,10 @@ from gate.payments.config import PROVIDER_NAME_MAX
 ID_MAX = 191
 ORDER_ID_RE = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
 CURRENCY_RE = re.compile(r"[A-Z]{3}")
+# The sandbox's ids (the contract's alphabet: printable ASCII, the columns' width).
+# Each real provider's adapter checks its ids against that provider's documented
+# alphabet and length instead, short enough that the gate's composite event ids
+# (`<provider>:<id>:<type>`) fit ID_MAX whole.
 PROVIDER_ID_RE = re.compile(r"[\x21-\x7e]{1,191}")
 AMOUNT_MAX = 2**63 - 1
 # 9999-12-31T23:59:59Z: the last second a DATETIME (and datetime) can hold.
@@ -48,6 +52,34 @@ class ProviderRejected(ProviderError):
 
 class EventInvalid(ValueError):
     """A verified body that is not an event this gate can read (answered 400)."""
+
+
+def checked_id(value: Any, pattern: re.Pattern[str]) -> str | None:
+    """`value` when it is a string the whole of which matches `pattern` (fullmatch:
+    a trailing newline or a longer string is not an id), else None. Every id taken
+    from a provider's webhook or answer passes here before it can reach a column."""
+    return value if isinstance(value, str) and pattern.fullmatch(value) else None
+
+
+def event_id_of(value: Any, pattern: re.Pattern[str], what: str) -> str:
+    """An id a webhook must carry: EventInvalid (400, counted as rejected) otherwise."""
+    found = checked_id(value, pattern)
+    if found is None:
+        raise EventInvalid(f"{what} is missing or not a valid id")
+    return found
+
+
+def answer_id(value: Any, pattern: re.Pattern[str], what: str) -> str:
+    """An id an API answer must carry: a failed provider call otherwise."""
+    found = checked_id(value, pattern)
+    if found is None:
+        raise ProviderUnavailable(f"the provider's answer has no valid {what}")
+    return found
+
+
+def order_id_or_none(value: Any) -> str | None:
+    """An order id as the gate issues them, or None (the event names no order)."""
+    return checked_id(value, ORDER_ID_RE)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 Order of work, each step bounded: read at most `webhook_body_max_bytes`; the
 provider's adapter (gate/payments/adapters.py) verifies the raw bytes (401, nothing
-recorded) and reads them into the gate's event (400); record and apply the event in
-one transaction; only then the adapter's own acknowledgement (JSON, Alipay's plain
+recorded) and reads them into the gate's event (400); an adapter whose events need a
+fact the webhook does not carry completes them (Alipay: a refund's own amount, asked
+of its API; no answer is a 503 and the provider redelivers); record and apply the
+event in one transaction; only then the adapter's own acknowledgement (JSON, Alipay's plain
 `success`, ...); then the follow-ups a late payment or a waiting refund needs. A
 follow-up that fails leaves its event recorded as 'late' or 'waiting' for the
 recovery loop, and the answer is still 2xx: the event is durable, and a redelivery
@@ -21,11 +23,11 @@ from starlette.types import Receive, Scope, Send
 
 from gate.base.errors import Encoded, Problem, invalid, not_found, overloaded
 from gate.base.validate import digits
-from gate.payments.adapters import WebhookVerifier
+from gate.payments.adapters import WebhookVerifier, verifier_completion
 from gate.payments.codes import METRIC_OUTCOME, EventCode
 from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.metrics import CALLBACK_DELAY, CALLBACKS
-from gate.payments.provider import EventInvalid
+from gate.payments.provider import EventInvalid, ProviderError
 from gate.payments.signing import WebhookRejected
 from gate.store.db import DbUnavailable
 from gate.web.http_io import send_answer
@@ -90,6 +92,7 @@ class WebhookEndpoint:
         self.machine = machine
         self.body_max_bytes = body_max_bytes
         self.recent = RecentEvents(dedup_max)
+        self.complete = verifier_completion(verifier)
         self.groups = GroupCommitter(machine, provider)
         self.kick = kick
         # Labelled children looked up once: a lookup per callback showed in profiles.
@@ -141,6 +144,13 @@ class WebhookEndpoint:
         if event.event_id in self.recent:
             self.counted["duplicate"].inc()
             return self.verifier.acknowledge("duplicate")
+        if self.complete is not None:
+            try:
+                event = await self.complete(event)
+            except ProviderError as exc:
+                # The provider redelivers; the reason stays in the log, not the answer.
+                log.warning("event %s: not completed by the provider: %s", event.event_id, exc)
+                raise overloaded("The provider did not confirm the event; retry later.") from None
         if event.created is not None:
             CALLBACK_DELAY.observe(max(0.0, now - event.created))
         applied = await self.groups.submit(event)

@@ -35,6 +35,7 @@ import pymysql
 
 from gate.base.codes import DbCode
 from gate.base.metrics import METRICS
+from gate.base.timeouts import deadline_at
 from gate.store.db import POOL_REFUSED, Database, DbUnavailable, OutcomeUnknown, is_connection_error
 from gate.store.process_lease import Lease
 
@@ -334,8 +335,9 @@ async def reservation_call(
             return row
 
     try:
-        # asyncio.timeout_at rather than wait_for: no task made per call.
-        async with asyncio.timeout_at(deadline):
+        # deadline_at rather than wait_for: no task made per call (and, unlike
+        # asyncio.timeout_at on Python 3.11.2, no spurious CancelledError).
+        async with deadline_at(deadline):
             return await db.retrying(attempt)
     except TimeoutError as exc:
         if thread:

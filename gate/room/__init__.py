@@ -18,11 +18,13 @@ from gate.extensions import Extension
 from gate.room import openapi as room_openapi
 from gate.room.admission import RoomAdmission
 from gate.room.edge_lane import QueueLane, TicketEdge
+from gate.room.retire import RoomRetirer
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
 from gate.stock.room_config import load_room_settings
 from gate.store.scripts import Script, ScriptMissing, lua_dir
+from gate.store.work_lease import WorkLease
 from gate.web import openapi
 from gate.web.http_io import json_response, read_json
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gate.room")
 
-SCRIPTS = ("room_ticket", "room_advance", "room_restore")
+SCRIPTS = ("room_ticket", "room_advance", "room_restore", "room_retire", "room_retire_done")
 
 for (_path, _method), _operation in room_openapi.operations().items():
     openapi.add_operation(_path, _method, _operation)
@@ -66,7 +68,13 @@ def install(gate: Gate) -> Extension:
         gate.settings.redis_pipeline_max,
         gate.settings.redis_flush_every,
     )
-    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire)
+    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire, gate.unknown_deals)
+    # One process at a time deletes retired rooms' keys (gate/room/retire.py).
+    retirer = RoomRetirer(
+        gate.redis,
+        gate.runner,
+        WorkLease(gate.runner, "room-retire", gate.settings.background_lease_seconds),
+    )
 
     async def join(request: Request) -> Response:
         user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
@@ -96,7 +104,7 @@ def install(gate: Gate) -> Extension:
             *queue,
             Route("/v1/admin/deals/{deal_id:id}/waiting-room", configure, methods=["PUT"]),
         ],
-        workers=[room.run],
+        workers=[room.run, retirer.run],
         on_stop=[wire.aclose],
         inner_middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
         edge=[TicketEdge(room, gate.buyer_auth, join) for join in (True, False)],

@@ -32,3 +32,7 @@ WAIT = METRICS.histogram(
     ["deal"],
     buckets=DELAY_BUCKETS_SECONDS,
 )
+RETIRED = METRICS.counter(
+    "gate_room_retired_total",
+    "Waiting rooms whose keys were deleted (removed, or sale over for an admission TTL).",
+)

@@ -25,11 +25,12 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from gate.base.codes import RoomCode
 from gate.base.errors import Problem, from_room, not_found, overloaded
-from gate.room import metrics
+from gate.room import metrics, retire
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Command, RandomScores, Wire
 from gate.stock.mirror import Mirror
 from gate.stock.room_config import RoomConfig, RoomSettings, parse_room
+from gate.stock.unknown_deals import UnknownDeals
 from gate.store.db import Database
 from gate.store.keys import ROOMS, deal_keys
 from gate.store.scripts import REDIS_ERRORS, ScriptRunner, error_kind
@@ -45,8 +46,9 @@ REFRESH_SECONDS = 5.0
 GAUGES_SECONDS = 1.0
 ROOMS_MAX = 10_000
 KEYS_CACHE_MAX = 10_000
-# Tickets read "closed" for this long after ends_at; then the room loop drops them.
-RETAIN_AFTER_END_MS = 3_600_000
+# room_advance.lua reports a sale over (code 3) this long after ends_at: at once;
+# the tickets then read "closed" until the room is retired (gate/room/retire.py).
+RETAIN_AFTER_END_MS = 0
 
 
 # "YYYY-MM-DDTHH:MM:SS" by epoch second: a ticket's timestamps are formatted from
@@ -93,6 +95,7 @@ class Room:
         runner: ScriptRunner,
         tokens: AdmissionTokens,
         wire: Wire,
+        unknown: UnknownDeals | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -101,6 +104,9 @@ class Room:
         self.runner = runner
         self.tokens = tokens
         self.wire = wire
+        # Unknown deal ids answered 404 without the database, as reservations and
+        # deal views are (gate/stock/unknown_deals.py).
+        self.unknown = unknown or UnknownDeals(mirror.redis, db)
         # deal -> room_ticket.lua's commands (join, read), packed once
         self._prefixes: dict[int, tuple[Command, Command]] = {}
         self._scores = RandomScores()
@@ -112,12 +118,18 @@ class Room:
         join = mode == "join"
         reply = await self._ticket_call(deal_id, user_id, join)
         if reply[0] == RoomCode.NOT_LOADED:
+            # Redis holds no state for the deal: an unknown id (a flood of random
+            # ones, say) is answered before any database look-up or load.
+            generation = await self.unknown.generation()
+            if self.unknown.unknown(deal_id, generation):
+                raise not_found("deal")
             try:
                 found = await self.mirror.load(deal_id)
             except Exception as exc:
                 log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
                 raise overloaded("Deal state unavailable; retry shortly.") from None
             if not found:
+                await self.unknown.learn(deal_id, generation)
                 raise not_found("deal")
             reply = await self._ticket_call(deal_id, user_id, join)
             if reply[0] == RoomCode.NOT_LOADED:
@@ -258,6 +270,9 @@ class Room:
         if room is None:
             if await self.redis.hget(keys.room, "on") == "1":
                 await self.redis.hset(keys.room, "on", "0")
+                # Its tickets, queue and admissions are dead now: deleted by the
+                # retire loop (gate/room/retire.py) within its interval.
+                await retire.schedule(self.redis, deal_id)
             await self.redis.srem(ROOMS, deal_id)
             return
         await self.redis.hset(
@@ -305,16 +320,11 @@ class Room:
             await self.redis.srem(ROOMS, deal_id)
             return 0, 0
         if int(code) == 3:
-            # Long over: free the memory (UNLINK frees it off Redis's main thread).
-            await self.redis.unlink(
-                keys.room_queue,
-                keys.room_tickets,
-                keys.room_admitted,
-                keys.room_expiry,
-                keys.room_window,
-            )
+            # The sale is over: nothing more to admit. Its keys are deleted by the
+            # retire loop once the admission TTL has passed too (gate/room/retire.py).
+            await retire.schedule(self.redis, deal_id)
             await self.redis.srem(ROOMS, deal_id)
-            log.info("deal %s: sale over, waiting room tickets dropped", deal_id)
+            log.info("deal %s: sale over, waiting room to be retired", deal_id)
             return 0, 0
         label = str(deal_id)
         if int(admitted):

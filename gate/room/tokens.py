@@ -47,6 +47,10 @@ class AdmissionTokens:
         parts = token.split(".")
         if len(parts) != 5 or not all(p.isascii() and p.isdigit() for p in parts[:4]):
             return BAD_TOKEN
+        if not parts[4].isascii():
+            # hmac.compare_digest refuses a str with characters past ASCII (a header's
+            # bytes 0x80-0xff reach the gate as such): a forgery, not an error.
+            return BAD_TOKEN
         deal, user, seq, expires_ms = (int(p) for p in parts[:4])
         if deal != deal_id or user != user_id:
             return BAD_TOKEN

@@ -21,6 +21,7 @@ from pymysql.constants import CLIENT
 
 from gate.base.metrics import METRICS
 from gate.base.settings import MysqlTarget, Settings
+from gate.base.timeouts import deadline_in
 
 log = logging.getLogger("gate.db")
 
@@ -157,7 +158,7 @@ class Database:
         wait = self.settings.db_reservation_acquire_seconds
         self.reservations_waiting += 1
         try:
-            async with asyncio.timeout(wait):
+            async with deadline_in(wait):
                 await self._reservation_slots.acquire()
         except TimeoutError:
             POOL_REFUSED.labels("reservation").inc()

@@ -20,6 +20,10 @@ DEALS_GENERATION = "gate:deals:generation"
 # Deals that have a waiting room (gate/room/): the room loop advances each of them.
 # Outside any deal's slot, touched by plain commands only, rebuilt from the database.
 ROOMS = "gate:rooms"
+# Deals whose waiting room was removed or whose sale ended, by when (ms) its keys are
+# due for deletion (gate/room/retire.py). A plain key, touched by plain commands and
+# lua/room_retire_done.lua only.
+ROOMS_RETIRING = "gate:rooms:retiring"
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +164,11 @@ def owner_keys(owner: str) -> OwnerKeys:
 def console_revoked(session_id: str) -> str:
     """A signed-out console session (gate/console/session.py), until it would expire."""
     return f"gate:console:revoked:{session_id}"
+
+
+def console_sign_ins(address: str) -> str:
+    """The console sign-in attempts of one client address (gate/console SignInLimiter)."""
+    return f"gate:console:signin:{address}"
 
 
 # Queue mode (gate/queuemode/): deals that have (or had) a request queue, walked by the

@@ -37,18 +37,25 @@ place: a pipelined request behind it is queued by uvicorn's own code and started
 when the edge answers; a disconnect marks it, so nothing is written; a graceful
 shutdown lets it finish, then closes the connection.
 
-Every connection the server closes after an answer (a 408, a Connection: close, on
-any route) is closed lingering (`_Linger`), as nginx does: the answer is sent and
-the write side shut (FIN), then whatever the client still sends is read and dropped
-until it closes too (or `LINGER_SECONDS` pass, or `LINGER_MAX_BYTES` came). Closed
-at once, a socket with unread bytes (the rest of a late body, a pipelined request)
-is reset by the kernel, and a reset can throw away the answer before the client has
-read it. An idle keep-alive connection past its timeout, and every connection at
-shutdown, is closed at once, as uvicorn does.
+Closes that do not reset the connection (`Linger`), reading held while the client
+does not read (`Flow`) and trailer fields (`Trailers`): gate/web/edge_transport.py.
+
+One connection holds a bounded part of the worker (docs/api.md, "Pipelining and
+back-pressure"), whether the edge or the ASGI application answers:
+
+    data_received ─▶ a read of at most 4 KiB, nothing held ─▶ the parser, at once
+                  ─▶ otherwise ─▶ the backlog (the transport's reading stopped)
+                        ─▶ one 4 KiB slice per turn of the event loop, while nothing
+                           holds parsing (`_held`): the client's answers past the
+                           write buffer's high water mark (`Flow.pause_writing`),
+                           uvicorn's pause (a large body not yet read), requests
+                           waiting in uvicorn's pipeline
+                        ─▶ the backlog parsed: the transport reads again
 
 The protocol depends on uvicorn's HttpToolsProtocol internals (the parser callbacks,
-`cycle`, `pipeline`, `on_response_complete`): pyproject.toml pins uvicorn to one
-minor release, and tests/web/test_edge.py covers each of them over real sockets.
+`cycle`, `pipeline`, `flow`, `headers`, `on_response_complete`): pyproject.toml pins
+uvicorn to one minor release, and tests/web/test_edge.py and
+tests/web/test_edge_backpressure.py cover each of them over real sockets.
 """
 
 from __future__ import annotations
@@ -65,6 +72,14 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gate.base import logs
 from gate.base.errors import Encoded, Problem
 from gate.base.metrics import METRICS
+from gate.web.edge_transport import (
+    FEED_SLICE_BYTES,
+    WRITE_HIGH_WATER_BYTES,
+    Flow,
+    HeadTooLarge,
+    Linger,
+    Trailers,
+)
 from gate.web.guard import body_timeout
 
 if TYPE_CHECKING:
@@ -93,14 +108,8 @@ _HEAD_TOO_LARGE = Problem(
 )
 
 
-class _HeadTooLarge(Exception):
-    """Raised in a parser callback to stop the parser: the head passed its bound."""
-
-
 INTERNAL = Problem("INTERNAL", "Internal error.")
-# A closed connection's lingering (`_Linger`): at most this long, this many bytes.
-LINGER_SECONDS = 2.0
-LINGER_MAX_BYTES = 256 * 1024
+# A closed connection's lingering (`Linger`): at most this long, this many bytes.
 # Up to 18 digits are below the largest id (gate/web/http_io.py IdConvertor does the same).
 ID_DIGITS_MAX = 18
 
@@ -212,68 +221,6 @@ def _declared_too_long(headers: list[tuple[bytes, bytes]], max_bytes: int) -> bo
         if name == _CONTENT_LENGTH:
             return len(value) > 9 or (value.isdigit() and int(value) > max_bytes)
     return False
-
-
-class _Linger(asyncio.Transport):
-    """The connection's transport, with a server-side close that does not reset the
-    connection (see the module docstring). It stands in for the transport uvicorn
-    was given (uvloop's transports cannot be patched), so uvicorn's closes and the
-    edge's all go through it; everything else is the transport's own."""
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        # asyncio.Transport's __init__ is not called: `_extra` is the transport's.
-        self.transport = transport
-        self.write = transport.write  # type: ignore[method-assign]
-        self.lingering = False  # the write side is shut; reads are dropped
-        self.peer_done = False  # the client shut its write side (EOF)
-        self.discarded = 0  # bytes dropped while lingering
-        self.at_once = False  # close without lingering (idle timeout, shutdown)
-        self.timer: asyncio.TimerHandle | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.transport, name)
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.transport.get_extra_info(name, default)
-
-    def writelines(self, list_of_data: Any) -> None:
-        self.transport.writelines(list_of_data)
-
-    def is_closing(self) -> bool:
-        return self.lingering or self.transport.is_closing()
-
-    def close(self) -> None:
-        if self.lingering and not self.peer_done:
-            return  # already closing: the client's EOF or the timer ends it
-        transport = self.transport
-        if (
-            self.at_once
-            or self.peer_done
-            or transport.is_closing()
-            or not transport.can_write_eof()
-        ):
-            self.finish()
-            return
-        self.lingering = True
-        try:
-            transport.write_eof()  # after what is buffered: the answer goes first
-            transport.resume_reading()  # reads paused by uvicorn's flow control: drained
-        except (OSError, RuntimeError):
-            self.finish()
-            return
-        self.timer = asyncio.get_running_loop().call_later(LINGER_SECONDS, self.finish)
-
-    def dropped(self, size: int) -> None:
-        """Bytes that came while lingering: dropped; past the bound, closed now."""
-        self.discarded += size
-        if self.discarded > LINGER_MAX_BYTES:
-            self.finish()
-
-    def finish(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.transport.close()
 
 
 class _NoEvent:
@@ -408,14 +355,36 @@ class EdgeProtocol(HttpToolsProtocol):
         self._read_bytes = 0
         self._head_first = 0
         self._head_reads = 0
-        self._head_too_large = False
+        self.head_too_large = False
+        # A chunked request's chunk (or trailer section) being parsed: the bytes of
+        # the slices fed wholly after its chunk header began, and of its body among
+        # them (what is not body is a trailer, bounded with the head).
+        self._in_chunk = False
+        self._chunk_fresh = False
+        self._chunk_bytes = 0
+        self._chunk_body_bytes = 0
+        self._head_bytes = 0
         # The request whose headers the edge took and whose body is still coming.
         self._pending: EdgeRequest | None = None
-        self._linger: _Linger | None = None
+        self._linger: Linger | None = None
+        # Back-pressure (`Flow`): what was read and not yet parsed (from
+        # `_backlog_at` on; the transport's reading stopped meanwhile), the parse of
+        # its next slice when scheduled, and whether the transport's reading is stopped.
+        self._backlog = b""
+        self._backlog_at = 0
+        self._feeding: asyncio.Handle | None = None
+        self._reading_stopped = False
+        self._raw: asyncio.Transport | None = None
+        # The ASGI request being answered: with requests pipelined behind it, uvicorn's
+        # `cycle` is the last one parsed, not this one.
+        self._asgi_cycle: Any = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = self._linger = _Linger(transport)
+        self.flow = Flow(transport, self)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
+        self._raw = transport
+        self.transport = self._linger = Linger(transport)
 
     def timeout_keep_alive_handler(self) -> None:
         if self._linger is not None:
@@ -435,7 +404,7 @@ class EdgeProtocol(HttpToolsProtocol):
         than uvicorn's text/plain one; the connection closed (lingering) after it,
         since nothing that follows on it can be framed."""
         _MALFORMED_ANSWERED.inc()
-        status, headers, body = (_HEAD_TOO_LARGE if self._head_too_large else _MALFORMED).encoded()
+        status, headers, body = (_HEAD_TOO_LARGE if self.head_too_large else _MALFORMED).encoded()
         parts = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             parts += (name, b": ", value, b"\r\n")
@@ -443,6 +412,10 @@ class EdgeProtocol(HttpToolsProtocol):
             parts += (name, b": ", value, b"\r\n")
         parts += (b"x-request-id: ", logs.new_request_id().encode("ascii"), b"\r\n")
         parts += (_CLOSE, b"\r\n", body)
+        # A request cut short (a malformed chunk, its trailers past the bound) and the
+        # one answered before it: their application sees a disconnect and writes
+        # nothing after this answer.
+        self._disconnect_asgi()
         self.transport.write(b"".join(parts))
         self.transport.close()
 
@@ -450,7 +423,7 @@ class EdgeProtocol(HttpToolsProtocol):
         """The client shut its write side. Requests it sent whole are still answered,
         then the connection is closed (`on_response_complete`), as a client that
         half-closes after its request expects. Anything else ends here: asyncio
-        closes the transport when this returns None (through `_Linger.close`, which
+        closes the transport when this returns None (through `Linger.close`, which
         now closes at once)."""
         linger = self._linger
         if linger is None:
@@ -459,6 +432,7 @@ class EdgeProtocol(HttpToolsProtocol):
         cycle = self.cycle  # the last request parsed
         if (
             linger.lingering
+            or self._backlog  # read, not yet parsed: answered first
             or self._pending is not None  # an edge request short of its body
             or self._in_head
             or cycle is None
@@ -469,11 +443,16 @@ class EdgeProtocol(HttpToolsProtocol):
         return True
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # the next pipelined request is started
+        self.go_on()
+        self._close_if_done()
+
+    def _close_if_done(self) -> None:
         linger, cycle = self._linger, self.cycle
         if (
             linger is not None
             and linger.peer_done
+            and not self._backlog
             and cycle is not None
             and cycle.response_complete
             and not self.transport.is_closing()
@@ -497,8 +476,8 @@ class EdgeProtocol(HttpToolsProtocol):
         reads = self._head_first + self._head_reads + self._read_bytes
         if reads > HEAD_MAX_BYTES and self._head_size() > HEAD_MAX_BYTES:
             # Stops the parser; uvicorn answers its error with send_400_response.
-            self._head_too_large = True
-            raise _HeadTooLarge
+            self.head_too_large = True
+            raise HeadTooLarge
         edge = self.edge
         if edge is not None and not self.root_path:
             cycle = self.cycle
@@ -532,6 +511,8 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
+        if self._in_chunk:
+            self._chunk_body_bytes += len(body)
         req = self._pending
         if req is None:
             if isinstance(self.cycle, _EdgeCycle):
@@ -559,11 +540,98 @@ class EdgeProtocol(HttpToolsProtocol):
         self._take(req)
         self._dispatch(req)
 
+    def on_chunk_header(self) -> None:
+        """A chunk's size line was parsed: its data, or after the last one the trailer
+        section, follows. At the first chunk uvicorn's `on_header` is pointed at a
+        `Trailers` (the request keeps the list its head filled)."""
+        if not isinstance(self.headers, Trailers):
+            self._head_bytes = self._head_size()
+            self.headers = Trailers(self, HEAD_MAX_BYTES - self._head_bytes)
+        self._in_chunk = True
+        self._chunk_fresh = True
+        self._chunk_bytes = 0
+        self._chunk_body_bytes = 0
+
+    def on_chunk_complete(self) -> None:
+        self._in_chunk = False
+
     def data_received(self, data: bytes) -> None:
         linger = self._linger
         if linger is not None and linger.lingering:
             linger.dropped(len(data))
             return
+        if self._backlog or len(data) > FEED_SLICE_BYTES or self._held():
+            # Parsed a slice at a time, or when the client has read its answers.
+            self._backlog = self._backlog[self._backlog_at :] + data
+            self._backlog_at = 0
+            self.stop_reading()
+            self.go_on()
+            return
+        self._feed(data)
+
+    def stop_reading(self) -> None:
+        """The transport reads no more (until `go_on` finds nothing holds it)."""
+        raw = self._raw
+        if not self._reading_stopped and raw is not None and not raw.is_closing():
+            self._reading_stopped = True
+            raw.pause_reading()
+
+    def _held(self) -> bool:
+        """Nothing more is parsed: the client's answers are unread (past the high
+        water mark), uvicorn paused reading (a large body not yet read), or requests
+        wait in uvicorn's pipeline (uvicorn itself resumes reading after each answer,
+        and one read can queue thousands of pipelined requests)."""
+        flow = self.flow
+        return flow.read_paused or flow.write_paused or bool(self.pipeline)
+
+    def go_on(self) -> None:
+        """Reading may go on, unless `_held`: the backlog's next slice is parsed in the
+        loop's next turn, or, with none left, the transport reads again."""
+        if self._held():
+            return
+        if self._backlog:
+            if self._feeding is None:
+                self._feeding = self.loop.call_soon(self._feed_backlog)
+            return
+        raw = self._raw
+        if self._reading_stopped and raw is not None and not raw.is_closing():
+            self._reading_stopped = False
+            raw.resume_reading()
+
+    def _feed_backlog(self) -> None:
+        self._feeding = None
+        if self.transport.is_closing():
+            self._backlog = b""  # nothing more is answered on this connection
+            return
+        if self._held():
+            return  # `go_on` comes back
+        at = self._backlog_at
+        data = self._backlog[at : at + FEED_SLICE_BYTES]
+        at += len(data)
+        if at >= len(self._backlog):
+            self._backlog, self._backlog_at = b"", 0
+        else:
+            self._backlog_at = at
+        self._feed(data)
+        if self.transport.is_closing():
+            self._backlog = b""
+            return
+        self.go_on()
+        if not self._backlog:
+            self._backlog_parsed()
+
+    def _backlog_parsed(self) -> None:
+        """All that was read is parsed: if the client has shut its write side, the
+        connection ends as `eof_received` would have ended it then."""
+        linger = self._linger
+        if linger is not None and linger.peer_done and not linger.lingering:
+            if self.eof_received() is None:
+                self.transport.close()
+            else:
+                self._close_if_done()
+
+    def _feed(self, data: bytes) -> None:
+        """One read, or one slice of a read, to the parser."""
         in_head, heads = self._in_head, self._heads
         self._read_bytes = len(data)
         super().data_received(data)
@@ -573,9 +641,26 @@ class EdgeProtocol(HttpToolsProtocol):
             # counted: the bound is off by one read at most, never too strict.)
             self._head_reads += len(data)
             if self._head_reads > HEAD_MAX_BYTES and not self.transport.is_closing():
-                self._head_too_large = True
+                self.head_too_large = True
                 self.send_400_response("")
                 return
+        if self._in_chunk:
+            if self._chunk_fresh:
+                # The slice its chunk header came in is not counted (it holds what
+                # came before too): off by one slice at most, never too strict.
+                self._chunk_fresh = False
+                self._chunk_body_bytes = 0
+            else:
+                self._chunk_bytes += len(data)
+                trailer_bytes = self._chunk_bytes - self._chunk_body_bytes
+                if (
+                    trailer_bytes > HEAD_MAX_BYTES - self._head_bytes
+                    and not self.transport.is_closing()
+                ):
+                    # A trailer field still coming (httptools keeps it until it ends).
+                    self.head_too_large = True
+                    self.send_400_response("")
+                    return
         req = self._pending
         if req is not None and not req.watched and not self.transport.is_closing():
             # The read ended before the body did: the rest is due by the guard's
@@ -596,7 +681,25 @@ class EdgeProtocol(HttpToolsProtocol):
         elif not self.transport.is_closing():
             self.transport.close()
 
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._asgi_cycle = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def _disconnect_asgi(self) -> None:
+        """The ASGI requests of the connection see a disconnect (uvicorn marks only the
+        last one parsed: the one being answered, with requests pipelined behind it,
+        would write on a closed transport, a 500 and a traceback logged)."""
+        for cycle in (self.cycle, self._asgi_cycle):
+            if cycle is not None and not cycle.response_complete and not cycle.disconnected:
+                cycle.disconnected = True
+                cycle.message_event.set()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._disconnect_asgi()
+        if self._feeding is not None:
+            self._feeding.cancel()
+            self._feeding = None
+        self._backlog = b""
         linger = self._linger
         if linger is not None and linger.timer is not None:
             linger.timer.cancel()

@@ -44,6 +44,11 @@ def _paths() -> dict[str, dict[str, Any]]:
             "get": {
                 "tags": ["operations"],
                 "summary": "Prometheus metrics (text exposition, all workers merged).",
+                "description": (
+                    "Served on the metrics listener, GATE_METRICS_ADDR (default"
+                    " 127.0.0.1:9100); on the public port with GATE_ENV=dev only,"
+                    " elsewhere 404 there."
+                ),
                 "operationId": "metrics",
                 "responses": {
                     "200": {

@@ -16,10 +16,12 @@ from gate.base import metrics as gm
 from gate.base.metrics import AGREED_NAMES, METRICS, value_of
 from tests.ops_support import (
     FreshConnectionClient,
+    Samples,
     multiprocess_env,
     per_process_values,
     running_gate,
     scrape,
+    scrape_until,
 )
 from tests.support import ADMIN, Client, GateProcess, create_deal, reserve
 
@@ -177,7 +179,8 @@ async def test_sold_out_rejections_are_counted_across_workers(
     assert sum(1 for v in by_pid.values() if v > 0) >= 2, by_pid
     assert sum(by_pid.values()) == rejected
 
-    # Whichever worker answers the scrape, it reports the whole server.
+    # One scrape of the metrics listener (the supervising parent) reports the whole
+    # server: every worker's files merged.
     for _ in range(6):
         samples = await scrape(mp_client)
         assert value_of(samples, "gate_reservations_total", outcome="SOLD_OUT") == rejected
@@ -207,7 +210,20 @@ async def test_routes_are_labelled_by_template_never_by_raw_path(mp_client: Clie
     assert (await mp_client.get("/v1/orders/01JD3W9K2XG5W7Q8M4Z6V1R0TB")).status_code == 401
     assert (await mp_client.get(f"/no/such/path/{deal_id}")).status_code == 404
     assert (await mp_client.request("DELETE", f"/v1/deals/{deal_id}")).status_code == 405
-    samples = await scrape(mp_client)
+
+    def deleted(samples: Samples) -> bool:
+        return (
+            value_of(
+                samples,
+                "gate_http_requests_total",
+                route="/v1/deals/{deal_id}",
+                method="DELETE",
+                status="405",
+            )
+            == 1
+        )
+
+    samples = await scrape_until(mp_client, deleted)
     routes = {
         dict(labels)["route"]
         for (name, labels) in samples
@@ -241,15 +257,16 @@ async def test_a_successful_reservation_counts_once(mp_client: Client) -> None:
     before = await scrape(mp_client)
     deal_id = await create_deal(mp_client, stock=2)
     assert (await reserve(mp_client, deal_id, 7_300_001, "metrics-once-0001")).status_code == 201
-    after = await scrape(mp_client)
 
-    def delta(outcome: str) -> float:
+    def delta(outcome: str, after: Samples) -> float:
         return value_of(after, "gate_reservations_total", outcome=outcome) - value_of(
             before, "gate_reservations_total", outcome=outcome
         )
 
-    assert delta("created") == 1
-    assert delta("ERROR") == 0
+    after = await scrape_until(mp_client, lambda s: delta("created", s) >= 1)
+
+    assert delta("created", after) == 1
+    assert delta("ERROR", after) == 0
 
 
 # -- tallies ---------------------------------------------------------------------------

@@ -350,7 +350,7 @@ async def test_advise_recommends_more_buckets_only_under_contention(
         try:
             await wait_for_reserve_statement(cur, hot)
             out = await arun(env, "deal", "buckets", str(hot), "--advise", "--sample-seconds",
-                             "1", "--gate-url", gate.url, "--json")  # fmt: skip
+                             "1", "--gate-url", str(gate.metrics_url), "--json")  # fmt: skip
         finally:
             stop.set()
     with contextlib.suppress(Exception):
@@ -360,7 +360,8 @@ async def test_advise_recommends_more_buckets_only_under_contention(
     assert advice["change"] == "more" and advice["recommended_buckets"] >= 2, advice
     assert advice["observed"]["lock_waits"]["peak_waiters"] >= 1
     assert "more buckets give more locks" in " ".join(advice["reasons"])
-    # The running gate's own view over the same window (all deals): its transactions.
+    # The running gate's own view over the same window (all deals): its transactions,
+    # read from its metrics listener.
     seen = advice["observed"]["gate"]
     assert seen["observed"] is True, seen
     assert seen["transactions"] >= 0 and "lock_wait_retries" in seen

@@ -11,15 +11,23 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
+from gate.base.metrics import sample_values, value_of
 from gate.console.session import SessionSigner
 from gate.store.db import Database
-from tests.console_support import ConsoleSession, console_env, session_cookie, sign_in
+from tests.console_support import (
+    ConsoleSession,
+    console_env,
+    fresh_address,
+    session_cookie,
+    sign_in,
+)
 from tests.support import (
     ADMIN,
     ADMIN_TOKEN,
     Client,
     GateCommand,
     GateProcess,
+    Resp,
     assert_invariants,
     create_deal,
     db_available,
@@ -110,9 +118,9 @@ async def test_sign_in_cookie_and_wrong_token(cc: Client) -> None:
 
 async def test_no_admin_data_without_a_valid_session(cc: Client, op: ConsoleSession) -> None:
     deal_id = await create_deal(cc, stock=5)
-    signer = SessionSigner(ADMIN_TOKEN, 1800)
+    signer = SessionSigner(ADMIN_TOKEN, ADMIN_TOKEN, 1800)
     _, expired = signer.issue(now=time.time() - 3600)
-    _, foreign = SessionSigner("another-secret-0123456789abcdef0123", 1800).issue()
+    _, foreign = SessionSigner("another-secret-0123456789abcdef0123", ADMIN_TOKEN, 1800).issue()
     valid = op.cookie.split("=", 1)[1]
     tampered = valid[:-2] + ("AA" if not valid.endswith("AA") else "BB")
     for cookie in (None, "", expired, foreign, tampered, "x" * 300, "a.b.c", "%%%.%%%"):
@@ -290,6 +298,7 @@ async def test_snapshot_is_computed_once_a_second_for_all_open_pages(
         ("GATE_CONSOLE_SESSION_SECONDS", "5"),
         ("GATE_CONSOLE_SESSION_SECONDS", "half an hour"),
         ("GATE_CONSOLE_SECRET", "short"),
+        ("GATE_CONSOLE_SECURE_COOKIE", "sometimes"),
     ],
 )
 def test_bad_console_settings_stop_start_up(env: dict[str, str], name: str, value: str) -> None:
@@ -302,8 +311,9 @@ def test_bad_console_settings_stop_start_up(env: dict[str, str], name: str, valu
 
 
 async def test_cookie_is_secure_over_https(env: dict[str, str]) -> None:
-    """Sign-in does no I/O, so the app answers it without its lifespan: one ASGI
-    request with the https scheme (what uvicorn sets behind TLS)."""
+    """Sign-in needs no lifespan (its limiter's Redis client connects on first use),
+    so the app answers it in process: one ASGI request with the https scheme (what
+    uvicorn sets when it terminates TLS itself)."""
     from gate.api.app import build_app
     from gate.base.settings import load_settings
 
@@ -338,6 +348,8 @@ async def test_cookie_is_secure_over_https(env: dict[str, str]) -> None:
             sent.append(message)
 
         await app(scope, receive, send)  # type: ignore[arg-type]
+    # Sign-in's limiter used the gate's Redis client; no lifespan closes it here.
+    await app.state.gate.redis.aclose()
     starts = [m for m in sent if m["type"] == "http.response.start"]
     assert [m["status"] for m in starts] == [200, 200]
     cookies = [
@@ -346,3 +358,149 @@ async def test_cookie_is_secure_over_https(env: dict[str, str]) -> None:
     ]
     assert b"; secure" in cookies[0] and b"httponly" in cookies[0]
     assert b"; secure" not in cookies[1]
+
+
+def _cookie_attributes(r: Resp) -> set[str]:
+    raw = next(v for v in r.headers.getall("Set-Cookie") if v.startswith("gate_console="))
+    return {a.strip().split("=")[0].lower() for a in raw.split(";")[1:]}
+
+
+async def _signed_in_attributes(client: Client, proto: str | None) -> set[str]:
+    headers = {} if proto is None else {"X-Forwarded-Proto": proto}
+    r, session = await sign_in(client, headers=headers)
+    assert r.status_code == 200 and session is not None, r.text
+    return _cookie_attributes(r)
+
+
+async def test_the_cookie_is_secure_behind_a_trusted_tls_proxy(
+    env: dict[str, str], prepared: None
+) -> None:
+    """X-Forwarded-Proto decides the scheme only when the peer is a trusted proxy;
+    GATE_CONSOLE_SECURE_COOKIE=always makes every cookie Secure."""
+    trusting = GateProcess(console_env(env), workers=1)
+    untrusting = GateProcess(console_env(env, GATE_TRUSTED_PROXIES="192.0.2.1"), workers=1)
+    always = GateProcess(console_env(env, GATE_CONSOLE_SECURE_COOKIE="always"), workers=1)
+    clients: list[Client] = []
+    try:
+        for proc in (trusting, untrusting, always):
+            proc.wait_ready()
+        ct, cu, ca = (Client(p.url) for p in (trusting, untrusting, always))
+        clients.extend((ct, cu, ca))
+        assert "secure" in await _signed_in_attributes(ct, "https")
+        # The last value is the one the trusted peer added.
+        assert "secure" in await _signed_in_attributes(ct, "http, https")
+        assert "secure" not in await _signed_in_attributes(ct, "https, http")
+        assert "secure" not in await _signed_in_attributes(ct, "http")
+        assert "secure" not in await _signed_in_attributes(ct, None)
+        assert "secure" not in await _signed_in_attributes(ct, "gopher")
+        # 127.0.0.1 is not a trusted proxy here: its X-Forwarded-Proto is ignored.
+        assert "secure" not in await _signed_in_attributes(cu, "https")
+        assert "secure" in await _signed_in_attributes(ca, None)
+        assert "secure" in await _signed_in_attributes(ca, "http")
+        # Sign-out's expiring cookie carries the same attribute.
+        _, session = await sign_in(ct, headers={"X-Forwarded-Proto": "https"})
+        assert session is not None
+        out = await ct.request(
+            "DELETE",
+            "/console/api/session",
+            headers={**session.write(), "X-Forwarded-Proto": "https"},
+        )
+        assert out.status_code == 200 and "secure" in _cookie_attributes(out)
+    finally:
+        for c in clients:
+            await c.close()
+        for proc in (trusting, untrusting, always):
+            proc.stop()
+
+
+async def test_rotating_the_admin_token_ends_sessions_with_a_console_secret(
+    env: dict[str, str], prepared: None
+) -> None:
+    """GATE_CONSOLE_SECRET stays, GATE_ADMIN_TOKEN changes: a cookie signed before
+    is refused. The same two settings again accept it (a restart keeps sessions)."""
+    secret = "console-secret-0123456789abcdef0123456789"
+    rotated = "rotated-admin-token-0123456789"
+    before = GateProcess(console_env(env, GATE_CONSOLE_SECRET=secret), workers=1)
+    again = GateProcess(console_env(env, GATE_CONSOLE_SECRET=secret), workers=1)
+    after = GateProcess(
+        console_env(env, GATE_CONSOLE_SECRET=secret, GATE_ADMIN_TOKEN=rotated), workers=1
+    )
+    clients: list[Client] = []
+    try:
+        for proc in (before, again, after):
+            proc.wait_ready()
+        cb, cg, ca = (Client(p.url) for p in (before, again, after))
+        clients.extend((cb, cg, ca))
+        r, session = await sign_in(cb)
+        assert r.status_code == 200 and session is not None, r.text
+        assert (await cb.get("/console/api/snapshot", headers=session.read())).status_code == 200
+        assert (await cg.get("/console/api/snapshot", headers=session.read())).status_code == 200
+        refused = await ca.get("/console/api/snapshot", headers=session.read())
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["code"] == "UNAUTHORIZED"
+        # The rotated gate takes its own token, not the old one.
+        r, _ = await sign_in(ca)
+        assert r.status_code == 401
+        r, fresh = await sign_in(ca, rotated)
+        assert r.status_code == 200 and fresh is not None
+        assert (await cb.get("/console/api/snapshot", headers=fresh.read())).status_code == 401
+    finally:
+        for c in clients:
+            await c.close()
+        for proc in (before, again, after):
+            proc.stop()
+
+
+async def test_sign_in_attempts_are_limited_per_address_and_failures_counted(
+    console_gate: GateProcess, cc: Client
+) -> None:
+    """Ten attempts a minute per client address (the address X-Forwarded-For names,
+    127.0.0.1 being a trusted proxy here): the eleventh is 429 with Retry-After even
+    with the right token, another address still signs in. Wrong tokens are counted
+    in gate_console_signin_failures_total, not logged one by one."""
+
+    async def failures(reason: str) -> float:
+        samples = sample_values(await cc.metrics())
+        return value_of(samples, "gate_console_signin_failures_total", reason=reason)
+
+    wrong_before = await failures("wrong_token")
+    limited_before = await failures("rate_limited")
+    log_before = console_gate.output()
+    guesser = fresh_address()
+    for i in range(10):
+        r, _ = await sign_in(cc, f"guess-{i:04d}-000000000000", address=guesser)
+        assert r.status_code == 401, r.text
+    for token in ("guess-again-000000000000", ADMIN_TOKEN):
+        r, session = await sign_in(cc, token, address=guesser)
+        assert r.status_code == 429 and session is None, r.text
+        assert r.headers["Content-Type"] == "application/problem+json"
+        assert r.json()["code"] == "RATE_LIMITED"
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
+    r, session = await sign_in(cc, address=fresh_address())
+    assert r.status_code == 200 and session is not None
+    # A malformed attempt counts against its address too.
+    other = fresh_address()
+    for _ in range(10):
+        bad = await cc.post(
+            "/console/api/session",
+            content=b"not json",
+            headers={"Content-Type": "application/json", "X-Forwarded-For": other},
+        )
+        assert bad.status_code == 400
+    r, _ = await sign_in(cc, address=other)
+    assert r.status_code == 429
+
+    async def counted() -> bool:
+        return (
+            await failures("wrong_token") - wrong_before == 10
+            and await failures("rate_limited") - limited_before == 3
+        )
+
+    for _ in range(50):
+        if await counted():
+            break
+        await asyncio.sleep(0.1)
+    assert await failures("wrong_token") - wrong_before == 10
+    assert await failures("rate_limited") - limited_before == 3
+    logged = console_gate.output()[len(log_before) :]
+    assert "sign-in" not in logged and "refused" not in logged, logged

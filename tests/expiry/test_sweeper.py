@@ -26,6 +26,7 @@ from tests.support import (
     create_deal,
     db_available,
     locked_buckets,
+    metrics_url_of,
     redis_available,
     reserve,
 )
@@ -294,7 +295,7 @@ async def test_a_batch_stuck_behind_a_long_transaction_counts_as_failed(
     async def failures() -> float:
         total = 0.0
         for url in gate.peers:
-            async with client.session.get(url + "/metrics") as r:
+            async with client.session.get(metrics_url_of(url) + "/metrics") as r:
                 assert r.status == 200
                 text = await r.text()
             total += value_of(sample_values(text), "gate_expiry_release_failures_total")
@@ -389,7 +390,7 @@ def test_sweeper_settings_are_bounded(env: dict[str, str]) -> None:
 
 
 async def test_metrics_are_exported(client: Client) -> None:
-    text = (await client.get("/metrics")).text
+    text = await client.metrics()
     for name in (
         "gate_expiry_released_total",
         "gate_expiry_release_failures_total",

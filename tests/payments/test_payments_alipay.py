@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qs, urlencode
 
 import pytest
 from ulid import ULID
@@ -19,6 +19,7 @@ from ulid import ULID
 from gate.base.settings import SettingsError
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import (
+    EventInvalid,
     ProviderRejected,
     ProviderUnavailable,
     SessionRequest,
@@ -95,7 +96,7 @@ async def stack(
 ) -> AsyncIterator[tuple[AlipayProvider, Sink, FakeControl]]:
     alipay = load_alipay_settings(env_for(keys, fake.url))
     provider = AlipayProvider(pay_settings(), alipay)
-    sink = Sink(AlipayWebhook(alipay))
+    sink = Sink(AlipayWebhook(alipay, provider))
     await sink.start()
     control = FakeControl(fake.url)
     await control.post("/_fake/configure", {"drop_notifications": 0, "unavailable_calls": 0})
@@ -518,3 +519,116 @@ def test_a_notification_alipay_really_signed_verifies(
             )
     with pytest.raises(WebhookRejected):  # stale: 301 s after it was sent
         parse_notification(settings, body, sent + 301)
+
+
+# -- ids checked, refund_fee cumulative ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("trade_no", "2013112011001004330000121536\n"),
+        ("trade_no", "20131120110010043300001215x6"),
+        ("trade_no", "1" * 65),
+        ("trade_no", ""),
+        ("trade_status", "TRADE SUCCESS"),
+        ("out_biz_no", "refund alipay"),
+        ("out_biz_no", "r" * 65),
+        ("out_biz_no", "refund-alipay-x-0\n"),
+        ("out_biz_no", "refund-é"),
+    ],
+)
+def test_ids_outside_alipays_alphabet_are_refused(
+    keys: dict[str, KeyPair], field: str, value: str
+) -> None:
+    now = time.time()
+    over = {field: value}
+    if field == "out_biz_no":
+        over |= {"refund_fee": "1.00", "gmt_refund": over.get("gmt_refund", "2026-12-01 17:00:00")}
+    _, body = notification(keys["alipay"], now, **over)
+    with pytest.raises(EventInvalid):
+        parse_notification(settings_of(keys), body, now)
+
+
+def test_an_order_id_that_only_starts_like_one_names_no_order(keys: dict[str, KeyPair]) -> None:
+    now = time.time()
+    _, body = notification(keys["alipay"], now, out_trade_no=str(ULID()) + "X")
+    assert parse_notification(settings_of(keys), body, now).order_id is None
+
+
+async def test_two_partial_refunds_record_their_own_amounts(
+    stack: tuple[AlipayProvider, Sink, FakeControl],
+) -> None:
+    # Alipay's refund_fee is the trade's refunded total: refunds of 30 and 20 on a
+    # 100 trade are notified with 30.00 then 50.00; each event is that refund's own
+    # amount (asked of the refund query), and a redelivery is the same event.
+    provider, sink, control = stack
+    request = session_request(sink, amount=10_000)
+    await provider.create_session(request, "k")
+    _, trade = await control.post("/_fake/pay", {"out_trade_no": request.order_id})
+    await eventually(lambda: sink.of_type("payment.succeeded", request.order_id))
+    trade_no = trade["trade_no"]
+    await provider.refund(trade_no, 3000, f"refund-alipay-{trade_no}-a")
+    await eventually(lambda: len(sink.of_type("refund.succeeded", request.order_id)) == 1)
+    await provider.refund(trade_no, 2000, f"refund-alipay-{trade_no}-b")
+    events = await eventually(
+        lambda: (
+            (found := sink.of_type("refund.succeeded", request.order_id))
+            and len(found) == 2
+            and found
+        )
+    )
+    fees = [parse_qs(e.payload.decode())["refund_fee"] for e in events]
+    assert fees == [["30.00"], ["50.00"]]
+    assert [(e.refund_id, e.amount) for e in events] == [
+        (f"refund-alipay-{trade_no}-a", 3000),
+        (f"refund-alipay-{trade_no}-b", 2000),
+    ]
+    notes = await control.get(f"/_fake/notifications?out_trade_no={request.order_id}")
+    refund_notes = [n for n in notes if n["kind"] == "refund"]
+    received = sink.received
+    await control.post(f"/_fake/notifications/{refund_notes[0]['id']}/redeliver", {})
+    await eventually(lambda: sink.received == received + 1)
+    assert len(sink.of_type("refund.succeeded", request.order_id)) == 2
+
+
+async def test_a_refund_alipay_does_not_know_is_recorded_without_an_amount(
+    keys: dict[str, KeyPair], stack: tuple[AlipayProvider, Sink, FakeControl]
+) -> None:
+    # Genuine (signed) but naming a refund the refund query does not find: no amount
+    # to apply (the gate quarantines it as a mismatch), never the cumulative fee.
+    provider, sink, control = stack
+    request = session_request(sink, amount=500)
+    await provider.create_session(request, "k")
+    _, trade = await control.post("/_fake/pay", {"out_trade_no": request.order_id})
+    now = time.time()
+    _, body = notification(
+        keys["alipay"],
+        now,
+        trade_no=trade["trade_no"],
+        out_trade_no=request.order_id,
+        trade_status="TRADE_SUCCESS",
+        out_biz_no="refund-nobody-0",
+        refund_fee="5.00",
+        gmt_refund=datetime.fromtimestamp(now, CST).strftime(TIME_FORMAT),
+    )
+    event = parse_notification(provider.alipay, body, now)
+    assert event.amount == 500  # the refunded total, before completion
+    completed = await AlipayWebhook(provider.alipay, provider).complete(event)
+    assert completed.amount is None and completed.refund_id == "refund-nobody-0"
+
+
+@pytest.mark.parametrize("trade_no", ["2026120122001000000000000001\n", "9" * 65, "2026x"])
+async def test_a_trade_no_alipay_never_issues_is_refused(
+    stack: tuple[AlipayProvider, Sink, FakeControl], trade_no: str
+) -> None:
+    # The notification is a 400 (nothing recorded); the query's answer a failed call.
+    provider, sink, control = stack
+    request = session_request(sink)
+    await provider.create_session(request, "k")
+    await control.post("/_fake/pay", {"out_trade_no": request.order_id, "trade_no": trade_no})
+    await eventually(lambda: sink.refused)
+    assert all("trade_no" in r for r in sink.refused)
+    assert sink.events == []
+    with pytest.raises(ProviderUnavailable, match="trade_no"):
+        await provider.payments_for_order(request.order_id)

@@ -25,7 +25,14 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gate.payments.providers.alipay import CST, TIME_FORMAT, signing_string
+from gate.payments.config import PaymentSettings
+from gate.payments.providers.alipay import (
+    CST,
+    TIME_FORMAT,
+    AlipayProvider,
+    load_alipay_settings,
+    signing_string,
+)
 from gate.payments.providers.rsa_http import fen_to_yuan, sign_sha256_rsa
 from gate.payments.providers.wechatpay import answer_message, encrypt_resource
 from gate.runtime import Gate
@@ -42,6 +49,7 @@ MCHID = "1900009191"
 APPID = "wxd678efh567hg6787"
 APIV3_KEY = "a7cde1ZJB1kG2e7VfTs3jQzaWizur8Gb"
 SERIAL = "1DDE55AD98ED71D6EDD4A4A16996DE7B47773A8C"
+PLATFORM_SERIAL = "5157F09EFDC096DE15EBE81A47057A72"  # the fake's default
 
 
 @dataclass
@@ -85,7 +93,11 @@ def _stack_env(
                 "GATE_WECHATPAY_APIV3_KEY": APIV3_KEY,
                 "GATE_WECHATPAY_PRIVATE_KEY_FILE": keys["merchant"].private_file,
                 "GATE_WECHATPAY_CERT_SERIAL": SERIAL,
-                "GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE": keys["provider"].public_file,
+                # The platform key under its id (the fake names it in
+                # Wechatpay-Serial): an unknown serial is refused.
+                "GATE_WECHATPAY_PLATFORM_KEY_FILES": (
+                    f"{PLATFORM_SERIAL}={keys['provider'].public_file}"
+                ),
                 "GATE_WECHATPAY_API_BASE": fake_url,
             }
         )
@@ -333,7 +345,7 @@ def _forged(
         "Wechatpay-Timestamp": ts,
         "Wechatpay-Nonce": nonce,
         "Wechatpay-Signature": sign_sha256_rsa(signer, answer_message(ts, nonce, body)),
-        "Wechatpay-Serial": "5157F09EFDC096DE15EBE81A47057A72",
+        "Wechatpay-Serial": PLATFORM_SERIAL,
     }
     if change == "tampered":
         body = body.replace(b"forged-1", b"forged-2")
@@ -584,3 +596,142 @@ async def _reconcile(stack: Stack) -> dict[str, Any]:
     report: dict[str, Any] = orjson.loads(out)
     assert report["provider"] == stack.provider, report
     return report
+
+
+async def _rejected(client: Client, provider: str) -> float:
+    """gate_callbacks_total{outcome="rejected"} of `provider`, from /metrics."""
+    text = (await client.get("/metrics")).text
+    labels = (f'provider="{provider}"', 'outcome="rejected"')
+    for line in text.splitlines():
+        if line.startswith("gate_callbacks_total{") and all(x in line for x in labels):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_a_serial_naming_no_configured_key_is_a_counted_401(
+    stack: Stack, client: Client, db: Database
+) -> None:
+    if stack.provider != "wechatpay":
+        pytest.skip("Wechatpay-Serial is WeChat Pay's")
+    deal = await create_deal(client, currency="CNY", unit_price=500, stock=5)
+    order_id = await new_order(client, deal, 7191)
+    before, rejected = await counts(db, order_id), await _rejected(client, "wechatpay")
+    body, headers = _forged(stack, order_id, "genuine")
+    # Signed by the configured key, but named as a key the gate does not have (a
+    # rotation it was not told of), a serial one digit pair longer, bytes outside ASCII.
+    serials = ["PUB_KEY_ID_0999", PLATFORM_SERIAL + "00", "5157\u00e9"]  # é: sent as UTF-8
+    for serial in serials:
+        r = await client.post(
+            stack.webhook_path, content=body, headers={**headers, "Wechatpay-Serial": serial}
+        )
+        assert r.status_code == 401, r.text
+        assert r.headers["content-type"] == "application/problem+json"
+    assert await counts(db, order_id) == before
+    assert await _rejected(client, "wechatpay") == rejected + len(serials)
+    r = await client.post(stack.webhook_path, content=body, headers=headers)
+    assert r.status_code in (200, 204), r.text
+    assert (await order_row(db, order_id))["status"] == "PAID"
+
+
+async def _refund_amounts(db: Database, order_id: str) -> list[int]:
+    rows = await db.fetchall(
+        "SELECT amount FROM payment_events WHERE order_id = %s AND event_type = 'refund.succeeded'"
+        " ORDER BY received_at, event_id",
+        (order_id,),
+    )
+    return [int(r[0]) for r in rows]
+
+
+async def test_two_partial_alipay_refunds_record_two_right_amounts(
+    stack: Stack, client: Client, fake: FakeControl, db: Database
+) -> None:
+    # Refunds of 30 and 20 on a 100 trade, made at Alipay (its console, say): the
+    # notifications say refund_fee 30.00 then 50.00 (the refunded total); the gate
+    # records 30 and 20, and a redelivery records nothing new.
+    if stack.provider != "alipay":
+        pytest.skip("refund_fee is Alipay's")
+    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
+    order_id = await new_order(client, deal, 7192)
+    await start_payment(client, order_id, 7192)
+    trade_no = await pay(fake, order_id)
+    await wait_status(db, order_id, "PAID")
+    alipay = AlipayProvider(
+        PaymentSettings(provider="alipay", timeout_seconds=2.0, retry_max=3),
+        load_alipay_settings(stack.env),
+    )
+    try:
+        await alipay.refund(trade_no, 3000, "console-refund-1")
+        assert await ps.wait_until(lambda: _has_event(db, order_id, "refund.succeeded"))
+        await alipay.refund(trade_no, 2000, "console-refund-2")
+
+        async def two() -> bool:
+            return len(await _refund_amounts(db, order_id)) == 2
+
+        assert await ps.wait_until(two)
+    finally:
+        await alipay.close()
+    assert await _refund_amounts(db, order_id) == [3000, 2000]
+    refund_notes = [n for n in await notes(fake, order_id) if n["kind"] == "refund"]
+    assert len(refund_notes) == 2
+    rows = await db.fetchall(
+        "SELECT refund_id, payload FROM payment_events WHERE order_id = %s"
+        " AND event_type = 'refund.succeeded' ORDER BY received_at, event_id",
+        (order_id,),
+    )
+    assert [r[0] for r in rows] == ["console-refund-1", "console-refund-2"]
+    assert ["refund_fee=30.00" in r[1] for r in rows] == [True, False]
+    assert "refund_fee=50.00" in rows[1][1]
+    before = await counts(db, order_id)
+    _, doc = await fake.post(f"/_fake/notifications/{refund_notes[0]['id']}/redeliver", {})
+    assert doc["redelivered"]
+
+    async def answered() -> bool:
+        found = [n for n in await notes(fake, order_id) if n["id"] == refund_notes[0]["id"]]
+        return found[0]["attempts"] >= 2
+
+    assert await ps.wait_until(answered)
+    assert await counts(db, order_id) == before
+    assert await _refund_amounts(db, order_id) == [3000, 2000]
+
+
+async def test_an_alipay_refund_notification_waits_for_alipays_answer(
+    stack: Stack, client: Client, fake: FakeControl, db: Database
+) -> None:
+    # The refund's own amount comes from Alipay's refund query: while Alipay does not
+    # answer, the notification is a 503 and nothing is recorded; the redelivery is.
+    if stack.provider != "alipay":
+        pytest.skip("refund_fee is Alipay's")
+    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
+    order_id = await new_order(client, deal, 7193)
+    await start_payment(client, order_id, 7193)
+    trade_no = await pay(fake, order_id)
+    await wait_status(db, order_id, "PAID")
+    await fake.post("/_fake/configure", {"drop_refund_notifications": 1})
+    alipay = AlipayProvider(
+        PaymentSettings(provider="alipay", timeout_seconds=2.0, retry_max=3),
+        load_alipay_settings(stack.env),
+    )
+    try:
+        await alipay.refund(trade_no, 4000, "console-refund-3")
+    finally:
+        await alipay.close()
+    [note] = [n for n in await notes(fake, order_id) if n["kind"] == "refund"]
+    assert note["dropped"]
+    try:
+        await fake.post("/_fake/configure", {"unavailable_calls": 100})
+        await fake.post(f"/_fake/notifications/{note['id']}/redeliver", {})
+
+        async def answered(times: int) -> list[str]:
+            found = [n for n in await notes(fake, order_id) if n["id"] == note["id"]]
+            answers = list(found[0]["answers"])
+            return answers if len(answers) >= times else []
+
+        answers = await ps.wait_until(lambda: answered(1))
+        assert answers and answers[-1].startswith("503"), answers
+        assert await _refund_amounts(db, order_id) == []
+    finally:
+        await fake.post("/_fake/configure", {"unavailable_calls": 0})
+    await fake.post(f"/_fake/notifications/{note['id']}/redeliver", {})
+    answers = await ps.wait_until(lambda: answered(2))
+    assert answers[-1].startswith("200"), answers
+    assert await _refund_amounts(db, order_id) == [4000]

@@ -230,7 +230,7 @@ async def test_provider_interface_lists_transactions_and_queries_by_order(
         assert await provider.get_payment("pi_does_not_exist") is None
     finally:
         await provider.close()
-    metrics = (await pay_client.get("/metrics")).text
+    metrics = await pay_client.metrics()
     for name in (
         "gate_callbacks_total",
         "gate_callback_delay_seconds",

@@ -633,3 +633,58 @@ def test_start_up_refuses_incomplete_stripe_settings(change: dict[str, str], mes
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
     assert STRIPE_KEY not in out.stdout + out.stderr
+
+
+async def _rejected(client: Client) -> float:
+    """gate_callbacks_total{provider="stripe",outcome="rejected"}, from /metrics."""
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith("gate_callbacks_total{") and all(
+            x in line for x in ('provider="stripe"', 'outcome="rejected"')
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize(
+    ("where", "bad"),
+    [
+        ("event", "evt_1\n"),
+        ("event", "evt_" + "a" * 125),
+        ("event", "evt_ü"),
+        ("intent", "pi_1/../x"),
+        ("intent", "pi_1 "),
+        ("intent", ""),
+        ("refund", "re_1\n"),
+        ("refund_intent", "pi_" + "9" * 200),
+    ],
+)
+async def test_ids_outside_stripes_alphabet_are_a_counted_400(
+    gate_client: Client, db: Database, where: str, bad: str
+) -> None:
+    # Signed (genuine as far as the signature goes) but carrying an id Stripe never
+    # issues: refused whole (fullmatch, bounded), counted as rejected, nothing recorded.
+    deal = await create_deal(gate_client, stock=2, unit_price=300)
+    order_id = await new_order(gate_client, deal, 6061)
+    before, rejected = await counts(db, order_id), await _rejected(gate_client)
+    doc = orjson.loads(stripe_event(order_id, "pi_ids0001", 300))
+    if where == "event":
+        doc["id"] = bad
+    elif where == "intent":
+        doc["data"]["object"]["id"] = bad
+    else:
+        doc["type"] = "refund.updated"
+        doc["data"]["object"] = {
+            "id": bad if where == "refund" else "re_ids0001",
+            "object": "refund",
+            "payment_intent": bad if where == "refund_intent" else "pi_ids0001",
+            "amount": 300,
+            "currency": "eur",
+            "status": "succeeded",
+            "metadata": {"order_id": order_id},
+        }
+    body = orjson.dumps(doc)
+    r = await post(gate_client, body, signature(STRIPE_SECRET, int(time.time()), body))
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert await counts(db, order_id) == before
+    assert await _rejected(gate_client) == rejected + 1

@@ -48,6 +48,7 @@ from tests.cn_support import (
     Sink,
     StaticWindow,
     eventually,
+    make_certificate,
     make_key_pair,
 )
 
@@ -60,7 +61,15 @@ SERIAL = "1DDE55AD98ED71D6EDD4A4A16996DE7B47773A8C"
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KeyPair]:
     d = tmp_path_factory.mktemp("wechatpay-keys")
-    return {name: make_key_pair(d, name) for name in ("merchant", "platform", "other")}
+    return {
+        name: make_key_pair(d, name) for name in ("merchant", "platform", "platform_b", "other")
+    }
+
+
+# The fake's two platform keys: A behind a platform certificate (its serial is the
+# id), B in WeChat's public-key mode (PUB_KEY_ID_…).
+SERIAL_A = "5157F09EFDC096DE15EBE81A47057A72"
+SERIAL_B = "PUB_KEY_ID_0114232134912410000000000000"
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +83,9 @@ def fake(keys: dict[str, KeyPair]) -> Iterator[FakeProcess]:
             "FAKE_WECHATPAY_MERCHANT_SERIAL": SERIAL,
             "FAKE_WECHATPAY_MERCHANT_PUBLIC_KEY_FILE": keys["merchant"].public_file,
             "FAKE_WECHATPAY_PLATFORM_PRIVATE_KEY_FILE": keys["platform"].private_file,
+            "FAKE_WECHATPAY_PLATFORM_SERIAL": SERIAL_A,
+            "FAKE_WECHATPAY_PLATFORM_B_PRIVATE_KEY_FILE": keys["platform_b"].private_file,
+            "FAKE_WECHATPAY_PLATFORM_B_SERIAL": SERIAL_B,
             "FAKE_NOTIFY_SCHEDULE": "0.2,0.4,0.8",
         },
     )
@@ -119,7 +131,12 @@ async def stack(
     control = FakeControl(fake.url)
     await control.post(
         "/_fake/configure",
-        {"drop_notifications": 0, "failing_calls": 0, "refund_outcome": "SUCCESS"},
+        {
+            "drop_notifications": 0,
+            "failing_calls": 0,
+            "refund_outcome": "SUCCESS",
+            "platform_key": "a",
+        },
     )
     try:
         yield provider, sink, control
@@ -209,6 +226,7 @@ def notification(
     signer: str = "platform",
     apiv3_key: str = APIV3_KEY,
     resource: dict[str, Any] | None = None,
+    serial: str = SERIAL_A,
 ) -> tuple[dict[str, str], bytes]:
     plain = resource or {
         "mchid": MCHID,
@@ -245,7 +263,7 @@ def notification(
         "wechatpay-signature": sign_sha256_rsa(
             keys[signer].private, answer_message(ts, wnonce, body)
         ),
-        "wechatpay-serial": "5157F09EFDC096DE15EBE81A47057A72",
+        "wechatpay-serial": serial,
     }
     return headers, body
 
@@ -478,3 +496,242 @@ def test_wechat_pays_own_aes_gcm_vector() -> None:
         decrypt_resource(Secret("testAPIv3Key1111"), resource)
     with pytest.raises(WebhookRejected):
         decrypt_resource(Secret("testAPIv3Key0000"), {**resource, "associated_data": "x"})
+
+
+# -- several platform keys, selected by Wechatpay-Serial --------------------------------
+
+
+def keyset_env(keys: dict[str, KeyPair], url: str, **over: str) -> dict[str, str]:
+    """The settings without the single-key variable: the keys come from `over`."""
+    env = env_for(keys, url, **over)
+    if "GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE" not in over:
+        del env["GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE"]
+    return env
+
+
+@pytest.fixture(scope="module")
+def cert_a(keys: dict[str, KeyPair], tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_certificate(
+        tmp_path_factory.mktemp("wechatpay-certs"), keys["platform"], "a", int(SERIAL_A, 16)
+    )
+
+
+def both_keys(keys: dict[str, KeyPair], cert_a: str) -> str:
+    return f"{cert_a}, {SERIAL_B}={keys['platform_b'].public_file}"
+
+
+def verifies(wechat: WechatPaySettings, keys: dict[str, KeyPair], signer: str, serial: str) -> bool:
+    now = time.time()
+    headers, body = notification(keys, now, signer=signer, serial=serial)
+    try:
+        parse_notification(wechat, headers, body, now)
+    except WebhookRejected:
+        return False
+    return True
+
+
+def test_platform_keys_are_selected_by_wechatpay_serial(
+    keys: dict[str, KeyPair], cert_a: str
+) -> None:
+    both = load_wechatpay_settings(
+        keyset_env(keys, "http://x", GATE_WECHATPAY_PLATFORM_KEY_FILES=both_keys(keys, cert_a))
+    )
+    # A certificate's id is its serial number; a bare key's, the id written before it.
+    assert set(both.platform_keys.by_id) == {SERIAL_A, SERIAL_B}
+    assert both.platform_keys.anonymous is None
+    assert verifies(both, keys, "platform", SERIAL_A)
+    assert verifies(both, keys, "platform", SERIAL_A.lower())  # hex in either case
+    assert verifies(both, keys, "platform", "00" + SERIAL_A)  # a number: padding aside
+    assert verifies(both, keys, "platform_b", SERIAL_B)
+    # The serial chooses the key: B's signature under A's serial does not verify.
+    assert not verifies(both, keys, "platform_b", SERIAL_A)
+    assert not verifies(both, keys, "platform", SERIAL_B)
+    for serial in ("ABCDEF0123", "PUB_KEY_ID_99", "", SERIAL_A + "\n", "PUB_KEY_ID_\u00e9", "é"):
+        now = time.time()
+        headers, body = notification(keys, now, serial=serial)
+        with pytest.raises(WebhookRejected, match="Wechatpay-Serial"):
+            parse_notification(both, headers, body, now)
+    headers, body = notification(keys, time.time())
+    del headers["wechatpay-serial"]
+    with pytest.raises(WebhookRejected, match="Wechatpay-Serial"):
+        parse_notification(both, headers, body, time.time())
+
+    only_a = load_wechatpay_settings(
+        keyset_env(keys, "http://x", GATE_WECHATPAY_PLATFORM_KEY_FILES=cert_a)
+    )
+    assert verifies(only_a, keys, "platform", SERIAL_A)
+    assert not verifies(only_a, keys, "platform_b", SERIAL_B)
+
+
+def test_the_single_key_variable_keeps_working(keys: dict[str, KeyPair], cert_a: str) -> None:
+    # A bare public key without an id verifies whatever serial is named (as before
+    # several keys could be configured); beside it, the listed keys are chosen by id.
+    legacy = settings_of(keys)
+    assert legacy.platform_keys.by_id == {} and legacy.platform_keys.anonymous is not None
+    assert verifies(legacy, keys, "platform", SERIAL_A)
+    assert verifies(legacy, keys, "platform", "0123ABCD")
+    mixed = load_wechatpay_settings(
+        env_for(
+            keys,
+            "http://x",
+            GATE_WECHATPAY_PLATFORM_KEY_FILES=f"{SERIAL_B}={keys['platform_b'].public_file}",
+        )
+    )
+    assert verifies(mixed, keys, "platform_b", SERIAL_B)
+    assert verifies(mixed, keys, "platform", SERIAL_A)
+    assert not verifies(mixed, keys, "platform", SERIAL_B)
+    # A certificate in the single variable is keyed by its serial.
+    cert = load_wechatpay_settings(
+        env_for(keys, "http://x", GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE=cert_a)
+    )
+    assert set(cert.platform_keys.by_id) == {SERIAL_A} and cert.platform_keys.anonymous is None
+    assert not verifies(cert, keys, "platform", "0123ABCD")
+    # A bare key with its id.
+    by_id = load_wechatpay_settings(
+        env_for(
+            keys,
+            "http://x",
+            GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE=keys["platform_b"].public_file,
+            GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_ID=SERIAL_B,
+        )
+    )
+    assert verifies(by_id, keys, "platform_b", SERIAL_B)
+    assert not verifies(by_id, keys, "platform_b", SERIAL_A)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{b}", "bare public key"),
+        ("not an id={b}", "not a platform certificate serial"),
+        ("{a}, 5157F09EFDC096DE15EBE81A47057A72={b}", "configured twice"),
+        (",".join(["{a}"] * 17), "at most 16"),
+        ("PUB_KEY_ID_1=/nonexistent.pem", "cannot read"),
+    ],
+)
+def test_bad_platform_key_lists_name_the_variable(
+    keys: dict[str, KeyPair], cert_a: str, value: str, message: str
+) -> None:
+    listed = value.format(a=cert_a, b=keys["platform_b"].public_file)
+    with pytest.raises(SettingsError, match=message) as refused:
+        load_wechatpay_settings(
+            keyset_env(keys, "http://x", GATE_WECHATPAY_PLATFORM_KEY_FILES=listed)
+        )
+    assert "GATE_WECHATPAY_PLATFORM_KEY_FILES" in str(refused.value)
+
+
+async def test_a_key_rotation_verifies_with_both_keys_and_only_with_both(
+    keys: dict[str, KeyPair], fake: FakeProcess, cert_a: str
+) -> None:
+    both = load_wechatpay_settings(
+        keyset_env(keys, fake.url, GATE_WECHATPAY_PLATFORM_KEY_FILES=both_keys(keys, cert_a))
+    )
+    only_a = load_wechatpay_settings(
+        keyset_env(keys, fake.url, GATE_WECHATPAY_PLATFORM_KEY_FILES=cert_a)
+    )
+    sink_both, sink_a = Sink(WechatPayWebhook(both)), Sink(WechatPayWebhook(only_a))
+    await sink_both.start()
+    await sink_a.start()
+    provider = WechatPayProvider(pay_settings(sink_both.url), both)
+    provider_a = WechatPayProvider(pay_settings(sink_a.url), only_a)
+    control = FakeControl(fake.url)
+    await control.post("/_fake/configure", {"platform_key": "a", "drop_notifications": 0})
+
+    async def paid(sink: Sink) -> str:
+        request = session_request(sink, amount=321)
+        await provider.create_session(request, "k")
+        await control.post("/_fake/pay", {"out_trade_no": request.order_id})
+        return request.order_id
+
+    try:
+        # Before the rotation: both gates verify the certificate key's notifications.
+        first = await paid(sink_both)
+        first_a = await paid(sink_a)
+        await eventually(lambda: sink_both.of_type("payment.succeeded", first))
+        await eventually(lambda: sink_a.of_type("payment.succeeded", first_a))
+        assert await provider_a.payments_for_order(first_a) != []
+
+        await control.post("/_fake/configure", {"platform_key": "b"})
+        second = await paid(sink_both)
+        second_a = await paid(sink_a)
+        # With both keys: the public-key id's notification and answers verify.
+        [event] = await eventually(lambda: sink_both.of_type("payment.succeeded", second))
+        assert event.amount == 321
+        [payment] = await provider.payments_for_order(second)
+        assert payment.status == "succeeded"
+        # With only A: refused as naming no configured key, answers not believed.
+        await eventually(lambda: len(sink_a.refused) >= 2)
+        assert all("names no configured platform key" in r for r in sink_a.refused)
+        assert sink_a.of_type("payment.succeeded", second_a) == []
+        with pytest.raises(ProviderUnavailable, match="Wechatpay-Serial"):
+            await provider_a.payments_for_order(second_a)
+    finally:
+        await control.post("/_fake/configure", {"platform_key": "a"})
+        await control.close()
+        await provider.close()
+        await provider_a.close()
+        await sink_both.stop()
+        await sink_a.stop()
+
+
+# -- ids checked whole ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tx", ["4200000000202612010000000001\n", "4" * 33, "42000000002026120100000000x1", "４２"]
+)
+async def test_a_transaction_id_wechat_never_issues_is_refused(
+    stack: tuple[WechatPayProvider, Sink, FakeControl], tx: str
+) -> None:
+    # The notification is a 400 (EventInvalid: nothing recorded, counted as
+    # rejected by the gate); the query's answer a failed call, never a stored id.
+    provider, sink, control = stack
+    request = session_request(sink)
+    await provider.create_session(request, "k")
+    await control.post("/_fake/pay", {"out_trade_no": request.order_id, "transaction_id": tx})
+    await eventually(lambda: sink.refused)
+    assert all("transaction_id" in r for r in sink.refused)
+    assert sink.events == []
+    with pytest.raises(ProviderUnavailable, match="transaction_id"):
+        await provider.payments_for_order(request.order_id)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("out_refund_no", "refund wechat"),
+        ("out_refund_no", "r" * 65),
+        ("out_refund_no", "refund-x\n"),
+        ("event_type", "REFUND.SUCCESS\n"),
+        ("event_type", "refund.success"),
+    ],
+)
+def test_refund_ids_and_event_types_outside_the_alphabet_are_400(
+    keys: dict[str, KeyPair], field: str, value: str
+) -> None:
+    now = time.time()
+    resource = {
+        "mchid": MCHID,
+        "out_trade_no": str(ULID()),
+        "transaction_id": "4200000000202612010000000003",
+        "out_refund_no": value if field == "out_refund_no" else "refund-wechatpay-x-0",
+        "refund_status": "SUCCESS",
+        "amount": {"total": 1, "refund": 1, "currency": "CNY"},
+    }
+    event_type = value if field == "event_type" else "REFUND.SUCCESS"
+    headers, body = notification(keys, now, event_type=event_type, resource=resource)
+    with pytest.raises(EventInvalid, match=field):
+        parse_notification(settings_of(keys), headers, body, now)
+
+
+@pytest.mark.parametrize(
+    "header", ["wechatpay-signature", "wechatpay-nonce", "wechatpay-timestamp"]
+)
+def test_header_bytes_outside_ascii_are_a_rejection(keys: dict[str, KeyPair], header: str) -> None:
+    # As a server hands them over (latin-1 text of the raw bytes): a rejection (401),
+    # never an error.
+    now = time.time()
+    headers, body = notification(keys, now)
+    headers[header] = "\u00c3\u00a9" + headers[header][2:]
+    with pytest.raises(WebhookRejected):
+        parse_notification(settings_of(keys), headers, body, now)

@@ -459,7 +459,7 @@ async def test_the_periodic_pass_repairs_a_dropped_callback(
         try:
 
             async def counted() -> bool:
-                text = (await metrics.get("/metrics")).text
+                text = await metrics.metrics()
                 repaired = value_of(
                     sample_values(text),
                     "gate_reconcile_findings_total",

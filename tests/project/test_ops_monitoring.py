@@ -125,7 +125,8 @@ def test_prometheus_config_scrapes_the_gate_and_loads_the_rules() -> None:
     ports = [sd["port"] for sd in gate.get("dns_sd_configs", [])] + [
         int(t.rsplit(":", 1)[1]) for sc in gate.get("static_configs", []) for t in sc["targets"]
     ]
-    assert 8000 in ports
+    # The metrics listener (GATE_METRICS_ADDR in the compose files), not the public port.
+    assert ports == [9100]
 
 
 # -- dashboard -----------------------------------------------------------------------

@@ -152,7 +152,7 @@ async def test_a_timed_out_admission_is_never_re_run(
         assert report["totals"] == {"total": 10, "available": 10, "held": 0, "sold": 0}
         assert await rds.hlen(keys.inflight) == 0
         # The script ran exactly once: one token, one unit, given back once.
-        samples = sample_values((await client.get("/metrics")).text)
+        samples = sample_values(await client.metrics())
         assert value_of(samples, "gate_givebacks_total", outcome="given_back") == 1
         assert value_of(samples, "gate_givebacks_total", outcome="nothing") == 0
         again = await reserve(client, deal_id, 43_000, "slow-reply-0001")

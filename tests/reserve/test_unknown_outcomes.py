@@ -73,7 +73,7 @@ async def test_an_unresolved_outcome_is_given_back_once_the_database_answers(
             (deal_id, "unres-0001"),
         )
         assert row is not None and int(row[0]) == 0
-        samples = sample_values((await client.get("/metrics")).text)
+        samples = sample_values(await client.metrics())
         assert value_of(samples, "gate_db_unknown_outcomes_total", resolution="deferred") == 1
         assert value_of(samples, "gate_givebacks_total", outcome="given_back") == 1
         # The key is free again: the buyer's retry is a new reservation.

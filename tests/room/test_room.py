@@ -553,7 +553,7 @@ async def test_rate_bound_holds_across_two_gates_and_follows_a_live_change(
     admitted = waited = 0.0
     waiting_seen = False
     for c in rc:
-        text = (await c.get("/metrics")).text
+        text = await c.metrics()
         label = f'deal="{deal_id}"'
         for line in text.splitlines():
             if label not in line or line.startswith("#"):

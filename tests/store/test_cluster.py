@@ -392,8 +392,9 @@ async def _sale_ends(
     for g in gates:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             for path in ("/readyz", "/metrics"):
+                base = g.metrics_url if path == "/metrics" else g.url
                 try:
-                    async with http.get(g.url + path) as r:
+                    async with http.get(f"{base}{path}") as r:
                         text = await r.text()
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     text = repr(exc)

@@ -198,6 +198,28 @@ async def test_reservations_on_unknown_deals_stay_off_the_database(
     assert per_request <= BOUND_PER_REQUEST, per_request
 
 
+@pytest.mark.parametrize("method", ["POST", "GET"])
+async def test_waiting_room_calls_on_unknown_deals_stay_off_the_database(
+    client: Client,
+    counted_gate: tuple[GateProcess, StatementCounter],
+    settings: Settings,
+    method: str,
+) -> None:
+    """Joins (POST) and reads (GET) of a waiting room on random unknown deal ids meet
+    the unknown-deal guard as reservations and deal views do (gate/stock/unknown_deals.py)."""
+    floor = await _highest_deal_id(settings) + 1_000_000
+    rng = random.Random(56 if method == "POST" else 78)
+    headers = buyer(7004)
+
+    async def send(i: int) -> Resp:
+        return await client.request(
+            method, f"/v1/deals/{rng.randrange(floor, 2**62)}/queue", headers=headers
+        )
+
+    per_request = await _per_request(counted_gate[1], send, 404)
+    assert per_request <= BOUND_PER_REQUEST, per_request
+
+
 async def test_a_refused_buyer_re_clicking_stays_off_the_database(
     client: Client, counted_gate: tuple[GateProcess, StatementCounter]
 ) -> None:

@@ -250,7 +250,7 @@ def db_attempts(gates: list[GateProcess]) -> float:
     """Reservations the gate processes sent to the database, by their own metric."""
     total = 0.0
     for g in gates:
-        with urllib.request.urlopen(g.url + "/metrics", timeout=10) as resp:
+        with urllib.request.urlopen(f"{g.metrics_url}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         found = re.search(r"^gate_reservation_db_attempts_total ([0-9.e+]+)$", text, re.M)
         total += float(found.group(1)) if found else 0.0

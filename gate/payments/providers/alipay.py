@@ -16,7 +16,9 @@ text of the `<method>_response` value, verified before anything in it is used.
 Mapping (trade_status → gate events), amounts yuan strings → fen exactly:
     TRADE_SUCCESS / TRADE_FINISHED, no refund fields  -> payment.succeeded
     any status with out_biz_no / gmt_refund / refund_fee -> refund.succeeded
-        (refund_id = out_biz_no, our out_request_no; amount = refund_fee)
+        (refund_id = out_biz_no, our out_request_no; amount = that refund's own
+        amount: refund_fee is the trade's refunded total so far, so the amount is
+        asked of alipay.trade.fastpay.refund.query before the event is recorded)
     TRADE_CLOSED without refund fields (unpaid trade closed) -> payment.failed
 Alipay's authorize-then-capture is a different product (alipay.fund.auth.*, 预授权):
 not supported; a manual-capture session is refused (422 capture_unsupported).
@@ -25,6 +27,7 @@ not supported; a manual-capture session is refused (422 capture_unsupported).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -41,8 +44,6 @@ from gate.payments.adapters import Adapter, AdapterContext
 from gate.payments.config import PaymentSettings, is_loopback_host
 from gate.payments.provider import (
     ID_MAX,
-    ORDER_ID_RE,
-    PROVIDER_ID_RE,
     EventInvalid,
     Payment,
     ProviderEvent,
@@ -53,6 +54,9 @@ from gate.payments.provider import (
     SessionRequest,
     Transaction,
     TransactionPage,
+    answer_id,
+    event_id_of,
+    order_id_or_none,
 )
 from gate.payments.providers.rsa_http import (
     Exchange,
@@ -81,6 +85,12 @@ SUCCESS_CODE = "10000"
 # Alipay's "service unavailable" (HTTP 200): transient, retried with the same request.
 UNAVAILABLE_CODE = "20000"
 PAID = ("TRADE_SUCCESS", "TRADE_FINISHED")
+# Alipay's documented formats: trade_no String(64) of digits; out_request_no /
+# out_biz_no String(64) (the gate's own keys: [0-9A-Za-z_-], rsa_http.provider_key);
+# trade_status an upper-case word such as TRADE_SUCCESS.
+TRADE_NO_RE = re.compile(r"[0-9]{1,64}")
+REQUEST_NO_RE = re.compile(r"[0-9A-Za-z_\-]{1,64}")
+TRADE_STATUS_RE = re.compile(r"[A-Z_]{1,32}")
 
 
 @dataclass(frozen=True)
@@ -325,18 +335,33 @@ class AlipayProvider:
         )
         if value.get("code") != SUCCESS_CODE:
             raise self._refused("alipay.trade.refund", value)
-        order_id = value.get("out_trade_no")
+        order_id = order_id_or_none(value.get("out_trade_no"))
         # The refund answer's fund_change is "N" for a repeated out_request_no; the
         # refund query says what the refund is now either way.
         status = await self._refund_status(payment_id, request_no)
         return Refund(
             refund_id=request_no,
             payment_id=payment_id,
-            order_id=order_id if isinstance(order_id, str) else None,
+            order_id=order_id,
             amount=amount,
             currency=CURRENCY,
             status=status,
         )
+
+    async def refund_amount(self, payment_id: str, request_no: str) -> int | None:
+        """The amount of one settled refund of a trade (refund_amount of
+        alipay.trade.fastpay.refund.query: this refund's, not the trade's total), or
+        None when Alipay knows no such settled refund."""
+        value = await self._call(
+            "alipay.trade.fastpay.refund.query",
+            {"trade_no": payment_id, "out_request_no": request_no},
+        )
+        if value.get("code") != SUCCESS_CODE or value.get("refund_status") != "REFUND_SUCCESS":
+            return None
+        try:
+            return yuan_to_fen(str(value.get("refund_amount", "")))
+        except ValueError:
+            raise ProviderUnavailable("alipay refund query: refund_amount is not yuan") from None
 
     async def _refund_status(self, payment_id: str, request_no: str) -> str:
         value = await self._call(
@@ -383,11 +408,27 @@ class AlipayWebhook:
 
     header_names: tuple[str, ...] = ()
 
-    def __init__(self, alipay: AlipaySettings) -> None:
+    def __init__(self, alipay: AlipaySettings, provider: AlipayProvider | None = None) -> None:
         self.alipay = alipay
+        self.provider = provider
 
     def parse(self, headers: Mapping[str, str], body: bytes, now: float) -> ProviderEvent:
         return parse_notification(self.alipay, body, now)
+
+    async def complete(self, event: ProviderEvent) -> ProviderEvent:
+        """A refund notification's own amount. Its refund_fee is the trade's refunded
+        total so far (Alipay's documentation of the asynchronous notification), so
+        with two partial refunds of 30 and 20 the second says 50: the amount of the
+        refund named by out_biz_no is asked of Alipay's refund query. A refund Alipay
+        does not know as settled is recorded without an amount (quarantined as a
+        mismatch); no answer raises ProviderUnavailable (503: Alipay retries)."""
+        if event.type != "refund.succeeded" or event.order_id is None or self.provider is None:
+            return event
+        assert event.payment_id is not None and event.refund_id is not None
+        own = await self.provider.refund_amount(event.payment_id, event.refund_id)
+        if own is not None and event.amount is not None and own > event.amount:
+            own = None  # more than the trade's refunded total: not a fact to apply
+        return replace(event, amount=own)
 
     def acknowledge(self, outcome: str) -> Encoded:
         return encode_answer(200, b"text/plain; charset=utf-8", ACK_BODY)
@@ -403,10 +444,11 @@ def _seconds(text: Any) -> int | None:
 
 
 def _payment(trade: dict[str, Any]) -> Payment | None:
-    trade_no = trade.get("trade_no")
+    raw_trade_no = trade.get("trade_no")
+    if not raw_trade_no:
+        return None  # no trade yet
+    trade_no = answer_id(raw_trade_no, TRADE_NO_RE, "trade_no")
     status = trade.get("trade_status")
-    if not isinstance(trade_no, str) or not PROVIDER_ID_RE.match(trade_no):
-        return None
     if status in PAID:
         state = "succeeded"
     elif status == "TRADE_CLOSED":
@@ -418,10 +460,9 @@ def _payment(trade: dict[str, Any]) -> Payment | None:
         amount = yuan_to_fen(str(trade.get("total_amount", "")))
     except ValueError:
         return None
-    order_id = trade.get("out_trade_no")
     return Payment(
         payment_id=trade_no,
-        order_id=order_id if isinstance(order_id, str) else None,
+        order_id=order_id_or_none(trade.get("out_trade_no")),
         amount=amount,
         currency=CURRENCY,
         status=state,
@@ -464,19 +505,17 @@ def parse_notification(alipay: AlipaySettings, body: bytes, now: float) -> Provi
 
 
 def notification_event(params: Mapping[str, str], body: bytes) -> ProviderEvent:
-    trade_no = params.get("trade_no", "")
-    status = params.get("trade_status", "")
-    if not PROVIDER_ID_RE.match(trade_no) or not status:
-        raise EventInvalid("trade_no and trade_status are required")
-    raw_order = params.get("out_trade_no", "")
-    order_id = raw_order if ORDER_ID_RE.match(raw_order) else None
+    trade_no = event_id_of(params.get("trade_no"), TRADE_NO_RE, "trade_no")
+    status = event_id_of(params.get("trade_status"), TRADE_STATUS_RE, "trade_status")
+    order_id = order_id_or_none(params.get("out_trade_no"))
     refund_no = params.get("out_biz_no", "")
     is_refund = bool(refund_no or params.get("gmt_refund") or params.get("refund_fee"))
     created = _seconds(params.get("gmt_refund" if is_refund else "gmt_payment"))
     if is_refund:
-        if not PROVIDER_ID_RE.match(refund_no):
-            raise EventInvalid("a refund notification needs out_biz_no")
+        refund_no = event_id_of(refund_no, REQUEST_NO_RE, "out_biz_no")
         try:
+            # The trade's refunded total so far; AlipayWebhook.complete replaces it
+            # with this refund's own amount before the event is recorded.
             amount = yuan_to_fen(params.get("refund_fee", ""))
         except ValueError:
             raise EventInvalid("refund_fee is not a yuan amount") from None
@@ -514,8 +553,9 @@ def build(context: AdapterContext) -> Adapter:
     """GATE_PAYMENT_PROVIDER=alipay: settings checked (SettingsError naming the
     variable), key files read; no network."""
     alipay = load_alipay_settings(context.env)
+    provider = AlipayProvider(context.payment, alipay)
     return Adapter(
         name=context.name,
-        webhook=AlipayWebhook(alipay),
-        provider=AlipayProvider(context.payment, alipay),
+        webhook=AlipayWebhook(alipay, provider),
+        provider=provider,
     )

@@ -19,6 +19,7 @@ import orjson
 
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import (
+    PROVIDER_ID_RE,
     Payment,
     ProviderRejected,
     ProviderUnavailable,
@@ -27,6 +28,8 @@ from gate.payments.provider import (
     SessionRequest,
     Transaction,
     TransactionPage,
+    answer_id,
+    order_id_or_none,
 )
 
 log = logging.getLogger("gate.payments.provider")
@@ -37,8 +40,8 @@ RESPONSE_MAX_BYTES = 1_048_576
 
 def _payment(doc: dict[str, Any]) -> Payment:
     return Payment(
-        payment_id=str(doc["id"]),
-        order_id=doc.get("order_id"),
+        payment_id=answer_id(doc.get("id"), PROVIDER_ID_RE, "payment id"),
+        order_id=order_id_or_none(doc.get("order_id")),
         amount=int(doc["amount"]),
         currency=str(doc["currency"]),
         status=str(doc["status"]),
@@ -48,9 +51,9 @@ def _payment(doc: dict[str, Any]) -> Payment:
 
 def _refund(doc: dict[str, Any]) -> Refund:
     return Refund(
-        refund_id=str(doc["id"]),
-        payment_id=str(doc["payment_id"]),
-        order_id=doc.get("order_id"),
+        refund_id=answer_id(doc.get("id"), PROVIDER_ID_RE, "refund id"),
+        payment_id=answer_id(doc.get("payment_id"), PROVIDER_ID_RE, "payment id"),
+        order_id=order_id_or_none(doc.get("order_id")),
         amount=int(doc["amount"]),
         currency=str(doc["currency"]),
         status=str(doc["status"]),
@@ -59,7 +62,7 @@ def _refund(doc: dict[str, Any]) -> Refund:
 
 def _session(doc: dict[str, Any]) -> Session:
     return Session(
-        session_id=str(doc["id"]),
+        session_id=answer_id(doc.get("id"), PROVIDER_ID_RE, "session id"),
         order_id=str(doc["order_id"]),
         redirect_url=str(doc["url"]),
         expires_at=int(doc["expires_at"]) if doc.get("expires_at") is not None else None,
@@ -208,9 +211,9 @@ class SandboxProvider:
         items = [
             Transaction(
                 kind=str(t["kind"]),
-                id=str(t["id"]),
-                payment_id=str(t["payment_id"]),
-                order_id=t.get("order_id"),
+                id=answer_id(t.get("id"), PROVIDER_ID_RE, "transaction id"),
+                payment_id=answer_id(t.get("payment_id"), PROVIDER_ID_RE, "payment id"),
+                order_id=order_id_or_none(t.get("order_id")),
                 amount=int(t["amount"]),
                 currency=str(t["currency"]),
                 status=str(t["status"]),

@@ -77,6 +77,20 @@ def read_public_key(name: str, path: str) -> rsa.RSAPublicKey:
     return key
 
 
+def certificate_serial(name: str, path: str) -> str | None:
+    """The serial number (upper-case hex, as WeChat Pay writes it in Wechatpay-Serial)
+    of the PEM certificate in `path`; None when the file holds a bare public key."""
+    data = _read(name, path)
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        return None
+    from cryptography import x509
+
+    try:
+        return format(x509.load_pem_x509_certificate(data).serial_number, "X")
+    except ValueError:
+        raise SettingsError(f"{name}: {path} is not a PEM certificate") from None
+
+
 def _read(name: str, path: str) -> bytes:
     try:
         with Path(path).open("rb") as f:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -43,7 +44,6 @@ from gate.payments.provider import (
     AMOUNT_MAX,
     CURRENCY_RE,
     ORDER_ID_RE,
-    PROVIDER_ID_RE,
     EventInvalid,
     Payment,
     ProviderEvent,
@@ -54,6 +54,9 @@ from gate.payments.provider import (
     SessionRequest,
     Transaction,
     TransactionPage,
+    answer_id,
+    event_id_of,
+    order_id_or_none,
 )
 from gate.payments.providers.sandbox import json_acknowledgements
 from gate.payments.signing import WebhookRejected
@@ -70,6 +73,11 @@ CONNECTIONS_MAX = 64
 RESPONSE_MAX_BYTES = 1_048_576
 # Stripe's list endpoints return at most 100 objects a page.
 PAGE_MAX = 100
+# Stripe's object ids: a type prefix, an underscore, letters and digits (`evt_…`,
+# `pi_…`, `re_…`, `cs_test_…`). Stripe promises at most 255 characters; the gate
+# takes at most 128, which every id Stripe issues fits and which keeps its columns
+# (191) and the ids built from them whole.
+STRIPE_ID_RE = re.compile(r"[A-Za-z0-9_]{1,128}")
 
 PAYMENT_EVENTS = {
     "payment_intent.succeeded": "payment.succeeded",
@@ -118,7 +126,7 @@ def _minor(value: Any, what: str) -> int:
 def _currency(value: Any) -> str | None:
     # Stripe writes currencies in lower case; the gate in ISO capitals. Anything else
     # cannot match an order: the event is quarantined.
-    if isinstance(value, str) and CURRENCY_RE.match(value.upper()):
+    if isinstance(value, str) and CURRENCY_RE.fullmatch(value.upper()):
         return value.upper()
     return None
 
@@ -126,7 +134,7 @@ def _currency(value: Any) -> str | None:
 def _order_id(obj: Mapping[str, Any]) -> str | None:
     metadata = obj.get("metadata")
     raw = metadata.get("order_id") if isinstance(metadata, dict) else None
-    return raw if isinstance(raw, str) and ORDER_ID_RE.match(raw) else None
+    return order_id_or_none(raw)
 
 
 def _payment_status(pi: Mapping[str, Any]) -> str | None:
@@ -149,8 +157,9 @@ def _payment(pi: Mapping[str, Any]) -> Payment | None:
     if status is None:
         return None
     amount = pi.get("amount_received") if status == "succeeded" else pi.get("amount")
+    payment_id = answer_id(pi.get("id"), STRIPE_ID_RE, "PaymentIntent id")
     return Payment(
-        payment_id=str(pi["id"]),
+        payment_id=payment_id,
         order_id=_order_id(pi),
         amount=int(amount or 0),
         currency=_currency(pi.get("currency")) or str(pi.get("currency", "")).upper(),
@@ -169,8 +178,8 @@ def _refund_status(status: Any) -> str:
 
 def _refund(re_: Mapping[str, Any], order_id: str | None = None) -> Refund:
     return Refund(
-        refund_id=str(re_["id"]),
-        payment_id=str(re_.get("payment_intent") or ""),
+        refund_id=answer_id(re_.get("id"), STRIPE_ID_RE, "refund id"),
+        payment_id=answer_id(re_.get("payment_intent"), STRIPE_ID_RE, "PaymentIntent id"),
         order_id=_order_id(re_) or order_id,
         amount=int(re_["amount"]),
         currency=_currency(re_.get("currency")) or str(re_.get("currency", "")).upper(),
@@ -219,6 +228,10 @@ class StripeWebhook:
     def _verify(self, header: str, body: bytes, now: float) -> None:
         if not header or len(header) > SIGNATURE_HEADER_MAX:
             raise WebhookRejected("missing or oversized Stripe-Signature")
+        if not header.isascii():
+            # The library compares signatures with hmac.compare_digest, which raises
+            # TypeError on a str past ASCII (a header's bytes 0x80-0xff).
+            raise WebhookRejected("Stripe-Signature must be ASCII")
         try:
             payload = body.decode("utf-8")
         except UnicodeDecodeError:
@@ -249,8 +262,7 @@ class StripeWebhook:
             raise EventInvalid("the body is not a Stripe event")
         event_id, event_type, created = doc.get("id"), doc.get("type"), doc.get("created")
         data = doc.get("data")
-        if not isinstance(event_id, str) or not PROVIDER_ID_RE.match(event_id):
-            raise EventInvalid("id must be a Stripe event id")
+        event_id = event_id_of(event_id, STRIPE_ID_RE, "the event id")
         if not isinstance(event_type, str) or not 1 <= len(event_type) <= 64:
             raise EventInvalid("type must be a string of 1-64 characters")
         if not event_type.isascii() or not event_type.isprintable():
@@ -278,9 +290,7 @@ class StripeWebhook:
     def _payment_event(
         self, event_type: str, pi: Mapping[str, Any], base: _Envelope
     ) -> ProviderEvent:
-        payment_id = pi.get("id")
-        if not isinstance(payment_id, str) or not PROVIDER_ID_RE.match(payment_id):
-            raise EventInvalid("data.object.id must be a PaymentIntent id")
+        payment_id = event_id_of(pi.get("id"), STRIPE_ID_RE, "data.object.id (PaymentIntent)")
         if event_type == "payment_intent.succeeded":
             amount = _minor(pi.get("amount_received", pi.get("amount")), "amount_received")
         elif event_type == "payment_intent.amount_capturable_updated":
@@ -319,11 +329,10 @@ class StripeWebhook:
         else:
             refund = dict(obj)
             order_id = _order_id(refund)
-        refund_id, payment_id = refund.get("id"), refund.get("payment_intent")
-        if not isinstance(refund_id, str) or not PROVIDER_ID_RE.match(refund_id):
-            raise EventInvalid("the refund id is missing")
-        if not isinstance(payment_id, str) or not PROVIDER_ID_RE.match(payment_id):
-            raise EventInvalid("the refund names no PaymentIntent")
+        refund_id = event_id_of(refund.get("id"), STRIPE_ID_RE, "the refund id")
+        payment_id = event_id_of(
+            refund.get("payment_intent"), STRIPE_ID_RE, "the refund's PaymentIntent"
+        )
         status = _refund_status(refund.get("status"))
         return base.event(
             # A refund still pending has no effect yet: recorded as ignored.
@@ -475,7 +484,7 @@ class StripeProvider:
         }
         _, doc = await self._call("POST", "/v1/checkout/sessions", params, key)
         return Session(
-            session_id=str(doc["id"]),
+            session_id=answer_id(doc.get("id"), STRIPE_ID_RE, "Checkout Session id"),
             order_id=_order_id(doc) or "",
             redirect_url=str(doc.get("url") or ""),
             expires_at=int(doc["expires_at"]) if doc.get("expires_at") else None,
@@ -488,7 +497,7 @@ class StripeProvider:
         return None
 
     async def _search(self, order_id: str) -> list[dict[str, Any]]:
-        if not ORDER_ID_RE.match(order_id):
+        if not ORDER_ID_RE.fullmatch(order_id):
             return []
         query = quote(f"metadata['order_id']:'{order_id}'")
         _, doc = await self._call("GET", f"/v1/payment_intents/search?query={query}&limit=100")
@@ -499,7 +508,7 @@ class StripeProvider:
         return [p for p in found if p is not None]
 
     async def get_payment(self, payment_id: str) -> Payment | None:
-        if not PROVIDER_ID_RE.match(payment_id) or "/" in payment_id:
+        if not STRIPE_ID_RE.fullmatch(payment_id):
             return None
         status, doc = await self._call("GET", f"/v1/payment_intents/{quote(payment_id)}")
         return _payment(doc) if status == 200 else None
@@ -585,7 +594,8 @@ class StripeProvider:
                     )
                 )
         if doc.get("has_more") and rows:
-            next_cursor: str | None = f"{kind}:{rows[-1]['id']}"
+            last = answer_id(rows[-1].get("id"), STRIPE_ID_RE, "object id")
+            next_cursor: str | None = f"{kind}:{last}"
         elif kind == "pi":
             next_cursor = "re:"
         else:

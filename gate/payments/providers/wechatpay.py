@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -46,8 +47,6 @@ from gate.payments.adapters import Adapter, AdapterContext
 from gate.payments.config import PaymentSettings, is_loopback_host
 from gate.payments.provider import (
     ID_MAX,
-    ORDER_ID_RE,
-    PROVIDER_ID_RE,
     EventInvalid,
     Payment,
     ProviderEvent,
@@ -58,9 +57,13 @@ from gate.payments.provider import (
     SessionRequest,
     Transaction,
     TransactionPage,
+    answer_id,
+    event_id_of,
+    order_id_or_none,
 )
 from gate.payments.providers.rsa_http import (
     Exchange,
+    certificate_serial,
     provider_key,
     read_private_key,
     read_public_key,
@@ -80,6 +83,46 @@ NONCE_MAX = 64
 CST = timezone(timedelta(hours=8))
 FAILED_STATES = ("CLOSED", "PAYERROR", "REVOKED")
 PAID_STATES = ("SUCCESS", "REFUND")
+# WeChat Pay's documented formats: transaction_id string(32) of digits,
+# out_refund_no string(64) of [0-9A-Za-z_-|*@], event types such as
+# TRANSACTION.SUCCESS / REFUND.ABNORMAL.
+TRANSACTION_ID_RE = re.compile(r"[0-9]{1,32}")
+REFUND_NO_RE = re.compile(r"[0-9A-Za-z_\-|*@]{1,64}")
+EVENT_TYPE_RE = re.compile(r"[A-Z0-9_.]{1,40}")
+# Wechatpay-Serial names the key that signed: a platform certificate's serial
+# number (hex) or, in WeChat's public-key mode, the key's id (PUB_KEY_ID_<digits>).
+SERIAL_RE = re.compile(r"[0-9A-Fa-f]{1,64}|PUB_KEY_ID_[0-9A-Za-z]{1,64}")
+PLATFORM_KEYS_MAX = 16
+
+
+def key_id(serial: str) -> str:
+    """The form ids are compared in: upper case, and a hex serial without leading
+    zeros (a certificate's serial is a number; its text may or may not be padded)."""
+    upper = serial.upper()
+    return upper if upper.startswith("PUB_KEY_ID_") else upper.lstrip("0") or "0"
+
+
+@dataclass(frozen=True)
+class PlatformKeys:
+    """WeChat Pay's verification keys by the id its Wechatpay-Serial header carries.
+    Several at once, so that a rotation (WeChat signs with a new certificate or moves
+    to public-key mode, and announces the new serial ahead) verifies both the old and
+    the new key's notifications. `anonymous`: a bare public key configured without an
+    id, used for any serial not configured (the single-key setting of old)."""
+
+    by_id: Mapping[str, rsa.RSAPublicKey]
+    anonymous: rsa.RSAPublicKey | None = None
+
+    def select(self, serial: str) -> rsa.RSAPublicKey:
+        if not SERIAL_RE.fullmatch(serial):
+            raise WebhookRejected("Wechatpay-Serial missing or malformed")
+        key = self.by_id.get(key_id(serial), self.anonymous)
+        if key is None:
+            raise WebhookRejected("Wechatpay-Serial names no configured platform key")
+        return key
+
+    def __repr__(self) -> str:
+        return f"PlatformKeys(ids={sorted(self.by_id)!r}, anonymous={self.anonymous is not None})"
 
 
 @dataclass(frozen=True)
@@ -89,7 +132,7 @@ class WechatPaySettings:
     apiv3_key: Secret
     private_key: rsa.RSAPrivateKey
     cert_serial: str
-    platform_public_key: rsa.RSAPublicKey
+    platform_keys: PlatformKeys
     api_base: str = API_BASE
 
     def __repr__(self) -> str:
@@ -104,7 +147,6 @@ def load_wechatpay_settings(env: Mapping[str, str]) -> WechatPaySettings:
         "GATE_WECHATPAY_APIV3_KEY",
         "GATE_WECHATPAY_PRIVATE_KEY_FILE",
         "GATE_WECHATPAY_CERT_SERIAL",
-        "GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE",
     )
     values = {}
     for name in names:
@@ -140,12 +182,73 @@ def load_wechatpay_settings(env: Mapping[str, str]) -> WechatPaySettings:
             "GATE_WECHATPAY_PRIVATE_KEY_FILE", values["GATE_WECHATPAY_PRIVATE_KEY_FILE"]
         ),
         cert_serial=serial,
-        platform_public_key=read_public_key(
-            "GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE",
-            values["GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE"],
-        ),
+        platform_keys=load_platform_keys(env),
         api_base=base,
     )
+
+
+def _key_id(name: str, raw: str) -> str:
+    if not SERIAL_RE.fullmatch(raw):
+        raise SettingsError(
+            f"{name}: {raw[:80]!r} is not a platform certificate serial (hex) or a"
+            " public key id (PUB_KEY_ID_…)"
+        )
+    return key_id(raw)
+
+
+def _platform_key(
+    name: str, path: str, given_id: str | None
+) -> tuple[str | None, rsa.RSAPublicKey]:
+    """(id, key) of one file: the id given, else a certificate's serial, else None."""
+    key = read_public_key(name, path)
+    if given_id:
+        return _key_id(name, given_id), key
+    serial = certificate_serial(name, path)
+    return (key_id(serial) if serial is not None else None), key
+
+
+def load_platform_keys(env: Mapping[str, str]) -> PlatformKeys:
+    """GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE (one file, its id from
+    GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_ID or its certificate) and
+    GATE_WECHATPAY_PLATFORM_KEY_FILES (a comma-separated list of `ID=path` or of
+    certificate paths): at least one key, no id twice."""
+    found: list[tuple[str, str | None, rsa.RSAPublicKey]] = []
+    single = env.get("GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE", "").strip()
+    if single:
+        name = "GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE"
+        given = env.get("GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_ID", "").strip() or None
+        found.append((name, *_platform_key(name, single, given)))
+    listed = [e.strip() for e in env.get("GATE_WECHATPAY_PLATFORM_KEY_FILES", "").split(",")]
+    listed = [e for e in listed if e]
+    if len(listed) > PLATFORM_KEYS_MAX:
+        raise SettingsError(f"GATE_WECHATPAY_PLATFORM_KEY_FILES: at most {PLATFORM_KEYS_MAX} keys")
+    for entry in listed:
+        name = "GATE_WECHATPAY_PLATFORM_KEY_FILES"
+        given, sep, path = entry.partition("=")
+        if not sep:
+            given, path = "", entry
+        key_id, key = _platform_key(name, path.strip(), given.strip() or None)
+        if key_id is None:
+            raise SettingsError(
+                f"{name}: {entry[:120]!r} is a bare public key: write it as"
+                " PUB_KEY_ID_…=path (its id in WeChat Pay's console)"
+            )
+        found.append((name, key_id, key))
+    if not found:
+        raise SettingsError(
+            "GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE or GATE_WECHATPAY_PLATFORM_KEY_FILES is"
+            " required with GATE_PAYMENT_PROVIDER=wechatpay"
+        )
+    by_id: dict[str, rsa.RSAPublicKey] = {}
+    anonymous = None
+    for name, key_id, key in found:
+        if key_id is None:
+            anonymous = key
+        elif key_id in by_id:
+            raise SettingsError(f"{name}: the platform key id {key_id} is configured twice")
+        else:
+            by_id[key_id] = key
+    return PlatformKeys(by_id=by_id, anonymous=anonymous)
 
 
 # -- signatures -----------------------------------------------------------------------
@@ -194,11 +297,12 @@ def answer_message(timestamp: str, nonce: str, body: bytes) -> bytes:
     return f"{timestamp}\n{nonce}\n".encode() + body + b"\n"
 
 
-def verify_signed(
-    key: rsa.RSAPublicKey, headers: Mapping[str, str], body: bytes, now: float
-) -> None:
+def verify_signed(keys: PlatformKeys, headers: Mapping[str, str], body: bytes, now: float) -> None:
     """Wechatpay-Timestamp/-Nonce/-Signature on an answer or a notification; raises
-    WebhookRejected (fresh within ±300 s, signature by the platform key)."""
+    WebhookRejected (fresh within ±300 s, signed by the platform key that
+    Wechatpay-Serial names). Every header is checked as text of its own alphabet, so
+    a byte outside it (non-ASCII included) is a rejection, never an error."""
+    key = keys.select(headers.get("wechatpay-serial", ""))
     ts = headers.get("wechatpay-timestamp", "")
     nonce = headers.get("wechatpay-nonce", "")
     signature = headers.get("wechatpay-signature", "")
@@ -210,7 +314,7 @@ def verify_signed(
     if abs(now - int(ts)) > TOLERANCE_SECONDS:
         raise WebhookRejected("Wechatpay-Timestamp is more than 300 s from now")
     if not verify_sha256_rsa(key, answer_message(ts, nonce, body), signature):
-        raise WebhookRejected("Wechatpay-Signature does not verify with the platform key")
+        raise WebhookRejected("Wechatpay-Signature does not verify with the named platform key")
 
 
 def decrypt_resource(apiv3_key: Secret, resource: Mapping[str, Any]) -> bytes:
@@ -313,7 +417,7 @@ class WechatPayProvider:
             method, self.wechat.api_base + path, raw_body if body is not None else None, headers
         )
         try:
-            verify_signed(self.wechat.platform_public_key, got, raw, time.time())
+            verify_signed(self.wechat.platform_keys, got, raw, time.time())
         except WebhookRejected as exc:
             raise ProviderUnavailable(f"wechatpay {method} {path}: answer {exc}") from None
         if status == 204 or not raw:
@@ -381,8 +485,8 @@ class WechatPayProvider:
 
     def _payment(self, doc: dict[str, Any]) -> Payment | None:
         state = doc.get("trade_state")
-        order_id = doc.get("out_trade_no")
-        if not isinstance(order_id, str):
+        order_id = order_id_or_none(doc.get("out_trade_no"))
+        if order_id is None:
             return None
         if state in PAID_STATES:
             status = "succeeded"
@@ -391,7 +495,8 @@ class WechatPayProvider:
         else:
             return None  # NOTPAY / USERPAYING: nothing yet
         tx = doc.get("transaction_id")
-        payment_id = tx if isinstance(tx, str) and PROVIDER_ID_RE.match(tx) else None
+        # Present, it must be one WeChat issues (else the answer is a failed call).
+        payment_id = answer_id(tx, TRANSACTION_ID_RE, "transaction_id") if tx else None
         if payment_id is None:
             if status != "failed":
                 return None
@@ -450,11 +555,12 @@ class WechatPayProvider:
         status = {"SUCCESS": "succeeded", "CLOSED": "failed", "ABNORMAL": "failed"}.get(
             str(state), "pending"
         )
-        order_id = doc.get("out_trade_no")
         return Refund(
-            refund_id=str(doc.get("out_refund_no")),
-            payment_id=str(doc.get("transaction_id") or payment_id),
-            order_id=order_id if isinstance(order_id, str) else None,
+            refund_id=answer_id(doc.get("out_refund_no"), REFUND_NO_RE, "out_refund_no"),
+            payment_id=answer_id(
+                doc.get("transaction_id") or payment_id, TRANSACTION_ID_RE, "transaction_id"
+            ),
+            order_id=order_id_or_none(doc.get("out_trade_no")),
             amount=int((doc.get("amount") or {}).get("refund", amount)),
             currency=CURRENCY,
             status=status,
@@ -514,16 +620,14 @@ def parse_notification(
     resource that does not decrypt. EventInvalid (400): genuine but unreadable.
     Another merchant's or app's genuine notification is returned without an order id
     (recorded and quarantined as naming no order of this gate)."""
-    verify_signed(wechat.platform_public_key, headers, body, now)
+    verify_signed(wechat.platform_keys, headers, body, now)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise EventInvalid("the body is not JSON") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("resource"), dict):
         raise EventInvalid("the body must be an object with a resource")
-    event_type = doc.get("event_type")
-    if not isinstance(event_type, str) or not 1 <= len(event_type) <= 64:
-        raise EventInvalid("event_type must be a string")
+    event_type = event_id_of(doc.get("event_type"), EVENT_TYPE_RE, "event_type")
     plain = decrypt_resource(wechat.apiv3_key, doc["resource"])
     try:
         res = orjson.loads(plain)
@@ -541,11 +645,8 @@ def parse_notification(
 
 
 def resource_event(event_type: str, res: Mapping[str, Any], body: bytes) -> ProviderEvent:
-    raw_order = res.get("out_trade_no")
-    order_id = raw_order if isinstance(raw_order, str) and ORDER_ID_RE.match(raw_order) else None
-    tx = res.get("transaction_id")
-    if not isinstance(tx, str) or not PROVIDER_ID_RE.match(tx):
-        raise EventInvalid("resource.transaction_id is required")
+    order_id = order_id_or_none(res.get("out_trade_no"))
+    tx = event_id_of(res.get("transaction_id"), TRANSACTION_ID_RE, "resource.transaction_id")
     amount_doc = res.get("amount")
     if not isinstance(amount_doc, dict):
         raise EventInvalid("resource.amount is required")
@@ -567,9 +668,7 @@ def resource_event(event_type: str, res: Mapping[str, Any], body: bytes) -> Prov
             payload=body,
         )
     if event_type.startswith("REFUND."):
-        refund_no = res.get("out_refund_no")
-        if not isinstance(refund_no, str) or not PROVIDER_ID_RE.match(refund_no):
-            raise EventInvalid("resource.out_refund_no is required")
+        refund_no = event_id_of(res.get("out_refund_no"), REFUND_NO_RE, "resource.out_refund_no")
         try:
             amount = _fen(amount_doc.get("refund"))
         except ValueError:

@@ -1,0 +1,40 @@
+--[[
+  room_retire: delete a retired waiting room's keys, if it is still retired when
+  asked (gate/room/retire.py; the deal's keys stay). Retired means either
+    removed  the room is off (PUT …/waiting-room null), or
+    over     the sale ended at least the room's admission TTL ago (by Redis TIME):
+             every ticket then reads "closed" and every admission has expired.
+  A removed room's keys are all deleted; an ended sale's room keeps its hash's
+  configuration fields. A room turned on again, or whose sale was extended, is
+  live: nothing is deleted.
+  The keys are UNLINKed: their memory is freed off Redis's main thread, so a room of
+  a million tickets never blocks Redis.
+
+  KEYS[1] room  KEYS[2] queue  KEYS[3] tickets  KEYS[4] admitted  KEYS[5] expiry
+  KEYS[6] window (the room_*.lua order)           KEYS[7] meta (the mirror's: end_ms)
+
+  Returns {1, 0}     deleted
+          {0, due}   over, but not for another while: due (ms) is when it will be
+          {0, 0}     live (or the deal's state is absent: not judged): kept
+]]
+local cfg = redis.call('HMGET', KEYS[1], 'on', 'ttl_ms')
+if cfg[1] == '1' then
+  local end_ms = tonumber(redis.call('HGET', KEYS[7], 'end_ms')) or 0
+  if end_ms <= 0 then
+    return {0, 0}
+  end
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local due = end_ms + (tonumber(cfg[2]) or 120000)
+  if now_ms < due then
+    return {0, due}
+  end
+  -- Over: the room's configuration stays (a few fields), so that its buyers are
+  -- still told the sale has ended (a join: NOT_ACTIVE; a read: NO_TICKET); its
+  -- counters go with the admissions they count (gate check's balance holds: 0).
+  redis.call('UNLINK', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+  redis.call('HDEL', KEYS[1], 'seq', 'aseq', 'last_ms', 'admitted', 'spent', 'lapsed')
+  return {1, 0}
+end
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+return {1, 0}
