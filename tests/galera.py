@@ -98,7 +98,20 @@ class LocalGalera:
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gate-galera-")))
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     user: str = field(default_factory=_run_as)
+    # False: plain servers started the same way, no Galera (one, for the benchmark's
+    # single-server baseline), with the single-server durability Gate asks for.
+    wsrep: bool = True
+    # innodb_flush_log_at_trx_commit; None: 2 on Galera (a commit is on every node;
+    # each node's redo log is flushed once a second, Galera's usual setting), 1 on a
+    # single server (its redo log is the only copy).
+    flush_log_at_trx_commit: int | None = None
     start_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.flush_log_at_trx_commit is None:
+            self.flush_log_at_trx_commit = 2 if self.wsrep else 1
+        if not self.wsrep and self.nodes != 1:
+            raise ValueError("without wsrep, LocalGalera starts one server")
 
     # -- addresses ---------------------------------------------------------------
 
@@ -146,6 +159,28 @@ class LocalGalera:
 
     def _config(self, i: int) -> str:
         d = self.node_dir(i)
+        common = (
+            "[mysqld]",
+            f"user={self.user}",
+            f"datadir={d / 'data'}",
+            f"socket={d / 'mysqld.sock'}",
+            f"pid-file={d / 'mysqld.pid'}",
+            f"log-error={d / 'error.log'}",
+            f"port={self.port(i)}",
+            "bind-address=127.0.0.1",
+            "innodb_buffer_pool_size=64M",
+            "innodb_log_file_size=48M",
+            "max_connections=400",
+            "binlog_format=ROW",
+            "innodb_autoinc_lock_mode=2",
+            "default_storage_engine=InnoDB",
+            f"innodb_flush_log_at_trx_commit={self.flush_log_at_trx_commit}",
+        )
+        if not self.wsrep:
+            return "\n".join((*common, ""))
+        return "\n".join((*common, *self._wsrep_config(i), ""))
+
+    def _wsrep_config(self, i: int) -> tuple[str, ...]:
         peers = ",".join(f"127.0.0.1:{self._gcomm_port(j)}" for j in range(self.nodes))
         provider_options = ";".join(
             (
@@ -156,38 +191,18 @@ class LocalGalera:
                 f"evs.inactive_timeout={INACTIVE_TIMEOUT}",
             )
         )
-        return "\n".join(
-            (
-                "[mysqld]",
-                f"user={self.user}",
-                f"datadir={d / 'data'}",
-                f"socket={d / 'mysqld.sock'}",
-                f"pid-file={d / 'mysqld.pid'}",
-                f"log-error={d / 'error.log'}",
-                f"port={self.port(i)}",
-                "bind-address=127.0.0.1",
-                "innodb_buffer_pool_size=64M",
-                "innodb_log_file_size=48M",
-                # Galera keeps a commit on every node; a node's own redo log is
-                # flushed once a second (Galera's usual setting).
-                "innodb_flush_log_at_trx_commit=2",
-                "max_connections=400",
-                "binlog_format=ROW",
-                "innodb_autoinc_lock_mode=2",
-                "default_storage_engine=InnoDB",
-                "wsrep_on=ON",
-                f"wsrep_provider={PROVIDER}",
-                f"wsrep_cluster_name=gate-galera-{self.base_port}",
-                f"wsrep_cluster_address=gcomm://{peers}",
-                f"wsrep_node_name=node{i}",
-                f"wsrep_node_address=127.0.0.1:{self._gcomm_port(i)}",
-                f"wsrep_node_incoming_address=127.0.0.1:{self.port(i)}",
-                "wsrep_sst_method=rsync",
-                f"wsrep_sst_receive_address=127.0.0.1:{self._sst_port(i)}",
-                f'wsrep_provider_options="{provider_options}"',
-                "wsrep_slave_threads=2",
-                "",
-            )
+        return (
+            "wsrep_on=ON",
+            f"wsrep_provider={PROVIDER}",
+            f"wsrep_cluster_name=gate-galera-{self.base_port}",
+            f"wsrep_cluster_address=gcomm://{peers}",
+            f"wsrep_node_name=node{i}",
+            f"wsrep_node_address=127.0.0.1:{self._gcomm_port(i)}",
+            f"wsrep_node_incoming_address=127.0.0.1:{self.port(i)}",
+            "wsrep_sst_method=rsync",
+            f"wsrep_sst_receive_address=127.0.0.1:{self._sst_port(i)}",
+            f'wsrep_provider_options="{provider_options}"',
+            "wsrep_slave_threads=2",
         )
 
     def _chown(self, path: Path) -> None:
@@ -250,7 +265,7 @@ class LocalGalera:
         for i in range(self.nodes):
             self._prepare(i, template if i == 0 else None)
         shutil.rmtree(template, ignore_errors=True)
-        self._spawn(0, bootstrap=True)
+        self._spawn(0, bootstrap=self.wsrep)
         self.wait_synced(0)
         for i in range(1, self.nodes):
             self._spawn(i)
@@ -365,6 +380,8 @@ class LocalGalera:
             try:
                 state = self.status(i)
                 last = state
+                if not self.wsrep:
+                    return state
                 if state.synced and (cluster_size is None or state.cluster_size == cluster_size):
                     return state
             except pymysql.MySQLError as exc:
