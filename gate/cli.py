@@ -51,6 +51,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Also reads the Lua scripts: a missing one exits 2 here.
     settings = _settings()
     configure(settings.log_level)
+    refusal = asyncio.run(_writer_refusal(settings))
+    if refusal:
+        print(f"gate: refusing to start: {refusal}", file=sys.stderr)
+        return 1
     if settings.auto_migrate:
         # A current schema is only read, so the least-privilege app user may do this.
         try:
@@ -67,6 +71,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.workers,
         worker_timeout_seconds=settings.worker_timeout_seconds,
     )
+
+
+async def _writer_refusal(settings: Settings) -> str | None:
+    """Why no listed database node may take the writes (read-only, not Synced,
+    unreachable: gate/dbwriter.py), or None when one may."""
+    from gate.dbwriter import NoWriter, first_usable
+
+    try:
+        await first_usable(settings.mysql, settings.db_connect_timeout_seconds)
+    except NoWriter as exc:
+        return str(exc)
+    return None
 
 
 def run_server(
@@ -149,6 +165,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True) -> int:
     """Run `fn(gate)` with the database and Redis started but no background loops."""
+    from gate.dbwriter import NoWriter
     from gate.logs import configure
     from gate.runtime import Gate
 
@@ -156,7 +173,11 @@ async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = Tru
     # JSON lines at GATE_LOG_LEVEL, with the secrets' redaction, as in `gate serve`.
     configure(settings.log_level)
     gate = Gate(settings)
-    await gate.db.start()
+    try:
+        await gate.db.start()
+    except NoWriter as exc:
+        print(f"gate: {exc}", file=sys.stderr)
+        return 1
     if scripts:
         await gate.runner.load()
     try:
