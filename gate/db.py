@@ -37,6 +37,9 @@ T = TypeVar("T")
 RETRYABLE_ERRNOS = frozenset({1213, 1205})  # deadlock, lock wait timeout
 # Errors that mean the connection is gone: the outcome of what was in flight is unknown.
 CONNECTION_ERRNOS = frozenset({2003, 2006, 2013, 2014, 2055, 1927, 1053, 4031})
+# "WSREP has not yet prepared node for application use": a Galera node outside the
+# primary component.
+ER_WSREP_NOT_READY = 1047
 # A read meets at most this many dead pooled connections before it fails (each one
 # met is closed, never handed out again).
 READ_TRIES = 4
@@ -507,6 +510,10 @@ async def end_thread(
             try:
                 await execute(f"KILL {int(thread_id)}")
             except pymysql.err.MySQLError as exc:
+                if errno_of(exc) == ER_WSREP_NOT_READY:
+                    # A Galera node out of the primary component refuses KILL, and
+                    # commits nothing: its open transactions can only roll back.
+                    return True
                 if errno_of(exc) != 1094:  # unknown thread: already gone
                     raise
             killed = True

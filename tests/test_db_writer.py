@@ -10,6 +10,7 @@ GATE_TEST_GALERA_PORT (default 13400), or use one already started there with
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -29,7 +30,7 @@ from gate.lease import parse_thread_field, thread_field
 from gate.migrate import migrate, read_migrations
 from gate.settings import MysqlTarget, SettingsError, load_settings
 from tests.galera import LocalGalera, _pidfile, galera_supported
-from tests.support import GATE_BIN, ROOT, GateProcess, base_env
+from tests.support import ADMIN_TOKEN, GATE_BIN, ROOT, GateProcess, base_env
 
 GALERA_BASE = int(os.environ.get("GATE_TEST_GALERA_PORT", "13400"))
 DATABASE = "gate_writer_test"
@@ -241,6 +242,19 @@ def _metric_nodes(text: str) -> dict[str, float]:
     return {node: float(value) for node, value in found}
 
 
+def _new_deal(gate: GateProcess) -> int:
+    """A deal made through the admin API (its id from the writer's AUTO_INCREMENT)."""
+    body = b'{"title": "writer", "unit_price": 500, "currency": "EUR", "stock": 5}'
+    req = urllib.request.Request(
+        gate.url + "/v1/admin/deals",
+        data=body,
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 201
+        return int(json.loads(resp.read())["id"])
+
+
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=3) as resp:
@@ -272,6 +286,7 @@ def test_every_process_moves_off_a_read_only_writer_and_back_after_the_hold_down
     try:
         gate.wait_ready(60)
         assert _wait_writer(gate, first, 10) >= 0
+        deals = [_new_deal(gate)]
         ready = _get(gate.url + "/readyz")
         assert ready[0] == 200 and f'"db_writer":"{first}"' in ready[1].decode()
         failovers_before = _failovers(gate)
@@ -282,12 +297,20 @@ def test_every_process_moves_off_a_read_only_writer_and_back_after_the_hold_down
         body = _get(gate.url + "/readyz")[1].decode()
         assert f'"db_writer":"{second}"' in body and "read-only" in body
         assert _failovers(gate) >= failovers_before + 2  # both workers moved
+        deals.append(_new_deal(gate))
 
         _sql(galera, 0, "SET GLOBAL read_only = 0")
         back_after = _wait_writer(gate, first, 60)
         # Not before the hold-down (less one probe interval of slack for the clock).
         assert back_after >= HOLD_DOWN_SECONDS - 1.5, back_after
+        deals.append(_new_deal(gate))
         assert gate.alive()
+        # AUTO_INCREMENT on three writers in turn: no deal id handed out twice, and
+        # every node holds every deal.
+        assert len(set(deals)) == 3, deals
+        for i in range(galera.nodes):
+            rows = _sql(galera, i, f"SELECT id FROM `{DATABASE}`.deals ORDER BY id")
+            assert sorted(deals) == [int(r[0]) for r in rows]  # type: ignore[call-overload]
     finally:
         gate.stop()
 
@@ -438,4 +461,50 @@ async def test_the_pool_follows_the_writer(writable: LocalGalera) -> None:
         assert row is not None and int(row[0]) == galera.port(1)
         assert db.selector.status()[galera.hosts[0]] == "read-only"
     finally:
+        await db.close()
+
+
+def _wait_state(galera: LocalGalera, i: int, synced: bool, timeout_seconds: float = 60) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while galera.status(i).synced != synced or (
+        synced and galera.status(i).cluster_size != galera.nodes
+    ):
+        assert time.monotonic() < deadline, f"node {i} synced is not {synced}"
+        time.sleep(0.2)
+
+
+async def test_a_partitioned_writers_thread_is_ended_on_it_then_read_on_the_new_one(
+    writable: LocalGalera,
+) -> None:
+    """An unknown outcome of a writer that dropped out of the cluster: the thread id is
+    asked about on that node (it still answers), which commits nothing any more, and
+    the lookup then reads the new writer."""
+    galera = writable
+    _reset(galera)
+    await migrate(MysqlTarget.parse(_url(galera)))
+    db = await _db_on(galera)
+    first = MysqlTarget.parse(_url(galera)).on(("127.0.0.1", galera.port(0)))
+    stranded = await aiomysql.connect(**connect_kwargs(first, 5))
+    try:
+        assert db.node == galera.hosts[0] and db.selector is not None
+        opened = asyncio.get_running_loop().time()
+        await asyncio.to_thread(galera.isolate, 0)
+        await asyncio.to_thread(_wait_state, galera, 0, False)
+        await db.selector.run_once()
+        assert db.node == galera.hosts[1]
+        assert "primary component" in db.selector.status()[galera.hosts[0]] or (
+            "not Synced" in db.selector.status()[galera.hosts[0]]
+        )
+        age = asyncio.get_running_loop().time() - opened
+        assert await db.wait_thread_gone(stranded.thread_id(), age, 5.0, node=galera.hosts[0])
+        # Why that is final: the cut-off node refuses every write (and the KILL).
+        with pytest.raises(pymysql.err.OperationalError, match="WSREP"):
+            async with stranded.cursor() as cur:
+                await cur.execute("UPDATE deals SET title = title WHERE id = 0")
+        row = await db.fetchone("SELECT @@port")
+        assert row is not None and int(row[0]) == galera.port(1)
+    finally:
+        stranded.close()
+        await asyncio.to_thread(galera.heal, 0, False)
+        await asyncio.to_thread(_wait_state, galera, 0, True)
         await db.close()
