@@ -151,10 +151,13 @@ class Database:
                 + "; ".join(f"{r.name} {r.reason}" for r in reports)
             )
         if self.settings.mysql.clustered:
-            # A single server has nowhere to move to: it is not probed again.
             self._probe_task = asyncio.get_running_loop().create_task(
                 self.selector.run(self._probe_stop)
             )
+        else:
+            # A single server has nowhere to move to: it is not probed again (and its
+            # probe connection is not kept).
+            self.selector.close()
 
     async def _switch(self, old: MysqlNode | None, new: MysqlNode, report: NodeReport) -> None:
         """Move the pool to `new`: the old pool takes no more connections out, closes
@@ -440,7 +443,9 @@ class Database:
                 )
                 status = {str(k).lower(): str(v) for k, v in rows}
                 members = {m.strip() for m in status.get("wsrep_incoming_addresses", "").split(",")}
-                if status.get("wsrep_cluster_status") == "Primary" and node not in members:
+                if status.get("wsrep_cluster_status") == "Primary" and not (
+                    await _addresses(node) & members
+                ):
                     return True
             if not self.wsrep or loop.time() >= deadline:
                 return False
@@ -460,6 +465,21 @@ class Database:
             finally:
                 await cur.execute("SET SESSION wsrep_sync_wait = 0")
         return True
+
+
+async def _addresses(node: str) -> set[str]:
+    """ "host:port" and "ip:port" for each address the node's host resolves to (Galera
+    lists its members' addresses as it sees them)."""
+    host, _, port = node.rpartition(":")
+    found = {node}
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port))
+    except OSError:
+        return found
+    for info in infos:
+        address = str(info[4][0])
+        found.add(f"[{address}]:{port}" if ":" in address else f"{address}:{port}")
+    return found
 
 
 Fetch = Callable[[str, Sequence[Any]], Awaitable[tuple[Any, ...] | None]]

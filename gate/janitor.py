@@ -27,6 +27,13 @@ liveness lease (gate/lease.py); once that lease has lapsed:
     a thread not gone in time, or the owner's connection record missing
         ──> nothing now; the next pass tries again, the age rule still applies
 
+A thread id means something on the server that issued it only. With several database
+hosts (gate/dbwriter.py) each recorded thread names its node ("id@host:port"): the
+current writer's are killed here; a former writer's are ended on that node, or, when
+it no longer answers, counted gone once the cluster has dropped it, and the new
+writer then applies everything the cluster committed before the look-ups
+(Database.wait_thread_gone). None is ever killed on another server.
+
 The lease alone never gives units back: a process that merely missed renewals (a
 stalled event loop) has its transactions ended first, and the database's answer after
 that is final (docs/redis-mirror.md, "A dead gate's markers").

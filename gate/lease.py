@@ -5,7 +5,8 @@
         └─ lapsed (a stall longer than the lease, Redis lost it) ──> take a new owner id
     admission ──> the token's in-flight marker names the owner (lua/admit.lua)
     before a reservation transaction on a connection ──> record the connection's
-        server thread id in {gate:o:OWNER}:conns, only while the lease exists
+        server thread id in {gate:o:OWNER}:conns ("id@host:port" with several
+        database hosts: the node that issued it), only while the lease exists
         (lua/lease.lua); a connection that could not be recorded is not used (the
         request gives its units back and tries once more under a new owner id)
     stop ──> release (delete the lease): a stopped process has no transaction left
