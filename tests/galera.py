@@ -20,7 +20,9 @@ without a password, as on the dev server.
 Faults for the tests: kill(i) (SIGKILL, for good), restart(i) (the same datadir
 rejoins by IST or SST), isolate(i) / heal(i) (gmcast.isolate: the node drops out of
 the group and turns non-Primary, not Synced; then comes back). The test fixtures
-(tests/conftest.py `env`, GATE_TEST_GALERA=1) start one per session.
+(tests/conftest.py `galera`, GATE_TEST_GALERA=1) start one per session.
+LocalGalera(port, nodes=1, wsrep=False) starts one plain server the same way (the
+single-server baseline of loadtest/bench_galera.py).
 """
 
 from __future__ import annotations
