@@ -135,9 +135,10 @@ async def readyz(request: Request) -> Response:
         # The node this process writes to (gate/dbwriter.py), and each node's verdict
         # when GATE_MYSQL_URL names several.
         "db_writer": gate.db.node,
+        "db_nodes": gate.db.selector.status()
+        if gate.settings.mysql.clustered and gate.db.selector is not None
+        else {},
     }
-    if gate.settings.mysql.clustered and gate.db.selector is not None:
-        details["db_nodes"] = gate.db.selector.status()
     degraded = gate.reservations.circuit_state != "closed" or (
         pool["reservation_in_use"] >= pool["reservation_max"]
     )

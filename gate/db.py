@@ -428,7 +428,7 @@ class Database:
                 conn.close()
         else:
             gone = await self._left_cluster(node, timeout_seconds)
-        return gone and await self.settle()
+        return gone and await self.settle(timeout_seconds)
 
     async def _left_cluster(self, node: str, timeout_seconds: float) -> bool:
         """Whether the current writer's primary component has dropped `node` (waits up
@@ -451,13 +451,18 @@ class Database:
                 return False
             await asyncio.sleep(0.2)
 
-    async def settle(self) -> bool:
+    async def settle(self, timeout_seconds: float = 5.0) -> bool:
         """On Galera: wait until the writer has applied every write set the cluster
         ordered before now (a causal read, wsrep_sync_wait), so that a lookup that
-        follows sees a former writer's last commits. True at once elsewhere."""
+        follows sees a former writer's last commits. True at once elsewhere;
+        TimeoutError after `timeout_seconds` (a stalled cluster)."""
         if not self.wsrep:
             return True
-        async with self.connection() as conn, conn.cursor() as cur:
+        async with (
+            asyncio.timeout(timeout_seconds),
+            self.connection() as conn,
+            conn.cursor() as cur,
+        ):
             await cur.execute("SET SESSION wsrep_sync_wait = 1")
             try:
                 await cur.execute("SELECT COUNT(*) FROM deals WHERE id = 0")

@@ -22,10 +22,13 @@ from collections.abc import Iterator
 import aiomysql
 import pymysql
 import pytest
+import redis.asyncio as aioredis
 
 from gate.check import server_findings
 from gate.db import Database, connect_kwargs
 from gate.dbwriter import NoWriter, choose, first_usable, judge
+from gate.janitor import Janitor
+from gate.keys import owner_keys
 from gate.lease import parse_thread_field, thread_field
 from gate.migrate import migrate, read_migrations
 from gate.settings import MysqlTarget, SettingsError, load_settings
@@ -423,7 +426,8 @@ async def test_a_thread_id_is_never_killed_on_another_server(writable: LocalGale
         await db.close()
 
 
-PROCESSLIST = "SELECT ID FROM information_schema.PROCESSLIST"
+# Every thread but the asking connection's own (it is gone once the question is answered).
+PROCESSLIST = "SELECT ID FROM information_schema.PROCESSLIST WHERE ID <> CONNECTION_ID()"
 
 
 async def _bystander(galera: LocalGalera, target: MysqlTarget) -> aiomysql.Connection:
@@ -433,9 +437,7 @@ async def _bystander(galera: LocalGalera, target: MysqlTarget) -> aiomysql.Conne
         conn = await aiomysql.connect(**connect_kwargs(target, 5))
         ids = set()
         for i in (0, 2):
-            rows = await asyncio.to_thread(
-                _sql, galera, i, "SELECT ID FROM information_schema.PROCESSLIST"
-            )
+            rows = await asyncio.to_thread(_sql, galera, i, PROCESSLIST)
             ids |= {int(r[0]) for r in rows}  # type: ignore[call-overload]
         if conn.thread_id() not in ids:
             return conn
@@ -507,4 +509,52 @@ async def test_a_partitioned_writers_thread_is_ended_on_it_then_read_on_the_new_
         stranded.close()
         await asyncio.to_thread(galera.heal, 0, False)
         await asyncio.to_thread(_wait_state, galera, 0, True)
+        await db.close()
+
+
+async def _alive(conn: aiomysql.Connection) -> bool:
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute("SELECT 1")
+            return await cur.fetchone() == (1,)
+    except pymysql.err.MySQLError:
+        return False
+
+
+async def test_the_janitor_ends_a_dead_gates_thread_on_the_node_that_issued_it(
+    writable: LocalGalera,
+) -> None:
+    """A dead gate's connection record names each thread's node: the janitor ends it
+    there, and never ends a thread of the same number on another node."""
+    galera = writable
+    _reset(galera)
+    await migrate(MysqlTarget.parse(_url(galera)))
+    db = await _db_on(galera)
+    rds = aioredis.Redis.from_url(base_env()["GATE_REDIS_URL"], decode_responses=True)
+    janitor = Janitor(db.settings, db, rds, None)  # type: ignore[arg-type]
+    second = MysqlTarget.parse(_url(galera)).on(("127.0.0.1", galera.port(1)))
+    victims: list[aiomysql.Connection] = []
+    try:
+        assert db.node == galera.hosts[0]
+        # The pool's connection exists before the victims' ids are chosen.
+        assert await db.fetchone("SELECT 1") == (1,)
+        seconds, micros = await rds.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        for owner, node in (("a0a0a0a0a0a0a0a1", galera.hosts[1]), ("a0a0a0a0a0a0a0a2", None)):
+            conn = await _bystander(galera, second)
+            victims.append(conn)
+            keys = owner_keys(owner)
+            await rds.delete(keys.lease, keys.conns)
+            # node None: recorded as the writer's (node 0) thread, as a single server
+            # records it; the same number on node 1 is someone else's.
+            field = thread_field(conn.thread_id(), node or galera.hosts[0])
+            await rds.hset(keys.conns, mapping={"_": "test", field: now_ms - 500})
+            assert await janitor._threads_gone(owner)
+        issued_by_node_1, same_number_on_node_1 = victims
+        assert not await _alive(issued_by_node_1)
+        assert await _alive(same_number_on_node_1)
+    finally:
+        for conn in victims:
+            conn.close()
+        await rds.aclose()
         await db.close()
