@@ -141,7 +141,8 @@ class Database:
 
     async def start(self) -> None:
         """Choose the writer node (gate/dbwriter.py) and open the pool on it; NoWriter
-        (a DbUnavailable) naming each node's reason when no listed node is usable."""
+        naming each node's reason when no listed node is usable."""
+        self._probe_stop = asyncio.Event()
         self.selector = WriterSelector(self.settings, self._switch)
         if await self.selector.run_once() is None:
             reports = list(self.selector.reports.values())

@@ -558,3 +558,30 @@ async def test_the_janitor_ends_a_dead_gates_thread_on_the_node_that_issued_it(
             conn.close()
         await rds.aclose()
         await db.close()
+
+
+def test_gate_check_on_galera_reports_the_writer_and_unusable_nodes(
+    writable: LocalGalera,
+) -> None:
+    galera = writable
+    _reset(galera)
+    asyncio.run(migrate(MysqlTarget.parse(_url(galera))))
+    _sql(galera, 2, "SET GLOBAL read_only = 1")
+    out = subprocess.run(
+        [GATE_BIN, "check", "--json"],
+        env=_env(galera),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    database = json.loads(out.stdout)["database"]
+    assert database["galera"] is True and database["writer"] == galera.hosts[0]
+    assert database["errors"] == []
+    assert f"node {galera.hosts[2]} is not usable: read-only" in database["warnings"]
+    text = subprocess.run(
+        [GATE_BIN, "check"], env=_env(galera), capture_output=True, text=True, timeout=120
+    )
+    assert f"database: OK  writer={galera.hosts[0]} (Galera)" in text.stdout
+    assert "all invariants hold" in text.stdout
