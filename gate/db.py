@@ -3,6 +3,22 @@
 Every session runs READ COMMITTED (two sweepers deadlocked under REPEATABLE READ in
 our probe, see DESIGN), UTC (expiry is judged by the database's NOW(6) only) and a
 short lock-wait timeout, so a hot row makes requests fail fast instead of queueing.
+
+With several hosts in GATE_MYSQL_URL the pool lives on the writer node that
+gate/dbwriter.py chooses and moves when it changes. Every pooled connection knows its
+node ("host:port", `node_of`), and `servers` who answered there (wsrep_node_name or
+hostname:port, and server_id). A server thread id is only ever acted on where it was
+issued:
+
+    wait_thread_gone(id, age, node)
+      node = the writer ──> KILL it here, wait until the processlist shows it gone
+      node = a former writer
+        answers, same server ──> KILL it there (a node cut off from the primary
+                                 component refuses, and commits nothing: gone)
+        answers, another server ──> not proven (the age rule decides later)
+        does not answer ──> gone once the writer's cluster no longer lists it
+      ──> settle(): a causal read (wsrep_sync_wait) on the writer, so the lookup that
+          follows sees everything the cluster committed, the former writer's too
 """
 
 from __future__ import annotations
@@ -18,7 +34,7 @@ from typing import Any, TypeVar
 import aiomysql
 import pymysql
 
-from gate.dbwriter import NodeReport, NoWriter, WriterSelector, connect_args
+from gate.dbwriter import NodeReport, NoWriter, WriterSelector, ask, connect_args, judge
 from gate.metrics import METRICS
 from gate.settings import MysqlNode, MysqlTarget, Settings, node_name
 
@@ -135,6 +151,10 @@ class Database:
         self.selector: WriterSelector | None = None
         self.node: str | None = None
         self.wsrep = False
+        # Who answered at each node's address when this process last wrote there
+        # (NodeReport.server: wsrep_node_name or hostname:port, and server_id): a
+        # former writer's thread id is acted on only while the same server answers.
+        self.servers: dict[str, str] = {}
         self._retired: set[aiomysql.Pool] = set()
         self._probe_task: asyncio.Task[None] | None = None
         self._probe_stop = asyncio.Event()
@@ -173,6 +193,7 @@ class Database:
         )
         previous = self.pool
         self.pool, self.node, self.wsrep = pool, node_name(new), report.wsrep
+        self.servers[self.node] = report.server
         if previous is not None:
             previous.close()
             self._retired.add(previous)
@@ -418,6 +439,12 @@ class Database:
             conn = None
         if conn is not None:
             try:
+                answered = judge(found[0], *await ask(conn)).server
+                if self.servers.get(node, answered) != answered:
+                    # Another server at that address: the id is not one of its
+                    # threads, and where the thread's server went is not known.
+                    log.warning("%s is now %s, not %s", node, answered, self.servers[node])
+                    return False
                 gone = await end_thread(
                     _direct_fetchone(conn),
                     _direct_execute(conn),

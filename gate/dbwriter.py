@@ -136,7 +136,7 @@ def connect_args(target: MysqlTarget, node: MysqlNode, timeout_seconds: float) -
     return kwargs
 
 
-async def _ask(conn: Any) -> tuple[dict[str, str], dict[str, str]]:
+async def ask(conn: Any) -> tuple[dict[str, str], dict[str, str]]:
     async with conn.cursor() as cur:
         await cur.execute(_VARIABLES)
         variables = {str(k).lower(): str(v) for k, v in await cur.fetchall()}
@@ -153,7 +153,7 @@ async def probe_once(target: MysqlTarget, node: MysqlNode, timeout_seconds: floa
         async with asyncio.timeout(timeout_seconds):
             conn = await aiomysql.connect(**connect_args(target, node, timeout_seconds))
             try:
-                variables, status = await _ask(conn)
+                variables, status = await ask(conn)
             finally:
                 conn.close()
     except Exception as exc:
@@ -245,7 +245,7 @@ class WriterSelector:
                         **connect_args(self.target, node, self.timeout_seconds)
                     )
                     self._conns[node] = conn
-                variables, status = await _ask(conn)
+                variables, status = await ask(conn)
         except Exception as exc:
             if conn is not None:
                 conn.close()

@@ -402,6 +402,12 @@ async def test_a_thread_id_is_never_killed_on_another_server(writable: LocalGale
         bystander = await aiomysql.connect(**connect_kwargs(second, 5))
         try:
             thread_id = bystander.thread_id()
+            # Another server than the one this process wrote to answers at node 1's
+            # address: its thread of that number is left alone, nothing is proven.
+            db.servers[galera.hosts[1]] = "elsewhere:3306 (server_id 99)"
+            assert not await db.wait_thread_gone(thread_id, 1.0, 3.0, node=galera.hosts[1])
+            assert await _alive(bystander)
+            del db.servers[galera.hosts[1]]
             # Named as node 1's thread: killed (it is ours there).
             gone = await db.wait_thread_gone(thread_id, 1.0, 3.0, node=galera.hosts[1])
             assert gone
