@@ -56,6 +56,9 @@ CONNECTION_ERRNOS = frozenset({2003, 2006, 2013, 2014, 2055, 1927, 1053, 4031})
 # "WSREP has not yet prepared node for application use": a Galera node outside the
 # primary component.
 ER_WSREP_NOT_READY = 1047
+# The node refuses writes (read-only) or is out of the primary component: the writer
+# is probed again at once rather than at the next interval.
+WRITER_LOST_ERRNOS = frozenset({1290, ER_WSREP_NOT_READY})
 # A read meets at most this many dead pooled connections before it fails (each one
 # met is closed, never handed out again).
 READ_TRIES = 4
@@ -268,6 +271,8 @@ class Database:
             yield conn
         except BaseException as exc:
             broken = not isinstance(exc, pymysql.err.MySQLError) or is_connection_error(exc)
+            if errno_of(exc) in WRITER_LOST_ERRNOS:
+                self._poke()  # the node turned read-only or left the cluster
             if isinstance(exc, pymysql.err.MySQLError) and not broken:
                 # A failed statement may leave a transaction open; never hand a
                 # connection back to the pool in the middle of one.
