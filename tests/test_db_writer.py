@@ -591,3 +591,31 @@ def test_gate_check_on_galera_reports_the_writer_and_unusable_nodes(
     )
     assert f"database: OK  writer={galera.hosts[0]} (Galera)" in text.stdout
     assert "all invariants hold" in text.stdout
+
+
+def test_a_gate_refuses_to_start_on_a_node_cut_off_from_the_cluster(
+    writable: LocalGalera,
+) -> None:
+    galera = writable
+    _reset(galera)
+    asyncio.run(migrate(MysqlTarget.parse(_url(galera))))
+    only_first = f"mysql://root@{galera.hosts[0]}/{DATABASE}"
+    galera.isolate(0)
+    try:
+        _wait_state(galera, 0, False)
+        refused = subprocess.run(
+            [GATE_BIN, "serve", "--port", "1"],
+            env={**_env(galera), "GATE_MYSQL_URL": only_first},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert refused.returncode == 1, refused.stderr
+        assert f"{galera.hosts[0]} not in the primary component" in refused.stderr
+        # Listed with the others, the gate would start on node 1.
+        node, _ = asyncio.run(first_usable(MysqlTarget.parse(_url(galera)), 3))
+        assert node == ("127.0.0.1", galera.port(1))
+    finally:
+        galera.heal(0, False)
+        _wait_state(galera, 0, True)
