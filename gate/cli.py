@@ -51,6 +51,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Also reads the Lua scripts: a missing one exits 2 here.
     settings = _settings()
     configure(settings.log_level)
+    refusal = asyncio.run(_writer_refusal(settings))
+    if refusal:
+        print(f"gate: refusing to start: {refusal}", file=sys.stderr)
+        return 1
     if settings.auto_migrate:
         # A current schema is only read, so the least-privilege app user may do this.
         try:
@@ -89,6 +93,18 @@ def _parent_metrics(addr: tuple[str, int] | None, metrics_dir: str | None) -> An
         raise SystemExit(2) from None
     os.environ["GATE_METRICS_ADDR"] = "off"
     return listener
+
+
+async def _writer_refusal(settings: Settings) -> str | None:
+    """Why no listed database node may take the writes (read-only, not Synced,
+    unreachable: gate/dbwriter.py), or None when one may."""
+    from gate.dbwriter import NoWriter, first_usable
+
+    try:
+        await first_usable(settings.mysql, settings.db_connect_timeout_seconds)
+    except NoWriter as exc:
+        return str(exc)
+    return None
 
 
 def run_server(
@@ -184,6 +200,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True) -> int:
     """Run `fn(gate)` with the database and Redis started but no background loops."""
+    from gate.dbwriter import NoWriter
     from gate.logs import configure
     from gate.runtime import Gate
 
@@ -191,7 +208,11 @@ async def _with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = Tru
     # JSON lines at GATE_LOG_LEVEL, with the secrets' redaction, as in `gate serve`.
     configure(settings.log_level)
     gate = Gate(settings)
-    await gate.db.start()
+    try:
+        await gate.db.start()
+    except NoWriter as exc:
+        print(f"gate: {exc}", file=sys.stderr)
+        return 1
     if scripts:
         await gate.runner.load()
     try:

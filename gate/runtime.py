@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from gate.auth import AdminAuth, BuyerAuth
 from gate.db import Database
+from gate.dbwriter import NoWriter
 from gate.deals import Deals
 from gate.extensions import install_all
 from gate.janitor import Janitor
@@ -94,12 +95,16 @@ class Gate:
                 " in production",
                 ", ".join(self.settings.dev_secrets_used),
             )
-        left = await pending(self.settings.mysql, self.settings.db_connect_timeout_seconds)
-        if left:
-            raise StartupError(
-                f"database schema is not current (pending: {left}); run gate migrate"
-            )
-        await self.db.start()
+        try:
+            left = await pending(self.settings.mysql, self.settings.db_connect_timeout_seconds)
+            if left:
+                raise StartupError(
+                    f"database schema is not current (pending: {left}); run gate migrate"
+                )
+            # Chooses the writer node and starts probing the nodes (gate/dbwriter.py).
+            await self.db.start()
+        except NoWriter as exc:
+            raise StartupError(str(exc)) from None
         await self.runner.load()
         # Before any request: every admission token names this process's lease.
         await self.lease.start()
