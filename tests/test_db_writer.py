@@ -271,7 +271,7 @@ def _wait_writer(gate: GateProcess, node: str, timeout_seconds: float) -> float:
     started = time.monotonic()
     last: dict[str, float] = {}
     while time.monotonic() - started < timeout_seconds:
-        last = _metric_nodes(_get(gate.url + "/metrics")[1].decode())
+        last = _metric_nodes(_get(f"{gate.metrics_url}/metrics")[1].decode())
         if last.get(node) == 1 and all(v == 0 for n, v in last.items() if n != node):
             return time.monotonic() - started
         time.sleep(0.2)
@@ -319,7 +319,7 @@ def test_every_process_moves_off_a_read_only_writer_and_back_after_the_hold_down
 
 
 def _failovers(gate: GateProcess) -> float:
-    text = _get(gate.url + "/metrics")[1].decode()
+    text = _get(f"{gate.metrics_url}/metrics")[1].decode()
     found = re.search(r"^gate_db_failovers_total ([0-9.e+]+)$", text, re.M)
     return float(found[1]) if found else 0.0
 

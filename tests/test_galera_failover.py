@@ -185,7 +185,7 @@ async def writer_of(gate: GateProcess) -> str | None:
     """The node a gate process writes to, from its /metrics."""
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
-        session.get(gate.url + "/metrics") as r,
+        session.get(f"{gate.metrics_url}/metrics") as r,
     ):
         samples = sample_values(await r.text())
     nodes = [dict(labels)["node"] for (name, labels), v in samples.items() if name == WRITER and v]
