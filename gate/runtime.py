@@ -18,6 +18,7 @@ from gate.stock.mirror import Mirror
 from gate.stock.resync import Resync
 from gate.stock.unknown_deals import UnknownDeals
 from gate.store.db import Database
+from gate.store.dbwriter import NoWriter
 from gate.store.migrate import pending
 from gate.store.process_lease import Lease
 from gate.store.redis_mode import detect_mode, make_redis
@@ -111,12 +112,16 @@ class Gate:
                 " in production",
                 ", ".join(self.settings.dev_secrets_used),
             )
-        left = await pending(self.settings.mysql, self.settings.db_connect_timeout_seconds)
-        if left:
-            raise StartupError(
-                f"database schema is not current (pending: {left}); run gate migrate"
-            )
-        await self.db.start()
+        try:
+            left = await pending(self.settings.mysql, self.settings.db_connect_timeout_seconds)
+            if left:
+                raise StartupError(
+                    f"database schema is not current (pending: {left}); run gate migrate"
+                )
+            # Chooses the writer node and starts probing the nodes (gate/store/dbwriter.py).
+            await self.db.start()
+        except NoWriter as exc:
+            raise StartupError(str(exc)) from None
         await self.runner.load()
         # Before any request: every admission token names this process's lease.
         await self.lease.start()

@@ -6,6 +6,8 @@
 #                  use what answers there, otherwise start local instances on
 #                  loopback with their own data directory under .local/, installing
 #                  redis-server / mariadb-server with apt-get when missing.
+# ensure_galera    what tests/galera.py needs for a local MariaDB Galera cluster
+#                  (mariadb-server, galera-4, rsync), installed with apt-get when missing
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${GATE_VENV:-$ROOT/.venv}
@@ -152,6 +154,17 @@ ensure_mariadb() {
 ensure_services() {
   ensure_redis
   ensure_mariadb
+}
+
+ensure_galera() {
+  local missing=()
+  if ! command -v mariadb-install-db >/dev/null 2>&1 \
+      || { ! command -v mariadbd >/dev/null 2>&1 && [ ! -x /usr/sbin/mariadbd ]; }; then
+    missing+=(mariadb-server)
+  fi
+  [ -f /usr/lib/galera/libgalera_smm.so ] || missing+=(galera-4)
+  command -v rsync >/dev/null 2>&1 || missing+=(rsync)
+  if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
 }
 
 # promtool checks the alert rules (tests/project/test_ops_monitoring.py). Debian ships it

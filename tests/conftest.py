@@ -17,7 +17,16 @@ from gate.store.db import Database
 from gate.store.migrate import migrate
 from gate.store.redis_mode import detect_mode, make_redis
 from tests.cluster import cluster_clients_used, flush_all_primaries, mark_cluster_clients_used
-from tests.support import CLUSTER_PORT, CLUSTER_RUN, Client, GateProcess, base_env
+from tests.galera import LocalGalera
+from tests.support import (
+    CLUSTER_PORT,
+    CLUSTER_RUN,
+    GALERA_PORT,
+    GALERA_RUN,
+    Client,
+    GateProcess,
+    base_env,
+)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own hook is installed: wrap it
@@ -71,10 +80,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def env() -> Iterator[dict[str, str]]:
+def galera() -> Iterator[LocalGalera | None]:
+    """GATE_TEST_GALERA=1: a local 3-node MariaDB Galera cluster for the session
+    (tests/galera.py; nodes at GATE_TEST_GALERA_PORT, +10, +20, default 18610), the
+    suite's database on it (base_env names all three nodes). None otherwise."""
+    if not GALERA_RUN:
+        yield None
+        return
+    cluster = LocalGalera(GALERA_PORT)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def env(galera: LocalGalera | None) -> Iterator[dict[str, str]]:
     """The suite's environment. GATE_TEST_REDIS_CLUSTER=1 runs it against a local
     Redis Cluster started for the session (tests/cluster.py; 3 primaries, 3
-    replicas on ports GATE_TEST_REDIS_CLUSTER_PORT.. +5, default 18510)."""
+    replicas on ports GATE_TEST_REDIS_CLUSTER_PORT.. +5, default 18510);
+    GATE_TEST_GALERA=1 against a local Galera cluster (`galera`)."""
     variables = base_env()
     if not CLUSTER_RUN:
         yield variables

@@ -45,6 +45,12 @@ WEBHOOK_SECRET = "whsec_dGVzdC13ZWJob29rLXNlY3JldC0wMTIzNDU2Nzg5"
 CLUSTER_RUN = os.environ.get("GATE_TEST_REDIS_CLUSTER", "") in ("1", "true", "yes")
 CLUSTER_PORT = int(os.environ.get("GATE_TEST_REDIS_CLUSTER_PORT", "18510"))
 
+# GATE_TEST_GALERA=1: the suite runs against a local 3-node MariaDB Galera cluster
+# started for the session (tests/galera.py, tests/conftest.py `env`), its nodes at
+# GALERA_PORT, +10, +20 (each with 3 more ports: gcomm, SST, IST).
+GALERA_RUN = os.environ.get("GATE_TEST_GALERA", "") in ("1", "true", "yes")
+GALERA_PORT = int(os.environ.get("GATE_TEST_GALERA_PORT", "18610"))
+
 
 # The standalone Redis the suite's environment names (it runs on a cluster run too).
 STANDALONE_REDIS_URL = os.environ.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -60,6 +66,11 @@ def base_env() -> dict[str, str]:
         # environment use it too, as the checking client does.
         test_redis = f"redis://127.0.0.1:{CLUSTER_PORT}/0"
     test_mysql = os.environ.get("GATE_TEST_MYSQL_URL") or mysql_url.rsplit("/", 1)[0] + "/gate_test"
+    if GALERA_RUN:
+        # The session's Galera cluster (tests/conftest.py `env`), every node named.
+        from tests.galera import LocalGalera
+
+        test_mysql = LocalGalera.url_for(GALERA_PORT, test_mysql.rsplit("/", 1)[1])
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATE_")}
     env.update(
         {

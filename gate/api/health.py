@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -76,9 +77,15 @@ async def readyz(request: Request) -> Response:
     probe: DatabaseProbe = request.app.state.db_probe
     checks["database"] = await probe.verdict()
     pool = gate.db.pool_stats()
-    details = {
+    details: dict[str, Any] = {
         "redis_circuit": gate.reservations.circuit_state,
         "db_pool": pool,
+        # The node this process writes to (gate/store/dbwriter.py), and each node's
+        # verdict when GATE_MYSQL_URL names several.
+        "db_writer": gate.db.node,
+        "db_nodes": gate.db.selector.status()
+        if gate.settings.mysql.clustered and gate.db.selector is not None
+        else {},
     }
     degraded = gate.reservations.circuit_state != "closed" or (
         pool["reservation_in_use"] >= pool["reservation_max"]

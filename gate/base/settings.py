@@ -10,7 +10,7 @@ import binascii
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
@@ -94,14 +94,61 @@ class Secret:
         return hash(self._value)
 
 
+# One node of GATE_MYSQL_URL: (host, port).
+MysqlNode = tuple[str, int]
+_MYSQL_HOST = re.compile(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
+MYSQL_NODES_MAX = 16
+
+
+def node_name(node: MysqlNode) -> str:
+    """ "host:port" ("[v6]:port"): how logs, /readyz and metrics name a node."""
+    host, port = node
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _mysql_node(item: str) -> MysqlNode:
+    """One "host[:port]" of GATE_MYSQL_URL's host list (port 3306 when left out)."""
+    host, port = item, "3306"
+    if item.startswith("["):
+        end = item.find("]")
+        host, rest = item[: end + 1], item[end + 1 :]
+        if rest:
+            port = rest[1:] if rest.startswith(":") else "?"
+    elif ":" in item:
+        host, port = item.rsplit(":", 1)
+    if not _MYSQL_HOST.fullmatch(host or "?"):
+        raise SettingsError(f"GATE_MYSQL_URL has a host that is not a name or address: {host!r}")
+    if not (port.isdigit() and 1 <= int(port) <= 65_535):
+        raise SettingsError("GATE_MYSQL_URL has a port that is not 1-65535")
+    return host.strip("[]").lower(), int(port)
+
+
 @dataclass(frozen=True)
 class MysqlTarget:
+    """Where the database is. `host`/`port` name the first node; `nodes` every node of
+    a synchronous cluster (several hosts in the URL, gate/store/dbwriter.py picks the one
+    that takes writes), or () for a single server."""
+
     host: str
     port: int
     user: str
     password: Secret
     database: str
     unix_socket: str | None = None
+    nodes: tuple[MysqlNode, ...] = ()
+
+    @property
+    def node_list(self) -> tuple[MysqlNode, ...]:
+        """Every node, in the URL's order (a single server: its one node)."""
+        return self.nodes or ((self.host, self.port),)
+
+    @property
+    def clustered(self) -> bool:
+        return len(self.nodes) > 1
+
+    def on(self, node: MysqlNode) -> MysqlTarget:
+        """The same database, user and password on one node only."""
+        return replace(self, host=node[0], port=node[1], nodes=())
 
     @classmethod
     def parse(cls, url: str) -> MysqlTarget:
@@ -114,17 +161,26 @@ class MysqlTarget:
         if not database.replace("_", "").isalnum():
             raise SettingsError("GATE_MYSQL_URL database name must be [A-Za-z0-9_]+")
         query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
-        try:
-            port = parts.port or 3306
-        except ValueError:
-            raise SettingsError("GATE_MYSQL_URL has a port that is not 1-65535") from None
+        # urlsplit's hostname/port know one host only: the list is split here.
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        username, _, password = userinfo.partition(":")
+        items = hosts.split(",") if hosts else []
+        if len(items) > MYSQL_NODES_MAX:
+            raise SettingsError(f"GATE_MYSQL_URL names more than {MYSQL_NODES_MAX} hosts")
+        nodes = tuple(_mysql_node(item) for item in items) or (("127.0.0.1", 3306),)
+        if len(set(nodes)) != len(nodes):
+            raise SettingsError("GATE_MYSQL_URL names a host:port twice")
+        unix_socket = query.get("unix_socket")
+        if unix_socket and len(nodes) > 1:
+            raise SettingsError("GATE_MYSQL_URL: unix_socket goes with one host only")
         return cls(
-            host=parts.hostname or "127.0.0.1",
-            port=port,
-            user=unquote(parts.username or "root"),
-            password=Secret(unquote(parts.password or "")),
+            host=nodes[0][0],
+            port=nodes[0][1],
+            user=unquote(username or "root"),
+            password=Secret(unquote(password)),
             database=database,
-            unix_socket=query.get("unix_socket"),
+            unix_socket=unix_socket,
+            nodes=nodes if len(nodes) > 1 else (),
         )
 
 
@@ -186,6 +242,12 @@ class Settings:
     db_lock_wait_seconds: int = 5
     db_retry_max: int = 3
     reservation_db_timeout_seconds: float = 10.0
+    # Several hosts in GATE_MYSQL_URL (gate/store/dbwriter.py): how often each node is
+    # probed, how long a probe may take, and how long a node that was unusable must
+    # have been usable again before it takes the writes back.
+    db_probe_interval_seconds: float = 1.0
+    db_probe_timeout_seconds: float = 1.0
+    db_writer_hold_down_seconds: float = 30.0
 
     # Redis bounds and what happens when Redis is in trouble.
     redis_pool_max: int = 64
@@ -436,6 +498,11 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         db_retry_max=env_int(env, "GATE_DB_RETRY_MAX", 3, 1, 10),
         reservation_db_timeout_seconds=env_float(
             env, "GATE_RESERVATION_DB_TIMEOUT_SECONDS", 10.0, 0.1, 120
+        ),
+        db_probe_interval_seconds=env_float(env, "GATE_DB_PROBE_INTERVAL_SECONDS", 1.0, 0.1, 5),
+        db_probe_timeout_seconds=env_float(env, "GATE_DB_PROBE_TIMEOUT_SECONDS", 1.0, 0.1, 4),
+        db_writer_hold_down_seconds=env_float(
+            env, "GATE_DB_WRITER_HOLD_DOWN_SECONDS", 30.0, 0, 3600
         ),
         redis_pool_max=env_int(env, "GATE_REDIS_POOL_MAX", 64, 1, 10_000),
         redis_mode=redis_mode,

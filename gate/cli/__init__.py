@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gate.base.settings import SettingsError
+from gate.base.settings import Settings, SettingsError
 from gate.cli.common import checked_settings, ranged_int, with_gate
 
 SERVE_BACKLOG = 4096
@@ -31,6 +31,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Also reads the Lua scripts: a missing one exits 2 here.
     settings = checked_settings()
     configure(settings.log_level)
+    refusal = asyncio.run(_writer_refusal(settings))
+    if refusal:
+        print(f"gate: refusing to start: {refusal}", file=sys.stderr)
+        return 1
     if settings.auto_migrate:
         # A current schema is only read, so the least-privilege app user may do this.
         try:
@@ -69,6 +73,18 @@ def _parent_metrics(addr: tuple[str, int] | None, metrics_dir: str | None) -> An
         raise SystemExit(2) from None
     os.environ["GATE_METRICS_ADDR"] = "off"
     return listener
+
+
+async def _writer_refusal(settings: Settings) -> str | None:
+    """Why no listed database node may take the writes (read-only, not Synced,
+    unreachable: gate/store/dbwriter.py), or None when one may."""
+    from gate.store.dbwriter import NoWriter, first_usable
+
+    try:
+        await first_usable(settings.mysql, settings.db_connect_timeout_seconds)
+    except NoWriter as exc:
+        return str(exc)
+    return None
 
 
 def run_server(

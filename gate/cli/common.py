@@ -36,12 +36,17 @@ async def with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True
     """Run `fn(gate)` with the database and Redis started but no background loops."""
     from gate.base.logs import configure
     from gate.runtime import Gate
+    from gate.store.dbwriter import NoWriter
 
     settings = checked_settings()
     # JSON lines at GATE_LOG_LEVEL, with the secrets' redaction, as in `gate serve`.
     configure(settings.log_level)
     gate = Gate(settings)
-    await gate.db.start()
+    try:
+        await gate.db.start()
+    except NoWriter as exc:
+        print(f"gate: {exc}", file=sys.stderr)
+        return 1
     if scripts:
         await gate.runner.load()
     try:

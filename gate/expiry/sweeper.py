@@ -139,11 +139,18 @@ class Batch:
 class Unknown(Exception):
     """The batch's COMMIT outcome is not known (connection lost or deadline passed)."""
 
-    def __init__(self, thread_id: int | None, connected_at: float | None, cause: BaseException):
-        super().__init__(f"outcome unknown (thread {thread_id}): {cause!r}")
+    def __init__(
+        self,
+        thread_id: int | None,
+        connected_at: float | None,
+        cause: BaseException,
+        node: str | None = None,
+    ):
+        super().__init__(f"outcome unknown (thread {thread_id} on {node}): {cause!r}")
         self.thread_id = thread_id
         self.connected_at = connected_at
         self.cause = cause
+        self.node = node  # the server that issued thread_id (Database.node_of)
 
 
 _CROCKFORD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", "0123456789ABCDEFGHJKMNPQRSTVWXYZ")
@@ -266,7 +273,7 @@ class Sweeper:
         cursor: dict[str, tuple[str, str] | None] = {}
         try:
             async with self.db.connection() as conn:
-                thread[:] = [conn.thread_id(), conn.connected_time]
+                thread[:] = [conn.thread_id(), conn.connected_time, self.db.node_of(conn)]
                 async with conn.cursor() as cur:
                     orders = await self._take(cur, cursor)
                     if not orders:
@@ -436,7 +443,7 @@ class Sweeper:
             row = await asyncio.wait_for(call(), self.config.batch_timeout_seconds)
         except Exception as exc:
             if is_connection_error(exc) or isinstance(exc, TimeoutError):
-                raise Unknown(thread[0], thread[1], exc) from exc
+                raise Unknown(thread[0], thread[1], exc, thread[2]) from exc
             raise
         assert row is not None, "gate_expire_batch returned no row"
         return row
@@ -449,7 +456,7 @@ class Sweeper:
         try:
             if exc.thread_id is not None and exc.connected_at is not None:
                 age = asyncio.get_running_loop().time() - exc.connected_at
-                if not await self.db.wait_thread_gone(exc.thread_id, age):
+                if not await self.db.wait_thread_gone(exc.thread_id, age, node=exc.node):
                     raise TimeoutError("the server thread did not end in time")
         except Exception as lookup_exc:
             log.warning("expiry batch left to the janitor: %r", lookup_exc)

@@ -577,7 +577,7 @@ class QueueConsumer:
             return
         age = asyncio.get_running_loop().time() - exc.connected_at
         try:
-            await self.gate.db.wait_thread_gone(exc.thread_id, age)
+            await self.gate.db.wait_thread_gone(exc.thread_id, age, node=exc.node)
         except Exception as wait_exc:
             log.warning("queue: thread %s not seen gone: %r", exc.thread_id, wait_exc)
 

@@ -80,6 +80,7 @@ class Unresolved:
     give: GiveBack
     thread_id: int
     connected_at: float  # event-loop time its connection was opened
+    node: str | None = None  # the server that issued thread_id (Database.node_of)
 
     @property
     def added(self) -> float:
@@ -107,6 +108,7 @@ class GiveBacks:
         token: str,
         thread_id: int,
         connected_at: float,
+        node: str | None = None,
     ) -> None:
         if token in self._unresolved:
             return
@@ -114,7 +116,7 @@ class GiveBacks:
             GIVEBACKS.labels("dropped").inc()
             return
         give = GiveBack(keys, user_id, idempotency_key, token, time.monotonic())
-        self._unresolved[token] = Unresolved(give, thread_id, connected_at)
+        self._unresolved[token] = Unresolved(give, thread_id, connected_at, node)
 
     def add(self, keys: DealKeys, user_id: int, idempotency_key: str, token: str) -> None:
         if token in self._pending:
@@ -185,7 +187,9 @@ class GiveBacks:
         for entry in batch:
             try:
                 age = loop.time() - entry.connected_at
-                if not await db.wait_thread_gone(entry.thread_id, age, THREAD_GONE_WAIT_SECONDS):
+                if not await db.wait_thread_gone(
+                    entry.thread_id, age, THREAD_GONE_WAIT_SECONDS, entry.node
+                ):
                     continue
                 order = await orders.get(db, entry.give.token)
             except Exception as exc:

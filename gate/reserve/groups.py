@@ -322,14 +322,14 @@ async def reservation_call(
         async with db.reservation_connection() as conn:
             if lease is not None and owners:
                 await lease.bind(conn, owners)
-            thread[:] = [conn.thread_id(), conn.connected_time]
+            thread[:] = [conn.thread_id(), conn.connected_time, db.node_of(conn)]
             DB_ATTEMPTS.inc(reservations)
             try:
                 with TRANSACTION_SECONDS.time():
                     row = await db.call(conn, sql, args)
             except Exception as exc:
                 if is_connection_error(exc):
-                    raise OutcomeUnknown(thread[0], thread[1], exc) from exc
+                    raise OutcomeUnknown(thread[0], thread[1], exc, thread[2]) from exc
                 raise
             assert row is not None, f"{sql.split('(')[0]} returned no row"
             return row
@@ -341,5 +341,5 @@ async def reservation_call(
             return await db.retrying(attempt)
     except TimeoutError as exc:
         if thread:
-            raise OutcomeUnknown(thread[0], thread[1], exc) from exc
+            raise OutcomeUnknown(thread[0], thread[1], exc, thread[2]) from exc
         raise DbUnavailable("timed out waiting for a database connection") from exc

@@ -45,7 +45,7 @@ class Recovery(ReservationCore):
         try:
             if exc.thread_id is not None and exc.connected_at is not None:
                 age = asyncio.get_running_loop().time() - exc.connected_at
-                if not await self.db.wait_thread_gone(exc.thread_id, age):
+                if not await self.db.wait_thread_gone(exc.thread_id, age, node=exc.node):
                     raise TimeoutError("the server thread did not end in time")
             order = await orders.get(self.db, token)
         except Exception as lookup_exc:
@@ -62,6 +62,7 @@ class Recovery(ReservationCore):
                     token,
                     exc.thread_id,
                     exc.connected_at,
+                    exc.node,
                 )
             raise overloaded("Database unavailable; retry shortly.") from None
         if order is None:

@@ -313,7 +313,118 @@ async def check_all(
     else:
         ids = [int(r[0]) for r in await db.fetchall("SELECT id FROM deals ORDER BY id")]
     reports = [await check_deal(db, client, i) for i in ids]
-    return {"ok": all(r["invariant"]["ok"] for r in reports), "deals": reports}
+    database = await database_report(db)
+    ok = all(r["invariant"]["ok"] for r in reports) and not database["errors"]
+    return {"ok": ok, "deals": reports, "database": database}
+
+
+_SERVER_VARIABLES = (
+    "wsrep_on",
+    "binlog_format",
+    "innodb_autoinc_lock_mode",
+    "innodb_flush_log_at_trx_commit",
+    "sync_binlog",
+    "log_bin",
+    "read_only",
+    "wsrep_auto_increment_control",
+)
+_SERVER_STATUS = ("wsrep_cluster_size", "wsrep_cluster_status", "wsrep_local_state")
+# Fewer Galera nodes than this: losing one loses the quorum, and the sale stops.
+GALERA_NODES_MIN = 3
+
+
+async def database_report(db: Database) -> dict[str, Any]:
+    """The settings of the writer node a sale depends on (`server_findings`), and each
+    listed node's verdict when GATE_MYSQL_URL names several."""
+    marks = ", ".join(["%s"] * len(_SERVER_VARIABLES))
+    variables = {
+        str(k).lower(): str(v)
+        for k, v in await db.fetchall(
+            f"SHOW GLOBAL VARIABLES WHERE Variable_name IN ({marks})", _SERVER_VARIABLES
+        )
+    }
+    marks = ", ".join(["%s"] * len(_SERVER_STATUS))
+    status = {
+        str(k).lower(): str(v)
+        for k, v in await db.fetchall(
+            f"SHOW GLOBAL STATUS WHERE Variable_name IN ({marks})", _SERVER_STATUS
+        )
+    }
+    listed = len(db.settings.mysql.node_list)
+    errors, warnings = server_findings(variables, status, listed)
+    nodes = db.selector.status() if db.selector is not None and listed > 1 else {}
+    warnings += [f"node {name} is not usable: {why}" for name, why in nodes.items() if why != "ok"]
+    return {
+        "writer": db.node,
+        "galera": variables.get("wsrep_on", "OFF").upper() == "ON",
+        "nodes": nodes,
+        "errors": errors,
+        "warnings": warnings,
+    }
+
+
+def server_findings(
+    variables: dict[str, str], status: dict[str, str], listed_nodes: int
+) -> tuple[list[str], list[str]]:
+    """(errors, warnings) about the writer's settings. Errors fail `gate check`: with
+    them a failover can lose or duplicate what was sold. Warnings are reported only:
+    the single-server durability settings (a crash of the host may lose the last
+    commits; MariaDB's defaults, which development and CI run with) and a cluster
+    running with fewer nodes than it should."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    on = variables.get("wsrep_on", "OFF").upper() == "ON"
+    if not on:
+        if listed_nodes > 1:
+            errors.append(
+                "GATE_MYSQL_URL names several hosts but wsrep_on is OFF: only a synchronous"
+                " (Galera) cluster keeps every commit through a failover"
+            )
+        if variables.get("innodb_flush_log_at_trx_commit", "1") != "1":
+            warnings.append(
+                "innodb_flush_log_at_trx_commit is not 1: a host crash may lose the last"
+                " committed orders"
+            )
+        binlog_on = variables.get("log_bin", "OFF").upper() == "ON"
+        if binlog_on and variables.get("sync_binlog", "0") != "1":
+            warnings.append(
+                "sync_binlog is not 1: a host crash may lose the last commits from the"
+                " binary log (and from replicas)"
+            )
+        if variables.get("read_only", "OFF").upper() == "ON":
+            errors.append("the database server is read-only")
+        return errors, warnings
+    if status.get("wsrep_cluster_status") != "Primary":
+        errors.append(
+            f"wsrep_cluster_status is {status.get('wsrep_cluster_status', '?')}, not Primary:"
+            " the writer is cut off from the cluster's majority"
+        )
+    if status.get("wsrep_local_state") != "4":
+        errors.append(
+            f"wsrep_local_state is {status.get('wsrep_local_state', '?')}, not 4 (Synced)"
+            " on the writer"
+        )
+    if variables.get("binlog_format", "").upper() != "ROW":
+        errors.append(f"binlog_format is {variables.get('binlog_format', '?')}; Galera needs ROW")
+    if variables.get("innodb_autoinc_lock_mode") != "2":
+        errors.append(
+            f"innodb_autoinc_lock_mode is {variables.get('innodb_autoinc_lock_mode', '?')};"
+            " Galera needs 2 (interleaved)"
+        )
+    if variables.get("read_only", "OFF").upper() == "ON":
+        errors.append("the writer node is read-only")
+    if variables.get("wsrep_auto_increment_control", "ON").upper() != "ON":
+        warnings.append(
+            "wsrep_auto_increment_control is OFF: two nodes taking writes at once (a"
+            " hold-down overlap) could hand out the same deal id"
+        )
+    size = int(status.get("wsrep_cluster_size", "0") or 0)
+    if size < max(GALERA_NODES_MIN, listed_nodes):
+        warnings.append(
+            f"wsrep_cluster_size is {size}: fewer than {max(GALERA_NODES_MIN, listed_nodes)}"
+            " nodes, one more failure may stop the sale"
+        )
+    return errors, warnings
 
 
 def render(report: dict[str, Any]) -> str:
@@ -340,5 +451,17 @@ def render(report: dict[str, Any]) -> str:
             )
         for breach in inv["breaches"]:
             lines.append(f"  ! {breach}")
-    lines.append("all invariants hold" if report["ok"] else "INVARIANT BREACH")
+    database = report.get("database")
+    if database is not None:
+        kind = "Galera" if database["galera"] else "single server"
+        verdict = "UNSAFE" if database["errors"] else "OK"
+        lines.append(f"database: {verdict}  writer={database['writer']} ({kind})")
+        lines += [f"  ! {e}" for e in database["errors"]]
+        lines += [f"  ? {w}" for w in database["warnings"]]
+    if report["ok"]:
+        lines.append("all invariants hold")
+    elif all(d["invariant"]["ok"] for d in report["deals"]):
+        lines.append("UNSAFE DATABASE SETTINGS")
+    else:
+        lines.append("INVARIANT BREACH")
     return "\n".join(lines)

@@ -27,6 +27,13 @@ liveness lease (gate/store/process_lease.py); once that lease has lapsed:
     a thread not gone in time, or the owner's connection record missing
         ──> nothing now; the next pass tries again, the age rule still applies
 
+A thread id means something on the server that issued it only. With several database
+hosts (gate/store/dbwriter.py) each recorded thread names its node ("id@host:port"): the
+current writer's are killed here; a former writer's are ended on that node, or, when
+it no longer answers, counted gone once the cluster has dropped it, and the new
+writer then applies everything the cluster committed before the look-ups
+(Database.wait_thread_gone). None is ever killed on another server.
+
 The lease alone never gives units back: a process that merely missed renewals (a
 stalled event loop) has its transactions ended first, and the database's answer after
 that is final (docs/redis-mirror.md, "A dead gate's markers").
@@ -46,6 +53,7 @@ from gate.base.settings import Settings
 from gate.stock.mirror import Marker, Mirror, parse_marker
 from gate.store.db import Database, errno_of
 from gate.store.keys import ACTIVE_DEALS, DealKeys, deal_keys, owner_keys
+from gate.store.process_lease import parse_thread_field
 from gate.store.redis_mode import redis_ms, redis_ms_per_node
 from gate.store.work_lease import WorkLease
 
@@ -202,10 +210,22 @@ class Janitor:
         if not record:
             # Expired or lost: which threads it used is unknown; the age rule decides.
             return False
-        threads = {int(t): int(ms) for t, ms in record.items() if t != "_"}
-        if threads:
+        # A thread id is ended only on the server that issued it: the current writer's
+        # here, a former writer's on that node (Database.wait_thread_gone).
+        recorded = [(parse_thread_field(str(f)), int(ms)) for f, ms in record.items() if f != "_"]
+        here = (None, self.db.node)
+        threads = {t: ms for (t, node), ms in recorded if node in here}
+        elsewhere = [(t, node, ms) for (t, node), ms in recorded if node not in here]
+        if threads or elsewhere:
             # The record's times come from the owner's lease script, on its slot's node.
             now_ms = await redis_ms(self.redis, owner_keys(owner).conns)
+        for thread_id, node, ms in elsewhere:
+            age_seconds = (now_ms - ms) / 1000
+            if not await self.db.wait_thread_gone(
+                thread_id, age_seconds, THREADS_GONE_WAIT_SECONDS, node=node
+            ):
+                return False
+        if threads:
             row = await self.db.fetchone("SHOW GLOBAL STATUS LIKE 'Uptime'")
             uptime_seconds = float(row[1]) if row is not None else float("inf")
             # Thread ids start again when the server restarts: a connection opened

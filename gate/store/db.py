@@ -3,6 +3,22 @@
 Every session runs READ COMMITTED (two sweepers deadlocked under REPEATABLE READ in
 our probe, see DESIGN), UTC (expiry is judged by the database's NOW(6) only) and a
 short lock-wait timeout, so a hot row makes requests fail fast instead of queueing.
+
+With several hosts in GATE_MYSQL_URL the pool lives on the writer node that
+gate/store/dbwriter.py chooses and moves when it changes. Every pooled connection knows its
+node ("host:port", `node_of`), and `servers` who answered there (wsrep_node_name or
+hostname:port, and server_id). A server thread id is only ever acted on where it was
+issued:
+
+    wait_thread_gone(id, age, node)
+      node = the writer ──> KILL it here, wait until the processlist shows it gone
+      node = a former writer
+        answers, same server ──> KILL it there (a node cut off from the primary
+                                 component refuses, and commits nothing: gone)
+        answers, another server ──> not proven (the age rule decides later)
+        does not answer ──> gone once the writer's cluster no longer lists it
+      ──> settle(): a causal read (wsrep_sync_wait) on the writer, so the lookup that
+          follows sees everything the cluster committed, the former writer's too
 """
 
 from __future__ import annotations
@@ -17,11 +33,11 @@ from typing import Any, TypeVar
 
 import aiomysql
 import pymysql
-from pymysql.constants import CLIENT
 
 from gate.base.metrics import METRICS
-from gate.base.settings import MysqlTarget, Settings
+from gate.base.settings import MysqlNode, MysqlTarget, Settings, node_name
 from gate.base.timeouts import deadline_in
+from gate.store.dbwriter import NodeReport, NoWriter, WriterSelector, ask, connect_args, judge
 
 log = logging.getLogger("gate.db")
 
@@ -38,6 +54,12 @@ T = TypeVar("T")
 RETRYABLE_ERRNOS = frozenset({1213, 1205})  # deadlock, lock wait timeout
 # Errors that mean the connection is gone: the outcome of what was in flight is unknown.
 CONNECTION_ERRNOS = frozenset({2003, 2006, 2013, 2014, 2055, 1927, 1053, 4031})
+# "WSREP has not yet prepared node for application use": a Galera node outside the
+# primary component.
+ER_WSREP_NOT_READY = 1047
+# The node refuses writes (read-only) or is out of the primary component: the writer
+# is probed again at once rather than at the next interval.
+WRITER_LOST_ERRNOS = frozenset({1290, ER_WSREP_NOT_READY})
 # A read meets at most this many dead pooled connections before it fails (each one
 # met is closed, never handed out again).
 READ_TRIES = 4
@@ -51,12 +73,19 @@ class OutcomeUnknown(Exception):
     """The connection broke while a transaction was committing; it may have committed."""
 
     def __init__(
-        self, thread_id: int | None, connected_at: float | None, cause: BaseException
+        self,
+        thread_id: int | None,
+        connected_at: float | None,
+        cause: BaseException,
+        node: str | None = None,
     ) -> None:
-        super().__init__(f"outcome unknown (thread {thread_id}): {cause!r}")
+        super().__init__(f"outcome unknown (thread {thread_id} on {node}): {cause!r}")
         self.thread_id = thread_id
         self.connected_at = connected_at  # event-loop time the connection was opened
         self.cause = cause
+        # The server that issued thread_id ("host:port", Database.node_of): a thread
+        # id is only ever looked up, or killed, there.
+        self.node = node
 
 
 def errno_of(exc: BaseException) -> int | None:
@@ -99,19 +128,9 @@ async def server_version(target: MysqlTarget, timeout_seconds: float) -> str:
 def connect_kwargs(
     target: MysqlTarget, timeout_seconds: float, *, with_db: bool = True
 ) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "user": target.user,
-        "password": target.password.reveal(),
-        "connect_timeout": timeout_seconds,
-        "autocommit": True,
-        "charset": "utf8mb4",
-        "client_flag": CLIENT.MULTI_STATEMENTS | CLIENT.MULTI_RESULTS,
-    }
-    if target.unix_socket:
-        kwargs["unix_socket"] = target.unix_socket
-    else:
-        kwargs["host"] = target.host
-        kwargs["port"] = target.port
+    """aiomysql.connect's arguments for the target's first node (`target.on(node)`
+    for another one; gate/store/dbwriter.py says which node takes the writes)."""
+    kwargs = connect_args(target, (target.host, target.port), timeout_seconds)
     if with_db:
         kwargs["db"] = target.database
     return kwargs
@@ -131,25 +150,79 @@ class Database:
         self._reservation_slots = asyncio.Semaphore(self.reservation_max)
         self.reservations_in_use = 0
         self.reservations_waiting = 0
+        # The writer node (gate/store/dbwriter.py), its pool, and pools of former writers
+        # still closing.
+        self.selector: WriterSelector | None = None
+        self.node: str | None = None
+        self.wsrep = False
+        # Who answered at each node's address when this process last wrote there
+        # (NodeReport.server: wsrep_node_name or hostname:port, and server_id): a
+        # former writer's thread id is acted on only while the same server answers.
+        self.servers: dict[str, str] = {}
+        self._retired: set[aiomysql.Pool] = set()
+        self._probe_task: asyncio.Task[None] | None = None
+        self._probe_stop = asyncio.Event()
 
     async def start(self) -> None:
-        version = await server_version(
-            self.settings.mysql, self.settings.db_connect_timeout_seconds
-        )
-        self.init_sql = session_init_sql(version, self.settings.db_lock_wait_seconds)
-        self.pool = await aiomysql.create_pool(
+        """Choose the writer node (gate/store/dbwriter.py) and open the pool on it; NoWriter
+        naming each node's reason when no listed node is usable."""
+        self._probe_stop = asyncio.Event()
+        self.selector = WriterSelector(self.settings, self._switch)
+        if await self.selector.run_once() is None:
+            reports = list(self.selector.reports.values())
+            self.selector.close()
+            raise NoWriter(
+                "no database node takes writes: "
+                + "; ".join(f"{r.name} {r.reason}" for r in reports)
+            )
+        if self.settings.mysql.clustered:
+            self._probe_task = asyncio.get_running_loop().create_task(
+                self.selector.run(self._probe_stop)
+            )
+        else:
+            # A single server has nowhere to move to: it is not probed again (and its
+            # probe connection is not kept).
+            self.selector.close()
+
+    async def _switch(self, old: MysqlNode | None, new: MysqlNode, report: NodeReport) -> None:
+        """Move the pool to `new`: the old pool takes no more connections out, closes
+        its free ones now and the busy ones as they come back."""
+        self.init_sql = session_init_sql(report.version, self.settings.db_lock_wait_seconds)
+        pool = await aiomysql.create_pool(
             minsize=0,
             maxsize=self.pool_max,
             pool_recycle=3600,
             init_command=self.init_sql,
-            **connect_kwargs(self.settings.mysql, self.settings.db_connect_timeout_seconds),
+            **connect_kwargs(self.settings.mysql.on(new), self.settings.db_connect_timeout_seconds),
         )
+        previous = self.pool
+        self.pool, self.node, self.wsrep = pool, node_name(new), report.wsrep
+        self.servers[self.node] = report.server
+        if previous is not None:
+            previous.close()
+            self._retired.add(previous)
+            # Forgotten once its busy connections have come back and been closed.
+            closing = asyncio.get_running_loop().create_task(previous.wait_closed())
+            closing.add_done_callback(lambda _: self._retired.discard(previous))
 
     async def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            await self.pool.wait_closed()
-            self.pool = None
+        self._probe_stop.set()
+        if self._probe_task is not None:
+            await self._probe_task
+            self._probe_task = None
+        if self.selector is not None:
+            self.selector.close()
+        pools = [*self._retired, *([self.pool] if self.pool is not None else [])]
+        self.pool = None
+        self._retired.clear()
+        for pool in pools:
+            pool.close()
+            await pool.wait_closed()
+
+    def node_of(self, conn: Any) -> str | None:
+        """The node ("host:port") a pooled connection was opened on."""
+        node = getattr(conn, "gate_node", None)
+        return str(node) if node is not None else self.node
 
     @asynccontextmanager
     async def reservation_connection(self) -> AsyncIterator[Any]:
@@ -176,26 +249,31 @@ class Database:
     @asynccontextmanager
     async def connection(self, timeout_seconds: float | None = None) -> AsyncIterator[Any]:
         """A pooled connection; a broken one is closed instead of returned."""
-        assert self.pool is not None, "database not started"
+        pool, node = self.pool, self.node
+        assert pool is not None, "database not started"
         wait = (
             timeout_seconds
             if timeout_seconds is not None
             else self.settings.db_acquire_timeout_seconds
         )
         try:
-            conn = await asyncio.wait_for(self.pool.acquire(), wait)
+            conn = await asyncio.wait_for(pool.acquire(), wait)
         except TimeoutError as exc:
             POOL_REFUSED.labels("other" if timeout_seconds is None else "reservation").inc()
             raise DbUnavailable("no database connection available in time") from exc
         except Exception as exc:
             if is_connection_error(exc) or isinstance(exc, pymysql.err.OperationalError):
+                self._poke()
                 raise DbUnavailable(f"database unreachable: {exc}") from exc
             raise
+        conn.gate_node = node
         broken = False
         try:
             yield conn
         except BaseException as exc:
             broken = not isinstance(exc, pymysql.err.MySQLError) or is_connection_error(exc)
+            if errno_of(exc) in WRITER_LOST_ERRNOS:
+                self._poke()  # the node turned read-only or left the cluster
             if isinstance(exc, pymysql.err.MySQLError) and not broken:
                 # A failed statement may leave a transaction open; never hand a
                 # connection back to the pool in the middle of one.
@@ -207,7 +285,13 @@ class Database:
         finally:
             if broken:
                 conn.close()
-            self.pool.release(conn)
+                self._poke()
+            pool.release(conn)
+
+    def _poke(self) -> None:
+        """A connection failed: have the writer probed again at once (clusters only)."""
+        if self._probe_task is not None and self.selector is not None:
+            self.selector.poke()
 
     @asynccontextmanager
     async def snapshot(self) -> AsyncIterator[Any]:
@@ -290,7 +374,11 @@ class Database:
         raise AssertionError("unreachable")
 
     async def wait_thread_gone(
-        self, thread_id: int, connection_age_seconds: float, timeout_seconds: float = 5.0
+        self,
+        thread_id: int,
+        connection_age_seconds: float,
+        timeout_seconds: float = 5.0,
+        node: str | None = None,
     ) -> bool:
         """End the server thread of a connection that broke mid-transaction, and wait
         until it has ended: from then on its transaction has committed or rolled back,
@@ -300,28 +388,196 @@ class Database:
         server restarted since the connection opened, in which case its transaction
         is already over. (The processlist cannot identify it by statement text: inside
         a stored procedure it shows the current inner statement, not the CALL.)
+
+        `node` is where the connection was opened (`node_of`). A thread id means
+        nothing on another server: when the writer has moved since, the thread is
+        ended on its own node (`_other_node_thread_gone`), never on the current one.
         """
+        here = self.node
+        if node is not None and node != here:
+            return await self._other_node_thread_gone(
+                node, thread_id, connection_age_seconds, timeout_seconds
+            )
+        try:
+            return await end_thread(
+                self.fetchone, self.execute, thread_id, connection_age_seconds, timeout_seconds
+            )
+        except (DbUnavailable, pymysql.err.MySQLError, OSError) as exc:
+            # The writer itself failed: once the probe has moved the pool, the thread
+            # is a former writer's.
+            lost = isinstance(exc, DbUnavailable) or is_connection_error(exc)
+            if not lost or here is None or not await self._moved_from(here, timeout_seconds):
+                raise
+        return await self._other_node_thread_gone(
+            here, thread_id, connection_age_seconds, timeout_seconds
+        )
+
+    async def _moved_from(self, node: str, timeout_seconds: float) -> bool:
+        """Whether the writer moves off `node` within `timeout_seconds` (clusters only)."""
+        if self._probe_task is None or self.selector is None:
+            return False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_seconds
-        row = await self.fetchone("SHOW GLOBAL STATUS LIKE 'Uptime'")
-        if row is not None and float(row[1]) < connection_age_seconds:
-            return True
-        killed = False
-        while loop.time() < deadline:
-            row = await self.fetchone(
-                "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", (thread_id,)
+        while self.node == node and loop.time() < deadline:
+            self.selector.poke()
+            await asyncio.sleep(0.05)
+        return self.node != node
+
+    async def _other_node_thread_gone(
+        self, node: str, thread_id: int, age_seconds: float, timeout_seconds: float
+    ) -> bool:
+        """A thread of a former writer: ended on that node when it answers; when it
+        does not, gone only once the current writer's cluster no longer counts the
+        node among its members (a node out of the primary component commits nothing).
+        Either way the current writer then applies everything the cluster committed
+        before a lookup reads it (`settle`)."""
+        target = self.settings.mysql
+        found = [n for n in target.node_list if node_name(n) == node]
+        if not found:
+            return False
+        timeout = self.settings.db_probe_timeout_seconds
+        try:
+            conn = await asyncio.wait_for(
+                aiomysql.connect(**connect_kwargs(target.on(found[0]), timeout, with_db=False)),
+                timeout,
             )
-            if row is None or int(row[0]) == 0:
-                return True
-            if not killed:
-                try:
-                    await self.execute(f"KILL {int(thread_id)}")
-                except pymysql.err.MySQLError as exc:
-                    if errno_of(exc) != 1094:  # unknown thread: already gone
-                        raise
-                killed = True
-            await asyncio.sleep(0.02)
-        return False
+        except Exception:
+            conn = None
+        if conn is not None:
+            try:
+                answered = judge(found[0], *await ask(conn)).server
+                if self.servers.get(node, answered) != answered:
+                    # Another server at that address: the id is not one of its
+                    # threads, and where the thread's server went is not known.
+                    log.warning("%s is now %s, not %s", node, answered, self.servers[node])
+                    return False
+                gone = await end_thread(
+                    _direct_fetchone(conn),
+                    _direct_execute(conn),
+                    thread_id,
+                    age_seconds,
+                    timeout_seconds,
+                )
+            finally:
+                conn.close()
+        else:
+            gone = await self._left_cluster(node, timeout_seconds)
+        return gone and await self.settle(timeout_seconds)
+
+    async def _left_cluster(self, node: str, timeout_seconds: float) -> bool:
+        """Whether the current writer's primary component has dropped `node` (waits up
+        to `timeout_seconds` for the cluster to notice a node that died)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_seconds
+        while True:
+            if self.wsrep:
+                rows = await self.fetchall(
+                    "SHOW GLOBAL STATUS WHERE Variable_name IN"
+                    " ('wsrep_incoming_addresses', 'wsrep_cluster_status')"
+                )
+                status = {str(k).lower(): str(v) for k, v in rows}
+                members = {m.strip() for m in status.get("wsrep_incoming_addresses", "").split(",")}
+                if status.get("wsrep_cluster_status") == "Primary" and not (
+                    await _addresses(node) & members
+                ):
+                    return True
+            if not self.wsrep or loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.2)
+
+    async def settle(self, timeout_seconds: float = 5.0) -> bool:
+        """On Galera: wait until the writer has applied every write set the cluster
+        ordered before now (a causal read, wsrep_sync_wait), so that a lookup that
+        follows sees a former writer's last commits. True at once elsewhere;
+        TimeoutError after `timeout_seconds` (a stalled cluster)."""
+        if not self.wsrep:
+            return True
+        async with (
+            deadline_in(timeout_seconds),
+            self.connection() as conn,
+            conn.cursor() as cur,
+        ):
+            await cur.execute("SET SESSION wsrep_sync_wait = 1")
+            try:
+                await cur.execute("SELECT COUNT(*) FROM deals WHERE id = 0")
+                await cur.fetchall()
+            finally:
+                await cur.execute("SET SESSION wsrep_sync_wait = 0")
+        return True
+
+
+async def _addresses(node: str) -> set[str]:
+    """ "host:port" and "ip:port" for each address the node's host resolves to (Galera
+    lists its members' addresses as it sees them)."""
+    host, _, port = node.rpartition(":")
+    found = {node}
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port))
+    except OSError:
+        return found
+    for info in infos:
+        address = str(info[4][0])
+        found.add(f"[{address}]:{port}" if ":" in address else f"{address}:{port}")
+    return found
+
+
+Fetch = Callable[[str, Sequence[Any]], Awaitable[tuple[Any, ...] | None]]
+Execute = Callable[[str], Awaitable[int]]
+
+
+def _direct_fetchone(conn: Any) -> Fetch:
+    async def fetchone(sql: str, args: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        async with conn.cursor() as cur:
+            await cur.execute(sql, args)
+            row = await cur.fetchone()
+            return tuple(row) if row is not None else None
+
+    return fetchone
+
+
+def _direct_execute(conn: Any) -> Execute:
+    async def execute(sql: str) -> int:
+        async with conn.cursor() as cur:
+            return int(await cur.execute(sql))
+
+    return execute
+
+
+async def end_thread(
+    fetchone: Fetch,
+    execute: Execute,
+    thread_id: int,
+    age_seconds: float,
+    timeout_seconds: float,
+) -> bool:
+    """KILL a server thread (once) and wait until the processlist no longer shows it,
+    on the server `fetchone`/`execute` talk to; True at once when that server started
+    after the connection opened (the thread id is not ours any more)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_seconds
+    row = await fetchone("SHOW GLOBAL STATUS LIKE 'Uptime'", ())
+    if row is not None and float(row[1]) < age_seconds:
+        return True
+    killed = False
+    while loop.time() < deadline:
+        row = await fetchone(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = %s", (thread_id,)
+        )
+        if row is None or int(row[0]) == 0:
+            return True
+        if not killed:
+            try:
+                await execute(f"KILL {int(thread_id)}")
+            except pymysql.err.MySQLError as exc:
+                if errno_of(exc) == ER_WSREP_NOT_READY:
+                    # A Galera node out of the primary component refuses KILL, and
+                    # commits nothing: its open transactions can only roll back.
+                    return True
+                if errno_of(exc) != 1094:  # unknown thread: already gone
+                    raise
+            killed = True
+        await asyncio.sleep(0.02)
+    return False
 
 
 def session_init_sql(version: str, lock_wait_seconds: int) -> str:

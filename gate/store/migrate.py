@@ -1,11 +1,12 @@
 """SQL migrations from db/: versioned schema changes once each, routines on change.
 
-    gate migrate ──GET_LOCK('gate.migrate')──┐   (a second run waits, then finds nothing)
+    gate migrate ──lock: schema_lock row 'gate.migrate' FOR UPDATE──┐   (a second run
+                                                    waits, then finds nothing)
       1. db/NNN_name.sql, in order, each once ──> schema_migrations (version, checksum)
       2. db/routines/<name>.sql, one stored routine per file (CREATE OR REPLACE),
          applied when its checksum differs from the one recorded, or the routine is
          missing from the server ──> schema_routines (name, checksum)
-    RELEASE_LOCK
+    ROLLBACK (the lock's transaction changed nothing)
 
 Versioned files hold schema changes (and the data moves a change needs) and are
 append-only: a recorded file whose checksum changed stops the run. The one sanctioned
@@ -16,8 +17,10 @@ recorded instead, nothing re-run.
 Routines are repeatable (Flyway's idea): each lives once, in its own file, and an edit
 is deployed by `gate migrate` re-creating it. They run after every versioned file, so
 a routine may use any table; a versioned file must not call a routine.
-DDL is not transactional in MySQL/MariaDB, so concurrency safety comes from the named
-lock held for the whole run.
+DDL is not transactional in MySQL/MariaDB, so concurrency safety comes from the lock
+row held for the whole run (`_migration_lock`; not GET_LOCK, which Galera does not
+replicate). With several hosts in GATE_MYSQL_URL every step runs on the writer node
+(gate/store/dbwriter.py), so every migrator meets the same lock.
 
     migrate(target) ──> schema current? (reads only: versions, routine checksums)
           │ yes ──> done, no DDL: so `gate serve` may auto-migrate as the
@@ -36,7 +39,8 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,11 +50,13 @@ import pymysql
 
 from gate.base.settings import DEV_PASSWORDS, MysqlTarget, Secret, SettingsError, refuse_dev_value
 from gate.store.db import connect_kwargs
+from gate.store.dbwriter import writer_target
 
 log = logging.getLogger("gate.migrate")
 
 DB_DIR = Path(__file__).resolve().parent.parent.parent / "db"
-LOCK_NAME = "gate.store.migrate"
+LOCK_NAME = "gate.migrate"  # the schema_lock row (a name, not the module path)
+LOCK_TABLE = "schema_lock"
 LOCK_WAIT_SECONDS = 60
 _FILE_RE = re.compile(r"(\d{3,})_([a-z0-9_]+)\.sql")
 # What the gate needs at run time, its background loops included: rows, the stored
@@ -257,6 +263,7 @@ async def migrate(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str
     migrations = read_migrations()
     routines = read_routines()
     superseded = read_superseded()
+    target = await writer_target(target, timeout_seconds)
     conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
     try:
         async with conn.cursor() as cur:
@@ -299,11 +306,7 @@ async def _apply(
                 "CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci"
             )
             await cur.execute(f"USE `{target.database}`")
-            await cur.execute("SELECT GET_LOCK(%s, %s)", (LOCK_NAME, LOCK_WAIT_SECONDS))
-            row = await cur.fetchone()
-            if not row or row[0] != 1:
-                raise MigrationError("could not take the migration lock; another migrate is stuck")
-            try:
+            async with _migration_lock(target, timeout_seconds):
                 await cur.execute(
                     "CREATE TABLE IF NOT EXISTS schema_migrations ("
                     " version INT UNSIGNED NOT NULL PRIMARY KEY,"
@@ -344,12 +347,64 @@ async def _apply(
                     )
                     applied.append(f"{m.version:03d}_{m.name}")
                 applied.extend(await _apply_routines(cur, target.database, routines))
-            finally:
-                await cur.execute("SELECT RELEASE_LOCK(%s)", (LOCK_NAME,))
-                await cur.fetchall()
     finally:
         conn.close()
     return applied
+
+
+@asynccontextmanager
+async def _migration_lock(target: MysqlTarget, timeout_seconds: float) -> AsyncIterator[None]:
+    """One migration run at a time: the `gate.migrate` row of schema_lock held FOR
+    UPDATE by a transaction on a connection of its own, for the whole run (a second
+    run waits up to LOCK_WAIT_SECONDS). A run that dies loses its connection and with
+    it the lock, as GET_LOCK's would; unlike GET_LOCK, which Galera does not
+    replicate (and refuses with wsrep on), a row lock works on the one node every
+    gate writes to. The lock's transaction changes nothing: it is rolled back."""
+    conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds))
+    try:
+        async with conn.cursor() as cur:
+            # Two first runs may both create the table: "already exists" is no news.
+            await cur.execute("SET SESSION sql_notes = 0")
+            await cur.execute(
+                "SELECT COUNT(*) FROM information_schema.TABLES"
+                " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
+                (LOCK_TABLE,),
+            )
+            row = await cur.fetchone()
+            if not row or int(row[0]) == 0:
+                # Only when missing: DDL on the table while a run holds its row would
+                # wait for that run (or, on Galera, abort its lock).
+                await cur.execute(
+                    f"CREATE TABLE IF NOT EXISTS {LOCK_TABLE} ("
+                    " name VARCHAR(64) CHARACTER SET ascii NOT NULL PRIMARY KEY"
+                    ") ENGINE=InnoDB"
+                )
+            await cur.execute(
+                f"INSERT INTO {LOCK_TABLE} (name) VALUES (%s) ON DUPLICATE KEY UPDATE name = name",
+                (LOCK_NAME,),
+            )
+            await cur.execute(
+                f"SET SESSION innodb_lock_wait_timeout = {LOCK_WAIT_SECONDS},"
+                f" lock_wait_timeout = {LOCK_WAIT_SECONDS}"
+            )
+            await cur.execute("START TRANSACTION")
+            try:
+                await cur.execute(
+                    f"SELECT name FROM {LOCK_TABLE} WHERE name = %s FOR UPDATE", (LOCK_NAME,)
+                )
+                await cur.fetchall()
+            except pymysql.err.OperationalError as exc:
+                if exc.args and exc.args[0] == 1205:  # lock wait timeout
+                    raise MigrationError(
+                        "could not take the migration lock; another migrate is stuck"
+                    ) from None
+                raise
+            try:
+                yield
+            finally:
+                await cur.execute("ROLLBACK")
+    finally:
+        conn.close()
 
 
 async def _apply_routines(cur: Any, database: str, routines: list[Routine]) -> list[str]:
@@ -392,6 +447,7 @@ async def pending(target: MysqlTarget, timeout_seconds: float = 5.0) -> list[str
     `gate migrate` (or gate serve's auto-migration) re-applies it."""
     migrations = read_migrations()
     routines = read_routines()
+    target = await writer_target(target, timeout_seconds)
     conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
     try:
         async with conn.cursor() as cur:
@@ -493,6 +549,7 @@ def _db_pattern(database: str) -> str:
 async def ensure_app_user(target: MysqlTarget, user: AppUser, timeout_seconds: float = 5.0) -> None:
     """Create (or re-password) the app user and grant it APP_PRIVILEGES on the gate's
     database. A user that already holds more is refused, never silently kept."""
+    target = await writer_target(target, timeout_seconds)
     conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
     account = (user.name, user.host)
     try:

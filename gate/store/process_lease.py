@@ -5,7 +5,8 @@
         └─ lapsed (a stall longer than the lease, Redis lost it) ──> take a new owner id
     admission ──> the token's in-flight marker names the owner (lua/admit.lua)
     before a reservation transaction on a connection ──> record the connection's
-        server thread id in {gate:o:OWNER}:conns, only while the lease exists
+        server thread id in {gate:o:OWNER}:conns ("id@host:port" with several
+        database hosts: the node that issued it), only while the lease exists
         (lua/lease.lua); a connection that could not be recorded is not used (the
         request gives its units back and tries once more under a new owner id)
     stop ──> release (delete the lease): a stopped process has no transaction left
@@ -44,6 +45,18 @@ log = logging.getLogger("gate.lease")
 RECORDED_THREADS_MAX = 256
 
 
+def thread_field(thread_id: int, node: str | None) -> str:
+    """How a connection is recorded under its owner: the server thread id, and with
+    several database nodes the node that issued it ("123@host:port"), so that a
+    janitor ends it on that node and never on another."""
+    return str(thread_id) if node is None else f"{thread_id}@{node}"
+
+
+def parse_thread_field(field: str) -> tuple[int, str | None]:
+    thread_id, _, node = field.partition("@")
+    return int(thread_id), node or None
+
+
 def new_owner() -> str:
     return secrets.token_hex(8)
 
@@ -73,7 +86,8 @@ class Lease:
         self._recorded: weakref.WeakKeyDictionary[Any, tuple[int, set[str]]] = (
             weakref.WeakKeyDictionary()
         )
-        self._threads: dict[int, None] = {}
+        # The recorded fields (`thread_field`) of this owner's connections.
+        self._threads: dict[str, None] = {}
         self._recordings = 0  # connections recorded so far (a prune racing one stands down)
         # The current owner, once a recording found its lease gone (a flush, a stall):
         # the next `ensure` takes a new one at once rather than at the next renewal.
@@ -171,13 +185,16 @@ class Lease:
         if not missing:
             return
         age_ms = int((asyncio.get_running_loop().time() - conn.connected_time) * 1000)
+        field = thread_field(
+            thread_id, self.db.node_of(conn) if self.db.settings.mysql.clustered else None
+        )
         for owner in missing:
             keys = owner_keys(owner)
             try:
                 ok = await self.runner.call(
                     "lease",
                     (keys.lease, keys.conns),
-                    ("thread", self.lease_ms, self.record_ms, thread_id, max(0, age_ms)),
+                    ("thread", self.lease_ms, self.record_ms, field, max(0, age_ms)),
                 )
             except Exception as exc:
                 # Perhaps recorded, perhaps not: the connection is not used this time.
@@ -189,11 +206,17 @@ class Lease:
             done[1].add(owner)
             self._recordings += 1
             if owner == self.owner:
-                self._threads[thread_id] = None
+                self._threads[field] = None
 
     async def _prune(self) -> None:
-        """Forget recorded threads the server shows gone: they can run nothing more."""
-        ids = list(self._threads)
+        """Forget recorded threads the server shows gone: they can run nothing more.
+        Only the current writer's threads are asked about (a thread id means nothing
+        on another server); a former writer's stay recorded until the record lapses."""
+        here = {f: parse_thread_field(f)[0] for f in self._threads}
+        here = {f: t for f, t in here.items() if parse_thread_field(f)[1] in (None, self.db.node)}
+        ids = list(set(here.values()))
+        if not ids:
+            return
         recordings = self._recordings
         marks = ",".join(["%s"] * len(ids))
         try:
@@ -204,10 +227,10 @@ class Lease:
             log.info("recorded threads not pruned: %r", exc)
             return
         alive = {int(r[0]) for r in rows}
-        gone = [t for t in ids if t not in alive]
+        gone = [f for f, t in here.items() if t not in alive]
         # A connection recorded meanwhile may have a gone thread's id (a server
         # restart starts the ids again): its record must stay.
         if gone and recordings == self._recordings:
-            await self.runner.client.hdel(self.keys.conns, *(str(t) for t in gone))
-            for t in gone:
-                self._threads.pop(t, None)
+            await self.runner.client.hdel(self.keys.conns, *gone)
+            for f in gone:
+                self._threads.pop(f, None)

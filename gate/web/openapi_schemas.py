@@ -93,6 +93,16 @@ def _schemas() -> dict[str, Any]:
                         )
                     }
                 ),
+                "db_writer": {
+                    "type": ["string", "null"],
+                    "description": "The database node (host:port) this process writes to.",
+                },
+                "db_nodes": {
+                    "type": "object",
+                    "additionalProperties": {"type": "string"},
+                    "description": "Several hosts in GATE_MYSQL_URL: each node's verdict"
+                    " (`ok`, or why it may not take the writes); empty for one host.",
+                },
             },
             ["status", "checks", "redis_circuit", "db_pool"],
         ),

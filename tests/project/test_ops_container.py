@@ -153,6 +153,16 @@ def compose(path: Path = COMPOSE) -> dict[str, Any]:
     return data
 
 
+def default_services(path: Path = COMPOSE) -> dict[str, Any]:
+    """The services `docker compose up` starts (those of no profile)."""
+    return {n: s for n, s in compose(path)["services"].items() if not s.get("profiles")}
+
+
+# Database servers and one-shot migrate jobs: the only services that hold the root
+# password (profile galera: docs/high-availability.md).
+ROOT_HOLDERS = {"migrate", "mariadb", "migrate-galera", "galera-1", "galera-2", "galera-3"}
+
+
 def service_env(service: dict[str, Any], environ: dict[str, str]) -> dict[str, str]:
     raw = service.get("environment", {})
     if isinstance(raw, list):
@@ -184,7 +194,7 @@ PROD_SECRETS = {
 
 def test_compose_runs_the_whole_stack() -> None:
     for path, extra in ((COMPOSE, set()), (COMPOSE_DEV, {"sandbox"})):
-        services = compose(path)["services"]
+        services = default_services(path)
         expected = {"gate", "migrate", "redis", "mariadb", "prometheus", "grafana"} | extra
         assert set(services) == expected, (path.name, set(services))
         gate, migrate = services["gate"], services["migrate"]
@@ -279,13 +289,44 @@ def test_compose_gate_connects_as_the_app_user_and_only_migrate_as_root() -> Non
         assert admin_db.password == service_env(services["mariadb"], given)["MARIADB_ROOT_PASSWORD"]
         # Only the one-shot migrate job holds the root password.
         for name, service in services.items():
-            if name in ("migrate", "mariadb"):
+            if name in ROOT_HOLDERS:
                 continue
             values = " ".join(service_env(service, given).values())
             assert admin_db.password not in values, name
             assert "mysql://root" not in values, name
         # The app user may not migrate: the gate only checks the schema at start.
         assert gate_env["GATE_AUTO_MIGRATE"] == "0"
+
+
+def test_compose_galera_profile_runs_the_gate_on_three_nodes() -> None:
+    services = compose()["services"]
+    nodes = ("galera-1", "galera-2", "galera-3")
+    assert {n for n, s in services.items() if s.get("profiles") == ["galera"]} == {
+        *nodes,
+        "migrate-galera",
+        "gate-galera",
+    }
+    gate_env = service_env(services["gate-galera"], PROD_SECRETS)
+    target = load_settings(gate_env).mysql
+    assert [h for h, _ in target.node_list] == list(nodes) and target.database == "gate"
+    assert target.user == "gate_app" and gate_env["GATE_AUTO_MIGRATE"] == "0"
+    migrate_env = service_env(services["migrate-galera"], PROD_SECRETS)
+    assert load_settings(migrate_env).mysql.node_list == target.node_list
+    assert gate_env["GATE_MYSQL_URL"].split("@")[0].endswith(migrate_env["GATE_MYSQL_APP_PASSWORD"])
+    # The settings Gate needs of every node, and Synced before anything uses it.
+    cnf = (ROOT / "deploy" / "galera" / "gate-galera.cnf").read_text()
+    for line in ("wsrep_on", "binlog_format", "innodb_autoinc_lock_mode"):
+        assert re.search(rf"^{line}\s*=\s*(ON|ROW|2)$", cnf, re.M), line
+    for name in nodes:
+        node = services[name]
+        assert "--galera_online" in node["healthcheck"]["test"]
+        assert any(v.endswith(":/etc/mysql/conf.d/gate-galera.cnf:ro") for v in node["volumes"])
+        assert f"--wsrep-node-name={name}" in node["command"]
+    # Only galera-1 founds the cluster (empty gcomm:// unless told to join).
+    addresses = {n: [c for c in services[n]["command"] if "cluster-address" in c] for n in nodes}
+    assert addresses["galera-1"] == ["--wsrep-cluster-address=${GALERA_1_ADDRESS:-gcomm://}"]
+    for name in nodes[1:]:
+        assert addresses[name] == ["--wsrep-cluster-address=gcomm://galera-1,galera-2,galera-3"]
 
 
 def test_compose_grafana_and_prometheus_are_locked_down() -> None:

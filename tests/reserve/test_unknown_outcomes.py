@@ -37,8 +37,8 @@ def _mysql_via(env: dict[str, str], proxy: TcpProxy) -> str:
 async def test_an_unresolved_outcome_is_given_back_once_the_database_answers(
     env: dict[str, str], settings: Settings, db: Database, rds: aioredis.Redis
 ) -> None:
-    target = urlsplit(env["GATE_MYSQL_URL"])
-    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 3306)
+    # The first node of a cluster's URL (a Galera run) or the one server.
+    proxy = TcpProxy(settings.mysql.host, settings.mysql.port)
     await proxy.start()
     # The janitor's age rule far away: only the process itself can give the unit back
     # within the test's seconds.

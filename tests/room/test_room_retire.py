@@ -65,10 +65,13 @@ def _room(g: Gate) -> Room:
 
 
 async def _deal_keys_in_redis(rds: aioredis.Redis, deal_id: int) -> set[str]:
+    """The deal's keys, less the resync's lock: a background sync takes it for a
+    moment at any time, and it is no part of the room."""
+    keys = deal_keys(deal_id)
     found: set[str] = set()
-    async for key in rds.scan_iter(match=f"{deal_keys(deal_id).tag}:*", count=1000):
+    async for key in rds.scan_iter(match=f"{keys.tag}:*", count=1000):
         found.add(key.decode() if isinstance(key, bytes) else key)
-    return found
+    return found - {keys.sync_lock}
 
 
 async def _remove_room(client: Client, deal_id: int) -> Resp:

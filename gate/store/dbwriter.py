@@ -1,0 +1,336 @@
+"""Which database node takes the writes when GATE_MYSQL_URL names several hosts.
+
+GATE_MYSQL_URL may list the nodes of one synchronous cluster (MariaDB Galera):
+`mysql://user:pass@host1:3306,host2:3306,host3:3306/gate`. Every process of every gate
+writes to ONE node at a time, chosen by the same rule everywhere, so the cluster sees
+one writer (no certification conflicts between gates):
+
+    every GATE_DB_PROBE_INTERVAL_SECONDS (and at once after a connection error)
+      probe each node (one kept connection per node, GATE_DB_PROBE_TIMEOUT_SECONDS):
+        usable = it answers, read_only = OFF, and where wsrep is on
+                 wsrep_local_state = 4 (Synced) and wsrep_cluster_status = Primary
+      writer = the first node in list order that is usable and either
+                 is the writer already, or has been usable for the hold-down
+                 (GATE_DB_WRITER_HOLD_DOWN_SECONDS)
+               else the first usable node (a node just back beats no writer)
+               else none (the current pool stays; requests get 503 until one is)
+      writer changed ──> gate_db_failovers_total + 1, gate_db_writer_info{node} moves,
+                         the pool is replaced (gate/store/db.py): connections to the old node
+                         are closed as they come back, new ones go to the new node
+
+A node seen for the first time counts as usable since its server started (its
+Uptime), so a process that starts while a node is in its hold-down after a restart
+agrees with the processes that saw it go. A node that fails is dropped within one
+probe interval plus one probe timeout (at most 9 s with the bounds the settings
+allow); it takes the writes back only after the hold-down, so a node that flaps does
+not drag the writers along with it.
+
+A single host is never probed after start-up: there is nowhere to move to. At start
+(gate serve, Database.start) every host is probed once and a gate refuses to start
+when no listed node is usable (read-only, not Synced, unreachable), naming why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiomysql
+from pymysql.constants import CLIENT
+
+from gate.base.metrics import METRICS
+from gate.base.settings import MysqlNode, MysqlTarget, Settings, node_name
+from gate.base.timeouts import deadline_in
+
+log = logging.getLogger("gate.dbwriter")
+
+WRITER_INFO = METRICS.gauge(
+    "gate_db_writer_info",
+    "1 for the database node this process writes to (GATE_MYSQL_URL's host:port).",
+    ["node"],
+    kind="flag",
+)
+FAILOVERS = METRICS.counter(
+    "gate_db_failovers_total", "Times this process moved its writes to another database node."
+)
+
+# Galera's wsrep_local_state for a node that is part of the cluster and up to date.
+WSREP_SYNCED = 4
+# A probe triggered by a connection error runs at most this often.
+POKE_MIN_SECONDS = 0.1
+
+_VARIABLES = (
+    "SHOW GLOBAL VARIABLES WHERE Variable_name IN"
+    " ('read_only', 'wsrep_on', 'server_id', 'wsrep_node_name', 'hostname', 'port', 'version')"
+)
+_STATUS = (
+    "SHOW GLOBAL STATUS WHERE Variable_name IN"
+    " ('wsrep_local_state', 'wsrep_cluster_status', 'wsrep_incoming_addresses', 'Uptime')"
+)
+
+
+class NoWriter(Exception):
+    """No listed node takes writes; the message names each node's reason."""
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One probe of one node: whether it may take the writes, and who it is."""
+
+    node: MysqlNode
+    usable: bool
+    reason: str  # "ok", or why not ("read-only", "not Synced (state 2)", "unreachable: …")
+    server: str = ""  # who answered: wsrep_node_name or hostname:port, and server_id
+    wsrep: bool = False
+    uptime_seconds: float = 0.0
+    version: str = ""
+    members: str = ""  # wsrep_incoming_addresses: the primary component's nodes
+
+    @property
+    def name(self) -> str:
+        return node_name(self.node)
+
+
+def judge(node: MysqlNode, variables: dict[str, str], status: dict[str, str]) -> NodeReport:
+    """A node's verdict from its SHOW GLOBAL VARIABLES / STATUS rows."""
+    wsrep = variables.get("wsrep_on", "OFF").upper() == "ON"
+    label = variables.get("wsrep_node_name") if wsrep else ""
+    label = label or f"{variables.get('hostname', '?')}:{variables.get('port', '?')}"
+    server = f"{label} (server_id {variables.get('server_id', '?')})"
+    reason = "ok"
+    if variables.get("read_only", "OFF").upper() not in ("OFF", "0"):
+        reason = "read-only"
+    elif wsrep and status.get("wsrep_cluster_status", "") != "Primary":
+        reason = f"not in the primary component ({status.get('wsrep_cluster_status', '?')})"
+    elif wsrep and status.get("wsrep_local_state", "") != str(WSREP_SYNCED):
+        reason = f"not Synced (wsrep_local_state {status.get('wsrep_local_state', '?')})"
+    return NodeReport(
+        node=node,
+        usable=reason == "ok",
+        reason=reason,
+        server=server,
+        wsrep=wsrep,
+        uptime_seconds=float(status.get("Uptime", "0") or 0),
+        version=variables.get("version", ""),
+        members=status.get("wsrep_incoming_addresses", ""),
+    )
+
+
+def connect_args(target: MysqlTarget, node: MysqlNode, timeout_seconds: float) -> dict[str, Any]:
+    """aiomysql.connect's arguments for one node, no database selected."""
+    kwargs: dict[str, Any] = {
+        "user": target.user,
+        "password": target.password.reveal(),
+        "connect_timeout": timeout_seconds,
+        "autocommit": True,
+        "charset": "utf8mb4",
+        "client_flag": CLIENT.MULTI_STATEMENTS | CLIENT.MULTI_RESULTS,
+    }
+    if target.unix_socket:
+        kwargs["unix_socket"] = target.unix_socket
+    else:
+        kwargs["host"], kwargs["port"] = node
+    return kwargs
+
+
+async def ask(conn: Any) -> tuple[dict[str, str], dict[str, str]]:
+    async with conn.cursor() as cur:
+        await cur.execute(_VARIABLES)
+        variables = {str(k).lower(): str(v) for k, v in await cur.fetchall()}
+        await cur.execute(_STATUS)
+        status = {str(k).lower(): str(v) for k, v in await cur.fetchall()}
+    # SHOW STATUS names Uptime with a capital.
+    status["Uptime"] = status.pop("uptime", "0")
+    return variables, status
+
+
+async def probe_once(target: MysqlTarget, node: MysqlNode, timeout_seconds: float) -> NodeReport:
+    """One node's verdict on a connection of its own (closed afterwards)."""
+    try:
+        async with deadline_in(timeout_seconds):
+            conn = await aiomysql.connect(**connect_args(target, node, timeout_seconds))
+            try:
+                variables, status = await ask(conn)
+            finally:
+                conn.close()
+    except Exception as exc:
+        return NodeReport(node, False, f"unreachable: {_short(exc)}")
+    return judge(node, variables, status)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def describe(reports: list[NodeReport]) -> str:
+    return "; ".join(f"{r.name} {r.reason}" for r in reports)
+
+
+async def first_usable(target: MysqlTarget, timeout_seconds: float) -> tuple[MysqlNode, NodeReport]:
+    """The writer by the rule without history (a one-shot tool: gate migrate, gate
+    check, gate serve's start-up check): the first usable node in list order.
+    NoWriter when there is none."""
+    reports = await asyncio.gather(
+        *(probe_once(target, node, timeout_seconds) for node in target.node_list)
+    )
+    for report in reports:
+        if report.usable:
+            return report.node, report
+    raise NoWriter(f"no database node takes writes: {describe(list(reports))}")
+
+
+async def writer_target(target: MysqlTarget, timeout_seconds: float) -> MysqlTarget:
+    """`target` on its writer node: itself for a single server (not probed, as
+    before), the first usable node of a cluster (NoWriter when none)."""
+    if not target.clustered:
+        return target
+    node, _ = await first_usable(target, timeout_seconds)
+    return target.on(node)
+
+
+def choose(
+    nodes: tuple[MysqlNode, ...],
+    usable_since: dict[MysqlNode, float | None],
+    current: MysqlNode | None,
+    now: float,
+    hold_down_seconds: float,
+) -> MysqlNode | None:
+    """The writer rule (see the module docstring); `usable_since` holds when each
+    node became usable (monotonic seconds), None while it is not."""
+    usable = [n for n in nodes if usable_since.get(n) is not None]
+    for node in usable:
+        since = usable_since[node]
+        assert since is not None
+        if node == current or now - since >= hold_down_seconds:
+            return node
+    return usable[0] if usable else None
+
+
+WriterChanged = Callable[[MysqlNode | None, MysqlNode, NodeReport], Awaitable[None]]
+
+
+class WriterSelector:
+    """The probe loop of one process: run()/run_once(), poke() after a connection error."""
+
+    def __init__(self, settings: Settings, on_change: WriterChanged) -> None:
+        self.target = settings.mysql
+        self.nodes = settings.mysql.node_list
+        self.interval_seconds = settings.db_probe_interval_seconds
+        self.timeout_seconds = settings.db_probe_timeout_seconds
+        self.hold_down_seconds = settings.db_writer_hold_down_seconds
+        self.on_change = on_change
+        self.writer: MysqlNode | None = None
+        self.reports: dict[MysqlNode, NodeReport] = {}
+        self.usable_since: dict[MysqlNode, float | None] = {}
+        self._conns: dict[MysqlNode, Any] = {}
+        self._poked = asyncio.Event()
+        self._last_run = 0.0
+        self._running = asyncio.Lock()
+
+    @property
+    def writer_report(self) -> NodeReport | None:
+        return self.reports.get(self.writer) if self.writer is not None else None
+
+    async def _probe(self, node: MysqlNode) -> NodeReport:
+        """A node's verdict on its kept probe connection (re-opened when it broke)."""
+        conn = self._conns.get(node)
+        try:
+            async with deadline_in(self.timeout_seconds):
+                if conn is None or conn.closed:
+                    conn = await aiomysql.connect(
+                        **connect_args(self.target, node, self.timeout_seconds)
+                    )
+                    self._conns[node] = conn
+                variables, status = await ask(conn)
+        except Exception as exc:
+            if conn is not None:
+                conn.close()
+            self._conns.pop(node, None)
+            return NodeReport(node, False, f"unreachable: {_short(exc)}")
+        return judge(node, variables, status)
+
+    async def run_once(self) -> MysqlNode | None:
+        """Probe every node, apply the rule; the writer (None: no node is usable)."""
+        async with self._running:
+            self._last_run = time.monotonic()
+            reports = await asyncio.gather(*(self._probe(n) for n in self.nodes))
+            now = time.monotonic()
+            for report in reports:
+                self._note(report, now)
+            chosen = choose(self.nodes, self.usable_since, self.writer, now, self.hold_down_seconds)
+            if chosen is None:
+                if self.writer is not None:
+                    log.error("no database node takes writes: %s", describe(list(reports)))
+                return None
+            if chosen != self.writer:
+                await self._move(chosen)
+            return chosen
+
+    def _note(self, report: NodeReport, now: float) -> None:
+        node = report.node
+        seen = node in self.usable_since
+        self.reports[node] = report
+        if not report.usable:
+            if self.usable_since.get(node) is not None:
+                log.warning("database node %s is unusable: %s", report.name, report.reason)
+            self.usable_since[node] = None
+        elif self.usable_since.get(node) is None:
+            # First sight: usable since its server started; back after a failure: now.
+            self.usable_since[node] = now - report.uptime_seconds if not seen else now
+
+    async def _move(self, chosen: MysqlNode) -> None:
+        old, report = self.writer, self.reports[chosen]
+        await self.on_change(old, chosen, report)
+        self.writer = chosen
+        for node in self.nodes:
+            WRITER_INFO.labels(node_name(node)).set(1 if node == chosen else 0)
+        if old is not None:
+            FAILOVERS.inc()
+            log.warning(
+                "database writes move from %s to %s (%s); nodes: %s",
+                node_name(old),
+                report.name,
+                report.server,
+                describe(list(self.reports.values())),
+            )
+        else:
+            log.info("database writes go to %s (%s)", report.name, report.server)
+
+    def poke(self) -> None:
+        """Probe again soon: a pooled connection failed (bounded: POKE_MIN_SECONDS)."""
+        self._poked.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Probe every interval, or sooner when poked, until `stop` is set."""
+        while not stop.is_set():
+            wait = max(0.0, self._last_run + self.interval_seconds - time.monotonic())
+            poked = asyncio.ensure_future(self._poked.wait())
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({poked, stopped}, timeout=wait, return_when="FIRST_COMPLETED")
+            finally:
+                poked.cancel()
+                stopped.cancel()
+            if stop.is_set():
+                break
+            if self._poked.is_set():
+                self._poked.clear()
+                await asyncio.sleep(max(0.0, self._last_run + POKE_MIN_SECONDS - time.monotonic()))
+            try:
+                await self.run_once()
+            except Exception as exc:
+                log.warning("database writer probe failed: %r", exc)
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+
+    def status(self) -> dict[str, str]:
+        """Each node's last verdict, for /readyz."""
+        return {r.name: r.reason for r in (self.reports.get(n) for n in self.nodes) if r}
