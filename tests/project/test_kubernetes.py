@@ -295,9 +295,9 @@ def test_secrets_are_read_as_files_and_the_example_values_are_fake(overlay: list
     settings = load_settings(env)
     assert not settings.is_dev and settings.dev_secrets_used == ()
     assert [host for host, _ in settings.mysql.node_list] == [
-        "galera-0.galera.db.svc",
-        "galera-1.galera.db.svc",
-        "galera-2.galera.db.svc",
+        "gate-db-0.gate-db-internal.db.svc",
+        "gate-db-1.gate-db-internal.db.svc",
+        "gate-db-2.gate-db-internal.db.svc",
     ]
     assert settings.mysql.user == "gate_app"
     assert urlsplit(env["GATE_REDIS_URL"]).hostname in env["GATE_REDIS_CLUSTER_NODES"]
