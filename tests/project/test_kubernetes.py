@@ -156,8 +156,8 @@ def test_deployment_probes_and_shutdown_timing(overlay: list[Obj]) -> None:
     assert ready["httpGet"]["path"] == "/readyz" and live["httpGet"]["path"] == "/healthz"
     for probe in (ready, live, gate["startupProbe"]):
         assert probe["httpGet"]["port"] in ("http", ports["http"])
-    # Out of the endpoints on the first 503 of a stopping gate.
-    assert ready["failureThreshold"] == 1
+    # Out of the endpoints within a few seconds of a stopping gate's first 503.
+    assert ready["failureThreshold"] <= 2
 
     env = env_of(gate)
     delay = float(env.get("GATE_SHUTDOWN_DELAY_SECONDS", "5"))
