@@ -5,7 +5,10 @@
 Panels follow what operators watch during a sale (seed 000: active connections,
 lock waits, transaction time, deadlocks, order latency, reservation success rate,
 callback delay, expiry releases, refund backlog) plus the invariant, drift and
-seed 003's thresholds, drawn as red lines where an alert fires.
+seed 003's thresholds, drawn as red lines where an alert fires; then the database
+writer, the waiting room, queue mode, the edge, and the Redis and MariaDB servers as
+their exporters (redis_exporter, mysqld_exporter) see them. The `instance` variable
+narrows the per-process panels to some gates, `deal` the per-deal ones.
 tests/project/test_ops_monitoring.py checks that the committed JSON is this script's output.
 """
 
@@ -22,6 +25,12 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 # them; take the maximum over processes (see deploy/prometheus/alerts.yml).
 STATE = "max without (instance, pid) ({})"
 WIDTH = 24
+# Label matchers of the dashboard's variables (multi-value, "All" is ".*").
+INSTANCE = 'instance=~"$instance"'
+DEAL = 'deal=~"$deal"'
+# The exporters' scrape jobs (deploy/prometheus/prometheus.yml).
+REDIS = 'job="redis"'
+MYSQL = 'job="mysql"'
 
 
 class Layout:
@@ -104,13 +113,15 @@ class Layout:
 
 
 def quantiles(
-    metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.99)
+    metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.99), where: str = ""
 ) -> list[tuple[str, str]]:
     group = f"le, {by}" if by else "le"
     suffix = f" {{{{{by}}}}}" if by else ""
+    selector = f"{{{where}}}" if where else ""
     return [
         (
-            f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket[$__rate_interval])))",
+            f"histogram_quantile({q}, sum by ({group})"
+            f" (rate({metric}_bucket{selector}[$__rate_interval])))",
             f"p{round(q * 100)}{suffix}",
         )
         for q in qs
@@ -182,7 +193,12 @@ def build() -> dict[str, Any]:
     d.row("Reservations (order latency, success, rejections)")
     d.panel(
         "Reservation outcomes /s",
-        [(f"sum by (outcome) (rate(gate_reservations_total{rate}))", "{{outcome}}")],
+        [
+            (
+                f"sum by (outcome) (rate(gate_reservations_total{{{INSTANCE}}}{rate}))",
+                "{{outcome}}",
+            )
+        ],
         unit="reqps",
         stack=True,
         description="created, replayed, or the problem code (SOLD_OUT, RATE_LIMITED, ...).",
@@ -194,14 +210,14 @@ def build() -> dict[str, Any]:
     )
     d.panel(
         "Rate limited /s by scope",
-        [(f"sum by (scope) (rate(gate_rate_limited_total{rate}))", "{{scope}}")],
+        [(f"sum by (scope) (rate(gate_rate_limited_total{{{INSTANCE}}}{rate}))", "{{scope}}")],
         unit="reqps",
     )
     d.panel(
         "HTTP requests /s by route and status",
         [
             (
-                f"sum by (route, status) (rate(gate_http_requests_total{rate}))",
+                f"sum by (route, status) (rate(gate_http_requests_total{{{INSTANCE}}}{rate}))",
                 "{{status}} {{route}}",
             )
         ],
@@ -210,7 +226,7 @@ def build() -> dict[str, Any]:
     )
     d.panel(
         "HTTP p99 latency by route",
-        quantiles("gate_http_request_seconds", by="route", qs=(0.99,)),
+        quantiles("gate_http_request_seconds", by="route", qs=(0.99,), where=INSTANCE),
         unit="s",
         w=12,
     )
@@ -219,8 +235,8 @@ def build() -> dict[str, Any]:
     d.panel(
         "Active DB connections",
         [
-            ("sum by (instance) (gate_db_pool_in_use)", "in use {{instance}}"),
-            ("sum by (instance) (gate_db_pool_waiting)", "waiting {{instance}}"),
+            (f"sum by (instance) (gate_db_pool_in_use{{{INSTANCE}}})", "in use {{instance}}"),
+            (f"sum by (instance) (gate_db_pool_waiting{{{INSTANCE}}})", "waiting {{instance}}"),
         ],
         description="Pool occupancy per gate instance (GATE_DB_POOL_MAX per worker).",
     )
@@ -242,6 +258,7 @@ def build() -> dict[str, Any]:
             )
         ],
     )
+    database_writer(d)
 
     d.row("Redis (mirror, scripts, compensation)")
     d.panel(
@@ -258,7 +275,7 @@ def build() -> dict[str, Any]:
     )
     d.panel(
         "Redis drift by deal (units)",
-        [(STATE.format("gate_redis_drift_units"), "deal {{deal}}")],
+        [(STATE.format(f"gate_redis_drift_units{{{DEAL}}}"), "deal {{deal}}")],
         threshold=1,
         description="Redis minus database available units; the resync loop repairs it.",
     )
@@ -321,7 +338,7 @@ def build() -> dict[str, Any]:
     )
     d.panel(
         "Invariant breaches by deal",
-        [(STATE.format("gate_invariant_breaches"), "deal {{deal}}")],
+        [(STATE.format(f"gate_invariant_breaches{{{DEAL}}}"), "deal {{deal}}")],
         threshold=1,
     )
     d.panel(
@@ -352,6 +369,12 @@ def build() -> dict[str, Any]:
         w=24,
     )
 
+    waiting_room(d)
+    queue_mode(d)
+    edge(d)
+    redis_server(d)
+    mariadb_server(d)
+
     return {
         "uid": "gate-flash-sale",
         "title": "Gate",
@@ -375,11 +398,274 @@ def build() -> dict[str, Any]:
                     "query": "prometheus",
                     "current": {},
                     "hide": 0,
-                }
+                },
+                variable("instance", "Gate instance", 'up{job="gate"}'),
+                variable(
+                    "deal",
+                    "Deal",
+                    '{__name__=~"gate_invariant_breaches|gate_room_waiting|gate_queue_depth"}',
+                ),
             ]
         },
         "panels": d.panels,
     }
+
+
+def variable(name: str, label: str, series: str) -> dict[str, Any]:
+    """A multi-value query variable over a label of `series`, "All" by default."""
+    query = f"label_values({series}, {name})"
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "query": {"query": query, "refId": f"{name}-values"},
+        "definition": query,
+        "refresh": 2,
+        "sort": 1,
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "hide": 0,
+    }
+
+
+def database_writer(d: Layout) -> None:
+    """Several database hosts (Galera, docs/high-availability.md): the node each gate
+    writes to, its moves, and requests refused for want of a connection."""
+    rate = "[$__rate_interval]"
+    d.panel(
+        "Database writer node per gate",
+        [
+            (
+                f"max by (instance, node) (gate_db_writer_info{{{INSTANCE}}}) == 1",
+                "{{instance}} → {{node}}",
+            )
+        ],
+        description="The GATE_MYSQL_URL node each gate writes to (the first healthy one).",
+    )
+    d.panel(
+        "Writer failovers (5 min)",
+        [
+            (
+                f"sum by (instance) (increase(gate_db_failovers_total{{{INSTANCE}}}[5m]))",
+                "{{instance}}",
+            )
+        ],
+        threshold=1,
+        description="A gate moved its writes to another node: a node left the cluster.",
+    )
+    d.panel(
+        "Refused: no DB connection free /s",
+        [(f"sum by (use) (rate(gate_db_pool_refused_total{{{INSTANCE}}}{rate}))", "{{use}}")],
+        unit="reqps",
+    )
+
+
+def waiting_room(d: Layout) -> None:
+    rate = "[$__rate_interval]"
+    d.row("Waiting room (docs/waiting-room.md)")
+    d.panel(
+        "Waiting and admitted (unspent) by deal",
+        [
+            (STATE.format(f"gate_room_waiting{{{DEAL}}}"), "waiting {{deal}}"),
+            (STATE.format(f"gate_room_unspent{{{DEAL}}}"), "admitted, unspent {{deal}}"),
+        ],
+        description="Tickets in the queue, and admissions neither spent nor lapsed.",
+    )
+    d.panel(
+        "Admissions /s: given, spent, lapsed",
+        [
+            (
+                f"sum by (deal) (rate(gate_room_admitted_total{{{DEAL}}}{rate}))",
+                "admitted {{deal}}",
+            ),
+            (
+                f"max by (deal) (rate(gate_room_spent{{{DEAL}}}{rate}))",
+                "spent {{deal}}",
+            ),
+            (f"sum by (deal) (rate(gate_room_lapsed_total{{{DEAL}}}{rate}))", "lapsed {{deal}}"),
+        ],
+        unit="ops",
+        description="Lapsed admissions return their slot; many lapses mean buyers leave.",
+    )
+    d.panel(
+        "Wait from joining to admission",
+        [
+            *quantiles("gate_room_wait_seconds", qs=(0.5, 0.99), where=DEAL),
+            ("sum(increase(gate_room_retired_total[1h]))", "rooms retired (1 h)"),
+        ],
+        unit="s",
+    )
+
+
+def queue_mode(d: Layout) -> None:
+    rate = "[$__rate_interval]"
+    d.row("Queue mode (docs/queue-mode.md)")
+    d.panel(
+        "Queue depth and oldest request by deal",
+        [
+            (STATE.format(f"gate_queue_depth{{{DEAL}}}"), "depth {{deal}}"),
+            (STATE.format(f"gate_queue_oldest_age_seconds{{{DEAL}}}"), "oldest (s) {{deal}}"),
+        ],
+    )
+    d.panel(
+        "Queued, committed, rejected /s",
+        [
+            (f"sum by (deal) (rate(gate_queue_enqueued_total{{{DEAL}}}{rate}))", "queued {{deal}}"),
+            (
+                f"sum by (deal) (rate(gate_queue_committed_total{{{DEAL}}}{rate}))",
+                "committed {{deal}}",
+            ),
+            (
+                f"sum by (reason) (rate(gate_queue_rejected_total{{{DEAL}}}{rate}))",
+                "rejected {{reason}}",
+            ),
+            (f"sum by (deal) (rate(gate_queue_full_total{{{DEAL}}}{rate}))", "queue full {{deal}}"),
+        ],
+        unit="ops",
+    )
+    d.panel(
+        "Commit lag, retries and dead letters",
+        [
+            *quantiles("gate_queue_commit_lag_seconds"),
+            (f"sum(rate(gate_queue_retries_total{{{DEAL}}}{rate}))", "retries /s"),
+            (f"sum(increase(gate_queue_dead_letters_total{{{DEAL}}}[5m]))", "dead letters (5 min)"),
+        ],
+        description="From 202 QUEUED to PENDING_PAYMENT; a dead letter pages"
+        " (GateQueueDeadLetter).",
+    )
+
+
+def edge(d: Layout) -> None:
+    rate = "[$__rate_interval]"
+    d.row("Edge (requests answered by the HTTP protocol, gate/web/edge.py)")
+    d.panel(
+        "Answered at the edge /s",
+        [
+            (
+                f"sum by (instance) (rate(gate_edge_requests_total{{{INSTANCE}}}{rate}))",
+                "{{instance}}",
+            ),
+        ],
+        unit="reqps",
+        description="Reservation and waiting-room requests that never reached the ASGI app.",
+    )
+    d.panel(
+        "Share of requests answered at the edge",
+        [
+            (
+                f"sum(rate(gate_edge_requests_total{{{INSTANCE}}}{rate}))"
+                f" / sum(rate(gate_http_requests_total{{{INSTANCE}}}{rate}))",
+                "edge / all",
+            )
+        ],
+        unit="percentunit",
+    )
+    d.panel(
+        "Malformed requests and refused upgrades /s",
+        [
+            (
+                f"sum by (instance) (rate(gate_http_malformed_total{{{INSTANCE}}}{rate}))",
+                "malformed {{instance}}",
+            ),
+            (
+                f"sum by (instance) (rate(gate_http_upgrades_refused_total{{{INSTANCE}}}{rate}))",
+                "upgrade refused {{instance}}",
+            ),
+        ],
+        unit="reqps",
+        description="Answered 400 (or as HTTP/1.1) and the connection closed; a steady"
+        " rate is a broken client or a probe (alert GateMalformedRequests).",
+    )
+
+
+def redis_server(d: Layout) -> None:
+    rate = "[$__rate_interval]"
+    d.row("Redis server (redis_exporter)")
+    d.panel("Redis up", [(f"min(redis_up{{{REDIS}}})", "up")], kind="stat", w=4, h=8)
+    d.panel(
+        "Memory used / maxmemory",
+        [
+            (
+                f"max(redis_memory_used_bytes{{{REDIS}}}"
+                f" / (redis_memory_max_bytes{{{REDIS}}} > 0))",
+                "used",
+            )
+        ],
+        unit="percentunit",
+        threshold=0.9,
+        w=6,
+        description="noeviction: at 100 % every write fails (alert GateRedisMemoryHigh).",
+    )
+    d.panel(
+        "Commands /s",
+        [(f"sum(rate(redis_commands_processed_total{{{REDIS}}}{rate}))", "commands")],
+        unit="ops",
+        w=7,
+    )
+    d.panel(
+        "Clients, rejected connections, evictions",
+        [
+            (f"sum(redis_connected_clients{{{REDIS}}})", "clients"),
+            (f"sum(rate(redis_rejected_connections_total{{{REDIS}}}{rate}))", "rejected /s"),
+            (f"sum(rate(redis_evicted_keys_total{{{REDIS}}}{rate}))", "evicted /s"),
+        ],
+        w=7,
+    )
+
+
+def mariadb_server(d: Layout) -> None:
+    rate = "[$__rate_interval]"
+    d.row("MariaDB server (mysqld_exporter)")
+    d.panel("MariaDB up", [(f"min(mysql_up{{{MYSQL}}})", "up")], kind="stat", w=4, h=8)
+    d.panel(
+        "Connections / max_connections",
+        [
+            (
+                f"max(mysql_global_status_threads_connected{{{MYSQL}}}"
+                f" / mysql_global_variables_max_connections{{{MYSQL}}})",
+                "connected",
+            ),
+            (
+                f"max(mysql_global_status_threads_running{{{MYSQL}}}"
+                f" / mysql_global_variables_max_connections{{{MYSQL}}})",
+                "running",
+            ),
+        ],
+        unit="percentunit",
+        threshold=0.8,
+        w=6,
+    )
+    d.panel(
+        "Queries and row lock waits /s",
+        [
+            (f"sum(rate(mysql_global_status_queries{{{MYSQL}}}{rate}))", "queries"),
+            (
+                f"sum(rate(mysql_global_status_innodb_row_lock_waits{{{MYSQL}}}{rate}))",
+                "row lock waits",
+            ),
+            (f"sum(rate(mysql_global_status_innodb_deadlocks{{{MYSQL}}}{rate}))", "deadlocks"),
+        ],
+        unit="ops",
+        w=7,
+    )
+    d.panel(
+        "Buffer pool misses and Galera cluster size",
+        [
+            (
+                f"sum(rate(mysql_global_status_innodb_buffer_pool_reads{{{MYSQL}}}{rate}))"
+                " / sum(rate(mysql_global_status_innodb_buffer_pool_read_requests"
+                f"{{{MYSQL}}}{rate}))",
+                "buffer pool miss ratio",
+            ),
+            (f"min(mysql_global_status_wsrep_cluster_size{{{MYSQL}}})", "Galera nodes"),
+        ],
+        w=7,
+        description="Reads the buffer pool had to take from disk; the cluster size only"
+        " with Galera.",
+    )
 
 
 def render() -> str:

@@ -79,7 +79,26 @@ AGREED_NAMES: dict[str, tuple[str, ...]] = {
         "gate_queue_depth",
         "gate_queue_oldest_age_seconds",
         "gate_queue_commit_lag_seconds",
+        "gate_queue_full_total",
     ),
+    # The waiting room (gate/room/, docs/waiting-room.md).
+    "room": (
+        "gate_room_waiting",
+        "gate_room_unspent",
+        "gate_room_spent",
+        "gate_room_admitted_total",
+        "gate_room_lapsed_total",
+        "gate_room_wait_seconds",
+        "gate_room_retired_total",
+    ),
+    # The HTTP protocol's own answers (gate/web/edge.py).
+    "edge": (
+        "gate_edge_requests_total",
+        "gate_http_malformed_total",
+        "gate_http_upgrades_refused_total",
+    ),
+    # The database writer among several hosts (gate/store/dbwriter.py).
+    "ha": ("gate_db_writer_info", "gate_db_failovers_total", "gate_db_pool_refused_total"),
     "core": (
         "gate_reservations_total",
         "gate_reservation_latency_seconds",

@@ -189,11 +189,14 @@ PROD_SECRETS = {
     "MARIADB_ROOT_PASSWORD": "m" * 32,
     "GATE_MYSQL_APP_PASSWORD": "p" * 32,
     "GRAFANA_ADMIN_PASSWORD": "g" * 20,
+    "MYSQLD_EXPORTER_PASSWORD": "e" * 24,
 }
+# The production stack's exporters (the dev stack has none).
+EXPORTERS = {"redis_exporter", "mysqld_exporter"}
 
 
 def test_compose_runs_the_whole_stack() -> None:
-    for path, extra in ((COMPOSE, set()), (COMPOSE_DEV, {"sandbox"})):
+    for path, extra in ((COMPOSE, EXPORTERS), (COMPOSE_DEV, {"sandbox"})):
         services = default_services(path)
         expected = {"gate", "migrate", "redis", "mariadb", "prometheus", "grafana"} | extra
         assert set(services) == expected, (path.name, set(services))
@@ -251,7 +254,7 @@ def test_compose_publishes_only_the_gate_and_runs_in_production() -> None:
     assert published["gate"] == ["8000:8000"]
     for name in ("prometheus", "grafana"):
         assert published[name] and all(p.startswith("127.0.0.1:") for p in published[name])
-    for name in ("redis", "mariadb", "migrate"):
+    for name in ("redis", "mariadb", "migrate", *EXPORTERS):
         assert published[name] == [], name
     # The dev stack: everything on loopback.
     for name, service in compose(COMPOSE_DEV)["services"].items():
@@ -296,6 +299,30 @@ def test_compose_gate_connects_as_the_app_user_and_only_migrate_as_root() -> Non
             assert "mysql://root" not in values, name
         # The app user may not migrate: the gate only checks the schema at start.
         assert gate_env["GATE_AUTO_MIGRATE"] == "0"
+
+
+def test_compose_exporters_reach_the_servers_with_least_privilege() -> None:
+    services = compose()["services"]
+    redis = service_env(services["redis_exporter"], PROD_SECRETS)
+    assert urlsplit(redis["REDIS_ADDR"]).hostname == "redis"
+    assert redis["REDIS_PASSWORD"] == PROD_SECRETS["REDIS_PASSWORD"]
+    mysqld = services["mysqld_exporter"]
+    flags = dict(flag.split("=", 1) for flag in mysqld["command"])
+    assert flags["--mysqld.address"] == "mariadb:3306"
+    # Its own user: neither root nor the gate's (which may change the sale's data).
+    assert flags["--mysqld.username"] == "exporter"
+    password = service_env(mysqld, PROD_SECRETS)["MYSQLD_EXPORTER_PASSWORD"]
+    assert password == PROD_SECRETS["MYSQLD_EXPORTER_PASSWORD"]
+    # MariaDB creates that user from the init script it mounts, with that password.
+    mariadb = services["mariadb"]
+    assert service_env(mariadb, PROD_SECRETS)["MYSQLD_EXPORTER_PASSWORD"] == password
+    init = next(v for v in mariadb["volumes"] if "/docker-entrypoint-initdb.d" in v)
+    script = (ROOT / init.split(":", 1)[0] / "10-exporter-user.sh").read_text()
+    assert "'exporter'@'%'" in script and "${MYSQLD_EXPORTER_PASSWORD}" in script
+    grants = re.findall(r"^GRANT (.+) ON (\S+) TO", script, re.M)
+    assert grants == [("PROCESS, REPLICA MONITOR", "*.*"), ("SELECT", "performance_schema.*")]
+    for name in EXPORTERS:
+        assert services[name]["depends_on"], name
 
 
 def test_compose_galera_profile_runs_the_gate_on_three_nodes() -> None:

@@ -5,9 +5,11 @@ unit tests (deploy/prometheus/alerts_test.yml) pass."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -17,7 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gate.base.metrics import AGREED_NAMES
+import gate
+from gate.base.metrics import AGREED_NAMES, METRICS
 from tests.support import ROOT
 
 PROM = ROOT / "deploy" / "prometheus"
@@ -76,13 +79,16 @@ def promtool() -> str | None:
 # -- alert rules ---------------------------------------------------------------------
 
 
-def test_alert_rules_are_well_formed_and_use_agreed_metrics() -> None:
-    runbooks = (ROOT / "docs" / "runbooks.md").read_text()
-    anchors = {
+def anchors(doc: Path) -> set[str]:
+    """The anchors of a Markdown page's headings, as GitHub makes them."""
+    return {
         re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-        for line in runbooks.splitlines()
+        for line in doc.read_text().splitlines()
         if line.startswith("#")
     }
+
+
+def test_alert_rules_are_well_formed_and_use_agreed_metrics() -> None:
     for name, rule in rules().items():
         assert re.fullmatch(r"Gate[A-Za-z]+", name)
         expr = rule["expr"]
@@ -93,9 +99,11 @@ def test_alert_rules_are_well_formed_and_use_agreed_metrics() -> None:
             assert re.fullmatch(r"\d+[smh]", rule["for"]), name
         assert rule["labels"]["severity"] in ("critical", "warning"), name
         assert rule["annotations"]["summary"], name
-        runbook = rule["annotations"]["runbook"]
-        assert runbook.startswith("docs/runbooks.md#"), name
-        assert runbook.split("#", 1)[1] in anchors, f"{name}: no section {runbook}"
+        # A runbook section, or the page that explains what to do (a Galera failover,
+        # a full queue).
+        page, _, anchor = rule["annotations"]["runbook"].partition("#")
+        assert re.fullmatch(r"docs/[a-z-]+\.md", page) and (ROOT / page).is_file(), name
+        assert anchor in anchors(ROOT / page), f"{name}: no section {page}#{anchor}"
 
 
 def test_the_seeds_thresholds_are_alerted() -> None:
@@ -116,6 +124,31 @@ def test_the_seeds_thresholds_are_alerted() -> None:
     assert "gate_refund_backlog" in r["GateRefundBacklogGrowing"]["expr"]
 
 
+def test_every_agreed_name_is_recorded_by_the_code() -> None:
+    # Every module of gate/ imported: each registers its metrics on METRICS.
+    for module in pkgutil.walk_packages(gate.__path__, "gate."):
+        importlib.import_module(module.name)
+    # Some register on METRICS.registry directly; a counter's family drops "_total".
+    recorded = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in METRICS.registry.collect()
+    }
+    missing = AGREED - recorded
+    assert not missing, f"agreed but recorded nowhere: {missing}"
+
+
+def test_new_metrics_are_alerted() -> None:
+    r = rules()
+    assert "gate_db_failovers_total" in r["GateDbWriterFailover"]["expr"]
+    assert "gate_http_malformed_total" in r["GateMalformedRequests"]["expr"]
+    assert "gate_queue_full_total" in r["GateQueueFull"]["expr"]
+    # The exporters' jobs: the servers themselves, as the dashboard's rows show them.
+    assert 'job="redis"' in r["GateRedisDown"]["expr"]
+    assert "redis_memory_max_bytes" in r["GateRedisMemoryHigh"]["expr"]
+    assert 'job="mysql"' in r["GateDatabaseDown"]["expr"]
+    assert "max_connections" in r["GateDatabaseConnectionsHigh"]["expr"]
+
+
 def test_prometheus_config_scrapes_the_gate_and_loads_the_rules() -> None:
     config = yaml.safe_load((PROM / "prometheus.yml").read_text())
     assert [Path(f).name for f in config["rule_files"]] == ["alerts.yml"]
@@ -127,6 +160,15 @@ def test_prometheus_config_scrapes_the_gate_and_loads_the_rules() -> None:
     ]
     # The metrics listener (GATE_METRICS_ADDR in the compose files), not the public port.
     assert ports == [9100]
+    # The exporters of docker-compose.yml, on the compose network (published nowhere).
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for job, service, port in (
+        ("redis", "redis_exporter", 9121),
+        ("mysql", "mysqld_exporter", 9104),
+    ):
+        assert jobs[job]["static_configs"] == [{"targets": [f"{service}:{port}"]}]
+        assert "ports" not in services[service], service
+        assert service in services["prometheus"]["depends_on"]
 
 
 # -- dashboard -----------------------------------------------------------------------
@@ -171,8 +213,32 @@ def test_dashboard_is_generated_valid_and_covers_what_operators_watch() -> None:
         "gate_expiry_release_failures_total",
         "gate_expiry_release_lag_seconds",
         "gate_http_requests_total",
+        # The waiting room, queue mode, the edge and the database writer.
+        "gate_room_waiting",
+        "gate_room_admitted_total",
+        "gate_room_wait_seconds",
+        "gate_room_retired_total",
+        "gate_queue_depth",
+        "gate_queue_commit_lag_seconds",
+        "gate_queue_dead_letters_total",
+        "gate_edge_requests_total",
+        "gate_http_malformed_total",
+        "gate_db_writer_info",
+        "gate_db_failovers_total",
     }
     assert watched <= used, watched - used
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    for word in ("Waiting room", "Queue mode", "Edge", "redis_exporter", "mysqld_exporter"):
+        assert any(word in title for title in rows), word
+    exprs = " ".join(expr for _, expr in dashboard_queries())
+    assert 'job="redis"' in exprs and 'job="mysql"' in exprs
+    # Per-instance and per-deal variables, each used by panels, "All" by default.
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    for name, label in (("instance", "instance"), ("deal", "deal")):
+        variable = variables[name]
+        assert variable["multi"] and variable["includeAll"] and variable["allValue"] == ".*"
+        assert variable["query"]["query"].endswith(f", {label})")
+        assert f'{label}=~"${name}"' in exprs
     provisioning = yaml.safe_load(
         (ROOT / "deploy/grafana/provisioning/dashboards/gate.yml").read_text()
     )
