@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -103,7 +102,7 @@ def _secrets(settings: Settings) -> list[str]:
     if redis_password:
         # … and as redis-py uses it (decoded; also when given as ?password=).
         found.append(redis_password)
-    api_key = os.environ.get("GATE_PAYMENT_API_KEY", "").strip()
+    api_key = settings.environ.get("GATE_PAYMENT_API_KEY", "").strip()
     if api_key:
         found.append(api_key)
     return found
