@@ -70,15 +70,16 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         stop_at = self._stop_at
-        if stop_at is not None and not self.should_exit:
+        if stop_at is not None:
+            left = 0.0 if self.should_exit else max(0.0, stop_at - time.monotonic())
             if not self._announced:
                 self._announced = True
                 log.warning(
                     "draining: /readyz answers 503; serving %.1f s more"
                     " (GATE_SHUTDOWN_DELAY_SECONDS), then up to %s s for requests in flight",
-                    max(0.0, stop_at - time.monotonic()),
+                    left,
                     self.config.timeout_graceful_shutdown,
                 )
-            if time.monotonic() >= stop_at:
+            if left <= 0:
                 self.should_exit = True
         return await super().on_tick(counter)
