@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from gate.api.ops import _secrets
 from gate.base.settings import (
     DEV_SANDBOX_API_KEY,
     SECRET_FILE_MAX_BYTES,
@@ -247,6 +248,16 @@ def test_a_bad_secret_from_a_file_is_refused_without_printing_it(
     # The URLs' passwords are the secret part of them.
     for word in ("sentinel-db-password", "sentinel-redis-password"):
         assert word not in message
+
+
+@pytest.mark.parametrize("name", [n for n in SECRET_NAMES if not n.endswith("_URL")])
+def test_a_secret_from_a_file_is_redacted_from_the_logs(
+    env: dict[str, str], tmp_path: Path, name: str
+) -> None:
+    given = _env_for(env, name)
+    given[name + "_FILE"] = str(_write(tmp_path, name, USES[name].good + "\n"))
+    # What the operations area hands the log redactor (gate/base/logs.py).
+    assert USES[name].good in _secrets(load_settings(given))
 
 
 def _serve(env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
