@@ -187,6 +187,13 @@ ensure_promtool() {
   if [ -x "$bin" ]; then export PROMTOOL="$bin"; fi
 }
 
+# The rolling-restart test (tests/cli/test_rolling_restart.py) puts two gates behind
+# Debian's HAProxy; when it cannot be installed the test skips with a message saying so.
+ensure_haproxy() {
+  if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then return 0; fi
+  apt_install haproxy || say "haproxy could not be installed; the rolling-restart test will be skipped"
+}
+
 # The console's browser tests (tests/console/test_console_browser.py) drive Debian's
 # chromium with chromium-driver through Selenium; nothing is downloaded at test
 # time. The two packages are ~100 MB and take 1-2 minutes to install on a fresh

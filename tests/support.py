@@ -108,6 +108,9 @@ def base_env() -> dict[str, str]:
             # Tests read their own writes at once; the sold-out near-cache (up to
             # 100 ms stale by design) has its own test with it turned on.
             "GATE_SOLD_OUT_CACHE_MS": "0",
+            # A stopped gate stops at once: no balancer watches the suite's gates
+            # (tests/cli/test_rolling_restart.py sets its own delay).
+            "GATE_SHUTDOWN_DELAY_SECONDS": "0",
         }
     )
     return env

@@ -25,6 +25,27 @@ READY_TIMEOUT_SECONDS = 1.0
 READY_DB_PROBE_SECONDS = 1.0
 
 
+class Draining:
+    """Whether this process has been asked to stop (gate/cli/draining.py): from then
+    on /readyz answers 503 so that load balancers stop sending here, while the
+    requests that still arrive are served until the shutdown delay ends."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # time.monotonic() of the stop request
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+    def begin(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
+
+# One per process: the signal handler of the process's server sets it.
+DRAINING = Draining()
+
+
 async def healthz(request: Request) -> Response:
     return json_response({"status": "ok"})
 
@@ -66,7 +87,14 @@ async def readyz(request: Request) -> Response:
     """Ready when Redis and the database answer; the body also reports degraded
     states (an open circuit, a saturated pool) that do not stop the gate serving.
     Redis is pinged on every call; the database verdict is at most a second old
-    (DatabaseProbe)."""
+    (DatabaseProbe). A draining process (shutting down) is not ready, whatever its
+    dependencies say."""
+    if DRAINING.active:
+        return Problem(
+            "OVERLOADED",
+            "Draining: this gate is shutting down; send requests to another.",
+            extra={"draining": True},
+        ).response()
     gate = _gate(request)
     checks: dict[str, str] = {}
     try:

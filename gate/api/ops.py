@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -26,7 +25,7 @@ from gate.base.metrics import (
     process_stopping,
 )
 from gate.base.redis_url import parse_redis_url
-from gate.base.settings import SettingsError, env_float
+from gate.base.settings import SECRET_NAMES, SettingsError, env_float
 from gate.extensions import Extension
 from gate.web import docs_page, openapi
 from gate.web.recorder import REQUEST_LOG_MODES, RequestObserver, RequestRecorder
@@ -103,9 +102,11 @@ def _secrets(settings: Settings) -> list[str]:
     if redis_password:
         # … and as redis-py uses it (decoded; also when given as ?password=).
         found.append(redis_password)
-    api_key = os.environ.get("GATE_PAYMENT_API_KEY", "").strip()
-    if api_key:
-        found.append(api_key)
+    # Every other secret as configured (from NAME or NAME_FILE), each entry of a
+    # rotation list too; the URLs' passwords are above (a URL whole is no secret).
+    for name in SECRET_NAMES:
+        if not name.endswith("_URL"):
+            found.extend(settings.environ.get(name, "").split())
     return found
 
 

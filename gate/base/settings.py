@@ -9,6 +9,7 @@ import base64
 import binascii
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -92,6 +93,70 @@ class Secret:
 
     def __hash__(self) -> int:
         return hash(self._value)
+
+
+# Every variable that holds a secret. Each may instead be given as a file, NAME_FILE
+# (how Docker and Kubernetes mount secrets), read by `with_secret_files`, the one
+# place secrets come in: whatever reads NAME from the settings' environment gets the
+# file's content. The database and Redis URLs are here whole (they carry the
+# password): a URL file, not a password variable besides the URL.
+SECRET_NAMES = (
+    "GATE_JWT_SECRET",
+    "GATE_ADMIN_TOKEN",
+    "GATE_WEBHOOK_SECRET",
+    "GATE_ADMISSION_SECRET",
+    "GATE_CONSOLE_SECRET",
+    "GATE_MYSQL_URL",
+    "GATE_MYSQL_APP_PASSWORD",
+    "GATE_REDIS_URL",
+    "GATE_PAYMENT_API_KEY",
+    "GATE_STRIPE_API_KEY",
+    "GATE_STRIPE_WEBHOOK_SECRET",
+    "GATE_WECHATPAY_APIV3_KEY",
+    "GATE_SANDBOX_API_KEY",
+    "GATE_SANDBOX_WEBHOOK_SECRET",
+)
+FILE_SUFFIX = "_FILE"
+# A secret is short; a bigger file is a wrong path (and is not read whole).
+SECRET_FILE_MAX_BYTES = 65_536
+
+
+def read_secret_file(variable: str, path: str) -> str:
+    """The content of the secret file `variable` names, one trailing newline (LF or
+    CRLF) stripped; SettingsError naming the variable and the path, never the content."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            # A FIFO or a device would block or never end.
+            raise SettingsError(f"{variable}: {path!r} is not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(SECRET_FILE_MAX_BYTES + 1)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise SettingsError(f"{variable}: cannot read {path!r} ({reason})") from None
+    if len(data) > SECRET_FILE_MAX_BYTES:
+        raise SettingsError(f"{variable}: {path!r} is over {SECRET_FILE_MAX_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SettingsError(f"{variable}: {path!r} is not UTF-8 text") from None
+    if text.endswith("\n"):
+        text = text[:-1].removesuffix("\r")
+    return text
+
+
+def with_secret_files(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with every secret given as NAME_FILE read into NAME. Setting both (each
+    non-empty) is a SettingsError naming the two: which one wins would be a guess."""
+    resolved = dict(env)
+    for name in SECRET_NAMES:
+        variable = name + FILE_SUFFIX
+        path = env.get(variable, "").strip()
+        if not path:
+            continue
+        if env.get(name, "").strip():
+            raise SettingsError(f"{name} and {variable} are both set: set one of them")
+        resolved[name] = read_secret_file(variable, path)
+    return resolved
 
 
 # One node of GATE_MYSQL_URL: (host, port).
@@ -321,6 +386,11 @@ class Settings:
     # `gate serve --workers N` (gate/cli/supervisor.py): a worker whose event loop has not
     # beaten for this long is killed and replaced.
     worker_timeout_seconds: float = 30.0
+    # `gate serve` on SIGTERM (gate/cli/draining.py): /readyz answers 503 and the gate
+    # keeps serving for the delay, then stops accepting and gives requests in flight
+    # up to the grace to finish.
+    shutdown_delay_seconds: float = 5.0
+    shutdown_grace_seconds: float = 10.0
     # /docs: a browsable reference of /openapi.json (gate/web/docs_page.py).
     docs: bool = False
     # /metrics's own listener (gate/web/metrics_listener.py): (host, port), None: off.
@@ -389,7 +459,9 @@ def parse_listen_address(name: str, raw: str) -> tuple[str, int] | None:
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read every setting once. Raises SettingsError with a clear message."""
-    env = os.environ if environ is None else environ
+    # Secrets given as files are read here, once: everything below, and every area
+    # reading Settings.environ, sees them as if set directly.
+    env = with_secret_files(os.environ if environ is None else environ)
     gate_env = env.get("GATE_ENV", "production").strip().lower() or "production"
     dev = gate_env == "dev"
     dev_used: list[str] = []
@@ -556,6 +628,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         body_timeout_seconds=env_float(env, "GATE_BODY_TIMEOUT_SECONDS", 5.0, 0.1, 300),
         http_concurrency_max=env_int(env, "GATE_HTTP_CONCURRENCY_MAX", 1024, 1, 100_000),
         worker_timeout_seconds=env_float(env, "GATE_WORKER_TIMEOUT_SECONDS", 30.0, 1.0, 3600),
+        shutdown_delay_seconds=env_float(env, "GATE_SHUTDOWN_DELAY_SECONDS", 5.0, 0, 300),
+        shutdown_grace_seconds=env_float(env, "GATE_SHUTDOWN_GRACE_SECONDS", 10.0, 0.1, 600),
         docs=env_bool(env, "GATE_DOCS", dev),
         metrics_addr=parse_listen_address("GATE_METRICS_ADDR", env.get("GATE_METRICS_ADDR", "")),
         run_background=env_bool(env, "GATE_BACKGROUND", True),

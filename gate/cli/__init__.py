@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -18,7 +19,6 @@ SERVE_BACKLOG = 4096
 PORT_MAX = 65_535
 WORKERS_MAX = 64
 TOKEN_TTL_SECONDS_MAX = 366 * 86_400  # a dev or test token; buyers' come from the shop
-SERVE_GRACE_SECONDS = 10
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -52,6 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         worker_timeout_seconds=settings.worker_timeout_seconds,
         metrics_addr=settings.metrics_addr,
         metrics_dir=metrics_dir,
+        shutdown_delay_seconds=settings.shutdown_delay_seconds,
+        shutdown_grace_seconds=settings.shutdown_grace_seconds,
     )
 
 
@@ -96,23 +98,37 @@ def run_server(
     worker_timeout_seconds: float = 30.0,
     metrics_addr: tuple[str, int] | None = None,
     metrics_dir: str | None = None,
+    shutdown_delay_seconds: float = 0.0,
+    shutdown_grace_seconds: float = 10.0,
 ) -> int:
     """Serve the ASGI app factory `app` the way `gate serve` does (also the peer
     baseline's server, so that only the application differs between them).
     `metrics_addr` with `metrics_dir` (several workers): this process serves the
-    merged metrics there."""
+    merged metrics there. On SIGTERM each serving process drains for
+    `shutdown_delay_seconds`, then gives requests in flight `shutdown_grace_seconds`
+    (gate/cli/draining.py)."""
     listener = _parent_metrics(metrics_addr, metrics_dir)
+    stop = _Stop(shutdown_delay_seconds, shutdown_grace_seconds)
     try:
-        return _serve(app, host, port, workers, worker_timeout_seconds)
+        return _serve(app, host, port, workers, worker_timeout_seconds, stop)
     finally:
         if listener is not None:
             listener.stop()
 
 
-def _serve(app: str, host: str, port: int, workers: int, worker_timeout_seconds: float) -> int:
+@dataclass(frozen=True)
+class _Stop:
+    delay_seconds: float
+    grace_seconds: float
+
+
+def _serve(
+    app: str, host: str, port: int, workers: int, worker_timeout_seconds: float, stop: _Stop
+) -> int:
     import uvicorn
 
     from gate.cli import supervisor
+    from gate.cli.draining import DrainingServer
 
     server: dict[str, Any] = {
         "app": app,
@@ -134,7 +150,7 @@ def _serve(app: str, host: str, port: int, workers: int, worker_timeout_seconds:
         "proxy_headers": False,
         "log_config": None,
         "lifespan": "on",
-        "timeout_graceful_shutdown": SERVE_GRACE_SECONDS,
+        "timeout_graceful_shutdown": stop.grace_seconds,
     }
     if workers > 1 and supervisor.available():
         # A socket per worker (gate/cli/supervisor.py): connections spread over the workers.
@@ -144,11 +160,19 @@ def _serve(app: str, host: str, port: int, workers: int, worker_timeout_seconds:
             port,
             workers,
             SERVE_BACKLOG,
-            SERVE_GRACE_SECONDS,
+            stop.grace_seconds,
             worker_timeout_seconds=worker_timeout_seconds,
+            delay_seconds=stop.delay_seconds,
         ).run()
-    uvicorn.run(host=host, port=port, workers=workers, backlog=SERVE_BACKLOG, **server)
-    return 0
+    if workers > 1:
+        # No SO_REUSEPORT (not Linux nor a BSD): uvicorn's own supervisor, which stops
+        # its workers at once on SIGTERM (no drain).
+        uvicorn.run(host=host, port=port, workers=workers, backlog=SERVE_BACKLOG, **server)
+        return 0
+    config = uvicorn.Config(host=host, port=port, backlog=SERVE_BACKLOG, **server)
+    one = DrainingServer(config, stop.delay_seconds)
+    one.run()
+    return 0 if one.started else supervisor.STARTUP_FAILURE
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -12,8 +12,16 @@ workers by a hash of their addresses, so each gets its share however they arrive
 The parent only supervises: it starts the workers (spawned, as uvicorn does),
 restarts one that dies (at most `RESTARTS_MAX` times in `RESTART_WINDOW_SECONDS`),
 replaces one that stops answering, stops them all when one cannot start, and on
-SIGTERM or SIGINT asks each to shut down gracefully, killing what is left after the
-grace period.
+SIGTERM or SIGINT has every worker drain and stop (gate/cli/draining.py: /readyz 503
+at once, the shutdown delay, the grace for requests in flight); a further signal
+cuts the workers' delay short. What is still running after the delay, the grace and
+`KILL_MARGIN_SECONDS` is killed.
+
+The stop requests reach the workers as a count in shared memory, read on their loop's
+every tick, not as signals passed on: an orchestrator that signals every process of
+the group (systemd's default, a terminal's Ctrl+C) reaches each worker directly too,
+and one stop seen twice would cut the delay short. A worker acts on the higher of the
+two counts, its own signals and the supervisor's.
 
 A hung worker (stopped, deadlocked, its event loop blocked) keeps its socket in the
 port's group, so the kernel keeps handing it its share of new connections, which
@@ -35,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import signal
 import socket
 import sys
@@ -56,6 +63,8 @@ POLL_SECONDS = 0.2
 STARTUP_GRACE_SECONDS = 60.0
 WORKER_TIMEOUT_SECONDS = 30.0
 KILL_WAIT_SECONDS = 5.0
+# On top of a worker's shutdown delay and grace: its lifespan's shutdown (gate.stop()).
+KILL_MARGIN_SECONDS = 5.0
 
 
 def available() -> bool:
@@ -77,15 +86,28 @@ class _Beat(Protocol):
     value: float
 
 
+class _Count(Protocol):
+    value: int
+
+
 def _worker(
-    uvicorn_kwargs: dict[str, Any], host: str, port: int, backlog: int, beat: _Beat
+    uvicorn_kwargs: dict[str, Any],
+    host: str,
+    port: int,
+    backlog: int,
+    beat: _Beat,
+    delay_seconds: float,
+    stops: _Count,
 ) -> None:
     import uvicorn
 
-    class BeatingServer(uvicorn.Server):
+    from gate.cli.draining import DrainingServer
+
+    class BeatingServer(DrainingServer):
         async def on_tick(self, counter: int) -> bool:
             # time.monotonic is CLOCK_MONOTONIC: one clock for every process.
             beat.value = time.monotonic()
+            self.stop_requested(stops.value)
             return await super().on_tick(counter)
 
     try:
@@ -94,7 +116,7 @@ def _worker(
         print(f"gate: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         sys.exit(STARTUP_FAILURE)
     config = uvicorn.Config(host=host, port=port, backlog=backlog, **uvicorn_kwargs)
-    BeatingServer(config).run(sockets=[sock])
+    BeatingServer(config, delay_seconds).run(sockets=[sock])
 
 
 class Supervisor:
@@ -107,6 +129,7 @@ class Supervisor:
         backlog: int,
         grace_seconds: float,
         worker_timeout_seconds: float = WORKER_TIMEOUT_SECONDS,
+        delay_seconds: float = 0.0,
     ) -> None:
         assert workers >= 2, "one worker needs no supervisor"
         self.uvicorn_kwargs = uvicorn_kwargs
@@ -115,6 +138,7 @@ class Supervisor:
         self.workers = workers
         self.backlog = backlog
         self.grace_seconds = grace_seconds
+        self.delay_seconds = delay_seconds
         self.worker_timeout_seconds = worker_timeout_seconds
         self._context = multiprocessing.get_context("spawn")
         self._procs: list[BaseProcess] = []
@@ -123,6 +147,8 @@ class Supervisor:
         self._started: list[float] = []
         self._restarts: deque[float] = deque()
         self._stop = threading.Event()
+        # How many times the supervisor was asked to stop (every worker reads it).
+        self._stops: _Count = self._context.RawValue("i", 0)
         self.exit_code = 0
 
     def _start(self, slot: int) -> BaseProcess:
@@ -131,7 +157,15 @@ class Supervisor:
         beat: _Beat = self._context.RawValue("d", 0.0)
         proc = self._context.Process(
             target=_worker,
-            args=(self.uvicorn_kwargs, self.host, self.port, self.backlog, beat),
+            args=(
+                self.uvicorn_kwargs,
+                self.host,
+                self.port,
+                self.backlog,
+                beat,
+                self.delay_seconds,
+                self._stops,
+            ),
             name="gate-worker",
         )
         proc.start()
@@ -157,6 +191,7 @@ class Supervisor:
         return silent if silent > limit else None
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._stops.value += 1
         self._stop.set()
 
     def run(self) -> int:
@@ -220,10 +255,12 @@ class Supervisor:
             self._start(i)
 
     def _shut_down(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_seconds + 5
+        if self._stops.value == 0:
+            # A stop the supervisor decided (workers that cannot start or keep dying):
+            # nothing to drain for, the second request skips the delay.
+            self._stops.value = 2
+        deadline = time.monotonic() + self.delay_seconds + self.grace_seconds
+        deadline += KILL_MARGIN_SECONDS
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self._procs:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gate.base.settings import SettingsError, env_bool
+from gate.base.settings import SettingsError, env_bool, with_secret_files
 from gate.extensions import Extension, Worker
 from gate.payments.adapters import load_adapter
 from gate.payments.config import load_payment_settings, load_reconcile_settings
@@ -105,12 +105,13 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     from gate.payments.sandbox.server import load_config
 
     try:
-        load_config(os.environ, args.host, args.port)
+        env = with_secret_files(os.environ)
+        load_config(env, args.host, args.port)
     except SettingsError as exc:
         print(f"gate sandbox: configuration error: {exc}", file=sys.stderr)
         return 2
     configure(os.environ.get("GATE_LOG_LEVEL", "INFO").upper())
-    if not os.environ.get("GATE_SANDBOX_WEBHOOK_SECRET", "").strip():
+    if not env.get("GATE_SANDBOX_WEBHOOK_SECRET", "").strip():
         # Said out loud: the gate verifies with GATE_WEBHOOK_SECRET, which the sandbox
         # never borrows; a gate that should trust this sandbox must be given this one.
         logging.getLogger("gate.sandbox").warning(

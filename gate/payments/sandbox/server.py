@@ -64,7 +64,13 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gate.base.settings import DEV_WEBHOOK_SECRET, SettingsError, env_float, env_int
+from gate.base.settings import (
+    DEV_WEBHOOK_SECRET,
+    SettingsError,
+    env_float,
+    env_int,
+    with_secret_files,
+)
 from gate.payments.sandbox.state import (
     BODY_MAX_BYTES,
     CONTROL_SECONDS_MAX,
@@ -599,6 +605,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def load_config(env: Mapping[str, str], host: str, port: int) -> SandboxConfig:
     """The sandbox's settings; SettingsError (exit 2) outside GATE_ENV=dev or on a bad
     value. It fakes payments and signs callbacks: it never runs in production."""
+    env = with_secret_files(env)
     gate_env = env.get("GATE_ENV", "production").strip().lower() or "production"
     if gate_env != "dev":
         raise SettingsError(
