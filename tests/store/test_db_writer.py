@@ -357,8 +357,8 @@ def test_migrations_run_twice_at_once_on_galera_apply_once(writable: LocalGalera
     _reset(galera, database)
     code = (
         "import asyncio, sys\n"
-        "from gate.migrate import migrate\n"
-        "from gate.settings import MysqlTarget\n"
+        "from gate.store.migrate import migrate\n"
+        "from gate.base.settings import MysqlTarget\n"
         "print(len(asyncio.run(migrate(MysqlTarget.parse(sys.argv[1])))))\n"
     )
     procs = [
