@@ -78,9 +78,8 @@ def test_dockerfile_is_multi_stage_slim_non_root_with_healthcheck() -> None:
     final = all_stages[-1]
     words = [w for w, _ in final]
     final_args = {w: a for w, a in final}
-    assert any(w == "COPY" and a.startswith("--from=build") for w, a in final)
-    # Compilers and pip caches stay in the build stage.
-    assert not any(w == "RUN" and ("apt-get install" in a or "pip install" in a) for w, a in final)
+    # No compilers in the runtime stage: everything it installs comes as wheels.
+    assert not any(w == "RUN" and "apt-get install" in a for w, a in final)
 
     users = [a for w, a in final if w == "USER"]
     assert users, "the runtime stage must switch to a non-root user"
@@ -98,12 +97,35 @@ def test_dockerfile_is_multi_stage_slim_non_root_with_healthcheck() -> None:
     assert entry == ["gate"] and cmd[0] == "serve"
     assert "--host" in cmd and cmd[cmd.index("--host") + 1] == "0.0.0.0"
 
-    # Lua scripts and migrations ship with the image and the gate is told where.
+    # The package finds its Lua scripts and migrations itself: no override is set.
     env = " ".join(a for w, a in final if w == "ENV")
-    assert "GATE_LUA_DIR=/app/lua" in env and "GATE_DB_DIR=/app/db" in env
+    assert "GATE_LUA_DIR" not in env and "GATE_DB_DIR" not in env
     baked = " ".join(a for w, a in instructions(text) if w in ("ENV", "ARG", "LABEL"))
     for name in SECRET_NAMES:
         assert name not in baked, f"{name} must come from the environment, not the image"
+
+
+def test_dockerfile_builds_the_wheel_and_installs_it_with_the_lock() -> None:
+    """The image runs the release's wheel: built in the build stage from the package's
+    own files, installed in the runtime stage after the locked dependencies, with no
+    index (the lock holds everything the wheel needs)."""
+    build, final = stages(DOCKERFILE.read_text())[0], stages(DOCKERFILE.read_text())[-1]
+    build_runs = " ".join(a for w, a in build if w == "RUN")
+    assert "pip wheel --no-deps" in build_runs and "/wheels" in build_runs
+    copied = [a for w, a in build if w == "COPY"]
+    assert any(a.split()[:-1] == ["gate"] for a in copied), "the package, data included"
+    assert any("pyproject.toml" in a.split() and "LICENSE" in a.split() for a in copied)
+    assert not any(a.split()[0] in ("lua", "db") for a in copied), "Lua and SQL live in gate/"
+    runs = [a for w, a in final if w == "RUN"]
+    lock = next(i for i, a in enumerate(runs) if "-r /tmp/requirements.lock" in a)
+    wheel = next(i for i, a in enumerate(runs) if "gate-*.whl" in a)
+    assert "pip install --require-hashes" in runs[lock]
+    assert lock < wheel and "pip install --no-index" in runs[wheel]
+    assert "--no-deps" not in runs[wheel], "pip must find every dependency installed"
+    assert ("COPY", "--from=build /wheels /tmp/wheels") in final
+    # Nothing of the source tree reaches the runtime stage but the wheel.
+    sources = [a.split()[0] for w, a in final if w == "COPY" and not a.startswith("--from")]
+    assert sources == ["requirements.lock"], sources
 
 
 def test_dockerfile_copies_only_what_exists_and_is_not_ignored() -> None:
