@@ -31,9 +31,10 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pymysql
 import pytest
@@ -220,6 +221,53 @@ def test_installed_wheel_migrates_a_fresh_database(
         _drop_database(fresh)
 
 
+def wait_ready(url: str, alive: Callable[[], bool], log: Callable[[], str]) -> None:
+    """Until the gate at `url` answers /readyz 200; fails with its log if it exits."""
+    deadline = time.monotonic() + READY_SECONDS
+    while time.monotonic() < deadline:
+        assert alive(), f"gate exited: {log()[-3000:]}"
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.1)
+    raise AssertionError(f"gate not ready: {log()[-3000:]}")
+
+
+STOCK = 5
+
+
+def reserve_one(url: str, key_prefix: str) -> int:
+    """A deal of STOCK units through the admin API, one unit reserved with a buyer
+    token (201); the deal's id."""
+
+    async def go() -> tuple[int, int, Any]:
+        client = Client(url)
+        try:
+            deal_id = await create_deal(client, stock=STOCK)
+            resp = await reserve(client, deal_id, user_id=4242, key=f"{key_prefix}-{deal_id}")
+            return deal_id, resp.status_code, resp.json()
+        finally:
+            await client.close()
+
+    deal_id, status, body = asyncio.run(go())
+    assert status == 201, body
+    assert body["deal_id"] == deal_id and body["quantity"] == 1
+    assert body["status"] == "PENDING_PAYMENT"
+    return deal_id
+
+
+def assert_one_held(check: subprocess.CompletedProcess[str]) -> None:
+    """`gate check --deal ID --json` of reserve_one's deal: invariants hold, one held."""
+    assert check.returncode == 0, check.stdout + check.stderr
+    report = json.loads(check.stdout)
+    assert report["ok"] is True
+    (deal,) = report["deals"]
+    assert deal["totals"] == {"total": STOCK, "available": STOCK - 1, "held": 1, "sold": 0}
+    assert deal["redis"]["loaded"] and deal["redis"]["available"] == STOCK - 1, deal
+
+
 class Served:
     def __init__(self, bin_dir: Path, cwd: Path, env: dict[str, str]) -> None:
         self.port = free_port()
@@ -235,17 +283,8 @@ class Served:
                 start_new_session=True,
             )
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_SECONDS
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.1)
-        raise AssertionError(f"gate not ready: {self.log.read_text()[-3000:]}")
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -276,29 +315,9 @@ def test_installed_wheel_serves_a_reservation_and_checks(
     # The suite's database was migrated from the checkout: the wheel's files are the same.
     current = _gate(installed, outside, run_env, "migrate")
     assert current.returncode == 0 and "schema is current" in current.stdout, current
-    served.wait_ready()
-
-    async def one_reservation() -> tuple[int, int, dict[str, object]]:
-        client = Client(served.url)
-        try:
-            deal_id = await create_deal(client, stock=5)
-            resp = await reserve(client, deal_id, user_id=4242, key=f"wheel-reservation-{deal_id}")
-            return deal_id, resp.status_code, resp.json()
-        finally:
-            await client.close()
-
-    deal_id, status, body = asyncio.run(one_reservation())
-    assert status == 201, body
-    assert body["deal_id"] == deal_id and body["quantity"] == 1
-    assert body["status"] == "PENDING_PAYMENT"
-
-    check = _gate(installed, outside, run_env, "check", "--deal", str(deal_id), "--json")
-    assert check.returncode == 0, check.stdout + check.stderr
-    report = json.loads(check.stdout)
-    assert report["ok"] is True
-    (deal,) = report["deals"]
-    assert deal["totals"] == {"total": 5, "available": 4, "held": 1, "sold": 0}, deal
-    assert deal["redis"]["loaded"] and deal["redis"]["available"] == 4, deal
+    wait_ready(served.url, lambda: served.proc.poll() is None, served.output)
+    deal_id = reserve_one(served.url, "wheel-reservation")
+    assert_one_held(_gate(installed, outside, run_env, "check", "--deal", str(deal_id), "--json"))
     # Stopped by SIGTERM, gracefully: not killed (one worker may end by the signal
     # uvicorn re-raises after its shutdown, hence -SIGTERM as well as 0).
-    assert served.stop() in (0, -signal.SIGTERM), served.log.read_text()[-3000:]
+    assert served.stop() in (0, -signal.SIGTERM), served.output()[-3000:]
