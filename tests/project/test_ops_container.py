@@ -112,7 +112,8 @@ def test_dockerfile_builds_the_wheel_and_installs_it_with_the_lock() -> None:
     """The image runs the release's wheel: built in the build stage from the package's
     own files, installed in the runtime stage after the locked dependencies, with no
     index (the lock holds everything the wheel needs)."""
-    build, final = stages(DOCKERFILE.read_text())[0], stages(DOCKERFILE.read_text())[-1]
+    all_stages = stages(DOCKERFILE.read_text())
+    build, final = all_stages[0], all_stages[-1]
     build_runs = " ".join(a for w, a in build if w == "RUN")
     assert "pip wheel --no-deps" in build_runs and "/wheels" in build_runs
     copied = [a for w, a in build if w == "COPY"]

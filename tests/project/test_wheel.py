@@ -3,7 +3,8 @@ project's own files, the wheel installed into a fresh virtualenv outside the che
 with the locked dependencies, and the installed `gate` run from a directory of its own.
 
     copy of pyproject.toml, README.md, LICENSE, CHANGELOG.md, MANIFEST.in, gate/
-      ──setuptools build_sdist──> gate-X.Y.Z.tar.gz ──pip wheel──> gate-X.Y.Z-py3-none-any.whl
+      ──build_sdist──> gate-X.Y.Z.tar.gz ──unpacked, build_wheel──> gate-X.Y.Z-py3-none-any.whl
+      (setuptools' PEP 517 hooks in a virtualenv of their own, as `python -m build` runs them)
     fresh venv: pip install --require-hashes -r requirements.lock
                 pip install --no-index <wheel>          (every dependency already there)
     cwd = an empty directory, no GATE_LUA_DIR / GATE_DB_DIR, no PYTHONPATH:
@@ -54,10 +55,8 @@ COMMAND_SECONDS = 120
 READY_SECONDS = 60
 
 
-def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run(
-        args, cwd=cwd, env=env, capture_output=True, text=True, timeout=PIP_SECONDS
-    )
+def _run(args: list[str], cwd: Path) -> str:
+    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=PIP_SECONDS)
     assert done.returncode == 0, f"{args}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
     return done.stdout
 
