@@ -12,38 +12,43 @@
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# -- build: resolve and install every dependency into a virtualenv ---------------------
+# -- build: the wheel, from the files the release is made of (docs/releasing.md) -------
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
-RUN python -m venv /opt/venv
 WORKDIR /src
-# The locked versions first, every file checked against its hash (requirements.lock,
-# written by scripts/lock): this layer is rebuilt only when the lock changes.
-COPY requirements.lock ./
-RUN /opt/venv/bin/pip install --require-hashes -r requirements.lock
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE MANIFEST.in CHANGELOG.md ./
 COPY gate ./gate
-RUN /opt/venv/bin/pip install --no-deps . \
-    && /opt/venv/bin/python -m compileall -q /opt/venv/lib
+# gate-X.Y.Z-py3-none-any.whl, carrying the Lua scripts and migrations as package data.
+RUN python -m pip wheel --no-deps --wheel-dir /wheels .
 
-# -- runtime: the virtualenv, the Lua scripts and the migrations; no compilers ---------
+# -- runtime: the locked dependencies, then the wheel; no compilers, no build tree -----
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="gate" \
-      org.opencontainers.image.description="Redis-fronted admission gate for flash sales"
+      org.opencontainers.image.description="Redis-fronted admission gate for flash sales" \
+      org.opencontainers.image.licenses="MIT"
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
 RUN groupadd --system --gid 10001 gate \
     && useradd --system --uid 10001 --gid gate --no-create-home --home-dir /app \
-       --shell /usr/sbin/nologin gate
-COPY --from=build /opt/venv /opt/venv
+       --shell /usr/sbin/nologin gate \
+    && python -m venv /opt/venv
+# The locked versions first, every file checked against its hash (requirements.lock,
+# written by scripts/lock): this layer is rebuilt only when the lock changes.
+COPY requirements.lock /tmp/requirements.lock
+RUN pip install --require-hashes -r /tmp/requirements.lock && rm /tmp/requirements.lock
+# Then the wheel with no index: the lock must already hold everything it depends on.
+# Bytecode compiled now, as root: the image may run with a read-only root filesystem.
+COPY --from=build /wheels /tmp/wheels
+RUN pip install --no-index /tmp/wheels/gate-*.whl \
+    && pip check \
+    && rm -rf /tmp/wheels \
+    && python -m compileall -q /opt/venv/lib
 WORKDIR /app
-COPY lua ./lua
-COPY db ./db
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    GATE_LUA_DIR=/app/lua \
-    GATE_DB_DIR=/app/db
 # Numeric, so orchestrators can verify runAsNonRoot.
 USER 10001:10001
 EXPOSE 8000

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from gate import __version__
 from gate.base.settings import Settings, SettingsError
 from gate.cli.common import checked_settings, ranged_int, with_gate
 
@@ -305,6 +306,7 @@ def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gate", description="Flash-sale admission gate.")
+    p.add_argument("--version", action="version", version=f"gate {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     from gate.stock.deals import MAX_BUCKETS, MAX_ID, MAX_STOCK

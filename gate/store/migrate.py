@@ -36,6 +36,7 @@ replicate). With several hosts in GATE_MYSQL_URL every step runs on the writer n
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import logging
 import os
 import re
@@ -54,7 +55,9 @@ from gate.store.dbwriter import writer_target
 
 log = logging.getLogger("gate.migrate")
 
-DB_DIR = Path(__file__).resolve().parent.parent.parent / "db"
+# The migrations are package data of gate (gate/db/), in a checkout and in an
+# installed wheel alike; GATE_DB_DIR points elsewhere (a test's copy).
+DB_DIR = Path(str(importlib.resources.files("gate") / "db"))
 LOCK_NAME = "gate.migrate"  # the schema_lock row (a name, not the module path)
 LOCK_TABLE = "schema_lock"
 LOCK_WAIT_SECONDS = 60
@@ -98,7 +101,7 @@ class Routine:
 
 
 def db_dir() -> Path:
-    return Path(os.environ.get("GATE_DB_DIR", str(DB_DIR)))
+    return Path(os.environ.get("GATE_DB_DIR") or DB_DIR)
 
 
 def split_statements(text: str) -> list[str]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import importlib.resources
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,7 +63,9 @@ def error_kind(exc: BaseException) -> str:
     return "other"
 
 
-LUA_DIR = Path(__file__).resolve().parent.parent.parent / "lua"
+# The scripts are package data of gate (gate/lua/), in a checkout and in an installed
+# wheel alike; GATE_LUA_DIR points elsewhere (a patched copy, a test's directory).
+LUA_DIR = Path(str(importlib.resources.files("gate") / "lua"))
 SCRIPT_NAMES = (
     "admit",
     "deal_parts",
@@ -107,11 +111,7 @@ class Script:
 
 
 def lua_dir() -> Path:
-    # Installed as a package the lua/ folder sits next to gate/ in the source tree;
-    # GATE_LUA_DIR lets a container or wheel install point elsewhere.
-    import os
-
-    return Path(os.environ.get("GATE_LUA_DIR", str(LUA_DIR)))
+    return Path(os.environ.get("GATE_LUA_DIR") or LUA_DIR)
 
 
 def read_scripts(directory: Path | None = None) -> dict[str, Script]:
