@@ -1,21 +1,33 @@
 """Buyer and admin authentication.
 
-Buyers: `Authorization: Bearer <JWT>`, HS256 only (the algorithm is pinned, never
-read from the token), `exp` and `sub` required, `sub` a string of digits.
+Buyers: `Authorization: Bearer <JWT>`, `exp` and `sub` required, `sub` a string of
+digits. The header's `alg` routes a token (never chooses how it is checked):
+
+    bearer -> cache hit (token -> user, exp)? ──yes──> user id (exp checked)
+        │ no
+        canonical_jws -> token_header: (alg, kid)
+        ├─ alg HS256 ──> verify_hs256 with GATE_JWT_SECRET (401 when none is set)
+        └─ other alg ──> JwksKeys.key_for(kid) (gate/web/jwks.py; unknown: 401)
+                         alg == that key's algorithm, else 401
+                         PyJWT: signature, exp/nbf/iat, iss and aud when configured
+        -> sub -> cached
 
 A flash sale's crowd is mostly first requests: every buyer's first click brings a
 token not seen before. PyJWT's general decoder took ≈ 56 µs per token, more than
-the rest of a sold-out answer, so tokens are verified here by `verify_hs256`, the
-same rules written for this one algorithm (≈ 7 µs: the header segment checked once
-per spelling, `hmac.digest` in C, orjson). tests/web/test_auth_fast.py holds it to
-PyJWT's verdict on valid and hostile tokens. Verified tokens are also kept in a
-bounded cache that still honours `exp` on every use.
+the rest of a sold-out answer, so HS256 tokens are verified here by `verify_hs256`,
+the same rules written for this one algorithm (≈ 7 µs: the header segment checked
+once per spelling, `hmac.digest` in C, orjson). tests/web/test_auth_fast.py holds it
+to PyJWT's verdict on valid and hostile tokens. An identity provider's token costs
+a public-key signature check (docs/benchmarks.md), paid once per token: verified
+tokens are kept in a bounded cache that still honours `exp` on every use, and
+emptied when a key is withdrawn from the key set.
 
 The cache cannot be inflated by one buyer: a token is verified (and so
 cached) only when each of its three segments is canonical base64url (no padding,
 the last character's unused bits zero), so the bytes a token stands for have one
 spelling only and the cache key, the token, cannot be varied for a token the buyer
-holds (a variant is a 401). Tokens are at most MAX_TOKEN_BYTES long.
+holds (a variant is a 401). Tokens are at most MAX_TOKEN_BYTES long
+(MAX_IDP_TOKEN_BYTES with a key set configured).
 """
 
 from __future__ import annotations
