@@ -256,7 +256,7 @@ class BuyerAuth:
                 raise InvalidToken("HS256 tokens are not accepted here")
             return verify_hs256(token, self._key, now)
         if self._jwks is None:
-            raise InvalidToken(f"algorithm {alg} is not accepted here")
+            raise InvalidToken("only HS256 tokens are accepted here")
         key = self._jwks.key_for(kid)
         if key is None:
             raise InvalidToken("unknown key id")
