@@ -104,6 +104,9 @@ class JwksServer:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 outer.requests += 1
+                if self.path != "/jwks.json":
+                    self.send_error(404)
+                    return
                 body = orjson.dumps({"keys": outer.keys})
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -382,3 +385,42 @@ async def test_an_unknown_kid_asks_for_a_refresh_at_most_once_a_minute(tmp_path:
     path.write_bytes(b"not json")
     assert not await keys.run_once()
     assert set(keys.keys) == {"ec-1", "ec-2"}
+
+
+async def test_an_unknown_kid_wakes_the_refresh_loop(jwks_server: JwksServer) -> None:
+    """The loop sleeps until the periodic read, but a token naming an unknown kid
+    wakes it; the read happens once a minute has passed since the last (the clock
+    is moved on here instead of waiting it)."""
+    now = [1000.0]
+    keys = JwksKeys(file=None, url=jwks_server.url, refresh_seconds=3600, clock=lambda: now[0])
+    await keys.load()
+    stop = asyncio.Event()
+    loop = asyncio.ensure_future(keys.run(stop))
+    try:
+        jwks_server.keys = [*BASE_KEYS, jwk(EC_NEXT, "ec-2")]
+        now[0] += UNKNOWN_KID_REFRESH_SECONDS
+        assert keys.key_for("ec-2") is None
+        deadline = time.monotonic() + PICKUP_SECONDS
+        while keys.key_for("ec-2") is None:
+            assert time.monotonic() < deadline, "the loop did not read the set again"
+            await asyncio.sleep(0.05)
+    finally:
+        jwks_server.keys = list(BASE_KEYS)
+        stop.set()
+        await loop
+
+
+async def test_a_fetched_set_is_bounded(jwks_server: JwksServer) -> None:
+    keys = JwksKeys(file=None, url=jwks_server.url, refresh_seconds=300)
+    padding = {"kty": "oct", "kid": "pad", "k": "A" * JWKS_MAX_BYTES}
+    try:
+        jwks_server.keys = [*BASE_KEYS, padding]
+        with pytest.raises(JwksError, match="bytes"):
+            await keys.load()
+    finally:
+        jwks_server.keys = list(BASE_KEYS)
+    await keys.load()
+    assert set(keys.keys) == {"rsa-1", "ec-1", "ed-1"}
+    missing = JwksKeys(file=None, url=jwks_server.url + ".missing", refresh_seconds=300)
+    with pytest.raises(JwksError):
+        await missing.load()
