@@ -38,7 +38,7 @@ from gate.web.jwks import (
     JwksKeys,
     parse_jwks,
 )
-from tests.support import Client, GateProcess, base_env, create_deal, token
+from tests.support import Client, GateProcess, base_env, create_deal, free_port, token
 
 ISSUER = "https://id.shop.example/"
 AUDIENCE = "gate-buyers"
@@ -424,3 +424,15 @@ async def test_a_fetched_set_is_bounded(jwks_server: JwksServer) -> None:
     missing = JwksKeys(file=None, url=jwks_server.url + ".missing", refresh_seconds=300)
     with pytest.raises(JwksError):
         await missing.load()
+
+
+def test_a_key_set_that_cannot_be_read_stops_start_up(prepared: None) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/jwks.json"
+    proc = GateProcess(idp_env(GATE_JWT_JWKS_URL=dead), workers=1)
+    try:
+        with pytest.raises(RuntimeError, match="gate exited early"):
+            proc.wait_ready(timeout_seconds=60)
+        assert proc.proc.wait(timeout=10) != 0
+        assert "reading the key set from" in proc.output()
+    finally:
+        proc.stop()
