@@ -25,6 +25,7 @@ from gate.store.redis_mode import detect_mode, make_redis
 from gate.store.scripts import ScriptRunner, read_scripts
 from gate.store.work_lease import WorkLease
 from gate.web.auth import AdminAuth, BuyerAuth
+from gate.web.jwks import JwksError, JwksKeys
 
 log = logging.getLogger("gate")
 
@@ -75,7 +76,20 @@ class Gate:
         self.unknown_deals = UnknownDeals(self.redis, self.db)
         self.lease = Lease(settings, self.runner, self.db)
         self.deals = Deals(self.db, self.mirror, self.unknown_deals)
-        self.buyer_auth = BuyerAuth(settings.jwt_secret, settings.jwt_cache_max)
+        idp = settings.jwt_idp
+        # The identity provider's keys, refreshed in the background (gate/web/jwks.py).
+        self.jwks = (
+            JwksKeys(file=idp.jwks_file, url=idp.jwks_url, refresh_seconds=idp.refresh_seconds)
+            if idp is not None
+            else None
+        )
+        self.buyer_auth = BuyerAuth(
+            settings.jwt_secret if settings.jwt_hs256 else None,
+            settings.jwt_cache_max,
+            jwks=self.jwks,
+            issuer=idp.issuer if idp is not None else None,
+            audience=idp.audience if idp is not None else None,
+        )
         self.admin_auth = AdminAuth(settings.admin_token)
         self.janitor = Janitor(settings, self.db, self.redis, self.mirror)
         self.resync = Resync(settings, self.redis, self.mirror)
@@ -123,6 +137,12 @@ class Gate:
         except NoWriter as exc:
             raise StartupError(str(exc)) from None
         await self.runner.load()
+        if self.jwks is not None:
+            try:
+                await self.jwks.load()
+            except JwksError as exc:
+                raise StartupError(str(exc)) from None
+            self._spawn(self.jwks.run(self._stop))
         # Before any request: every admission token names this process's lease.
         await self.lease.start()
         self._lease_task = asyncio.get_running_loop().create_task(self.lease.run())

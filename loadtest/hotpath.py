@@ -28,6 +28,11 @@ user + system), which a busy machine disturbs far less than requests per second:
 `--profile PATH` also writes a cProfile of the measured requests per path
 (PATH.<case>.prof) and prints the functions with the most time of their own.
 
+`--token es256` signs the buyers' tokens with an ES256 key of the identity-provider
+kind (a JWKS file written to a temporary directory and named by GATE_JWT_JWKS_FILE)
+instead of HS256 with GATE_JWT_SECRET; with GATE_JWT_CACHE_MAX=0 every request
+verifies its token again.
+
 `--edge` sends each request as bytes through the HTTP protocol `gate serve` runs
 (gate/web/edge.py's `EdgeProtocol` on an in-memory transport, one kept-alive
 "connection" per concurrent request): the edge answers its routes, the rest go
@@ -45,6 +50,7 @@ import io
 import os
 import pstats
 import secrets
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -372,15 +378,49 @@ async def prepared_settings() -> Any:
     return settings
 
 
+class Es256Mint:
+    """Buyer tokens signed ES256, as a shop's identity provider signs them; its public
+    key is written as a JWKS file for the gate (`jwks_file`)."""
+
+    KID = "hotpath-es256"
+
+    def __init__(self, directory: str, ttl_seconds: int = 3600) -> None:
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from jwt.algorithms import ECAlgorithm
+
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        public = ECAlgorithm.to_jwk(self._key.public_key(), as_dict=True)
+        self.jwks_file = os.path.join(directory, "jwks.json")
+        with open(self.jwks_file, "wb") as f:
+            f.write(orjson.dumps({"keys": [{**public, "kid": self.KID}]}))
+        self._ttl = ttl_seconds
+        self._tokens: dict[int, str] = {}
+
+    def token(self, user_id: int) -> str:
+        import jwt
+
+        hit = self._tokens.get(user_id)
+        if hit is None:
+            now = int(time.time())
+            claims = {"sub": str(user_id), "iat": now, "exp": now + self._ttl}
+            hit = jwt.encode(claims, self._key, algorithm="ES256", headers={"kid": self.KID})
+            self._tokens[user_id] = hit
+        return hit
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from gate.api.app import build_app
     from loadtest.tokens import TokenMint
 
+    mint: Any = None
+    if args.token == "es256":
+        mint = Es256Mint(tempfile.mkdtemp(prefix="gate-hotpath-"))
+        os.environ["GATE_JWT_JWKS_FILE"] = mint.jwks_file
     settings = await prepared_settings()
     for lever in args.off:
         switch_off(lever)
     app = build_app(settings, background=False)
-    mint = TokenMint(settings.jwt_secret.reveal())
+    mint = mint or TokenMint(settings.jwt_secret.reveal())
     probe = Probe(app, settings.admin_token.reveal(), mint, edge=args.edge)
     n, c = args.requests, args.concurrency
     results: dict[str, Any] = {}
@@ -485,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--edge", action="store_true", help="through gate serve's protocol (see above)")
     p.add_argument("--off", nargs="+", choices=LEVERS, default=[], help="switch these levers off")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--token", choices=("hs256", "es256"), default="hs256", help="the buyers' tokens (above)"
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     results = asyncio.run(measure(args))

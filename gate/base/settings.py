@@ -12,6 +12,7 @@ import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from secrets import token_urlsafe
 from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
@@ -286,6 +287,50 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise SettingsError(f"{name} must be a boolean (1/0, true/false, on/off), got {raw!r}")
 
 
+@dataclass(frozen=True)
+class JwtIdp:
+    """Buyer tokens signed by the shop's identity provider (gate/web/jwks.py): its
+    key set from a file or a URL (one of them), and the claims its tokens must carry."""
+
+    jwks_file: str | None
+    jwks_url: str | None
+    refresh_seconds: float
+    issuer: str | None
+    audience: str | None
+
+
+def _jwt_idp(env: Mapping[str, str], dev: bool) -> JwtIdp | None:
+    """GATE_JWT_JWKS_FILE / _URL (https outside dev), _REFRESH_SECONDS, GATE_JWT_ISSUER,
+    GATE_JWT_AUDIENCE; None when no key set is configured."""
+    file = env.get("GATE_JWT_JWKS_FILE", "").strip() or None
+    url = env.get("GATE_JWT_JWKS_URL", "").strip() or None
+    issuer = env.get("GATE_JWT_ISSUER", "").strip() or None
+    audience = env.get("GATE_JWT_AUDIENCE", "").strip() or None
+    if file is None and url is None:
+        if issuer or audience:
+            raise SettingsError(
+                "GATE_JWT_ISSUER and GATE_JWT_AUDIENCE apply to the identity provider's"
+                " tokens: set GATE_JWT_JWKS_FILE or GATE_JWT_JWKS_URL too"
+            )
+        return None
+    if file and url:
+        raise SettingsError("set GATE_JWT_JWKS_FILE or GATE_JWT_JWKS_URL, not both")
+    if url is not None:
+        parts = urlsplit(url)
+        allowed = ("https", "http") if dev else ("https",)
+        if parts.scheme not in allowed or not parts.hostname:
+            raise SettingsError(
+                "GATE_JWT_JWKS_URL must be an https:// URL (http:// only with GATE_ENV=dev)"
+            )
+    refresh = env_float(env, "GATE_JWT_JWKS_REFRESH_SECONDS", 300.0, 1.0, 86_400.0)
+    return JwtIdp(file, url, refresh, issuer, audience)
+
+
+def _given(env: Mapping[str, str], name: str) -> bool:
+    """The secret is set, as itself or as NAME_FILE."""
+    return bool(env.get(name, "").strip() or env.get(f"{name}_FILE", "").strip())
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -375,6 +420,9 @@ class Settings:
     # resynced this often instead of every pass (gate/stock/resync.py); 0: every pass.
     resync_quiet_seconds: float = 15.0
     jwt_cache_max: int = 65_536
+    # HS256 buyer tokens with GATE_JWT_SECRET; off when only a key set is configured.
+    jwt_hs256: bool = True
+    jwt_idp: JwtIdp | None = None
     sold_out_cache_seconds: float = 0.1
     body_max_bytes: int = 4096
     # The HTTP guard (gate/web/guard.py): a request's body is due within this many
@@ -479,7 +527,11 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             return dev_value
         raise SettingsError(f"{name} is required (set GATE_ENV=dev to use built-in dev secrets)")
 
-    jwt_secret = secret("GATE_JWT_SECRET", DEV_JWT_SECRET)
+    jwt_idp = _jwt_idp(env, dev)
+    # With a key set, HS256 is on only when its secret is given; the secret kept
+    # otherwise is random, known to no one (`gate token` mints with it: 401s).
+    jwt_hs256 = jwt_idp is None or _given(env, "GATE_JWT_SECRET")
+    jwt_secret = secret("GATE_JWT_SECRET", DEV_JWT_SECRET) if jwt_hs256 else token_urlsafe(48)
     if len(jwt_secret) < 32 and not dev:
         raise SettingsError("GATE_JWT_SECRET must be at least 32 characters for HS256")
     admin_token = secret("GATE_ADMIN_TOKEN", DEV_ADMIN_TOKEN)
@@ -623,6 +675,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         resync_interval_seconds=env_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
         resync_quiet_seconds=env_float(env, "GATE_RESYNC_QUIET_SECONDS", 15.0, 0, 600),
         jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
+        jwt_hs256=jwt_hs256,
+        jwt_idp=jwt_idp,
         sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,
         body_max_bytes=4096,
         body_timeout_seconds=env_float(env, "GATE_BODY_TIMEOUT_SECONDS", 5.0, 0.1, 300),

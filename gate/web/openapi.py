@@ -63,7 +63,8 @@ def document() -> dict[str, Any]:
                     "type": "http",
                     "scheme": "bearer",
                     "bearerFormat": "JWT",
-                    "description": "HS256 JWT with `sub` = user id (digits) and `exp`.",
+                    "description": "JWT with `sub` = user id (digits) and `exp`: HS256"
+                    " (GATE_JWT_SECRET) or the identity provider's key (GATE_JWT_JWKS_*).",
                 },
                 "admin": {
                     "type": "http",
