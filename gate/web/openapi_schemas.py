@@ -343,6 +343,17 @@ def _schemas() -> dict[str, Any]:
                     "maximum": 86_400,
                     "default": 0,
                 },
+                "method": {
+                    "type": "string",
+                    "enum": ["fifo", "random"],
+                    "default": "fifo",
+                    "description": "Admission order after the opening: join order, or the"
+                    " draw (hmac-sha256(seed, ticket_id) ascending) for every ticket.",
+                },
+                "message": {
+                    "oneOf": [_ref("RoomMessage"), {"type": "null"}],
+                    "description": "Shown on every ticket read within 2 s of a change.",
+                },
             },
             ["admit_per_second"],
             additionalProperties=False,
@@ -369,6 +380,12 @@ def _schemas() -> dict[str, Any]:
                     "description": "Present only while admitted: send it as Admission-Token.",
                 },
                 "admission_expires_at": NULLABLE_TIMESTAMP,
+                "ticket_id": {
+                    "type": ["string", "null"],
+                    "description": "Opaque, unique per deal, stable: the ticket's entry in"
+                    " the fairness document's participants.",
+                },
+                "message": {"oneOf": [_ref("RoomMessage"), {"type": "null"}]},
             },
             [
                 "deal_id",
@@ -380,7 +397,40 @@ def _schemas() -> dict[str, Any]:
                 "available_hint",
                 "admission_token",
                 "admission_expires_at",
+                "ticket_id",
+                "message",
             ],
+        ),
+        "RoomMessage": _object(
+            {
+                "text": {"type": "string", "minLength": 1, "maxLength": 280},
+                "level": {"type": "string", "enum": ["info", "warning"], "default": "info"},
+            },
+            ["text"],
+            additionalProperties=False,
+        ),
+        "Fairness": _object(
+            {
+                "deal_id": {"type": "integer", "minimum": 1},
+                "method": {"type": "string", "enum": ["fifo", "random"]},
+                "commitment": {
+                    "type": "string",
+                    "description": "Hex SHA-256 of the seed: public from the room's creation.",
+                },
+                "seed": {
+                    "type": ["string", "null"],
+                    "description": "Hex, 32 bytes; null until revealed (fifo: at starts_at;"
+                    " random: at ends_at).",
+                },
+                "rule": {"type": "string", "const": "hmac-sha256(seed, ticket_id) ascending"},
+                "participants": {
+                    "type": ["array", "null"],
+                    "items": {"type": "string"},
+                    "description": "The ticket ids drawn (fifo: the prequeue joiners;"
+                    " random: every ticket), in join order; null until revealed.",
+                },
+            },
+            ["deal_id", "method", "commitment", "seed", "rule", "participants"],
         ),
         "StockAdjustment": _object(
             {
