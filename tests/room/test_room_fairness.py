@@ -14,9 +14,12 @@ from typing import Any
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from gate.base.settings import Settings
+from gate.room.fairness import DRAW_KEEP_MS, draw_key
 from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.room.test_room import (  # noqa: F401 (fixtures)
     _at,
     join,
@@ -286,3 +289,53 @@ async def test_bad_method_or_message_is_a_400_and_changes_nothing(
     }
     r = await join(client, deal_id, 230_001)
     assert r.status_code == 201 and r.json()["message"] == {"text": "hi", "level": "info"}
+
+
+# -- retirement --------------------------------------------------------------------------
+
+
+async def wait_for(check: Any, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not await check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.2)
+
+
+async def test_an_ended_draw_outlives_its_tickets_for_a_while_a_removed_one_does_not(
+    rc: list[Client],  # noqa: F811
+    rds: aioredis.Redis,
+) -> None:
+    """The retire loop (gate/room/retire.py) deletes an ended sale's tickets but keeps
+    its draw list, for DRAW_KEEP_MS, so the document stays checkable; a removed
+    room's draw list goes with its other keys."""
+    a, _ = rc
+    room = {"admit_per_second": 100, "admission_ttl_seconds": 10, "method": "random"}
+    ended = await create_deal(a, stock=0, ends_at=_at(3), waiting_room=room)
+    removed = await create_deal(a, stock=0, waiting_room=room)
+    for deal_id in (ended, removed):
+        for u in (240_001, 240_002):
+            assert (await join(a, deal_id, u)).status_code == 201
+    keys = deal_keys(ended)
+
+    async def tickets_gone() -> bool:
+        return not await rds.exists(keys.room_tickets)
+
+    # ends_at + the admission TTL, then the retire loop's pass (every 5 s).
+    await wait_for(tickets_gone, 40, "the ended room was never retired")
+    ttl_ms = await rds.pttl(draw_key(ended))
+    assert 0 < ttl_ms <= DRAW_KEEP_MS, ttl_ms
+    doc = await fairness(a, ended)
+    assert doc["seed"] is not None and len(doc["participants"]) == 2
+
+    r = await a.put(
+        f"/v1/admin/deals/{removed}/waiting-room",
+        content=b"null",
+        headers={**ADMIN, "Content-Type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+
+    async def draw_gone() -> bool:
+        return not await rds.exists(draw_key(removed))
+
+    await wait_for(draw_gone, 20, "the removed room's draw list was kept")
+    problem(await a.get(f"/v1/deals/{removed}/queue/fairness"), 409, "NO_WAITING_ROOM")
