@@ -347,12 +347,14 @@ def _schemas() -> dict[str, Any]:
                     "type": "string",
                     "enum": ["fifo", "random"],
                     "default": "fifo",
-                    "description": "Admission order after the opening: join order, or the"
-                    " draw (hmac-sha256(seed, ticket_id) ascending) for every ticket.",
+                    "description": "fifo: prequeue joiners in the draw's order"
+                    " (hmac-sha256(seed, ticket_id) ascending), later joiners in join order;"
+                    " random: every ticket in the draw's order (docs/waiting-room.md).",
                 },
                 "message": {
                     "oneOf": [_ref("RoomMessage"), {"type": "null"}],
-                    "description": "Shown on every ticket read within 2 s of a change.",
+                    "description": "Carried by every ticket read, through every gate process,"
+                    " from the first read after a change (null: none).",
                 },
             },
             ["admit_per_second"],
@@ -385,7 +387,10 @@ def _schemas() -> dict[str, Any]:
                     "description": "Opaque, unique per deal, stable: the ticket's entry in"
                     " the fairness document's participants.",
                 },
-                "message": {"oneOf": [_ref("RoomMessage"), {"type": "null"}]},
+                "message": {
+                    "oneOf": [_ref("RoomMessage"), {"type": "null"}],
+                    "description": "The room's message to its waiters (null: none), as it is now.",
+                },
             },
             [
                 "deal_id",
@@ -403,8 +408,19 @@ def _schemas() -> dict[str, Any]:
         ),
         "RoomMessage": _object(
             {
-                "text": {"type": "string", "minLength": 1, "maxLength": 280},
-                "level": {"type": "string", "enum": ["info", "warning"], "default": "info"},
+                "text": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": 280,
+                    "description": "Characters (any language); no control characters but"
+                    " newline and tab.",
+                },
+                "level": {
+                    "type": "string",
+                    "enum": ["info", "warning"],
+                    "default": "info",
+                    "description": "How the buyer's page shows it.",
+                },
             },
             ["text"],
             additionalProperties=False,
@@ -422,7 +438,12 @@ def _schemas() -> dict[str, Any]:
                     "description": "Hex, 32 bytes; null until revealed (fifo: at starts_at;"
                     " random: at ends_at).",
                 },
-                "rule": {"type": "string", "const": "hmac-sha256(seed, ticket_id) ascending"},
+                "rule": {
+                    "type": "string",
+                    "const": "hmac-sha256(seed, ticket_id) ascending",
+                    "description": "The order: participants sorted by the hex HMAC-SHA256,"
+                    " keyed with the seed, of each ticket id.",
+                },
                 "participants": {
                     "type": ["array", "null"],
                     "items": {"type": "string"},
