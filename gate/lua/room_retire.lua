@@ -12,6 +12,9 @@
 
   KEYS[1] room  KEYS[2] queue  KEYS[3] tickets  KEYS[4] admitted  KEYS[5] expiry
   KEYS[6] window (the room_*.lua order)           KEYS[7] meta (the mirror's: end_ms)
+  KEYS[8] draw (the ticket ids drawn: the fairness document's participants)
+
+  ARGV[1] how long an ended sale's draw list is kept, for the fairness document (ms)
 
   Returns {1, 0}     deleted
           {0, due}   over, but not for another while: due (ms) is when it will be
@@ -34,7 +37,9 @@ if cfg[1] == '1' then
   -- counters go with the admissions they count (gate check's balance holds: 0).
   redis.call('UNLINK', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
   redis.call('HDEL', KEYS[1], 'seq', 'aseq', 'last_ms', 'admitted', 'spent', 'lapsed')
+  -- The draw stays published for a while (anyone may check it), then goes too.
+  redis.call('PEXPIRE', KEYS[8], tonumber(ARGV[1]))
   return {1, 0}
 end
-redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8])
 return {1, 0}

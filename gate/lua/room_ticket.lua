@@ -18,28 +18,36 @@
     closed     the sale has ended, or the admission was spent or lapsed
   so selling out, units coming back and the sale ending cost no per-ticket work.
 
-  Queue scores: a buyer joining during the prequeue (before starts_at) gets the
-  random score the caller drew, below 2^50; every later joiner gets 2^50 + a
-  sequence number. Admission pops the lowest scores (room_advance.lua): at the
-  opening the prequeue joiners go first in a uniformly random order, then FIFO.
+  Queue scores: the caller makes each new ticket's id (random, 128 bits) and its
+  draw, the first 50 bits of HMAC-SHA256(seed, ticket_id). A buyer joining during
+  the prequeue (before starts_at) gets the draw as score; so does every joiner of a
+  "random" room; every later joiner of a "fifo" room gets 2^50 + a sequence number.
+  Admission pops the lowest scores (room_advance.lua): at the opening the prequeue
+  joiners go first in the draw's order, then FIFO (or, "random", all in the draw's
+  order). A drawn ticket's id is appended to the draw list (KEYS[6]), which the
+  fairness document reveals (gate/room/fairness.py).
 
-  KEYS[1] room       hash   {d:ID}:room  on, aps, ttl_ms, pq_ms, seq, counters
+  KEYS[1] room       hash   {d:ID}:room  on, aps, ttl_ms, pq_ms, method, msg, seed,
+                                         seq, counters
   KEYS[2] queue      zset   {d:ID}:rq    user -> score (waiting tickets)
-  KEYS[3] tickets    hash   {d:ID}:rt    user -> "joined_ms|next_poll_ms" (every ticket)
+  KEYS[3] tickets    hash   {d:ID}:rt    user -> "joined_ms|next_poll_ms|ticket_id"
+                                         (every ticket)
   KEYS[4] admitted   hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
   KEYS[5] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
+  KEYS[6] draw       list   {d:ID}:room:draw  ticket ids drawn, in join order
 
   ARGV[1] "join" | "read"
   ARGV[2] poll_after_ms floor      ARGV[3] poll_after_ms ceiling
   then, per buyer (at least one):
-    join: user id, random score in [0, 2^50) for a prequeue joiner (drawn by the
-          caller; used only before starts_at)
+    join: user id, the draw in [0, 2^50), the new ticket's id (both used only
+          when the buyer has no ticket; an empty id: the caller lacks the room's
+          seed, answered NOT_LOADED so that it loads the room)
     read: user id
   (The caller packs ARGV[1..3] once per deal: they come first.)
 
   Returns one reply per buyer, in order, each
     {code, created, position, joined_ms, avail, admission seq, expires_ms,
-     poll_after_ms, aps, ms until the sale starts}
+     poll_after_ms, aps, ms until the sale starts, ticket_id, message JSON or ""}
   (position, seq and expires_ms 0 when they do not apply), or {code} for a refusal
   (4-8), or {9, wait ms}.
     0 WAITING  1 ADMITTED  2 SOLD_OUT  3 CLOSED   (the ticket's state)
@@ -56,7 +64,7 @@ local OPEN_BASE = 1125899906842624  -- 2^50
 
 local join = ARGV[1] == 'join'
 local step = 1
-if join then step = 2 end
+if join then step = 3 end
 local count = (#ARGV - 3) / step
 local out = {}
 
@@ -69,10 +77,12 @@ local meta = redis.call('HMGET', KEYS[5], 'nb', 'avail', 'start_ms', 'end_ms')
 if not meta[1] then
   return all({4})
 end
-local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'pq_ms')
+local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'pq_ms', 'method', 'msg')
 if cfg[1] ~= '1' then
   return all({5})
 end
+local random = cfg[4] == 'random'
+local message = cfg[5] or ''
 local aps = tonumber(cfg[2]) or 1
 local avail = tonumber(meta[2]) or 0
 if avail < 0 then avail = 0 end
@@ -89,10 +99,10 @@ local floor_ms, ceil_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 
 -- One buyer's join or read. Its writes are made before the next buyer's look-ups,
 -- so a buyer named twice in one call is answered as two calls one after the other.
-local function ticket(user, drawn)
+local function ticket(user, drawn, ticket_id)
   local record = redis.call('HGET', KEYS[3], user)
   local created = 0
-  local joined_ms
+  local joined_ms, id
   -- The ticket's state: CLOSED unless found otherwise below.
   local code, position, seq, expires, advice = 3, 0, 0, 0, ceil_ms
   if not record then
@@ -102,29 +112,33 @@ local function ticket(user, drawn)
     if ended then
       return {8}
     end
+    if ticket_id == '' then
+      return {4}
+    end
     local score
-    if prequeue then
-      if now_ms < start_ms - tonumber(cfg[3] or 0) then
-        return {7}
-      end
+    if prequeue and now_ms < start_ms - tonumber(cfg[3] or 0) then
+      return {7}
+    end
+    if prequeue or random then
       score = tonumber(drawn)
+      redis.call('RPUSH', KEYS[6], ticket_id)
     else
       score = OPEN_BASE + redis.call('HINCRBY', KEYS[1], 'seq', 1)
     end
     redis.call('ZADD', KEYS[2], score, user)
-    joined_ms = now_ms
+    joined_ms, id = now_ms, ticket_id
     created = 1
     -- A new ticket is waiting (never admitted yet). In join order it is the last one.
     if avail == 0 then
       code = 2
-    elseif prequeue then
+    elseif prequeue or random then
       code, position = 0, redis.call('ZRANK', KEYS[2], user) + 1
     else
       code, position = 0, redis.call('ZCARD', KEYS[2])
     end
   else
     local next_poll
-    joined_ms, next_poll = string.match(record, '^(%d+)|(%d+)$')
+    joined_ms, next_poll, id = string.match(record, '^(%d+)|(%d+)|?(%x*)$')
     joined_ms = tonumber(joined_ms)
     if tonumber(next_poll) > now_ms then
       return {9, tonumber(next_poll) - now_ms}
@@ -161,12 +175,14 @@ local function ticket(user, drawn)
   end
   -- Sold out: units may come back (a hold expires, a cancel), worth a slow poll.
 
-  redis.call('HSET', KEYS[3], user, joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)))
-  return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start}
+  redis.call('HSET', KEYS[3], user,
+    joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)) .. '|' .. id)
+  return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start,
+    id, message}
 end
 
 for i = 1, count do
   local at = 4 + (i - 1) * step
-  out[i] = ticket(ARGV[at], ARGV[at + 1])
+  out[i] = ticket(ARGV[at], ARGV[at + 1], ARGV[at + 2])
 end
 return out

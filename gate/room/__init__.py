@@ -33,7 +33,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gate.room")
 
-SCRIPTS = ("room_ticket", "room_advance", "room_restore", "room_retire", "room_retire_done")
+SCRIPTS = (
+    "room_ticket",
+    "room_advance",
+    "room_restore",
+    "room_retire",
+    "room_retire_done",
+    "room_fairness",
+)
 
 for (_path, _method), _operation in room_openapi.operations().items():
     openapi.add_operation(_path, _method, _operation)
@@ -86,6 +93,10 @@ def install(gate: Gate) -> Extension:
         _, body = await room.ticket(_deal_id(request), user_id, "read")
         return json_response(body)
 
+    async def fairness(request: Request) -> Response:
+        # Public: the draw's commitment, and once revealed its seed and participants.
+        return json_response(await room.fairness(_deal_id(request)))
+
     async def configure(request: Request) -> Response:
         gate.admin_auth.check(request.headers.get("authorization"))
         deal_id = _deal_id(request)
@@ -102,6 +113,7 @@ def install(gate: Gate) -> Extension:
         name="room",
         routes=[
             *queue,
+            Route(deal + "/queue/fairness", fairness, methods=["GET"]),
             Route("/v1/admin/deals/{deal_id:id}/waiting-room", configure, methods=["PUT"]),
         ],
         workers=[room.run, retirer.run],

@@ -128,6 +128,10 @@ class TicketEdge(EdgeRoute):
         user_id = self.auth.user_id(req.header(b"authorization"))
         if not 1 <= req.id <= MAX_ID:
             raise not_found("deal")
+        if self.join and not self.room.has_seed(req.id):
+            # The room's seed is learned once per deal and process (Room.ticket).
+            req.run(_ticket_answer(self.room, req.id, user_id, True, req.path))
+            return
         fut = self.room.start_ticket(req.id, user_id, self.join)
         fut.add_done_callback(partial(self._settled, req, user_id), context=req.context)
 

@@ -50,6 +50,23 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
                 **_problems(*_TICKET_PROBLEMS, "NO_TICKET", "NO_WAITING_ROOM"),
             },
         },
+        (deal + "/queue/fairness", "get"): {
+            "tags": ["buyers"],
+            "summary": "The waiting room's verifiable draw (public, no authentication).",
+            "description": (
+                "The commitment (hex SHA-256 of the room's seed) from the room's creation;"
+                " the seed and the ticket ids drawn once revealed: for fifo at starts_at"
+                " (the prequeue draw), for random at ends_at. Anyone can recompute the"
+                " order: sort the participants by hmac-sha256(seed, ticket_id), hex,"
+                " ascending."
+            ),
+            "operationId": "readFairness",
+            "parameters": [_param("DealId")],
+            "responses": {
+                "200": _json(_ref("Fairness"), "The fairness document."),
+                **_problems("NOT_FOUND", "NO_WAITING_ROOM", "OVERLOADED"),
+            },
+        },
         ("/v1/admin/deals/{deal_id}/waiting-room", "put"): {
             "tags": ["admin"],
             "summary": "Set, change or (with null) remove the deal's waiting room, live.",

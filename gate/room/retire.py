@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from gate.room import metrics
+from gate.room.fairness import DRAW_KEEP_MS, draw_key
 from gate.store.keys import ROOMS_RETIRING, deal_keys
 from gate.store.scripts import ScriptRunner
 from gate.store.work_lease import WorkLease
@@ -76,7 +77,9 @@ class RoomRetirer:
             deal_id = int(member)
             keys = deal_keys(deal_id)
             deleted, later = await self.runner.call(
-                "room_retire", (*keys.room_state, keys.meta), ()
+                "room_retire",
+                (*keys.room_state, keys.meta, draw_key(deal_id)),
+                (DRAW_KEEP_MS,),
             )
             if int(deleted):
                 metrics.RETIRED.inc()

@@ -21,13 +21,14 @@ import logging
 import time
 from typing import Any, cast
 
+import orjson
 from redis.exceptions import NoScriptError, ResponseError
 
 from gate.base.codes import RoomCode
 from gate.base.errors import Problem, from_room, not_found, overloaded
-from gate.room import metrics, retire
+from gate.room import fairness, metrics, retire
 from gate.room.tokens import AdmissionTokens
-from gate.room.wire import Command, RandomScores, Wire
+from gate.room.wire import Command, Wire
 from gate.stock.mirror import Mirror
 from gate.stock.room_config import RoomConfig, RoomSettings, parse_room
 from gate.stock.unknown_deals import UnknownDeals
@@ -46,6 +47,8 @@ REFRESH_SECONDS = 5.0
 GAUGES_SECONDS = 1.0
 ROOMS_MAX = 10_000
 KEYS_CACHE_MAX = 10_000
+# Decoded messages to waiters by their JSON (a room has one at a time).
+MESSAGES_MAX = 1024
 # room_advance.lua reports a sale over (code 3) this long after ends_at: at once;
 # the tickets then read "closed" until the room is retired (gate/room/retire.py).
 RETAIN_AFTER_END_MS = 0
@@ -72,6 +75,17 @@ def iso_ms(ms: int) -> str | None:
     return f"{head}.{milli:03d}000Z"
 
 
+def _fairness_fields(room: RoomConfig, seed: bytes | None) -> dict[str, str]:
+    """The room hash's fields for the draw and the message (lua/room_ticket.lua)."""
+    fields = {
+        "method": room.method,
+        "msg": orjson.dumps(room.message.view()).decode() if room.message else "",
+    }
+    if seed is not None:
+        fields["seed"] = seed.hex()
+    return fields
+
+
 def ticket_failed(deal_id: int, exc: BaseException) -> Problem:
     """A ticket's call failed (Redis down, timed out, a script error): counted,
     logged, and answered 503."""
@@ -83,7 +97,14 @@ def ticket_failed(deal_id: int, exc: BaseException) -> Problem:
 def _ticket_keys(deal_id: int) -> tuple[str, ...]:
     """room_ticket.lua's KEYS for a deal."""
     k = deal_keys(deal_id)
-    return (k.room, k.room_queue, k.room_tickets, k.room_admitted, k.meta)
+    return (
+        k.room,
+        k.room_queue,
+        k.room_tickets,
+        k.room_admitted,
+        k.meta,
+        fairness.draw_key(deal_id),
+    )
 
 
 class Room:
@@ -109,32 +130,75 @@ class Room:
         self.unknown = unknown or UnknownDeals(mirror.redis, db)
         # deal -> room_ticket.lua's commands (join, read), packed once
         self._prefixes: dict[int, tuple[Command, Command]] = {}
-        self._scores = RandomScores()
+        # deal -> the room's draw seed (fixed for the deal's life: kept once known)
+        self._seeds: dict[int, fairness.Drawer] = {}
+        self._learning: dict[int, asyncio.Future[Any]] = {}
+        self._messages: dict[str, Any] = {"": None}
+        self._revealed = fairness.RevealedCache()
+        self._ticket_ids = fairness.TicketIds()
 
     # -- buyers -----------------------------------------------------------------------
 
     async def ticket(self, deal_id: int, user_id: int, mode: str) -> tuple[bool, dict[str, Any]]:
         """Join ("join") or read ("read") a ticket: (created, body)."""
         join = mode == "join"
+        if join and deal_id not in self._seeds:
+            await self._learn_seed(deal_id)
         reply = await self._ticket_call(deal_id, user_id, join)
         if reply[0] == RoomCode.NOT_LOADED:
-            # Redis holds no state for the deal: an unknown id (a flood of random
-            # ones, say) is answered before any database look-up or load.
-            generation = await self.unknown.generation()
-            if self.unknown.unknown(deal_id, generation):
-                raise not_found("deal")
-            try:
-                found = await self.mirror.load(deal_id)
-            except Exception as exc:
-                log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
-                raise overloaded("Deal state unavailable; retry shortly.") from None
-            if not found:
-                await self.unknown.learn(deal_id, generation)
-                raise not_found("deal")
+            await self._load(deal_id)
+            if join:
+                await self._learn_seed(deal_id)
             reply = await self._ticket_call(deal_id, user_id, join)
             if reply[0] == RoomCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
         return self.settle(deal_id, user_id, reply)
+
+    async def _load(self, deal_id: int) -> None:
+        """Redis holds no state for the deal (or its room lacks its seed): load it, or
+        answer 404. An unknown id (a flood of random ones, say) is answered before
+        any database look-up or load."""
+        generation = await self.unknown.generation()
+        if self.unknown.unknown(deal_id, generation):
+            raise not_found("deal")
+        try:
+            found = await self.mirror.load(deal_id)
+        except Exception as exc:
+            log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
+            raise overloaded("Deal state unavailable; retry shortly.") from None
+        if not found:
+            await self.unknown.learn(deal_id, generation)
+            raise not_found("deal")
+
+    def has_seed(self, deal_id: int) -> bool:
+        """Whether a join can be sent at once (the edge's test; else `ticket`)."""
+        return deal_id in self._seeds
+
+    async def _learn_seed(self, deal_id: int) -> None:
+        """The room's seed from Redis, once per deal: concurrent first joins share
+        the look-up (and so go out together, in one call, when it is answered)."""
+        running = self._learning.get(deal_id)
+        if running is None:
+            running = asyncio.ensure_future(self.redis.hget(deal_keys(deal_id).room, "seed"))
+            self._learning[deal_id] = running
+            running.add_done_callback(lambda _: self._learning.pop(deal_id, None))
+        try:
+            raw = await asyncio.shield(running)
+        except Exception as exc:
+            raise ticket_failed(deal_id, exc) from None
+        if raw:
+            if len(self._seeds) >= KEYS_CACHE_MAX:
+                self._seeds.clear()
+            self._seeds[deal_id] = fairness.Drawer(bytes.fromhex(str(raw)))
+
+    def _new_ticket(self, deal_id: int) -> tuple[int, str]:
+        """A join's draw score and new ticket id; (0, "") without the room's seed
+        (room_ticket.lua then answers NOT_LOADED to a buyer without a ticket)."""
+        drawer = self._seeds.get(deal_id)
+        if drawer is None:
+            return 0, ""
+        ticket_id = self._ticket_ids.new()
+        return drawer.score(ticket_id), ticket_id
 
     def start_ticket(self, deal_id: int, user_id: int, join: bool) -> asyncio.Future[Any]:
         """The buyer's part of room_ticket.lua, sent with this loop turn's others; the
@@ -145,9 +209,17 @@ class Room:
             return self._cluster_ticket(deal_id, join, user_id)
         user = b"%d" % user_id
         if join:
-            # Only a prequeue join uses it (the script decides); drawn cheaply for all.
-            score = b"%d" % self._scores.draw()
-            member = b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(user), user, len(score), score)
+            # Only a first join uses them (the script decides); made for every join.
+            drawn, ticket_id = self._new_ticket(deal_id)
+            score, tid = b"%d" % drawn, ticket_id.encode()
+            member = b"$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                len(user),
+                user,
+                len(score),
+                score,
+                len(tid),
+                tid,
+            )
         else:
             member = b"$%d\r\n%s\r\n" % (len(user), user)
         return self.wire.call(self._prefix(deal_id, join), member)
@@ -161,7 +233,7 @@ class Room:
         floor, ceiling = self.settings.poll_min_ms, self.settings.poll_max_ms
         args: tuple[Any, ...] = ("join" if join else "read", floor, ceiling, user_id)
         if join:
-            args += (self._scores.draw(),)
+            args += self._new_ticket(deal_id)
         inner = self.runner.call("room_ticket", keys, args)
         out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
@@ -187,7 +259,8 @@ class Room:
         if code > CLOSED:
             raise from_room(RoomCode(code), str(reply[1]) if len(reply) > 1 else "")
         # hiredis hands the script's integers over as ints: nothing to convert.
-        _, created, position, joined_ms, avail, seq, expires_ms, advice, aps, to_start = reply
+        _, created, position, joined_ms, avail, seq, expires_ms, advice, aps, to_start = reply[:10]
+        ticket_id, message = reply[10], reply[11]
         waiting = code == WAITING
         token = None
         if code == ADMITTED:
@@ -205,8 +278,20 @@ class Room:
             "available_hint": avail,
             "admission_token": token,
             "admission_expires_at": iso_ms(expires_ms) if token else None,
+            "ticket_id": ticket_id or None,
+            "message": self._message(message),
         }
         return created == 1, body
+
+    def _message(self, raw: Any) -> Any:
+        """The room's message to waiters, from its JSON on the room's hash."""
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        found = self._messages.get(text, self)
+        if found is self:
+            if len(self._messages) >= MESSAGES_MAX:
+                self._messages = {"": None}
+            found = self._messages[text] = orjson.loads(text)
+        return found
 
     def _prefix(self, deal_id: int, join: bool) -> Command:
         """room_ticket.lua's command for this deal up to the buyers, packed once."""
@@ -218,8 +303,8 @@ class Room:
             sha = self.runner.scripts["room_ticket"].sha
             floor, ceiling = str(self.settings.poll_min_ms), str(self.settings.poll_max_ms)
             packed = (
-                # join: per buyer the user id and a random prequeue score; read: the id.
-                Command(sha, keys, ("join", floor, ceiling), 2),
+                # join: per buyer the user id, its draw score and ticket id; read: the id.
+                Command(sha, keys, ("join", floor, ceiling), 3),
                 Command(sha, keys, ("read", floor, ceiling), 1),
             )
             self._prefixes[deal_id] = packed
@@ -261,11 +346,29 @@ class Room:
                     raise Problem(
                         "CONFLICT", "A deal of several partitions cannot have a waiting room."
                     )
+        seed = await self.seed(deal_id) if room is not None else None
         # Every process reads the room's configuration from Redis on every call.
-        await self.publish(deal_id, room)
+        await self.publish(deal_id, room, seed)
 
-    async def publish(self, deal_id: int, room: RoomConfig | None) -> None:
-        """Copy a room's configuration to Redis, where the scripts read it."""
+    async def seed(self, deal_id: int, known: bytes | None = None) -> bytes:
+        """The deal's draw seed, made the first time the deal has a room and never
+        changed after (its commitment is public from then on)."""
+        if known is not None:
+            return bytes(known)
+        await self.db.execute(
+            # UNHEX: aiomysql's escaping of bytes is broken; hex is plain ASCII.
+            "UPDATE deals SET room_seed = UNHEX(%s) WHERE id = %s AND room_seed IS NULL",
+            (fairness.new_seed().hex(), deal_id),
+        )
+        row = await self.db.fetchone("SELECT room_seed FROM deals WHERE id = %s", (deal_id,))
+        if row is None or row[0] is None:
+            raise not_found("deal")
+        return bytes(row[0])
+
+    async def publish(
+        self, deal_id: int, room: RoomConfig | None, seed: bytes | None = None
+    ) -> None:
+        """Copy a room's configuration (and its seed) to Redis, where the scripts read it."""
         keys = deal_keys(deal_id)
         if room is None:
             if await self.redis.hget(keys.room, "on") == "1":
@@ -275,15 +378,14 @@ class Room:
                 await retire.schedule(self.redis, deal_id)
             await self.redis.srem(ROOMS, deal_id)
             return
-        await self.redis.hset(
-            keys.room,
-            mapping={
-                "on": "1",
-                "aps": room.admit_per_second,
-                "ttl_ms": room.admission_ttl_seconds * 1000,
-                "pq_ms": room.prequeue_seconds * 1000,
-            },
-        )
+        mapping: dict[str, str | int] = {
+            "on": "1",
+            "aps": room.admit_per_second,
+            "ttl_ms": room.admission_ttl_seconds * 1000,
+            "pq_ms": room.prequeue_seconds * 1000,
+        }
+        mapping.update(_fairness_fields(room, seed))
+        await self.redis.hset(keys.room, mapping=mapping)  # type: ignore[arg-type]
         await self.redis.sadd(ROOMS, deal_id)
 
     async def before_sync(self, deal_id: int, mode: str) -> None:
@@ -292,10 +394,66 @@ class Room:
         every active deal): the room loop republishes open rooms every few seconds."""
         if mode == "resync":
             return
-        row = await self.db.fetchone("SELECT waiting_room FROM deals WHERE id = %s", (deal_id,))
+        row = await self.db.fetchone(
+            "SELECT waiting_room, room_seed FROM deals WHERE id = %s", (deal_id,)
+        )
         if row is None:
             return
-        await self.publish(deal_id, RoomConfig.from_column(row[0]))
+        await self._publish_row(deal_id, row[0], row[1])
+
+    async def _publish_row(self, deal_id: int, raw: Any, seed: bytes | None) -> None:
+        room = RoomConfig.from_column(raw)
+        await self.publish(deal_id, room, await self.seed(deal_id, seed) if room else None)
+
+    # -- fairness ---------------------------------------------------------------------
+
+    async def fairness(self, deal_id: int) -> dict[str, Any]:
+        """GET /v1/deals/{id}/queue/fairness (gate/room/fairness.py)."""
+        doc = self._revealed.get(deal_id)
+        if doc is not None:
+            return doc
+        reply = await self._fairness_call(deal_id)
+        if reply[0] == RoomCode.NOT_LOADED:
+            await self._load(deal_id)
+            reply = await self._fairness_call(deal_id)
+            if reply[0] == RoomCode.NOT_LOADED:
+                raise overloaded("Deal state is being rebuilt; retry shortly.")
+        code, method, seed_hex, revealed, drawn = reply
+        if code != 0:
+            raise from_room(RoomCode(int(code)))
+        seed_hex = str(seed_hex)
+        participants = await self._drawn(deal_id, int(drawn)) if revealed else None
+        doc = {
+            "deal_id": deal_id,
+            "method": str(method),
+            "commitment": fairness.commitment(bytes.fromhex(seed_hex)),
+            "seed": seed_hex if revealed else None,
+            "rule": fairness.RULE,
+            "participants": participants,
+        }
+        if revealed:
+            # Revealed, the document no longer changes (no more draws are made).
+            self._revealed.put(deal_id, doc)
+        return doc
+
+    async def _fairness_call(self, deal_id: int) -> list[Any]:
+        keys = deal_keys(deal_id)
+        try:
+            reply = await self.runner.call(
+                "room_fairness", (keys.room, keys.meta, fairness.draw_key(deal_id)), ()
+            )
+        except Exception as exc:
+            raise ticket_failed(deal_id, exc) from None
+        return cast(list[Any], reply)
+
+    async def _drawn(self, deal_id: int, count: int) -> list[str]:
+        """The ticket ids drawn, read in pages (no more come once revealed)."""
+        key = fairness.draw_key(deal_id)
+        found: list[str] = []
+        for start in range(0, count, fairness.PAGE):
+            page = await self.redis.lrange(key, start, min(count, start + fairness.PAGE) - 1)
+            found += [p.decode() if isinstance(p, bytes) else str(p) for p in page]
+        return found
 
     # -- the room loop ------------------------------------------------------------------
 
@@ -339,12 +497,12 @@ class Room:
     async def refresh(self) -> list[int]:
         """Every room of a deal whose sale has not ended, from the database to Redis."""
         rows = await self.db.fetchall(
-            "SELECT id, waiting_room FROM deals WHERE waiting_room IS NOT NULL"
+            "SELECT id, waiting_room, room_seed FROM deals WHERE waiting_room IS NOT NULL"
             " AND (ends_at IS NULL OR ends_at > NOW(6)) ORDER BY id DESC LIMIT %s",
             (ROOMS_MAX,),
         )
-        for deal_id, raw in rows:
-            await self.publish(int(deal_id), RoomConfig.from_column(raw))
+        for deal_id, raw, seed in rows:
+            await self._publish_row(int(deal_id), raw, seed)
         return [int(r[0]) for r in rows]
 
     async def gauges(self, deal_ids: list[int]) -> None:

@@ -6,8 +6,9 @@ Redis reading them, setting up the script, reading the deal's state and the cloc
 Here
 
 - each deal's command is packed once per mode ("join", "read"): EVALSHA, the sha,
-  the five keys and the ARGV that never change (mode, poll floor and ceiling) are
-  one `Command`; a buyer adds only its user id (and a join its random score);
+  the six keys and the ARGV that never change (mode, poll floor and ceiling) are
+  one `Command`; a buyer adds only its user id (and a join its draw score and new
+  ticket id, gate/room/fairness.py);
 - the buyers of one deal and mode who ask in one event-loop turn share one call
   (`Batch`, at most `batch_max` buyers; the script handles them in turn, exactly as
   separate calls), and the calls of one turn go out in one write, as the script
@@ -19,7 +20,7 @@ Here
   `gate_redis_script_seconds{script="room_ticket"}` like every script's.
 
     turn:  join(u1) join(u2) read(u3) join(u4)         (deal 7)
-    write: EVALSHA room_ticket … join … u1 s1 u2 s2 u4 s4 | EVALSHA … read … u3
+    write: EVALSHA room_ticket … join … u1 s1 t1 u2 s2 t2 u4 s4 t4 | EVALSHA … read … u3
     reply: [[u1's], [u2's], [u4's]] | [[u3's]]  ──> four futures
 
 Nothing is ever re-sent but a NOSCRIPT reply (the script did not run): each caller
@@ -29,7 +30,6 @@ gets the error object as its result, reloads the scripts and calls again.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Any
 
@@ -37,12 +37,6 @@ from redis.exceptions import ResponseError
 
 from gate.store.resp import RespConnection
 from gate.store.scripts import script_seconds
-
-# Random prequeue scores: 50 bits from 7 bytes of os.urandom, drawn 1,024 at a time
-# (one system call per 1,024 joins instead of one per join, secrets' quality).
-SCORE_BYTES = 7
-SCORE_SHIFT = SCORE_BYTES * 8 - 50
-RANDOM_BATCH = 1024
 
 
 def bulk(value: bytes) -> bytes:
@@ -66,22 +60,6 @@ class Command:
         """The whole command for these buyers' arguments (each already in RESP)."""
         count = self.fixed + len(members) * self.step
         return b"*%d\r\n%s%s" % (count, self.packed, b"".join(members))
-
-
-class RandomScores:
-    """Uniform integers in [0, 2^50) from os.urandom, fetched in batches."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self._at = 0
-
-    def draw(self) -> int:
-        at = self._at
-        if at + SCORE_BYTES > len(self._buf):
-            self._buf = os.urandom(SCORE_BYTES * RANDOM_BATCH)
-            at = 0
-        self._at = at + SCORE_BYTES
-        return int.from_bytes(self._buf[at : at + SCORE_BYTES], "big") >> SCORE_SHIFT
 
 
 class Batch:

@@ -3,20 +3,40 @@ and per process (GATE_ROOM_* settings, checked at start-up)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import orjson
 
 from gate.base import validate
 from gate.base.errors import invalid
 from gate.base.settings import SettingsError, env_float, env_int
 
-ROOM_FIELDS = {"admit_per_second", "admission_ttl_seconds", "prequeue_seconds"}
+ROOM_FIELDS = {
+    "admit_per_second",
+    "admission_ttl_seconds",
+    "prequeue_seconds",
+    "method",
+    "message",
+}
 ADMIT_PER_SECOND_MAX = 100_000
 TTL_SECONDS_MIN, TTL_SECONDS_MAX, TTL_SECONDS_DEFAULT = 10, 3600, 120
 PREQUEUE_SECONDS_MAX = 86_400
+# The admission order after the opening: join order, or the draw (docs/waiting-room.md).
+METHODS = ("fifo", "random")
+MESSAGE_TEXT_MAX = 280
+MESSAGE_LEVELS = ("info", "warning")
+
+
+@dataclass(frozen=True)
+class RoomMessage:
+    """What every ticket read shows the room's waiters."""
+
+    text: str
+    level: str = "info"
+
+    def view(self) -> dict[str, str]:
+        return {"text": self.text, "level": self.level}
 
 
 @dataclass(frozen=True)
@@ -24,26 +44,34 @@ class RoomConfig:
     admit_per_second: int
     admission_ttl_seconds: int = TTL_SECONDS_DEFAULT
     prequeue_seconds: int = 0
+    method: str = "fifo"
+    message: RoomMessage | None = None
 
-    def view(self) -> dict[str, int]:
+    def view(self) -> dict[str, Any]:
         return {
             "admit_per_second": self.admit_per_second,
             "admission_ttl_seconds": self.admission_ttl_seconds,
             "prequeue_seconds": self.prequeue_seconds,
+            "method": self.method,
+            "message": self.message.view() if self.message else None,
         }
 
     def to_column(self) -> str:
-        return orjson.dumps(self.view()).decode()
+        # ASCII (the column's character set): a message's other characters escaped.
+        return json.dumps(self.view(), ensure_ascii=True, separators=(",", ":"))
 
     @classmethod
     def from_column(cls, raw: str | bytes | None) -> RoomConfig | None:
         if raw is None:
             return None
-        data = orjson.loads(raw)
+        data = json.loads(raw)
+        message = data.get("message")
         return cls(
             int(data["admit_per_second"]),
             int(data["admission_ttl_seconds"]),
             int(data["prequeue_seconds"]),
+            str(data.get("method", "fifo")),
+            RoomMessage(str(message["text"]), str(message["level"])) if message else None,
         )
 
 
@@ -71,10 +99,38 @@ def parse_room(value: Any) -> RoomConfig | None:
         prequeue_seconds=validate.integer(
             value, "prequeue_seconds", 0, PREQUEUE_SECONDS_MAX, default=0
         ),
+        method=parse_method(value),
+        message=parse_message(value.get("message")),
     )
 
 
-def room_view(raw: str | bytes | None) -> dict[str, int] | None:
+def parse_method(room: dict[str, Any]) -> str:
+    """`method`: "fifo" (the default) or "random"."""
+    method = room.get("method", "fifo")
+    if method not in METHODS:
+        raise invalid("'method' must be 'fifo' or 'random'.")
+    return str(method)
+
+
+def parse_message(value: Any) -> RoomMessage | None:
+    """`message`: null, or {"text": 1..280 characters, "level": "info" | "warning"}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid("'message' must be an object or null.")
+    validate.no_unknown(value, {"text", "level"})
+    text = value.get("text")
+    if not isinstance(text, str) or not 1 <= len(text) <= MESSAGE_TEXT_MAX:
+        raise invalid(f"'message.text' must be a string of 1..{MESSAGE_TEXT_MAX} characters.")
+    if any(ord(c) < 0x20 and c not in "\n\t" for c in text):
+        raise invalid("'message.text' must not hold control characters.")
+    level = value.get("level", "info")
+    if level not in MESSAGE_LEVELS:
+        raise invalid("'message.level' must be 'info' or 'warning'.")
+    return RoomMessage(text, str(level))
+
+
+def room_view(raw: str | bytes | None) -> dict[str, Any] | None:
     """The deal row's column as the admin view shows it."""
     room = RoomConfig.from_column(raw)
     return room.view() if room else None

@@ -343,6 +343,19 @@ def _schemas() -> dict[str, Any]:
                     "maximum": 86_400,
                     "default": 0,
                 },
+                "method": {
+                    "type": "string",
+                    "enum": ["fifo", "random"],
+                    "default": "fifo",
+                    "description": "fifo: prequeue joiners in the draw's order"
+                    " (hmac-sha256(seed, ticket_id) ascending), later joiners in join order;"
+                    " random: every ticket in the draw's order (docs/waiting-room.md).",
+                },
+                "message": {
+                    "oneOf": [_ref("RoomMessage"), {"type": "null"}],
+                    "description": "Carried by every ticket read, through every gate process,"
+                    " from the first read after a change (null: none).",
+                },
             },
             ["admit_per_second"],
             additionalProperties=False,
@@ -369,6 +382,15 @@ def _schemas() -> dict[str, Any]:
                     "description": "Present only while admitted: send it as Admission-Token.",
                 },
                 "admission_expires_at": NULLABLE_TIMESTAMP,
+                "ticket_id": {
+                    "type": ["string", "null"],
+                    "description": "Opaque, unique per deal, stable: the ticket's entry in"
+                    " the fairness document's participants.",
+                },
+                "message": {
+                    "oneOf": [_ref("RoomMessage"), {"type": "null"}],
+                    "description": "The room's message to its waiters (null: none), as it is now.",
+                },
             },
             [
                 "deal_id",
@@ -380,7 +402,56 @@ def _schemas() -> dict[str, Any]:
                 "available_hint",
                 "admission_token",
                 "admission_expires_at",
+                "ticket_id",
+                "message",
             ],
+        ),
+        "RoomMessage": _object(
+            {
+                "text": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": 280,
+                    "description": "Characters (any language); no control characters but"
+                    " newline and tab.",
+                },
+                "level": {
+                    "type": "string",
+                    "enum": ["info", "warning"],
+                    "default": "info",
+                    "description": "How the buyer's page shows it.",
+                },
+            },
+            ["text"],
+            additionalProperties=False,
+        ),
+        "Fairness": _object(
+            {
+                "deal_id": {"type": "integer", "minimum": 1},
+                "method": {"type": "string", "enum": ["fifo", "random"]},
+                "commitment": {
+                    "type": "string",
+                    "description": "Hex SHA-256 of the seed: public from the room's creation.",
+                },
+                "seed": {
+                    "type": ["string", "null"],
+                    "description": "Hex, 32 bytes; null until revealed (fifo: at starts_at;"
+                    " random: at ends_at).",
+                },
+                "rule": {
+                    "type": "string",
+                    "const": "hmac-sha256(seed, ticket_id) ascending",
+                    "description": "The order: participants sorted by the hex HMAC-SHA256,"
+                    " keyed with the seed, of each ticket id.",
+                },
+                "participants": {
+                    "type": ["array", "null"],
+                    "items": {"type": "string"},
+                    "description": "The ticket ids drawn (fifo: the prequeue joiners;"
+                    " random: every ticket), in join order; null until revealed.",
+                },
+            },
+            ["deal_id", "method", "commitment", "seed", "rule", "participants"],
         ),
         "StockAdjustment": _object(
             {

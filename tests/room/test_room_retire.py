@@ -182,7 +182,15 @@ async def test_an_ended_sale_is_retired_after_its_admission_ttl(
     # ended, and gate check's counters balance at zero.
     room_hash = deal_keys(deal_id).room
     assert after == before - (room_keys - {room_hash})
-    assert set(await rds.hkeys(room_hash)) <= {"on", "aps", "ttl_ms", "pq_ms"}
+    assert set(await rds.hkeys(room_hash)) <= {
+        "on",
+        "aps",
+        "ttl_ms",
+        "pq_ms",
+        "method",
+        "msg",
+        "seed",
+    }
     assert await rds.zscore(ROOMS_RETIRING, str(deal_id)) is None
     gone = await quiet.get(f"/v1/deals/{deal_id}/queue", headers=buyer(BUYERS[3]))
     assert gone.status_code == 404 and gone.json()["code"] == "NO_TICKET", gone.text
