@@ -132,7 +132,7 @@ local max = tonumber(meta[5]) or 1
 -- A quantity above the maximum: anyone not in the buyers set is answered at once,
 -- before the sold-out state (the near-cache relies on it). A buyer of the deal makes
 -- the caller ask the database (a lost replay?), so the limiters judge that request
--- first (issue #12), as they do before the quota.
+-- first, as they do before the quota.
 local too_many = qty > max
 if too_many then
   if redis.call('SISMEMBER', KEYS[11], ARGV[1]) == 0 then

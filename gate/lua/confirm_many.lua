@@ -4,7 +4,7 @@
   for each, exactly what confirm.lua does for one: retire its admission token, log it
   as resolved, turn its idempotency marker into a "done" record pointing at the order,
   and move the Redis counts where the database took other buckets than Redis chose.
-  One call instead of one per reservation (docs/hotpath.md, "Issue #16").
+  One call instead of one per reservation (docs/hotpath.md).
 
   KEYS[1] meta            hash   {d:ID}:meta
   KEYS[2] buckets         hash   {d:ID}:b

@@ -2,7 +2,7 @@
 -- `gate migrate` re-applies this file (CREATE OR REPLACE) whenever its checksum
 -- changes; see docs/migrations.md.
 --
--- Since issue #12 (point 11) a provider payment id belongs to one order and one amount
+-- A provider payment id belongs to one order and one amount
 -- for good: an event naming a known payment with another order (any type) or, for
 -- payment.succeeded/authorized, another amount (unless the payment is a failed attempt
 -- recorded without one) is quarantined (payment_order_changed, payment_amount_changed)
@@ -131,7 +131,7 @@ proc: BEGIN
             LEAVE main;
         END IF;
         -- A known payment stays with its order and its amount: an event that says
-        -- otherwise would move money between orders (issue #12, point 11).
+        -- otherwise would move money between orders.
         IF v_p_status IS NOT NULL AND p_order_id IS NOT NULL
            AND NOT (v_p_order <=> p_order_id) THEN
             SET v_code = 3, v_outcome = 'quarantined', v_detail = 'payment_order_changed';
