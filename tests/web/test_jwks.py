@@ -44,7 +44,7 @@ ISSUER = "https://id.shop.example/"
 AUDIENCE = "gate-buyers"
 # How long a change of the served set may take to reach the gate (refresh: 1 s).
 PICKUP_SECONDS = 20.0
-USER_BASE = 7_700_000
+USER_BASE = 7_940_000  # a range no other test file uses (orders are counted per buyer)
 
 RSA_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 EC_KEY = ec.generate_private_key(ec.SECP256R1())
