@@ -13,10 +13,19 @@ from gate.base import validate
 from gate.base.errors import invalid
 from gate.base.settings import SettingsError, env_float, env_int
 
-ROOM_FIELDS = {"admit_per_second", "admission_ttl_seconds", "prequeue_seconds"}
+ROOM_FIELDS = {
+    "admit_per_second",
+    "admission_ttl_seconds",
+    "prequeue_seconds",
+    *("access", "challenge"),
+}
 ADMIT_PER_SECOND_MAX = 100_000
 TTL_SECONDS_MIN, TTL_SECONDS_MAX, TTL_SECONDS_DEFAULT = 10, 3600, 120
 PREQUEUE_SECONDS_MAX = 86_400
+# Who may join, and what a join costs (docs/waiting-room.md "Invite-only presales",
+# "Proof of work").
+ACCESS_VALUES = ("open", "codes")
+CHALLENGE_MIN_BITS_MAX, CHALLENGE_MAX_BITS_MAX = 24, 28
 
 
 @dataclass(frozen=True)
@@ -24,13 +33,29 @@ class RoomConfig:
     admit_per_second: int
     admission_ttl_seconds: int = TTL_SECONDS_DEFAULT
     prequeue_seconds: int = 0
+    # "codes": a join needs an access code (gate/room/gates.py).
+    access: str = "open"
+    # (min_bits, max_bits) of the join's proof of work, or None: no challenge.
+    challenge: tuple[int, int] | None = None
 
-    def view(self) -> dict[str, int]:
-        return {
+    def view(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "admit_per_second": self.admit_per_second,
             "admission_ttl_seconds": self.admission_ttl_seconds,
             "prequeue_seconds": self.prequeue_seconds,
         }
+        out.update(self.gates_view())
+        return out
+
+    def gates_view(self) -> dict[str, Any]:
+        """access and challenge, shown only when set (absent means an open room
+        without a challenge, as before they existed)."""
+        out: dict[str, Any] = {}
+        if self.access != "open":
+            out["access"] = self.access
+        if self.challenge is not None:
+            out["challenge"] = {"min_bits": self.challenge[0], "max_bits": self.challenge[1]}
+        return out
 
     def to_column(self) -> str:
         return orjson.dumps(self.view()).decode()
@@ -44,7 +69,35 @@ class RoomConfig:
             int(data["admit_per_second"]),
             int(data["admission_ttl_seconds"]),
             int(data["prequeue_seconds"]),
+            **_gates_from_column(data),
         )
+
+
+def _gates_from_column(data: dict[str, Any]) -> dict[str, Any]:
+    challenge = data.get("challenge")
+    return {
+        "access": str(data.get("access", "open")),
+        "challenge": (int(challenge["min_bits"]), int(challenge["max_bits"]))
+        if challenge
+        else None,
+    }
+
+
+def _parse_gates(value: dict[str, Any]) -> dict[str, Any]:
+    """The room's `access` ("open" | "codes", default open) and `challenge`
+    ({"min_bits": 0..24, "max_bits": min_bits..28} or null, default null)."""
+    access = value.get("access", "open")
+    if access not in ACCESS_VALUES:
+        raise invalid('\'access\' must be "open" or "codes".')
+    challenge = value.get("challenge")
+    if challenge is None:
+        return {"access": access, "challenge": None}
+    if not isinstance(challenge, dict):
+        raise invalid("'challenge' must be an object or null.")
+    validate.no_unknown(challenge, {"min_bits", "max_bits"})
+    low = validate.integer(challenge, "min_bits", 0, CHALLENGE_MIN_BITS_MAX)
+    high = validate.integer(challenge, "max_bits", low, CHALLENGE_MAX_BITS_MAX)
+    return {"access": access, "challenge": (low, high)}
 
 
 def parse_room(value: Any) -> RoomConfig | None:
@@ -71,10 +124,11 @@ def parse_room(value: Any) -> RoomConfig | None:
         prequeue_seconds=validate.integer(
             value, "prequeue_seconds", 0, PREQUEUE_SECONDS_MAX, default=0
         ),
+        **_parse_gates(value),
     )
 
 
-def room_view(raw: str | bytes | None) -> dict[str, int] | None:
+def room_view(raw: str | bytes | None) -> dict[str, Any] | None:
     """The deal row's column as the admin view shows it."""
     room = RoomConfig.from_column(raw)
     return room.view() if room else None

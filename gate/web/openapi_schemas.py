@@ -343,6 +343,31 @@ def _schemas() -> dict[str, Any]:
                     "maximum": 86_400,
                     "default": 0,
                 },
+                "access": {
+                    "type": "string",
+                    "enum": ["open", "codes"],
+                    "default": "open",
+                    "description": "codes: a join needs an access code (invite-only).",
+                },
+                "challenge": {
+                    "oneOf": [
+                        _object(
+                            {
+                                "min_bits": {"type": "integer", "minimum": 0, "maximum": 24},
+                                "max_bits": {
+                                    "type": "integer",
+                                    "minimum": 0,
+                                    "maximum": 28,
+                                    "description": "At least min_bits.",
+                                },
+                            },
+                            ["min_bits", "max_bits"],
+                            additionalProperties=False,
+                        ),
+                        {"type": "null"},
+                    ],
+                    "description": "A join's proof of work, priced by demand; null: none.",
+                },
             },
             ["admit_per_second"],
             additionalProperties=False,
