@@ -2,7 +2,7 @@
   room_challenge: what a join's proof of work costs now (gate/room/gates.py):
   the room's bounds and its demand, read together.
 
-  KEYS[1] room   hash  {d:ID}:room  on, pow_min, pow_max
+  KEYS[1] room   hash  {d:ID}:room  on, pow_min, pow_max (absent: no challenge)
   KEYS[2] queue  zset  {d:ID}:rq    the waiting tickets
   KEYS[3] meta   hash  {d:ID}:meta  avail (the mirror's)
 
@@ -19,8 +19,8 @@ local cfg = redis.call('HMGET', KEYS[1], 'on', 'pow_min', 'pow_max')
 if cfg[1] ~= '1' then
   return {5}
 end
-local low = tonumber(cfg[2]) or -1
-if low < 0 then
+local low = tonumber(cfg[2])
+if not low then
   return {15}
 end
 local n = tonumber(avail)

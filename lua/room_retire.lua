@@ -12,6 +12,10 @@
 
   KEYS[1] room  KEYS[2] queue  KEYS[3] tickets  KEYS[4] admitted  KEYS[5] expiry
   KEYS[6] window (the room_*.lua order)           KEYS[7] meta (the mirror's: end_ms)
+  KEYS[8] codes (the access codes' working copy; their home is the database).
+          Deleted with a removed room (setting a room to "codes" copies them back);
+          kept by an ended sale's room, which a sale extended later brings back
+          to life without a copy.
 
   Returns {1, 0}     deleted
           {0, due}   over, but not for another while: due (ms) is when it will be
@@ -36,5 +40,5 @@ if cfg[1] == '1' then
   redis.call('HDEL', KEYS[1], 'seq', 'aseq', 'last_ms', 'admitted', 'spent', 'lapsed')
   return {1, 0}
 end
-redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8])
 return {1, 0}

@@ -56,8 +56,9 @@
    10 ACCESS_CODE_REQUIRED  join, room "codes": no code     11 ACCESS_CODE_INVALID
    12 ACCESS_CODE_USED      the code is bound to another buyer
    13 CHALLENGE_REQUIRED    join, room with a challenge: none  14 CHALLENGE_INVALID (spent)
-  A join's gates are judged before anything is written; the code is bound to the
-  buyer and the challenge spent only when the join is answered with a ticket.
+  A join's gates are judged before anything is written (after the refusals that
+  write nothing either: 7, 8, 9); the code is bound to the buyer and the challenge
+  spent only when the join is answered with a ticket.
   A read (or a repeated join) records when the next one is welcome: polling
   faster than poll_after_ms advises (less 20 % for jitter) is refused.
 ]]
@@ -97,7 +98,7 @@ local prequeue = start_ms > 0 and now_ms < start_ms
 local floor_ms, ceil_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 
 local need_code = cfg[4] == '1'
-local need_pow = (tonumber(cfg[5]) or -1) >= 0
+local need_pow = cfg[5] ~= false
 
 -- A join's gates, before any write: nil when the buyer may go on, else the refusal.
 local function gates(user, code, pow)
@@ -132,10 +133,6 @@ end
 -- so a buyer named twice in one call is answered as two calls one after the other.
 -- (`access` and `proof`: the buyer's code hash and challenge; `code` is the state.)
 local function ticket(user, drawn, access, proof)
-  if join then
-    local refused = gates(user, access, proof)
-    if refused then return refused end
-  end
   local record = redis.call('HGET', KEYS[3], user)
   local created = 0
   local joined_ms
@@ -148,11 +145,13 @@ local function ticket(user, drawn, access, proof)
     if ended then
       return {8}
     end
+    if prequeue and now_ms < start_ms - tonumber(cfg[3] or 0) then
+      return {7}
+    end
+    local refused = gates(user, access, proof)
+    if refused then return refused end
     local score
     if prequeue then
-      if now_ms < start_ms - tonumber(cfg[3] or 0) then
-        return {7}
-      end
       score = tonumber(drawn)
     else
       score = OPEN_BASE + redis.call('HINCRBY', KEYS[1], 'seq', 1)
@@ -174,6 +173,10 @@ local function ticket(user, drawn, access, proof)
     joined_ms = tonumber(joined_ms)
     if tonumber(next_poll) > now_ms then
       return {9, tonumber(next_poll) - now_ms}
+    end
+    if join then
+      local refused = gates(user, access, proof)
+      if refused then return refused end
     end
     if not ended then
       -- In the queue (waiting or sold out) or not; a queued ticket is never admitted

@@ -146,7 +146,7 @@ class JoinPasses:
     def parse(self, deal_id: int, user_id: int, body: bytes) -> JoinPass:
         """A join's body: empty (nothing proved), or {"access_code"?, "challenge"?,
         "nonce"?}. A malformed body is 400; a bad challenge 403 CHALLENGE_INVALID,
-        before any Redis call. Unknown fields are ignored (older bodies had none)."""
+        before any Redis call."""
         if not body or body.isspace():
             return NO_PASS
         try:
@@ -157,6 +157,9 @@ class JoinPasses:
             return NO_PASS
         if not isinstance(data, dict):
             raise invalid("The body must be a JSON object.")
+        unknown = sorted(set(data) - set(JOIN_FIELDS))
+        if unknown:
+            raise invalid(f"Unknown field(s): {', '.join(unknown)}.")
         code, challenge, nonce = (data.get(name) for name in JOIN_FIELDS)
         for name, value in zip(JOIN_FIELDS, (code, challenge, nonce), strict=True):
             if value is not None and not isinstance(value, str):
@@ -175,11 +178,19 @@ class JoinPasses:
         return JoinPass(code_hash, proof)
 
 
-def redis_fields(room: RoomConfig) -> dict[Any, Any]:
-    """The gates' fields of the room's Redis hash, as room_ticket.lua and
-    room_challenge.lua read them (-1: no challenge)."""
-    low, high = room.challenge if room.challenge is not None else (-1, -1)
-    return {"codes": "1" if room.access == "codes" else "0", "pow_min": low, "pow_max": high}
+# The gates' fields of the room's Redis hash (room_ticket.lua, room_challenge.lua).
+GATE_FIELDS = ("codes", "pow_min", "pow_max")
+
+
+def redis_fields(room: RoomConfig) -> tuple[dict[Any, Any], list[str]]:
+    """The gates' fields of the room's Redis hash to set, and those to delete: a room
+    without gates has none (its hash is as it was before they existed)."""
+    out: dict[Any, Any] = {}
+    if room.access == "codes":
+        out["codes"] = "1"
+    if room.challenge is not None:
+        out["pow_min"], out["pow_max"] = room.challenge
+    return out, [name for name in GATE_FIELDS if name not in out]
 
 
 def parse_codes(body: Any) -> list[str]:

@@ -28,6 +28,7 @@ _GATE_PROBLEMS = (
 _CODE = {"type": "string", "pattern": "^[A-Za-z0-9_-]{6,64}$"}
 _JOIN_BODY = {
     "type": "object",
+    "additionalProperties": False,
     "properties": {
         "access_code": {**_CODE, "description": "Needed when the room's access is codes."},
         "challenge": {

@@ -76,7 +76,7 @@ class RoomRetirer:
             deal_id = int(member)
             keys = deal_keys(deal_id)
             deleted, later = await self.runner.call(
-                "room_retire", (*keys.room_state, keys.meta), ()
+                "room_retire", (*keys.room_state, keys.meta, keys.room_codes), ()
             )
             if int(deleted):
                 metrics.RETIRED.inc()

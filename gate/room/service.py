@@ -293,6 +293,7 @@ class Room:
                 await retire.schedule(self.redis, deal_id)
             await self.redis.srem(ROOMS, deal_id)
             return
+        gate_fields, unset = redis_fields(room)
         await self.redis.hset(
             keys.room,
             mapping={
@@ -300,9 +301,11 @@ class Room:
                 "aps": room.admit_per_second,
                 "ttl_ms": room.admission_ttl_seconds * 1000,
                 "pq_ms": room.prequeue_seconds * 1000,
-                **redis_fields(room),
+                **gate_fields,
             },
         )
+        if unset:
+            await self.redis.hdel(keys.room, *unset)
         await self.redis.sadd(ROOMS, deal_id)
 
     async def before_sync(self, deal_id: int, mode: str) -> None:

@@ -4,6 +4,7 @@ with one. Real gate process, real Redis and MariaDB."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -161,6 +162,8 @@ async def test_join_needs_a_known_unbound_code(ac: Client, rds: aioredis.Redis) 
     problem(await join(ac, deal_id, 501, {"access_code": "invite-zzz"}), 403, "ACCESS_CODE_INVALID")
     problem(await join(ac, deal_id, 501, {"access_code": "bad code"}), 403, "ACCESS_CODE_INVALID")
     problem(await join(ac, deal_id, 501, {"access_code": 5}), 400, "INVALID_REQUEST")
+    problem(await join(ac, deal_id, 501, {"code": "invite-aaa"}), 400, "INVALID_REQUEST")
+    problem(await join(ac, deal_id, 501, ["invite-aaa"]), 400, "INVALID_REQUEST")
     r = await ac.post(f"/v1/deals/{deal_id}/queue", content=b"{not json", headers=buyer(501))
     problem(r, 400, "INVALID_REQUEST")
     # Refused joins wrote nothing: no ticket, no queue entry, no binding.
@@ -174,6 +177,7 @@ async def test_join_needs_a_known_unbound_code(ac: Client, rds: aioredis.Redis) 
     # The code's owner joins again with it: the same ticket, 200.
     again = await join(ac, deal_id, 501, {"access_code": "invite-aaa"})
     while again.status_code == 429:
+        await asyncio.sleep(0.05)
         again = await join(ac, deal_id, 501, {"access_code": "invite-aaa"})
     assert again.status_code == 200, again.text
     assert again.json()["joined_at"] == first.json()["joined_at"]

@@ -4,6 +4,7 @@ before anything is written otherwise. Real gate process, real Redis and MariaDB.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import time
@@ -77,6 +78,11 @@ async def join(client: Client, deal_id: int, user_id: int, body: Any = None) -> 
 async def solved(client: Client, deal_id: int, user_id: int) -> dict[str, str]:
     c = await get_challenge(client, deal_id, user_id)
     return {"challenge": c["challenge"], "nonce": solve(c["challenge"], c["bits"])}
+
+
+def unsolved(c: dict[str, Any]) -> str:
+    """A nonce that does not solve the challenge (a guess solves 1 in 2^bits)."""
+    return next(str(n) for n in range(100_000) if not solves(c["challenge"], str(n), c["bits"]))
 
 
 async def written(rds: aioredis.Redis, deal_id: int) -> dict[str, Any]:
@@ -184,12 +190,13 @@ async def test_challenge_field_is_validated(pc: Client) -> None:
 
 
 async def test_join_refusals_write_nothing(pc: Client, rds: aioredis.Redis) -> None:
-    deal_id = await create_deal(pc, stock=5, waiting_room=room(4, 8))
+    # Nobody is admitted (the sale opens in an hour): the queue is the joins' alone.
+    deal_id = await create_deal(pc, stock=5, starts_at=_at(3600), waiting_room=quiet_room(4, 8))
     other = await create_deal(pc, stock=5, waiting_room=room(4, 8))
     before = await written(rds, deal_id)
     mine = await get_challenge(pc, deal_id, 21)
     good = solve(mine["challenge"], mine["bits"])
-    wrong = next(str(n) for n in range(100_000) if not solves(mine["challenge"], str(n), 4))
+    wrong = unsolved(mine)
     theirs = await get_challenge(pc, deal_id, 22)
     elsewhere = await get_challenge(pc, other, 21)
     expired, _ = PASSES.mint(deal_id, 21, 4, now=time.time() - 121)
@@ -228,20 +235,26 @@ async def test_join_refusals_write_nothing(pc: Client, rds: aioredis.Redis) -> N
     assert set(after["tickets"]) == {"21"} and len(after["spent"]) == 1
     ttl_ms = await rds.pttl(after["spent"][0])
     assert 120_000 < ttl_ms <= 181_000
-    # Single use: the same solved challenge again is refused, and writes nothing.
+    # Single use: the same solved challenge again is refused, and writes nothing
+    # (once the poll advice allows another join: a join too soon is 429 first).
+    await asyncio.sleep(0.2)
     again = await join(pc, deal_id, 21, {"challenge": mine["challenge"], "nonce": good})
+    while again.status_code == 429:
+        await asyncio.sleep(0.05)
+        again = await join(pc, deal_id, 21, {"challenge": mine["challenge"], "nonce": good})
     problem(again, 403, "CHALLENGE_INVALID")
     assert await written(rds, deal_id) == after
     # A fresh one re-joins: the same ticket, 200.
     rejoin = await join(pc, deal_id, 21, await solved(pc, deal_id, 21))
     while rejoin.status_code == 429:
+        await asyncio.sleep(0.05)
         rejoin = await join(pc, deal_id, 21, await solved(pc, deal_id, 21))
     assert rejoin.status_code == 200, rejoin.text
     assert rejoin.json()["joined_at"] == first.json()["joined_at"]
 
 
 async def test_scripted_joiners_get_nothing(pc: Client, rds: aioredis.Redis) -> None:
-    deal_id = await create_deal(pc, stock=5, waiting_room=room(8, 12))
+    deal_id = await create_deal(pc, stock=5, starts_at=_at(3600), waiting_room=quiet_room(8, 12))
     before = await written(rds, deal_id)
     for user in range(300, 340):
         r = await join(
@@ -254,7 +267,7 @@ async def test_scripted_joiners_get_nothing(pc: Client, rds: aioredis.Redis) -> 
         problem(await join(pc, deal_id, user), 403, "CHALLENGE_REQUIRED")
         c = await get_challenge(pc, deal_id, user)
         problem(
-            await join(pc, deal_id, user, {"challenge": c["challenge"], "nonce": "0"}),
+            await join(pc, deal_id, user, {"challenge": c["challenge"], "nonce": unsolved(c)}),
             403,
             "CHALLENGE_INVALID",
         )
