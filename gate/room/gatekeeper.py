@@ -22,7 +22,7 @@ from gate.room.gates import (
     parse_codes,
     too_many_codes,
 )
-from gate.room.service import iso_ms
+from gate.room.service import iso_ms, ticket_failed
 from gate.stock.mirror import Mirror
 from gate.stock.room_config import RoomConfig
 from gate.store.db import Database
@@ -70,7 +70,11 @@ class RoomGates:
             )
             total = int((await cur.fetchone())[0])
             await cur.execute("COMMIT")
-        await self._copy(deal_id, hashes)
+        try:
+            await self._copy(deal_id, hashes)
+        except Exception as exc:
+            # The table has them: the same call again copies them (HSETNX).
+            raise ticket_failed(deal_id, exc) from None
         return {"added": total - before, "total": total}
 
     async def _copy(self, deal_id: int, hashes: list[str]) -> None:
@@ -134,7 +138,11 @@ class RoomGates:
 
     async def _demand(self, deal_id: int) -> list[Any]:
         k = deal_keys(deal_id)
-        reply: list[Any] = await self.runner.call(
-            "room_challenge", (k.room, k.room_queue, k.meta), ()
-        )
+        try:
+            reply: list[Any] = await self.runner.call(
+                "room_challenge", (k.room, k.room_queue, k.meta), ()
+            )
+        except Exception as exc:
+            # Redis down or slow: 503 OVERLOADED, counted and logged as a ticket's is.
+            raise ticket_failed(deal_id, exc) from None
         return reply
