@@ -176,10 +176,9 @@ class JoinPasses:
                 raise invalid(f"'{name}' must be a string.")
         code_hash = b""
         if code is not None:
-            # A code of the wrong shape can be no deal's: unknown, as the script says.
-            if not CODE_RE.fullmatch(code):
-                raise from_room(RoomCode.ACCESS_CODE_INVALID)
-            code_hash = self.code_hash(code).encode()
+            # A code of the wrong shape can be no deal's: a hash no code has, so the
+            # script answers it as unknown (and an open room ignores it, as any code).
+            code_hash = self.code_hash(code).encode() if CODE_RE.fullmatch(code) else b"-"
         proof = b""
         if challenge is not None or nonce is not None:
             if challenge is None or nonce is None:
