@@ -215,3 +215,19 @@ async def test_a_room_changed_to_codes_loads_them(ac: Client, rds: aioredis.Redi
     assert r.status_code == 200 and r.json()["waiting_room"]["access"] == "codes"
     problem(await join(ac, deal_id, 801), 403, "ACCESS_CODE_REQUIRED")
     assert (await join(ac, deal_id, 801, {"access_code": "later-code-1"})).status_code == 201
+
+
+async def test_a_code_raced_by_many_buyers_binds_to_one(ac: Client, rds: aioredis.Redis) -> None:
+    deal_id = await create_deal(ac, stock=10, waiting_room=ROOM)
+    assert (await add_codes(ac, deal_id, ["raced-code-1"])).status_code == 200
+    users = list(range(900, 930))
+    answers = await asyncio.gather(
+        *(join(ac, deal_id, u, {"access_code": "raced-code-1"}) for u in users)
+    )
+    won = [u for u, r in zip(users, answers, strict=True) if r.status_code == 201]
+    assert len(won) == 1, [r.status_code for r in answers]
+    for r in answers:
+        if r.status_code != 201:
+            problem(r, 403, "ACCESS_CODE_USED")
+    assert set(await rds.hkeys(deal_keys(deal_id).room_tickets)) == {str(won[0])}
+    assert list((await rds.hgetall(deal_keys(deal_id).room_codes)).values()) == [str(won[0])]
