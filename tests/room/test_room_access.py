@@ -231,3 +231,27 @@ async def test_a_code_raced_by_many_buyers_binds_to_one(ac: Client, rds: aioredi
             problem(r, 403, "ACCESS_CODE_USED")
     assert set(await rds.hkeys(deal_keys(deal_id).room_tickets)) == {str(won[0])}
     assert list((await rds.hgetall(deal_keys(deal_id).room_codes)).values()) == [str(won[0])]
+
+
+async def test_a_removed_room_sheds_its_codes_and_gets_them_back(
+    ac: Client, rds: aioredis.Redis
+) -> None:
+    deal_id = await create_deal(ac, stock=10, waiting_room=ROOM)
+    assert (await add_codes(ac, deal_id, ["shed-code-1"])).status_code == 200
+    codes_key = deal_keys(deal_id).room_codes
+    assert await rds.exists(codes_key)
+    url = f"/v1/admin/deals/{deal_id}/waiting-room"
+    json_null = {**ADMIN, "Content-Type": "application/json"}
+    assert (await ac.put(url, content=b"null", headers=json_null)).status_code == 200
+    # The retire loop (every 5 s) deletes a removed room's keys, its codes' copy too.
+    for _ in range(150):
+        if not await rds.exists(codes_key):
+            break
+        await asyncio.sleep(0.1)
+    assert not await rds.exists(codes_key)
+    assert (await ac.put(url, json=ROOM, headers=ADMIN)).status_code == 200
+    assert (
+        await rds.hgetall(codes_key) == {k: "" for k in await rds.hkeys(codes_key)}
+        and await rds.hlen(codes_key) == 1
+    )
+    assert (await join(ac, deal_id, 1001, {"access_code": "shed-code-1"})).status_code == 201
