@@ -49,19 +49,22 @@ async def measure(url: str, tickets: int, prequeue: bool) -> dict[str, float]:
             for user in range(first, min(tickets, first + BATCH)):
                 pipe.evalsha(
                     sha,
-                    6,
+                    7,
                     keys.room,
                     keys.room_queue,
                     keys.room_tickets,
                     keys.room_admitted,
                     keys.meta,
                     keys.room + ":draw",
+                    keys.room_codes,
                     "join",
                     1000,
                     10_000,
                     base + user,
                     secrets.randbits(50),
                     secrets.token_hex(16),
+                    "",  # an open room: no access code
+                    "",  # and no challenge
                 )
             await pipe.execute()
         elapsed = time.perf_counter() - started
