@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from gate.room.fairness import draw_key
 from gate.store.db import Database
 from gate.store.keys import deal_keys
 from tests.support import ADMIN, Client, GateProcess, Resp, buyer, create_deal
@@ -255,3 +256,37 @@ async def test_a_removed_room_sheds_its_codes_and_gets_them_back(
         and await rds.hlen(codes_key) == 1
     )
     assert (await join(ac, deal_id, 1001, {"access_code": "shed-code-1"})).status_code == 201
+
+
+async def test_a_random_room_with_codes_draws_only_admitted_joiners(
+    ac: Client, rds: aioredis.Redis
+) -> None:
+    message = {"text": "Invitation holders only.", "level": "info"}
+    room = {**ROOM, "method": "random", "message": message}
+    deal_id = await create_deal(ac, stock=10, waiting_room=room)
+    r = await ac.get(f"/v1/admin/deals/{deal_id}", headers=ADMIN)
+    assert r.json()["waiting_room"]["method"] == "random", r.text
+    assert r.json()["waiting_room"]["access"] == "codes", r.text
+    assert (await add_codes(ac, deal_id, ["draw-code-1", "draw-code-2"])).status_code == 200
+    draw = draw_key(deal_id)
+
+    # A refused join is neither drawn nor ticketed.
+    problem(await join(ac, deal_id, 1001), 403, "ACCESS_CODE_REQUIRED")
+    problem(
+        await join(ac, deal_id, 1001, {"access_code": "nope-nope-1"}), 403, "ACCESS_CODE_INVALID"
+    )
+    assert await rds.llen(draw) == 0
+    assert await rds.hlen(deal_keys(deal_id).room_tickets) == 0
+
+    tickets: dict[int, str] = {}
+    for user, code in ((1001, "draw-code-1"), (1002, "draw-code-2")):
+        r = await join(ac, deal_id, user, {"access_code": code})
+        assert r.status_code == 201, r.text
+        body = r.json()
+        assert body["state"] == "waiting" and body["message"] == message, body
+        tickets[user] = body["ticket_id"]
+    problem(await join(ac, deal_id, 1003, {"access_code": "draw-code-1"}), 403, "ACCESS_CODE_USED")
+    # Both joiners are in the draw, each code bound to its joiner.
+    assert sorted(await rds.lrange(draw, 0, -1)) == sorted(tickets.values())
+    codes = await rds.hgetall(deal_keys(deal_id).room_codes)
+    assert sorted(codes.values()) == ["1001", "1002"]
