@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-partitions": ("loadtest.bench_partitions", "one hot deal in 1 against 3 partitions"),
     "bench-queue": ("loadtest.bench_queue", "the queue mode benchmark"),
     "bench-room": ("loadtest.bench_room", "the waiting room's benchmark"),
+    "bench-challenge": (
+        "loadtest.bench_challenge",
+        "the room's proof of work: client cost by demand, verification's share",
+    ),
     "hotpath": ("loadtest.hotpath", "CPU per request of the hot paths, in process"),
     "ab-queued": ("loadtest.ab_queued", "queue mode's 202 at the edge, measured pair by pair"),
     "ab-ticket": (

@@ -22,7 +22,9 @@ User classes (each a scenario; mix them by naming several):
   LatePayer         (needs payments and the expiry sweeper) short holds that
                     expire while the buyer pays; the late payment must end PAID
                     (stock re-taken) or REFUND_PENDING/REFUNDED
-  WaitingRoomBuyer  joins a deal's waiting room, polls as advised,
+  WaitingRoomBuyer  joins a deal's waiting room (solving its proof-of-work challenge
+                    first when the room asks one: --room-min-bits/--room-max-bits
+                    give the room it creates one), polls as advised,
                     reserves with its admission token once admitted, or abandons a
                     share of the admissions (they lapse and return their slot); a
                     position that grows while waiting, an admitted ticket without
@@ -64,6 +66,7 @@ from locust import FastHttpUser, between, events, task
 from locust.exception import StopUser
 from locust.runners import WorkerRunner
 
+from gate.room.gates import solve
 from loadtest import webhooks
 from loadtest.record import NO_ANSWER, ORDERS_MAX, ClientRecord, OrderRef, acknowledged
 from loadtest.tokens import TokenMint
@@ -200,6 +203,20 @@ def _options(parser: Any) -> None:
         default=0.2,
         help="share of admitted buyers who never reserve",
     )
+    g.add_argument(
+        "--room-min-bits",
+        type=int,
+        env_var="LOADTEST_ROOM_MIN_BITS",
+        default=-1,
+        help="the room's challenge min_bits (-1: no challenge)",
+    )
+    g.add_argument(
+        "--room-max-bits",
+        type=int,
+        env_var="LOADTEST_ROOM_MAX_BITS",
+        default=-1,
+        help="the room's challenge max_bits (at least min_bits)",
+    )
 
 
 def _admin_post(host: str, token: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -212,6 +229,13 @@ def _admin_post(host: str, token: str, path: str, body: dict[str, Any]) -> dict[
     with urllib.request.urlopen(request, timeout=30) as resp:
         result: dict[str, Any] = orjson.loads(resp.read())
         return result
+
+
+def _room_challenge(opts: Any) -> dict[str, int] | None:
+    low = int(getattr(opts, "room_min_bits", -1))
+    if low < 0:
+        return None
+    return {"min_bits": low, "max_bits": max(low, int(opts.room_max_bits))}
 
 
 def _deal_body(role: str, opts: Any, users: int) -> dict[str, Any]:
@@ -228,7 +252,11 @@ def _deal_body(role: str, opts: Any, users: int) -> dict[str, Any]:
         body.update(
             stock=opts.stock,
             buckets=opts.buckets,
-            waiting_room={"admit_per_second": opts.room_rate, "admission_ttl_seconds": 10},
+            waiting_room={
+                "admit_per_second": opts.room_rate,
+                "admission_ttl_seconds": 10,
+                "challenge": _room_challenge(opts),
+            },
         )
     elif role == "queue":
         body.update(stock=opts.stock, buckets=opts.buckets, mode="queue")
@@ -810,6 +838,8 @@ class LatePayer(Payer):
 
 
 ROOM_POLLS_MAX = 200
+# Rooms that answered NO_CHALLENGE: their buyers join without asking again.
+ROOMS_WITHOUT_CHALLENGE: set[int] = set()
 ROOM_SOLD_OUT_POLLS_MAX = 3
 
 
@@ -819,13 +849,43 @@ class WaitingRoomBuyer(Buyer):
     weight = 10
     wait_time = between(0.0, 0.05)
 
+    def join_body(self, deal_id: int, user: int) -> dict[str, str] | None:
+        """A solved challenge when the room asks one (GET .../queue/challenge; a 409
+        NO_CHALLENGE is remembered per deal), else None."""
+        if deal_id in ROOMS_WITHOUT_CHALLENGE:
+            return None
+        with self.client.get(
+            f"/v1/deals/{deal_id}/queue/challenge",
+            headers=self.auth(user),
+            name="queue challenge",
+            catch_response=True,
+        ) as resp:
+            body = _json(resp)
+            if resp.status_code == 409 and body.get("code") == "NO_CHALLENGE":
+                resp.success()
+                ROOMS_WITHOUT_CHALLENGE.add(deal_id)
+                return None
+            if resp.status_code != 200:
+                resp.failure(f"{resp.status_code} {resp.text[:200]}")
+                return None
+            resp.success()
+        challenge, bits = str(body["challenge"]), int(body["bits"])
+        RUN.record.outcome(deal_id, f"challenge:{bits}_bits")
+        return {"challenge": challenge, "nonce": solve(challenge, bits)}
+
     def ticket(self, deal_id: int, user: int, join: bool) -> dict[str, Any] | None:
         method = self.client.post if join else self.client.get
+        extra: dict[str, Any] = {}
+        if join:
+            body = self.join_body(deal_id, user)
+            if body is not None:
+                extra["json"] = body
         with method(
             f"/v1/deals/{deal_id}/queue",
             headers=self.auth(user),
             name="queue join" if join else "queue poll",
             catch_response=True,
+            **extra,
         ) as resp:
             body = _json(resp)
             if resp.status_code in (200, 201) and body.get("state"):

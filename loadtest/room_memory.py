@@ -1,7 +1,7 @@
 """Bytes per waiting-room ticket, measured on a real Redis (docs/waiting-room.md).
 
 Fills one scratch deal's room with N tickets through the gate's own join script
-(lua/room_ticket.lua, pipelined), then reads MEMORY USAGE of the room's keys and
+(gate/lua/room_ticket.lua, pipelined), then reads MEMORY USAGE of the room's keys and
 the server's used_memory before and after, and deletes the scratch keys.
 
     python -m loadtest.room_memory --redis-url redis://127.0.0.1:6379/7 --tickets 1000000
@@ -29,7 +29,7 @@ BATCH = 5000
 async def measure(url: str, tickets: int, prequeue: bool) -> dict[str, float]:
     client = aioredis.Redis.from_url(url, decode_responses=True)
     keys = deal_keys(SCRATCH_DEAL)
-    everything = (keys.meta, *keys.room_state)
+    everything = (keys.meta, *keys.room_state, keys.room + ":draw", keys.room_codes)
     try:
         await client.delete(*everything)
         now_ms = int(time.time() * 1000)
@@ -49,19 +49,22 @@ async def measure(url: str, tickets: int, prequeue: bool) -> dict[str, float]:
             for user in range(first, min(tickets, first + BATCH)):
                 pipe.evalsha(
                     sha,
-                    6,
+                    7,
                     keys.room,
                     keys.room_queue,
                     keys.room_tickets,
                     keys.room_admitted,
                     keys.meta,
                     keys.room + ":draw",
+                    keys.room_codes,
                     "join",
                     1000,
                     10_000,
                     base + user,
                     secrets.randbits(50),
                     secrets.token_hex(16),
+                    "",  # an open room: no access code
+                    "",  # and no challenge
                 )
             await pipe.execute()
         elapsed = time.perf_counter() - started

@@ -40,6 +40,14 @@ class RoomCode(IntEnum):
     EARLY = 7
     ENDED = 8
     POLL_TOO_SOON = 9
+    # Join refusals of an invite-only room or a room with a challenge (gate/room/gates.py)
+    ACCESS_CODE_REQUIRED = 10
+    ACCESS_CODE_INVALID = 11
+    ACCESS_CODE_USED = 12
+    CHALLENGE_REQUIRED = 13
+    CHALLENGE_INVALID = 14
+    # lua/room_challenge.lua: the room asks no challenge
+    NO_CHALLENGE = 15
 
 
 class LimitCode(IntEnum):

@@ -19,6 +19,11 @@ _PROBLEMS: dict[str, tuple[int, str]] = {
     "NOT_FOUND": (404, "Not found"),
     "ADMISSION_REQUIRED": (403, "Admission required"),
     "ADMISSION_INVALID": (403, "Admission invalid"),
+    "ACCESS_CODE_REQUIRED": (403, "Access code required"),
+    "ACCESS_CODE_INVALID": (403, "Access code invalid"),
+    "ACCESS_CODE_USED": (403, "Access code used"),
+    "CHALLENGE_REQUIRED": (403, "Challenge required"),
+    "CHALLENGE_INVALID": (403, "Challenge invalid"),
     "NO_TICKET": (404, "No ticket"),
     "METHOD_NOT_ALLOWED": (405, "Method not allowed"),
     "REQUEST_TIMEOUT": (408, "Request timeout"),
@@ -27,6 +32,7 @@ _PROBLEMS: dict[str, tuple[int, str]] = {
     "IDEMPOTENCY_IN_PROGRESS": (409, "Request with this idempotency key in progress"),
     "CONFLICT": (409, "Conflict"),
     "NO_WAITING_ROOM": (409, "No waiting room"),
+    "NO_CHALLENGE": (409, "No challenge"),
     "PAYLOAD_TOO_LARGE": (413, "Payload too large"),
     "UNSUPPORTED_MEDIA_TYPE": (415, "Unsupported media type"),
     "IDEMPOTENCY_MISMATCH": (422, "Idempotency key reused with a different request"),
@@ -207,7 +213,35 @@ def from_room(code: RoomCode, detail: str = "") -> Problem:
             retry_after_seconds=max(1, -(-wait_ms // 1000)),
             extra={"scope": "poll", "retry_after_ms": wait_ms},
         )
+    gate = _ROOM_GATES.get(code)
+    if gate is not None:
+        return Problem(*gate, cacheable=True)
     raise AssertionError(f"room code {code!r} is not a refusal")
+
+
+# The refusals of a room's gates (access codes, proof of work): (code, detail).
+_ROOM_GATES: dict[RoomCode, tuple[str, str]] = {
+    RoomCode.ACCESS_CODE_REQUIRED: (
+        "ACCESS_CODE_REQUIRED",
+        'This waiting room is invite-only: join with {"access_code": "..."}.',
+    ),
+    RoomCode.ACCESS_CODE_INVALID: (
+        "ACCESS_CODE_INVALID",
+        "The access code is not one of this deal's.",
+    ),
+    RoomCode.ACCESS_CODE_USED: ("ACCESS_CODE_USED", "The access code is bound to another buyer."),
+    RoomCode.CHALLENGE_REQUIRED: (
+        "CHALLENGE_REQUIRED",
+        "Join with a solved challenge: GET .../queue/challenge, then"
+        ' {"challenge": "...", "nonce": "..."}.',
+    ),
+    RoomCode.CHALLENGE_INVALID: (
+        "CHALLENGE_INVALID",
+        "The challenge is wrong, expired, spent or another buyer's,"
+        " or the nonce does not solve it.",
+    ),
+    RoomCode.NO_CHALLENGE: ("NO_CHALLENGE", "This deal's waiting room asks no challenge."),
+}
 
 
 def from_db(code: DbCode) -> Problem:

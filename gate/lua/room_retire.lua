@@ -13,6 +13,10 @@
   KEYS[1] room  KEYS[2] queue  KEYS[3] tickets  KEYS[4] admitted  KEYS[5] expiry
   KEYS[6] window (the room_*.lua order)           KEYS[7] meta (the mirror's: end_ms)
   KEYS[8] draw (the ticket ids drawn: the fairness document's participants)
+  KEYS[9] codes (the access codes' working copy; their home is the database).
+          Deleted with a removed room (setting a room to "codes" copies them back);
+          kept by an ended sale's room, which a sale extended later brings back
+          to life without a copy.
 
   ARGV[1] how long an ended sale's draw list is kept, for the fairness document (ms)
 
@@ -41,5 +45,6 @@ if cfg[1] == '1' then
   redis.call('PEXPIRE', KEYS[8], tonumber(ARGV[1]))
   return {1, 0}
 end
-redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8])
+redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8],
+  KEYS[9])
 return {1, 0}

@@ -27,21 +27,25 @@
   order). A drawn ticket's id is appended to the draw list (KEYS[6]), which the
   fairness document reveals (gate/room/fairness.py).
 
-  KEYS[1] room       hash   {d:ID}:room  on, aps, ttl_ms, pq_ms, method, msg, seed,
-                                         seq, counters
+  KEYS[1] room       hash   {d:ID}:room  on, aps, ttl_ms, pq_ms, method, msg, codes,
+                                         pow_min, seed, seq, counters
   KEYS[2] queue      zset   {d:ID}:rq    user -> score (waiting tickets)
   KEYS[3] tickets    hash   {d:ID}:rt    user -> "joined_ms|next_poll_ms|ticket_id"
                                          (every ticket)
   KEYS[4] admitted   hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
   KEYS[5] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
   KEYS[6] draw       list   {d:ID}:room:draw  ticket ids drawn, in join order
+  KEYS[7] codes      hash   {d:ID}:rcodes  code HMAC -> "" (unbound) | user id
+  (and the challenges spent: strings KEYS[1] .. ":pow:" .. id, with a TTL)
 
   ARGV[1] "join" | "read"
   ARGV[2] poll_after_ms floor      ARGV[3] poll_after_ms ceiling
   then, per buyer (at least one):
     join: user id, the draw in [0, 2^50), the new ticket's id (both used only
           when the buyer has no ticket; an empty id: the caller lacks the room's
-          seed, answered NOT_LOADED so that it loads the room)
+          seed, answered NOT_LOADED so that it loads the room), the access code's
+          HMAC or "", the verified challenge "<id>|<expires_ms>" or "" (the gate
+          checked its signature, buyer, deal, expiry and solution: gate/room/gates.py)
     read: user id
   (The caller packs ARGV[1..3] once per deal: they come first.)
 
@@ -57,6 +61,12 @@
     7 EARLY          join: before starts_at - prequeue
     8 ENDED          join: the sale has ended (an existing ticket reads closed)
     9 POLL_TOO_SOON  read: sooner than the last answer advised; {9, wait ms}
+   10 ACCESS_CODE_REQUIRED  join, room "codes": no code     11 ACCESS_CODE_INVALID
+   12 ACCESS_CODE_USED      the code is bound to another buyer
+   13 CHALLENGE_REQUIRED    join, room with a challenge: none  14 CHALLENGE_INVALID (spent)
+  A join's gates are judged before anything is written (after the refusals that
+  write nothing either: 7, 8, 9); the code is bound to the buyer and the challenge
+  spent only when the join is answered with a ticket.
   A read (or a repeated join) records when the next one is welcome: polling
   faster than poll_after_ms advises (less 20 % for jitter) is refused.
 ]]
@@ -64,7 +74,7 @@ local OPEN_BASE = 1125899906842624  -- 2^50
 
 local join = ARGV[1] == 'join'
 local step = 1
-if join then step = 3 end
+if join then step = 5 end
 local count = (#ARGV - 3) / step
 local out = {}
 
@@ -77,7 +87,8 @@ local meta = redis.call('HMGET', KEYS[5], 'nb', 'avail', 'start_ms', 'end_ms')
 if not meta[1] then
   return all({4})
 end
-local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'pq_ms', 'method', 'msg')
+local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'pq_ms', 'method', 'msg', 'codes',
+  'pow_min')
 if cfg[1] ~= '1' then
   return all({5})
 end
@@ -97,9 +108,42 @@ if start_ms > now_ms then to_start = start_ms - now_ms end
 local prequeue = start_ms > 0 and now_ms < start_ms
 local floor_ms, ceil_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 
+local need_code = cfg[6] == '1'
+local need_pow = cfg[7] ~= false
+
+-- A join's gates, before any write: nil when the buyer may go on, else the refusal.
+local function gates(user, code, pow)
+  if need_code then
+    if code == '' then return {10} end
+    local bound = redis.call('HGET', KEYS[7], code)
+    if not bound then return {11} end
+    if bound ~= '' and bound ~= user then return {12} end
+  end
+  if need_pow then
+    if pow == '' then return {13} end
+    local id = string.match(pow, '^(%x+)|%d+$')
+    if not id or redis.call('EXISTS', KEYS[1] .. ':pow:' .. id) == 1 then return {14} end
+  end
+  return nil
+end
+
+-- The join got its ticket: the code is the buyer's, the challenge spent (kept a
+-- minute past its expiry, against gates whose clocks run behind).
+local function pass(user, code, pow)
+  if need_code then
+    redis.call('HSET', KEYS[7], code, user)
+  end
+  if need_pow then
+    local id, expires = string.match(pow, '^(%x+)|(%d+)$')
+    local ttl = math.max(60000, tonumber(expires) - now_ms + 60000)
+    redis.call('SET', KEYS[1] .. ':pow:' .. id, '1', 'PX', ttl)
+  end
+end
+
 -- One buyer's join or read. Its writes are made before the next buyer's look-ups,
 -- so a buyer named twice in one call is answered as two calls one after the other.
-local function ticket(user, drawn, ticket_id)
+-- (`access` and `proof`: the buyer's code hash and challenge; `code` is the state.)
+local function ticket(user, drawn, ticket_id, access, proof)
   local record = redis.call('HGET', KEYS[3], user)
   local created = 0
   local joined_ms, id
@@ -115,10 +159,12 @@ local function ticket(user, drawn, ticket_id)
     if ticket_id == '' then
       return {4}
     end
-    local score
     if prequeue and now_ms < start_ms - tonumber(cfg[3] or 0) then
       return {7}
     end
+    local refused = gates(user, access, proof)
+    if refused then return refused end
+    local score
     if prequeue or random then
       score = tonumber(drawn)
       redis.call('RPUSH', KEYS[6], ticket_id)
@@ -142,6 +188,10 @@ local function ticket(user, drawn, ticket_id)
     joined_ms = tonumber(joined_ms)
     if tonumber(next_poll) > now_ms then
       return {9, tonumber(next_poll) - now_ms}
+    end
+    if join then
+      local refused = gates(user, access, proof)
+      if refused then return refused end
     end
     if not ended then
       -- In the queue (waiting or sold out) or not; a queued ticket is never admitted
@@ -175,6 +225,7 @@ local function ticket(user, drawn, ticket_id)
   end
   -- Sold out: units may come back (a hold expires, a cancel), worth a slow poll.
 
+  if join then pass(user, access, proof) end
   redis.call('HSET', KEYS[3], user,
     joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)) .. '|' .. id)
   return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start,
@@ -183,6 +234,6 @@ end
 
 for i = 1, count do
   local at = 4 + (i - 1) * step
-  out[i] = ticket(ARGV[at], ARGV[at + 1], ARGV[at + 2])
+  out[i] = ticket(ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
 end
 return out

@@ -17,7 +17,9 @@ from gate.base.errors import not_found
 from gate.extensions import Extension
 from gate.room import openapi as room_openapi
 from gate.room.admission import RoomAdmission
-from gate.room.edge_lane import QueueLane, TicketEdge
+from gate.room.edge_lane import QueueLane, TicketEdge, join_body
+from gate.room.gatekeeper import RoomGates
+from gate.room.gates import CODES_BODY_MAX_BYTES, JoinPasses
 from gate.room.retire import RoomRetirer
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
@@ -40,6 +42,7 @@ SCRIPTS = (
     "room_retire",
     "room_retire_done",
     "room_fairness",
+    "room_challenge",
 )
 
 for (_path, _method), _operation in room_openapi.operations().items():
@@ -76,6 +79,9 @@ def install(gate: Gate) -> Extension:
         gate.settings.redis_flush_every,
     )
     room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire, gate.unknown_deals)
+    # Access codes and challenges (gate/room/gates.py), keyed like admission tokens.
+    passes = JoinPasses(gate.settings.admission_secret)
+    gatekeeper = RoomGates(gate.db, gate.mirror, gate.runner, passes)
     # One process at a time deletes retired rooms' keys (gate/room/retire.py).
     retirer = RoomRetirer(
         gate.redis,
@@ -85,7 +91,9 @@ def install(gate: Gate) -> Extension:
 
     async def join(request: Request) -> Response:
         user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
-        created, body = await room.ticket(_deal_id(request), user_id, "join")
+        deal_id = _deal_id(request)
+        passed = passes.parse(deal_id, user_id, await join_body(request.receive))
+        created, body = await room.ticket(deal_id, user_id, "join", passed)
         return json_response(body, 201 if created else 200)
 
     async def read(request: Request) -> Response:
@@ -102,7 +110,20 @@ def install(gate: Gate) -> Extension:
         deal_id = _deal_id(request)
         body = await read_json(request, gate.settings.body_max_bytes)
         await room.configure(deal_id, body)
+        if isinstance(body, dict) and body.get("access") == "codes":
+            # The codes may have been retired from Redis with an earlier room.
+            await gatekeeper.load_codes(deal_id)
         return json_response(await gate.deals.admin_view(deal_id))
+
+    async def challenge(request: Request) -> Response:
+        user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+        return json_response(await gatekeeper.challenge(_deal_id(request), user_id))
+
+    async def access_codes(request: Request) -> Response:
+        gate.admin_auth.check(request.headers.get("authorization"))
+        deal_id = _deal_id(request)
+        body = await read_json(request, CODES_BODY_MAX_BYTES)
+        return json_response(await gatekeeper.add_codes(deal_id, body))
 
     deal = "/v1/deals/{deal_id:id}"
     queue = [
@@ -115,14 +136,18 @@ def install(gate: Gate) -> Extension:
             *queue,
             Route(deal + "/queue/fairness", fairness, methods=["GET"]),
             Route("/v1/admin/deals/{deal_id:id}/waiting-room", configure, methods=["PUT"]),
+            Route(deal + "/queue/challenge", challenge, methods=["GET"]),
+            Route("/v1/admin/deals/{deal_id:id}/access-codes", access_codes, methods=["POST"]),
         ],
         workers=[room.run, retirer.run],
         on_stop=[wire.aclose],
-        inner_middleware=[Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue)],
-        edge=[TicketEdge(room, gate.buyer_auth, join) for join in (True, False)],
+        inner_middleware=[
+            Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue, passes=passes)
+        ],
+        edge=[TicketEdge(room, gate.buyer_auth, join, passes) for join in (True, False)],
         # The runner loads every script it holds at start-up (ScriptRunner.load).
         scripts=_scripts(),
-        before_sync=[room.before_sync],
+        before_sync=[room.before_sync, gatekeeper.before_sync],
         admission=RoomAdmission(tokens, gate.runner),
     )
 

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gate.base.codes import RoomCode
 from gate.base.errors import Encoded, Problem, not_found, overloaded
+from gate.room.gates import NO_PASS, JoinPass, JoinPasses
 from gate.room.service import Room, ticket_failed
 from gate.store.db import DbUnavailable
 from gate.web.auth import BuyerAuth
@@ -33,13 +34,24 @@ ROUTE_LABEL = "/v1/deals/{deal_id}/queue"
 PREFIX_LEN, SUFFIX_LEN = len(PREFIX), len(SUFFIX)
 # Up to 18 digits are below MAX_ID (gate/web/http_io.py IdConvertor does the same).
 SHORT_ID_DIGITS = 18
+# A join's body ({"access_code", "challenge", "nonce"}) is well under this.
+JOIN_BODY_MAX_BYTES = 4096
 
 
 class QueueLane:
-    def __init__(self, app: ASGIApp, *, room: Room, auth: BuyerAuth, routes: list[Route]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        room: Room,
+        auth: BuyerAuth,
+        routes: list[Route],
+        passes: JoinPasses,
+    ) -> None:
         self.app = app
         self.room = room
         self.auth = auth
+        self.passes = passes
         # method -> route ("POST": join, "GET": read)
         self.routes = {m: r for r in routes for m in (r.methods or ()) if m != "HEAD"}
 
@@ -68,11 +80,11 @@ class QueueLane:
                 scope["route"] = route
                 scope["endpoint"] = route.endpoint
                 scope["path_params"] = {"deal_id": deal_id}
-                await self._answer(scope, send, scope["method"] == "POST")
+                await self._answer(scope, receive, send, scope["method"] == "POST")
                 return
         await self.app(scope, receive, send)
 
-    async def _answer(self, scope: Scope, send: Send, join: bool) -> None:
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, join: bool) -> None:
         path = scope["path"]
         authorization: Any = None
         for name, value in scope["headers"]:
@@ -84,15 +96,37 @@ class QueueLane:
             deal_id: int = scope["path_params"]["deal_id"]
             if not 1 <= deal_id <= MAX_ID:
                 raise not_found("deal")
+            passed = NO_PASS
+            if join:
+                passed = self.passes.parse(deal_id, user_id, await join_body(receive))
         except Problem as problem:
             await send_answer(send, problem.encoded(path))
             return
-        await send_answer(send, await _ticket_answer(self.room, deal_id, user_id, join, path))
+        answer = await _ticket_answer(self.room, deal_id, user_id, join, path, passed)
+        await send_answer(send, answer)
 
 
-async def _ticket_answer(room: Room, deal_id: int, user_id: int, join: bool, path: str) -> Encoded:
+async def join_body(receive: Receive) -> bytes:
+    """A join's body, at most JOIN_BODY_MAX_BYTES (413 past it)."""
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return body
+        body += bytes(message.get("body", b""))
+        if len(body) > JOIN_BODY_MAX_BYTES:
+            raise Problem(
+                "PAYLOAD_TOO_LARGE", f"The body must be at most {JOIN_BODY_MAX_BYTES} bytes."
+            )
+        if not message.get("more_body", False):
+            return body
+
+
+async def _ticket_answer(
+    room: Room, deal_id: int, user_id: int, join: bool, path: str, passed: JoinPass = NO_PASS
+) -> Encoded:
     try:
-        created, body = await room.ticket(deal_id, user_id, "join" if join else "read")
+        created, body = await room.ticket(deal_id, user_id, "join" if join else "read", passed)
     except Problem as problem:
         return problem.encoded(path)
     except DbUnavailable:
@@ -116,26 +150,31 @@ class TicketEdge(EdgeRoute):
     The connection stays open until the answer is written, so a graceful shutdown
     waits for it as for a task; the wire's timeout bounds the wait."""
 
-    __slots__ = ("auth", "join", "room")
+    __slots__ = ("auth", "join", "passes", "room")
 
-    def __init__(self, room: Room, auth: BuyerAuth, join: bool) -> None:
+    def __init__(self, room: Room, auth: BuyerAuth, join: bool, passes: JoinPasses) -> None:
         super().__init__(b"POST" if join else b"GET", PREFIX.encode(), SUFFIX.encode(), ROUTE_LABEL)
         self.room = room
         self.auth = auth
         self.join = join
+        self.passes = passes
 
     def handle(self, req: EdgeRequest) -> None:
         user_id = self.auth.user_id(req.header(b"authorization"))
         if not 1 <= req.id <= MAX_ID:
             raise not_found("deal")
+        # A join's gates: a bad challenge is refused here, before Redis (gates.py).
+        passed = self.passes.parse(req.id, user_id, req.body) if self.join else NO_PASS
         if self.join and not self.room.has_seed(req.id):
             # The room's seed is learned once per deal and process (Room.ticket).
-            req.run(_ticket_answer(self.room, req.id, user_id, True, req.path))
+            req.run(_ticket_answer(self.room, req.id, user_id, True, req.path, passed))
             return
-        fut = self.room.start_ticket(req.id, user_id, self.join)
-        fut.add_done_callback(partial(self._settled, req, user_id), context=req.context)
+        fut = self.room.start_ticket(req.id, user_id, self.join, passed)
+        fut.add_done_callback(partial(self._settled, req, user_id, passed), context=req.context)
 
-    def _settled(self, req: EdgeRequest, user_id: int, fut: asyncio.Future[Any]) -> None:
+    def _settled(
+        self, req: EdgeRequest, user_id: int, passed: JoinPass, fut: asyncio.Future[Any]
+    ) -> None:
         try:
             # The wire fails its futures, never cancels them; a cancelled one is
             # answered all the same (every edge request gets exactly one answer).
@@ -146,7 +185,7 @@ class TicketEdge(EdgeRoute):
             if type(reply) is not list or reply[0] == RoomCode.NOT_LOADED:
                 if isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
                     raise ticket_failed(req.id, reply)
-                req.run(_ticket_answer(self.room, req.id, user_id, self.join, req.path))
+                req.run(_ticket_answer(self.room, req.id, user_id, self.join, req.path, passed))
                 return
             created, body = self.room.settle(req.id, user_id, reply)
             req.answer(json_answer(body, 201 if created else 200))

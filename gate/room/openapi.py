@@ -16,6 +16,33 @@ from gate.web.openapi_kit import (
 )
 
 _TICKET_PROBLEMS = ("UNAUTHORIZED", "NOT_FOUND", "RATE_LIMITED", "OVERLOADED")
+_GATE_PROBLEMS = (
+    "INVALID_REQUEST",
+    "PAYLOAD_TOO_LARGE",
+    "ACCESS_CODE_REQUIRED",
+    "ACCESS_CODE_INVALID",
+    "ACCESS_CODE_USED",
+    "CHALLENGE_REQUIRED",
+    "CHALLENGE_INVALID",
+)
+_CODE = {"type": "string", "pattern": "^[A-Za-z0-9_-]{6,64}$"}
+_JOIN_BODY = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "access_code": {**_CODE, "description": "Needed when the room's access is codes."},
+        "challenge": {
+            "type": "string",
+            "maxLength": 200,
+            "description": "From GET .../queue/challenge; needed when the room has one.",
+        },
+        "nonce": {
+            "type": "string",
+            "maxLength": 64,
+            "description": 'SHA-256(challenge + ":" + nonce) starts with `bits` zero bits.',
+        },
+    },
+}
 
 
 def operations() -> dict[tuple[str, str], dict[str, Any]]:
@@ -33,12 +60,21 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
             "operationId": "joinQueue",
             "security": BUYER,
             "parameters": [_param("DealId")],
+            "requestBody": {
+                "required": False,
+                "description": (
+                    "Empty for an open room without a challenge. At most 4 KiB. Checked"
+                    " before anything is written: a refused join leaves nothing behind."
+                ),
+                "content": {JSON: {"schema": _JOIN_BODY}},
+            },
             "responses": {
                 "201": _json(_ref("Ticket"), "Joined: the new ticket."),
                 "200": _json(_ref("Ticket"), "The buyer's existing ticket."),
-                **_problems(*_TICKET_PROBLEMS, "NO_WAITING_ROOM", "NOT_ACTIVE"),
+                **_problems(*_TICKET_PROBLEMS, *_GATE_PROBLEMS, "NO_WAITING_ROOM", "NOT_ACTIVE"),
             },
         },
+        **_gate_operations(),
         (deal + "/queue", "get"): {
             "tags": ["buyers"],
             "summary": "Read the buyer's ticket (poll no sooner than poll_after_ms).",
@@ -81,6 +117,83 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
             "responses": {
                 "200": _json(_ref("AdminDealView"), "The deal's admin view."),
                 **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
+            },
+        },
+    }
+
+
+def _gate_operations() -> dict[tuple[str, str], dict[str, Any]]:
+    """The challenge and the access codes (gate/room/gates.py)."""
+    return {
+        ("/v1/deals/{deal_id}/queue/challenge", "get"): {
+            "tags": ["buyers"],
+            "summary": "A proof-of-work challenge for this buyer's join, priced by demand.",
+            "description": (
+                "bits = clamp(min_bits + floor(log2(1 + waiting / max(1, available))),"
+                " min_bits, max_bits). Signed, bound to the buyer and the deal, single use,"
+                " valid 120 s."
+            ),
+            "operationId": "getChallenge",
+            "security": BUYER,
+            "parameters": [_param("DealId")],
+            "responses": {
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "challenge": {"type": "string"},
+                            "bits": {"type": "integer", "minimum": 0, "maximum": 28},
+                            "expires_at": {"type": "string", "format": "date-time"},
+                        },
+                        "required": ["challenge", "bits", "expires_at"],
+                    },
+                    "The challenge.",
+                ),
+                **_problems(
+                    "UNAUTHORIZED", "NOT_FOUND", "NO_WAITING_ROOM", "NO_CHALLENGE", "OVERLOADED"
+                ),
+            },
+        },
+        ("/v1/admin/deals/{deal_id}/access-codes", "post"): {
+            "tags": ["admin"],
+            "summary": "Add access codes to the deal (invite-only waiting room); stored hashed.",
+            "operationId": "addAccessCodes",
+            "security": ADMIN,
+            "parameters": [_param("DealId")],
+            "requestBody": {
+                "required": True,
+                "description": "1 to 10,000 codes. At most 1 MiB, application/json.",
+                "content": {
+                    JSON: {
+                        "schema": {
+                            "type": "object",
+                            "properties": {
+                                "codes": {
+                                    "type": "array",
+                                    "items": _CODE,
+                                    "minItems": 1,
+                                    "maxItems": 10_000,
+                                }
+                            },
+                            "required": ["codes"],
+                            "additionalProperties": False,
+                        }
+                    }
+                },
+            },
+            "responses": {
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "added": {"type": "integer", "minimum": 0},
+                            "total": {"type": "integer", "minimum": 0},
+                        },
+                        "required": ["added", "total"],
+                    },
+                    "Codes new to the deal, and the deal's codes in all.",
+                ),
+                **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "CONFLICT", "OVERLOADED"),
             },
         },
     }

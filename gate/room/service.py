@@ -27,6 +27,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from gate.base.codes import RoomCode
 from gate.base.errors import Problem, from_room, not_found, overloaded
 from gate.room import fairness, metrics, retire
+from gate.room.gates import NO_PASS, JoinPass, redis_fields
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Command, Wire
 from gate.stock.mirror import Mirror
@@ -104,7 +105,14 @@ def _ticket_keys(deal_id: int) -> tuple[str, ...]:
         k.room_admitted,
         k.meta,
         fairness.draw_key(deal_id),
+        k.room_codes,
     )
+
+
+def _pass_args(passed: JoinPass) -> bytes:
+    """A join's gate arguments in RESP: the code's hash, the challenge ("" each)."""
+    code, proof = passed.code_hash, passed.challenge
+    return b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(code), code, len(proof), proof)
 
 
 class Room:
@@ -139,17 +147,20 @@ class Room:
 
     # -- buyers -----------------------------------------------------------------------
 
-    async def ticket(self, deal_id: int, user_id: int, mode: str) -> tuple[bool, dict[str, Any]]:
-        """Join ("join") or read ("read") a ticket: (created, body)."""
+    async def ticket(
+        self, deal_id: int, user_id: int, mode: str, passed: JoinPass = NO_PASS
+    ) -> tuple[bool, dict[str, Any]]:
+        """Join ("join") or read ("read") a ticket: (created, body). `passed`: what the
+        join's body proved (gate/room/gates.py)."""
         join = mode == "join"
         if join and deal_id not in self._seeds:
             await self._learn_seed(deal_id)
-        reply = await self._ticket_call(deal_id, user_id, join)
+        reply = await self._ticket_call(deal_id, user_id, join, passed)
         if reply[0] == RoomCode.NOT_LOADED:
             await self._load(deal_id)
             if join:
                 await self._learn_seed(deal_id)
-            reply = await self._ticket_call(deal_id, user_id, join)
+            reply = await self._ticket_call(deal_id, user_id, join, passed)
             if reply[0] == RoomCode.NOT_LOADED:
                 raise overloaded("Deal state is being rebuilt; retry shortly.")
         return self.settle(deal_id, user_id, reply)
@@ -200,13 +211,15 @@ class Room:
         ticket_id = self._ticket_ids.new()
         return drawer.score(ticket_id), ticket_id
 
-    def start_ticket(self, deal_id: int, user_id: int, join: bool) -> asyncio.Future[Any]:
+    def start_ticket(
+        self, deal_id: int, user_id: int, join: bool, passed: JoinPass = NO_PASS
+    ) -> asyncio.Future[Any]:
         """The buyer's part of room_ticket.lua, sent with this loop turn's others; the
         future is its reply as the wire hands it over (a list, an error object, or
         the connection's failure). `ticket` awaits it; the edge settles it in a
         callback (gate/room/edge_lane.py), with no task."""
         if self.runner.cluster:
-            return self._cluster_ticket(deal_id, join, user_id)
+            return self._cluster_ticket(deal_id, join, user_id, passed)
         user = b"%d" % user_id
         if join:
             # Only a first join uses them (the script decides); made for every join.
@@ -220,11 +233,14 @@ class Room:
                 len(tid),
                 tid,
             )
+            member += _pass_args(passed)
         else:
             member = b"$%d\r\n%s\r\n" % (len(user), user)
         return self.wire.call(self._prefix(deal_id, join), member)
 
-    def _cluster_ticket(self, deal_id: int, join: bool, user_id: int) -> asyncio.Future[Any]:
+    def _cluster_ticket(
+        self, deal_id: int, join: bool, user_id: int, passed: JoinPass
+    ) -> asyncio.Future[Any]:
         """On Redis Cluster the deal's keys live on the node that owns its slot, which
         the wire's one connection does not know: the call goes through the script
         runner (routed by slot, redirects and NOSCRIPT handled there), one buyer per
@@ -233,7 +249,7 @@ class Room:
         floor, ceiling = self.settings.poll_min_ms, self.settings.poll_max_ms
         args: tuple[Any, ...] = ("join" if join else "read", floor, ceiling, user_id)
         if join:
-            args += self._new_ticket(deal_id)
+            args += (*self._new_ticket(deal_id), passed.code_hash, passed.challenge)
         inner = self.runner.call("room_ticket", keys, args)
         out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
@@ -303,21 +319,24 @@ class Room:
             sha = self.runner.scripts["room_ticket"].sha
             floor, ceiling = str(self.settings.poll_min_ms), str(self.settings.poll_max_ms)
             packed = (
-                # join: per buyer the user id, its draw score and ticket id; read: the id.
-                Command(sha, keys, ("join", floor, ceiling), 3),
+                # join: per buyer the user id, its draw score and ticket id, the
+                # access code's hash and the verified challenge; read: the id.
+                Command(sha, keys, ("join", floor, ceiling), 5),
                 Command(sha, keys, ("read", floor, ceiling), 1),
             )
             self._prefixes[deal_id] = packed
         return packed[0] if join else packed[1]
 
-    async def _ticket_call(self, deal_id: int, user_id: int, join: bool) -> list[Any]:
+    async def _ticket_call(
+        self, deal_id: int, user_id: int, join: bool, passed: JoinPass
+    ) -> list[Any]:
         try:
-            reply: Any = await self.start_ticket(deal_id, user_id, join)
+            reply: Any = await self.start_ticket(deal_id, user_id, join, passed)
             if type(reply) is not list:
                 if isinstance(reply, NoScriptError):
                     # Redis lost its scripts (a restart): nothing ran; load and call again.
                     await self.runner.load()
-                    reply = await self.start_ticket(deal_id, user_id, join)
+                    reply = await self.start_ticket(deal_id, user_id, join, passed)
                 if isinstance(reply, Exception):
                     raise reply
         except Exception as exc:
@@ -384,8 +403,12 @@ class Room:
             "ttl_ms": room.admission_ttl_seconds * 1000,
             "pq_ms": room.prequeue_seconds * 1000,
         }
+        gate_fields, unset = redis_fields(room)
         mapping.update(_fairness_fields(room, seed))
+        mapping.update(gate_fields)
         await self.redis.hset(keys.room, mapping=mapping)  # type: ignore[arg-type]
+        if unset:
+            await self.redis.hdel(keys.room, *unset)
         await self.redis.sadd(ROOMS, deal_id)
 
     async def before_sync(self, deal_id: int, mode: str) -> None:

@@ -18,6 +18,8 @@ ROOM_FIELDS = {
     "prequeue_seconds",
     "method",
     "message",
+    "access",
+    "challenge",
 }
 ADMIT_PER_SECOND_MAX = 100_000
 TTL_SECONDS_MIN, TTL_SECONDS_MAX, TTL_SECONDS_DEFAULT = 10, 3600, 120
@@ -26,6 +28,10 @@ PREQUEUE_SECONDS_MAX = 86_400
 METHODS = ("fifo", "random")
 MESSAGE_TEXT_MAX = 280
 MESSAGE_LEVELS = ("info", "warning")
+# Who may join, and what a join costs (docs/waiting-room.md "Invite-only presales",
+# "Proof of work").
+ACCESS_VALUES = ("open", "codes")
+CHALLENGE_MIN_BITS_MAX, CHALLENGE_MAX_BITS_MAX = 24, 28
 
 
 @dataclass(frozen=True)
@@ -46,15 +52,31 @@ class RoomConfig:
     prequeue_seconds: int = 0
     method: str = "fifo"
     message: RoomMessage | None = None
+    # "codes": a join needs an access code (gate/room/gates.py).
+    access: str = "open"
+    # (min_bits, max_bits) of the join's proof of work, or None: no challenge.
+    challenge: tuple[int, int] | None = None
 
     def view(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "admit_per_second": self.admit_per_second,
             "admission_ttl_seconds": self.admission_ttl_seconds,
             "prequeue_seconds": self.prequeue_seconds,
             "method": self.method,
             "message": self.message.view() if self.message else None,
         }
+        out.update(self.gates_view())
+        return out
+
+    def gates_view(self) -> dict[str, Any]:
+        """access and challenge, shown only when set (absent means an open room
+        without a challenge, as before they existed)."""
+        out: dict[str, Any] = {}
+        if self.access != "open":
+            out["access"] = self.access
+        if self.challenge is not None:
+            out["challenge"] = {"min_bits": self.challenge[0], "max_bits": self.challenge[1]}
+        return out
 
     def to_column(self) -> str:
         # ASCII (the column's character set): a message's other characters escaped.
@@ -72,7 +94,35 @@ class RoomConfig:
             int(data["prequeue_seconds"]),
             str(data.get("method", "fifo")),
             RoomMessage(str(message["text"]), str(message["level"])) if message else None,
+            **_gates_from_column(data),
         )
+
+
+def _gates_from_column(data: dict[str, Any]) -> dict[str, Any]:
+    challenge = data.get("challenge")
+    return {
+        "access": str(data.get("access", "open")),
+        "challenge": (int(challenge["min_bits"]), int(challenge["max_bits"]))
+        if challenge
+        else None,
+    }
+
+
+def _parse_gates(value: dict[str, Any]) -> dict[str, Any]:
+    """The room's `access` ("open" | "codes", default open) and `challenge`
+    ({"min_bits": 0..24, "max_bits": min_bits..28} or null, default null)."""
+    access = value.get("access", "open")
+    if access not in ACCESS_VALUES:
+        raise invalid('\'access\' must be "open" or "codes".')
+    challenge = value.get("challenge")
+    if challenge is None:
+        return {"access": access, "challenge": None}
+    if not isinstance(challenge, dict):
+        raise invalid("'challenge' must be an object or null.")
+    validate.no_unknown(challenge, {"min_bits", "max_bits"})
+    low = validate.integer(challenge, "min_bits", 0, CHALLENGE_MIN_BITS_MAX)
+    high = validate.integer(challenge, "max_bits", low, CHALLENGE_MAX_BITS_MAX)
+    return {"access": access, "challenge": (low, high)}
 
 
 def parse_room(value: Any) -> RoomConfig | None:
@@ -101,6 +151,7 @@ def parse_room(value: Any) -> RoomConfig | None:
         ),
         method=parse_method(value),
         message=parse_message(value.get("message")),
+        **_parse_gates(value),
     )
 
 

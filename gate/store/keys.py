@@ -47,6 +47,9 @@ class DealKeys:
     room_admitted: str  # hash: user -> "seq|admitted_ms|expires_ms" (unspent admissions)
     room_expiry: str  # zset: user -> expires_ms (unspent admissions)
     room_window: str  # zset: admission seq -> admitted_ms (the last second's admissions)
+    # hash: HMAC of an access code -> "" (unbound) or the user id it is bound to. The
+    # challenges spent are strings "{d:ID}:room:pow:<id>" with a TTL (room_ticket.lua).
+    room_codes: str
 
     def idempotency(self, user_id: int, key: str) -> str:
         return f"{self.tag}:k:{user_id}:{key}"
@@ -143,6 +146,7 @@ def _make_keys(deal_id: int, tag: str) -> DealKeys:
         room_admitted=f"{tag}:ra",
         room_expiry=f"{tag}:rx",
         room_window=f"{tag}:rw",
+        room_codes=f"{tag}:rcodes",
     )
 
 

@@ -356,6 +356,31 @@ def _schemas() -> dict[str, Any]:
                     "description": "Carried by every ticket read, through every gate process,"
                     " from the first read after a change (null: none).",
                 },
+                "access": {
+                    "type": "string",
+                    "enum": ["open", "codes"],
+                    "default": "open",
+                    "description": "codes: a join needs an access code (invite-only).",
+                },
+                "challenge": {
+                    "oneOf": [
+                        _object(
+                            {
+                                "min_bits": {"type": "integer", "minimum": 0, "maximum": 24},
+                                "max_bits": {
+                                    "type": "integer",
+                                    "minimum": 0,
+                                    "maximum": 28,
+                                    "description": "At least min_bits.",
+                                },
+                            },
+                            ["min_bits", "max_bits"],
+                            additionalProperties=False,
+                        ),
+                        {"type": "null"},
+                    ],
+                    "description": "A join's proof of work, priced by demand; null: none.",
+                },
             },
             ["admit_per_second"],
             additionalProperties=False,

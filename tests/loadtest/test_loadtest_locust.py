@@ -100,6 +100,11 @@ def test_a_waiting_room_run_passes_the_verifier(
         "60",
         "--room-rate",
         "20",
+        # The room asks a proof of work: every buyer solves one before joining.
+        "--room-min-bits",
+        "4",
+        "--room-max-bits",
+        "10",
         "--out",
         str(out),
         timeout_seconds=240,
@@ -110,8 +115,12 @@ def test_a_waiting_room_run_passes_the_verifier(
         rows = {row["Name"]: row for row in csv.DictReader(f)}
     assert int(rows["Aggregated"]["Failure Count"]) == 0
     assert "queue join" in rows and "queue poll" in rows and "reserve (admitted)" in rows
+    assert int(rows["queue challenge"]["Request Count"]) >= int(rows["queue join"]["Request Count"])
     record = ClientRecord.read(out / "client.json")
     room = record.deals["room"]
+    solved = {k: v for k, v in record.outcomes[room].items() if k.startswith("challenge:")}
+    assert solved and all(4 <= int(k[10:].split("_")[0]) <= 10 for k in solved), solved
+    assert not record.outcomes[room].get("ticket:CHALLENGE_INVALID")
     assert record.violations == []
     ordered = len([r for r in record.created if r[2] == room])
     assert 0 < ordered <= 30
