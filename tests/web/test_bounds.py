@@ -114,6 +114,9 @@ def _body_schema(doc: dict[str, Any], op: dict[str, Any]) -> tuple[str, dict[str
     if body is None:
         return None
     schema = body["content"]["application/json"]["schema"]
+    if "$ref" not in schema and schema.get("type") == "object":
+        # A body described in place (e.g. POST …/access-codes): named by its operation.
+        return op["operationId"], schema
     if "$ref" not in schema:
         # A nullable body (e.g. PUT …/waiting-room: the object or null): its object.
         refs = [s for s in schema.get("oneOf", schema.get("anyOf", [])) if "$ref" in s]
