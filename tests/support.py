@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -142,10 +143,29 @@ def redis_client(url: str, decode_responses: bool = True) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=decode_responses)
 
 
+# Ports for the suite's servers come from below the kernel's ephemeral range
+# (32768-60999 on Linux), so that no outgoing connection of the suite can take a port
+# between the moment it is chosen and the moment a gate binds it, and clear of the
+# fixed ports of the test clusters (Redis Cluster 18510+ and its bus 28510+, Galera
+# 18610+ and 13400+). The recent ones are not handed out again, so that two servers
+# started together (a gate's public port and its metrics listener) never share one.
+PORT_RANGE = (29000, 32700)
+_RECENT_PORTS: deque[int] = deque(maxlen=1024)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(1000):
+        port = random.randrange(*PORT_RANGE)
+        if port in _RECENT_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _RECENT_PORTS.append(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 def token(user_id: int, ttl_seconds: int = 3600, **extra: Any) -> str:
