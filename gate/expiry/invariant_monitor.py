@@ -232,7 +232,7 @@ class InvariantMonitor:
 
         A check reads every order and ledger row of its deal; back to back over a
         large database the checks held a MariaDB core for seconds at a time, in the
-        middle of a sale (docs/benchmarks.md, thirteenth session). Paced deal by deal,
+        middle of a sale. Paced deal by deal,
         no burst is longer than one deal's check."""
         while not stop.is_set():
             started = self.clock()

@@ -305,7 +305,7 @@ async def test_session_payment_notification_and_query(
     session = await provider.create_session(request, f"session-{request.order_id}")
     assert session.order_id == request.order_id
     assert session.redirect_url.startswith("https://qr.alipay.com/")
-    # precreate again (a retry, a second session call): the same QR code.
+    # precreate again (a retry that opens the payment session anew): the same QR code.
     again = await provider.create_session(request, f"session-{request.order_id}")
     assert again.redirect_url == session.redirect_url
     # Nothing to find before the buyer scanned.
