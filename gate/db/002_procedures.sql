@@ -2,7 +2,7 @@
 --
 -- Each procedure is one whole short transaction executed in one client round trip:
 -- the hot bucket row is locked only for the microseconds the server needs, never
--- across a network hop (DESIGN lever 2, measured ×2.7 on the DB alone).
+-- across a network hop (measured ×2.7 on the database alone).
 --
 -- Result codes (mirrored by gate.codes.DbCode):
 --   0 OK, 1 SOLD_OUT, 2 LIMIT_EXCEEDED, 3 DUPLICATE, 4 NOT_FOUND, 5 NOT_ACTIVE,

@@ -1,4 +1,4 @@
--- Expiry sweeper, version 1 (issue #5, docs/expiry.md).
+-- Expiry sweeper, version 1 (docs/expiry.md).
 --
 -- gate_expire_batch releases a whole batch of due holds in one round trip with
 -- set-based statements, so the server's work grows linearly with the batch: one

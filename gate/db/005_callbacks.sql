@@ -1,5 +1,4 @@
--- Gate payments, version 5: payment callbacks applied in groups (issue #4's speed
--- target, docs/benchmarks-callbacks.md).
+-- Gate payments, version 5: payment callbacks applied in groups (docs/benchmarks-callbacks.md).
 --
 -- The event logic of 003 moves, unchanged, into gate_payment_event_in_tx, which runs
 -- inside its caller's transaction and hands its result back in OUT parameters. Two

@@ -1,6 +1,5 @@
 -- Gate reservations, version 6: admitted reservations of one deal applied in groups
--- (group commit, DESIGN lever 5; issue #6's committed-reservations target,
--- docs/reservation-groups.md).
+-- (group commit, docs/reservation-groups.md).
 --
 -- gate_reserve_group takes the reservations one gate process gathered while its
 -- previous group of the deal was in the database, and applies them in one

@@ -1,4 +1,4 @@
--- Gate, version 7: identifiers compare exactly (issue #12, point 8).
+-- Gate, version 7: identifiers compare exactly.
 --
 -- Idempotency keys, provider event ids, payment ids, session ids and refund ids are
 -- case-sensitive, as they are in Redis (whose keys are bytes) and at the provider.

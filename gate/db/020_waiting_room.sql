@@ -1,5 +1,4 @@
--- Gate deals, version 20: the waiting room's configuration (issue #13,
--- docs/waiting-room.md).
+-- Gate deals, version 20: the waiting room's configuration (docs/waiting-room.md).
 --
 -- NULL: the deal has no waiting room. Otherwise the compact JSON object the admin
 -- API accepts, {"admit_per_second": n, "admission_ttl_seconds": n,

@@ -1,7 +1,7 @@
--- Gate, version 30: queue mode (issue #14, docs/queue-mode.md).
+-- Gate, version 30: queue mode (docs/queue-mode.md).
 --
 -- Schema only: a deal's selling mode ('sync', today's path, or 'queue': admitted in
--- Redis, answered 202, committed in the background by gate/queue/consumer.py through
+-- Redis, answered 202, committed in the background by gate/queuemode/consumer.py through
 -- gate_reserve_group), and the dead letters of queued requests whose commit failed
 -- GATE_QUEUE_ATTEMPTS_MAX times (their units were given back; a person decides).
 -- No routine changes: the queue commits through the existing procedures.

@@ -1,4 +1,4 @@
--- Gate, version 40: deal partitions (issue #15 point 5, docs/scale-out.md).
+-- Gate, version 40: deal partitions (docs/scale-out.md).
 --
 -- A hot deal may be spread over P Redis hash tags ("partitions"); partition k owns
 -- the buckets b with b MOD P = k. P is fixed when the deal is created (1 for every

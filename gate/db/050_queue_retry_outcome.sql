@@ -1,5 +1,5 @@
--- Gate, version 50: what `gate queue retry` got for a dead letter (issue #14,
--- docs/queue-mode.md "Dead letters").
+-- Gate, version 50: what `gate queue retry` got for a dead letter
+-- (docs/queue-mode.md "Dead letters").
 --
 -- retried_at alone could not tell a retry that ended from one whose command died
 -- between its claim and its answer: such a claim stranded the dead letter for good.

@@ -1,4 +1,4 @@
-"""Rooms do not leak memory (issue 36, point 7): a removed room's keys, and an ended
+"""Rooms do not leak memory: a removed room's keys, and an ended
 sale's room keys once its admission TTL has passed, are deleted by the retire loop
 (gate/room/retire.py), and nothing else of the deal is. Real gate processes, real
 Redis and MariaDB."""

@@ -1,5 +1,5 @@
 """Every header byte is handled: malformed bytes in any header the gate reads get the
-route's 4xx problem, never a 5xx (issue 36, point 3).
+route's 4xx problem, never a 5xx.
 
 The requests are generated from the routes: the OpenAPI document the gate serves
 names each operation's headers (its security scheme: Authorization; its header
