@@ -31,6 +31,7 @@ import redis.asyncio as aioredis
 from gate.base.metrics import sample_values
 from gate.base.settings import Settings
 from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.galera import LocalGalera
 from tests.support import (
     GALERA_RUN,
@@ -71,6 +72,8 @@ class Buyers:
     answered: list[tuple[float, float]] = field(default_factory=list)  # (sent, 201 at)
     sold_out: int = 0
     retried: Counter[str] = field(default_factory=Counter)
+    last: dict[str, str] = field(default_factory=dict)  # key -> the last answer not final
+    stuck: list[tuple[int, str]] = field(default_factory=list)  # (user, key) never answered
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -95,7 +98,10 @@ class Buyers:
                     return
                 assert r.status_code in (409, 429) or r.status_code >= 500, r.text
                 self.retried[f"{r.status_code} {code}"] += 1
-            assert time.monotonic() < deadline, f"buyer {key} never answered: {self.retried}"
+                self.last[key] = f"{r.status_code} {code} {r.text[:200]}"
+            if time.monotonic() >= deadline:
+                self.stuck.append((self.user_base + n, key))
+                return
             await asyncio.sleep(0.05)
 
     async def crowd(self, buyers: int, concurrency: int) -> None:
@@ -227,6 +233,30 @@ def gate_check(env: dict[str, str], deal_id: int) -> None:
     assert f"deal {deal_id}: OK" in done.stdout, done.stdout
 
 
+async def assert_none_stuck(buyers: Buyers, rds: aioredis.Redis, gates: list[GateProcess]) -> None:
+    """Every buyer got a definite answer; for one that did not, what Redis holds for
+    its key and what the gates logged about its admission token."""
+    if not buyers.stuck:
+        return
+    keys = deal_keys(buyers.deal_id)
+    told = []
+    for user, key in buyers.stuck[:3]:
+        record = await rds.get(keys.idempotency(user, key))
+        token = str(record).rsplit("|", 1)[-1] if record else ""
+        marker = await rds.hget(keys.inflight, token) if token else None
+        lines = [
+            line for gate in gates for line in gate.output().splitlines() if token and token in line
+        ]
+        told.append(
+            f"{key}: redis {record!r}, marker {marker!r}, last {buyers.last.get(key)!r},"
+            f" logged {lines[-8:]}"
+        )
+    raise AssertionError(
+        f"{len(buyers.stuck)} buyer(s) never answered within {BUYER_PATIENCE_SECONDS} s"
+        f" ({buyers.retried}): " + "; ".join(told)
+    )
+
+
 async def assert_kept(
     galera: LocalGalera,
     settings: Settings,
@@ -271,6 +301,7 @@ async def test_writer_killed_for_good_mid_sale_keeps_every_201(
     await asyncio.to_thread(cluster.kill, 0)
     killed_at = time.monotonic()  # node0's process is gone (reaped)
     await sale
+    await assert_none_stuck(buyers, rds, gates)
 
     resumed_seconds = buyers.first_201_sent_after(killed_at) - killed_at
     assert resumed_seconds < FAILOVER_SECONDS, (resumed_seconds, buyers.retried)
@@ -320,6 +351,7 @@ async def test_writer_restarted_rejoins_and_takes_the_writes_back(
         await buyers.wait_orders(count + 100)
     finally:
         await buyers.finish()
+    await assert_none_stuck(buyers, rds, gates)
     resumed_seconds = buyers.first_201_sent_after(killed_at) - killed_at
     assert resumed_seconds < FAILOVER_SECONDS, (resumed_seconds, buyers.retried)
     assert cluster.status(0).synced
@@ -358,5 +390,6 @@ async def test_a_writer_partitioned_away_is_treated_as_down(
         await buyers.wait_orders(len(buyers.orders) + 50)
     finally:
         await buyers.finish()
+    await assert_none_stuck(buyers, rds, gates)
     totals = await assert_kept(cluster, settings, db, rds, galera_env, buyers)
     assert totals["held"] == len(buyers.orders)
