@@ -108,7 +108,8 @@
 
   function queueSummary(q) {
     if (!q) return "–";
-    return q.mode + ", depth " + q.depth + (q.dead_letters ? ", " + q.dead_letters + " dead" : "");
+    const retry = q.dead_letters_waiting;
+    return q.mode + ", depth " + q.depth + (retry ? ", " + retry + " dead letter(s) to retry" : "");
   }
 
   function roomSummary(r) {
