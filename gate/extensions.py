@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
@@ -37,6 +37,31 @@ AREAS = (
     "gate.queuemode",
     "gate.console",
 )
+
+
+class ConsoleAction(Protocol):
+    """An area's console action, POST /console/api/deals/{id}/{name}: called after the
+    console checked the operator's session and CSRF token, with the request's JSON body
+    and the actor the ledger names ("console:<session prefix>"). Bad input raises its
+    Problem (400 and the like); returns the answer's body."""
+
+    async def __call__(self, deal_id: int, body: Any, actor: str) -> dict[str, Any]: ...
+
+
+class ConsolePanel(Protocol):
+    """An area's part of the live console (gate/console/, docs/console.md)."""
+
+    @property
+    def actions(self) -> Mapping[str, ConsoleAction]:
+        """Action name -> the action; a name must not be one of the console's own."""
+        ...
+
+    async def fields(self, deal_ids: list[int]) -> dict[int, dict[str, Any]]:
+        """Per shown deal (at most the snapshot's DEALS_SHOWN_MAX), the fields merged
+        into its snapshot entry; a deal the area has nothing for is left out. Called
+        once per snapshot (at most once a second per process): bounded reads, one
+        round trip per store for all the deals, never one per deal."""
+        ...
 
 
 @dataclass
@@ -67,6 +92,9 @@ class Extension:
     admission: AdmissionPort | None = None
     queue: QueuePort | None = None
     queued_orders: QueuedOrders | None = None
+    # The console's panels and actions of the area (gate/console/ reads them from
+    # every installed extension when it builds a snapshot or runs an action).
+    console_panels: list[ConsolePanel] = field(default_factory=list)
 
 
 def area_modules() -> list[ModuleType]:

@@ -8,7 +8,9 @@
     GET  /console/api/snapshot            the live numbers (gate/console/snapshot.py)
     GET  /console/api/deals/{id}/ledger   the deal's latest ledger rows, newest first
     GET  /console/api/deals/{id}/advice   bucket advice
-    POST /console/api/deals/{id}/{action} buckets | stock | window (+ areas' actions)
+    POST /console/api/deals/{id}/{action} buckets | stock | window, and the actions of
+                                          the areas' console panels (room_message,
+                                          retry_dead_letters)
 
 Off unless GATE_CONSOLE=1 (on by default with GATE_ENV=dev): then no route exists
 and /console is the usual 404. Every /console/api call but sign-in needs the signed
@@ -37,7 +39,7 @@ import importlib.resources
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,13 +61,11 @@ from gate.console.session import (
     unauthorized,
 )
 from gate.console.snapshot import Snapshots
-from gate.extensions import Extension
+from gate.extensions import ConsoleAction, Extension
 from gate.store.keys import console_revoked, console_sign_ins
 from gate.web.http_io import json_response, read_json
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from gate.base.settings import Settings
     from gate.runtime import Gate
 
@@ -171,8 +171,8 @@ class SignInLimiter:
             raise rate_limited("console_sign_in", self.SPEC, int(retry_ms))
 
 
-# An action: (gate, deal id, body, actor) -> the deal's admin view. Areas add theirs
-# (the waiting room's admission rate, the deal's mode) with register_action.
+# The console's own actions: (gate, deal id, body, actor) -> the deal's admin view.
+# Areas' actions come with their console panels (gate/extensions.py ConsolePanel).
 Action = Callable[["Gate", int, Any, str], Awaitable[dict[str, Any]]]
 
 
@@ -188,12 +188,17 @@ async def _window(gate: Gate, deal_id: int, body: Any, actor: str) -> dict[str, 
     return await gate.deals.set_window(deal_id, body, actor=actor)
 
 
-ACTIONS: dict[str, Action] = {"buckets": _rebucket, "stock": _stock, "window": _window}
+ACTIONS: Mapping[str, Action] = {"buckets": _rebucket, "stock": _stock, "window": _window}
 
 
-def register_action(name: str, action: Action) -> None:
-    """Add a console action (POST /console/api/deals/{id}/{name})."""
-    ACTIONS[name] = action
+def area_action(gate: Gate, name: str) -> ConsoleAction | None:
+    """An installed area's console action of that name (its ConsolePanel's), if any."""
+    for ext in gate.extensions:
+        for panel in ext.console_panels:
+            action = panel.actions.get(name)
+            if action is not None:
+                return action
+    return None
 
 
 def _static(name: str) -> bytes:
@@ -366,15 +371,26 @@ class Console:
             return json_response(await hook(self.gate, deal_id))
         return json_response(bucket_advice(view["totals"]["available"], view["bucket_count"]))
 
+    def _action(self, name: str) -> ConsoleAction | None:
+        own = ACTIONS.get(name)
+        if own is None:
+            return area_action(self.gate, name)
+        gate = self.gate
+
+        async def call(deal_id: int, body: Any, actor: str) -> dict[str, Any]:
+            return await own(gate, deal_id, body, actor)
+
+        return call
+
     async def act(self, request: Request) -> Response:
         session = await self.changing(request)
         deal_id = self._deal_id(request)
         name = request.path_params["action"]
-        action = ACTIONS.get(name)
+        action = self._action(name)
         if action is None:
             raise not_found("console action")
         body = await read_json(request, self.gate.settings.body_max_bytes)
-        view = await action(self.gate, deal_id, body, session.actor)
+        view = await action(deal_id, body, session.actor)
         # As the admin routes do: this process must not answer from a stale near-cache.
         self.gate.soldout.forget(deal_id)
         log.warning(

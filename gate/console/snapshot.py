@@ -7,6 +7,9 @@ shared by every open page of that process.
               database  one query: the newest DEALS_SHOWN_MAX deals with their bucket
                         rows (current layout), + SHOW GLOBAL STATUS (commits, lock waits)
               Redis     one pipeline: each shown deal's bucket counters
+              panels    each installed area's ConsolePanel.fields (gate/extensions.py):
+                        the waiting room's and queue mode's fields of the shown deals,
+                        one pipeline (and at most one query) per area
               metrics   this gate's Prometheus samples (every worker's files merged in
                         multi-process mode): reservations by outcome, latency
                         histogram, invariant breaches per deal from the continuous
@@ -22,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -54,12 +56,6 @@ _DB_STATUS = (
     "Innodb_row_lock_waits",
     "Innodb_row_lock_current_waits",
 )
-
-# Areas that add fields to a deal (the waiting room, the deal's mode) register a
-# function here: given the gate and the shown deal ids, a {deal id: {field: value}}
-# merged into each deal. The page shows those panels only when the fields exist.
-DealExtras = Callable[["Gate", list[int]], Awaitable[dict[int, dict[str, Any]]]]
-DEAL_EXTRAS: list[DealExtras] = []
 
 
 def _samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -174,14 +170,10 @@ class Snapshots:
         for deal in deals.values():
             deal["status"] = _status(deal, wall)
         await self._redis_buckets(deals)
-        for extra in DEAL_EXTRAS:
-            try:
-                for deal_id, fields in (await extra(gate, list(deals))).items():
-                    if deal_id in deals:
-                        deals[deal_id].update(fields)
-            except Exception as exc:
-                log.warning("console: a deal extra failed: %r", exc)
         timings["deals"] = round((time.monotonic() - now) * 1000, 2)
+        mark = time.monotonic()
+        await self._panels(deals)
+        timings["panels"] = round((time.monotonic() - mark) * 1000, 2)
         mark = time.monotonic()
         samples = _samples()
         timings["metrics"] = round((time.monotonic() - mark) * 1000, 2)
@@ -233,6 +225,22 @@ class Snapshots:
                 )
             for row in deal["bucket_rows"]:
                 row["redis_available"] = counters.get(row["bucket"])
+
+    async def _panels(self, deals: dict[int, dict[str, Any]]) -> None:
+        """The areas' fields of each shown deal (their ConsolePanels, gate/extensions.py),
+        asked together; a panel that fails leaves its fields out of this snapshot."""
+        panels = [p for ext in self.gate.extensions for p in ext.console_panels]
+        if not deals or not panels:
+            return
+        shown = list(deals)
+        answers = await asyncio.gather(*(p.fields(shown) for p in panels), return_exceptions=True)
+        for panel, answer in zip(panels, answers, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning("console: the %s panel failed: %r", type(panel).__name__, answer)
+                continue
+            for deal_id, fields in answer.items():
+                if deal_id in deals:
+                    deals[deal_id].update(fields)
 
     async def _db_status(self) -> dict[str, float]:
         try:

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from gate.base import validate
 from gate.base.errors import Problem, invalid, not_found
 from gate.extensions import Extension, Worker
+from gate.queuemode.console_panel import QueuePanel
 from gate.queuemode.consumer import QueueConsumer
 from gate.queuemode.service import MODES, QueueService, QueueSettings
 from gate.web.http_io import json_response, read_json
@@ -77,6 +78,7 @@ def install(gate: Gate) -> Extension:
         on_start=[service.modes.run_once],
         queue=service,
         queued_orders=service,
+        console_panels=[QueuePanel(gate)],
     )
 
 

@@ -53,10 +53,36 @@ class NoSuchDeal(Exception):
     pass
 
 
+async def queue_heads(redis: Any, deal_ids: list[int]) -> dict[int, tuple[int, float]]:
+    """Each deal's queue: (depth, age in seconds of its oldest entry), read in one
+    pipeline for all the deals."""
+    if not deal_ids:
+        return {}
+    from gate.store.keys import queue_keys
+    from gate.store.resp import text
+
+    pipe = redis.pipeline(transaction=False)
+    for deal_id in deal_ids:
+        stream = queue_keys(deal_id).stream
+        pipe.xlen(stream)
+        pipe.xrange(stream, "-", "+", count=1)
+    answers = await pipe.execute()
+    now = time.time()
+    out: dict[int, tuple[int, float]] = {}
+    for i, deal_id in enumerate(deal_ids):
+        depth, first = int(answers[2 * i]), answers[2 * i + 1]
+        age = 0.0
+        if depth and first:
+            # A stream entry's id starts with the Redis time it was added at (ms).
+            ms = int(text(first[0][0]).split("-")[0])
+            age = max(0.0, now - ms / 1000)
+        out[deal_id] = (depth, round(age, 3))
+    return out
+
+
 async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
     from gate.queuemode.consumer import GROUP
     from gate.store.keys import QUEUE_DEALS, queue_keys
-    from gate.store.resp import text
 
     redis = gate.redis
     if deal is not None:
@@ -82,15 +108,10 @@ async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
             deals,
         )
     }
+    heads = await queue_heads(redis, deals)
     for deal_id in deals:
         stream = queue_keys(deal_id).stream
-        depth = int(await redis.xlen(stream))
-        age = 0.0
-        if depth:
-            first: Any = await redis.xrange(stream, "-", "+", count=1)
-            if first:
-                ms = int(text(first[0][0]).split("-")[0])
-                age = max(0.0, time.time() - ms / 1000)
+        depth, age = heads[deal_id]
         consumers = pending = retrying = 0
         try:
             for c in await redis.xinfo_consumers(stream, GROUP):
@@ -105,7 +126,7 @@ async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
                 "deal_id": deal_id,
                 "mode": modes.get(deal_id, "?"),
                 "depth": depth,
-                "oldest_age_seconds": round(age, 3),
+                "oldest_age_seconds": age,
                 "consumers": consumers,
                 "pending": pending,
                 "retrying": retrying,
@@ -142,7 +163,7 @@ async def _dead_letters(gate: Any, deal: int | None) -> list[dict[str, Any]]:
     return [dict(zip(names, r, strict=True)) for r in rows]
 
 
-async def _retry(gate: Any, entry_id: int) -> tuple[int, str]:
+async def retry_dead_letter(gate: Any, entry_id: int) -> tuple[int, str]:
     from gate.base.errors import Problem
     from gate.reserve.request import ReserveRequest
 
@@ -275,7 +296,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
                     ],
                 )
                 return 0
-            code, message = await _retry(gate, args.entry_id)
+            code, message = await retry_dead_letter(gate, args.entry_id)
             print(message, file=sys.stdout if code == 0 else sys.stderr)
             return code
         finally:

@@ -17,6 +17,7 @@ from gate.base.errors import not_found
 from gate.extensions import Extension
 from gate.room import openapi as room_openapi
 from gate.room.admission import RoomAdmission
+from gate.room.console_panel import RoomPanel
 from gate.room.edge_lane import QueueLane, TicketEdge, join_body
 from gate.room.gatekeeper import RoomGates
 from gate.room.gates import CODES_BODY_MAX_BYTES, JoinPasses
@@ -149,6 +150,7 @@ def install(gate: Gate) -> Extension:
         scripts=_scripts(),
         before_sync=[room.before_sync, gatekeeper.before_sync],
         admission=RoomAdmission(tokens, gate.runner),
+        console_panels=[RoomPanel(gate, room)],
     )
 
 

@@ -175,6 +175,33 @@ CREATE_FIELDS = {
 }
 
 
+# A ledger note: an operator's action on a deal that moves no units (the waiting
+# room's message, a dead letter's retry), ledgered beside the stock changes so that a
+# deal's ledger names everything done to it. Its deltas are zero: the ledger's sums,
+# which `gate check` compares with the counters, are unchanged.
+NOTE_MAX_CHARS = 255
+
+
+async def ledger_note(cur: Any, deal_id: int, reason: str, actor: str, note: str) -> bool:
+    """Within the caller's transaction (its cursor): one zero-delta row on bucket 0,
+    its available units before and after as they are. False for a deal without
+    bucket rows (no such deal)."""
+    # A plain (consistent) read: the bucket row is not locked against the sale.
+    await cur.execute(
+        "SELECT available FROM deal_buckets WHERE deal_id = %s AND bucket = 0", (deal_id,)
+    )
+    row = await cur.fetchone()
+    if row is None:
+        return False
+    await cur.execute(
+        "INSERT INTO inventory_ledger (deal_id, bucket, d_total, d_available, d_held, d_sold,"
+        " available_before, available_after, reason, actor, note)"
+        " VALUES (%s, 0, 0, 0, 0, 0, %s, %s, %s, %s, %s)",
+        (deal_id, row[0], row[0], reason, actor, note[:NOTE_MAX_CHARS]),
+    )
+    return True
+
+
 class Deals:
     def __init__(self, db: Database, mirror: Mirror, unknown: UnknownDeals | None = None) -> None:
         self.db = db

@@ -226,7 +226,7 @@ async def test_actions_go_through_the_admin_functions_and_name_the_session(
         ("window", {"starts_at": "2099-01-02T00:00:00Z", "ends_at": "2099-01-01T00:00:00Z"}, 400),
         ("window", {"starts_at": "yesterday", "ends_at": None}, 400),
         ("window", {"starts_at": None}, 400),
-        ("room", {"admission_rate": 5}, 404),  # no waiting room on this build
+        ("room", {"admission_rate": 5}, 404),  # no such action
     ):
         r = await cc.post(f"{base}/{action}", json=body, headers=op.write())
         assert r.status_code == status, (action, body, r.text)
@@ -286,7 +286,8 @@ async def test_snapshot_is_computed_once_a_second_for_all_open_pages(
         (await db_available(db, deal_id)).values()
     )
     assert all(b["redis_available"] == b["available"] for b in deal["bucket_rows"])
-    assert deal["status"] == "live" and "mode" not in deal and "waiting_room" not in deal
+    # A sync deal without a room: no panel of queue mode or of the waiting room.
+    assert deal["status"] == "live" and "queue" not in deal and "waiting_room" not in deal
     rates = snap["gate"]["reservations_per_second"]
     assert set(rates) == {"created", "sold_out", "rate_limited", "unavailable"}
 

@@ -72,9 +72,9 @@
 
   function render(snap) {
     deals = new Map(snap.deals.map((d) => [d.id, d]));
-    const anyMode = snap.deals.some((d) => d.mode !== undefined);
+    const anyQueue = snap.deals.some((d) => d.queue !== undefined);
     const anyRoom = snap.deals.some((d) => d.waiting_room !== undefined);
-    document.querySelectorAll("#deals .opt-mode").forEach((el) => { el.hidden = !anyMode; });
+    document.querySelectorAll("#deals .opt-queue").forEach((el) => { el.hidden = !anyQueue; });
     document.querySelectorAll("#deals .opt-room").forEach((el) => { el.hidden = !anyRoom; });
     // Rows are kept and updated in place, so that a focused control keeps its focus
     // (keyboard users) while the numbers change every second.
@@ -92,11 +92,11 @@
       tr.setAttribute("aria-selected", String(d.id === selected));
       const cells = [d.status, (d.starts_at || "open") + " → " + (d.ends_at || "open"),
         d.total, d.sold, d.held, d.available, d.buckets,
-        d.mode ?? "–", d.waiting_room ? JSON.stringify(d.waiting_room) : "–",
+        queueSummary(d.queue), roomSummary(d.waiting_room),
         !d.invariant.checked ? "not checked yet" : d.invariant.ok ? "hold" : d.invariant.breaches + " breach(es)"];
       const tds = tr.querySelectorAll("td.v");
       cells.forEach((c, i) => { if (tds[i].textContent !== String(c)) tds[i].textContent = c; });
-      tds[7].hidden = !anyMode;
+      tds[7].hidden = !anyQueue;
       tds[8].hidden = !anyRoom;
       tds[9].className = "v " + (d.invariant.ok ? "ok" : "bad");
       shown.push(tr);
@@ -104,6 +104,17 @@
     for (const gone of rows.values()) gone.remove();
     shown.forEach((tr, i) => { if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null); });
     if (selected !== null) renderDetail(snap);
+  }
+
+  function queueSummary(q) {
+    if (!q) return "–";
+    const retry = q.dead_letters_waiting;
+    return q.mode + ", depth " + q.depth + (retry ? ", " + retry + " dead letter(s) to retry" : "");
+  }
+
+  function roomSummary(r) {
+    if (!r) return "–";
+    return r.waiting + " waiting" + (r.message ? " · message" : "");
   }
 
   function newRow(d) {
@@ -156,16 +167,32 @@
     $("r-latency").textContent = ms(g.latency_seconds.p50) + " / " + ms(g.latency_seconds.p99);
     text($("r-commits"), g.db_commits_per_second);
     $("r-locks").textContent = (g.db_lock_waits_per_second ?? "–") + " (" + (g.db_lock_waits_now ?? "–") + ")";
-    document.querySelectorAll(".panel.opt-room").forEach((el) => { el.hidden = d.waiting_room === undefined; });
-    document.querySelectorAll(".panel.opt-mode").forEach((el) => { el.hidden = d.mode === undefined; });
-    if (d.waiting_room !== undefined && d.waiting_room) {
-      text($("room-rate"), d.waiting_room.admission_rate);
-      text($("room-depth"), d.waiting_room.queue_depth);
-    }
-    if (d.mode !== undefined) text($("mode-now"), d.mode);
+    $("room-panel").hidden = !d.waiting_room;
+    $("queue-panel").hidden = !d.queue;
+    if (d.waiting_room) renderRoom(d.waiting_room);
+    if (d.queue) renderQueue(d.queue);
     drawChart(history.get(d.id) || []);
     drawBars(d.bucket_rows);
     if (Date.now() - lastLedger > LEDGER_EVERY_MS) loadLedger();
+  }
+
+  function renderRoom(r) {
+    text($("room-waiting"), r.waiting);
+    text($("room-admitted-rate"), r.admitted_per_second);
+    text($("room-lapses"), r.lapses);
+    text($("room-unspent"), r.unspent);
+    text($("room-aps"), r.admit_per_second + "/s");
+    text($("room-bits"), r.challenge_bits === null ? "no challenge" : r.challenge_bits);
+    text($("room-message"), r.message ? r.message.level + ": " + r.message.text : "none");
+  }
+
+  function renderQueue(q) {
+    text($("queue-mode"), q.mode);
+    text($("queue-depth"), q.depth);
+    text($("queue-age"), q.oldest_age_seconds + " s");
+    text($("queue-dead"), q.dead_letters);
+    text($("queue-dead-waiting"), q.dead_letters_waiting);
+    $("retry-button").disabled = q.dead_letters_waiting === 0;
   }
 
   function drawChart(points) {
@@ -247,6 +274,12 @@
   }
 
   function formBody(form) {
+    if (form.dataset.action === "room_message") {
+      // {"message": {"text", "level"}}, or null (an empty text) to remove it.
+      const words = form.querySelector("input[name=text]").value.trim();
+      const level = form.querySelector("select[name=level]").value;
+      return { message: words === "" ? null : { text: words, level } };
+    }
     const body = {};
     for (const input of form.querySelectorAll("input")) {
       if (input.type === "number") body[input.name] = input.value === "" ? null : Number(input.value);
@@ -265,7 +298,9 @@
     if (!ok) { $("action-result").textContent = "Cancelled."; return; }
     const r = await api("POST", "deals/" + selected + "/" + action, body);
     if (r.status === 200) {
-      $("action-result").textContent = "Done: " + action + " on deal #" + selected + ".";
+      const retried = r.data && r.data.retried !== undefined
+        ? " " + r.data.retried + " dead letter(s) retried, " + r.data.resubmitted + " re-submitted." : "";
+      $("action-result").textContent = "Done: " + action + " on deal #" + selected + "." + retried;
       $("action-result").className = "ok";
       form.reset();
       lastLedger = 0;
@@ -289,7 +324,7 @@
       await api("DELETE", "session");
       signedOut("Signed out.");
     });
-    for (const id of ["buckets-form", "stock-form", "window-form", "room-form", "mode-form"]) {
+    for (const id of ["buckets-form", "stock-form", "window-form", "room-message-form", "retry-form"]) {
       $(id).addEventListener("submit", act);
     }
     const r = await api("GET", "session");
