@@ -398,3 +398,52 @@ async def test_a_return_address_outside_return_origins_gets_nothing(
     seen = await on_page(driver, lambda s: s["error"] == "err_token", "no token")
     assert asked() == before
     assert csp_violations(driver) == []
+
+
+async def test_an_invite_only_room_asks_for_the_access_code(
+    driver: Any, page_gate: GateProcess, pc: Client, shop: Shop
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    deal_id = await create_deal(pc, stock=5, waiting_room=room(shop, access="codes"))
+    r = await pc.post(
+        f"/v1/admin/deals/{deal_id}/access-codes",
+        json={"codes": ["invite-page-0001", "invite-page-0002"]},
+        headers=ADMIN,
+    )
+    assert r.status_code == 200, r.text
+    # Another buyer holds the second code already.
+    c = await pc.get(f"/v1/deals/{deal_id}/queue/challenge", headers=buyer(7_300_401))
+    proof = {"challenge": c.json()["challenge"], "nonce": solve(c.json()["challenge"], 8)}
+    r = await pc.post(
+        f"/v1/deals/{deal_id}/queue",
+        json={**proof, "access_code": "invite-page-0002"},
+        headers=buyer(7_300_401),
+    )
+    assert r.status_code == 201, r.text
+    user = 7_300_402
+    await asyncio.to_thread(driver.get, "about:blank")
+    await asyncio.to_thread(
+        driver.get, link(page_gate, deal_id, token(user), f"{shop.origin}/return?order=9")
+    )
+    await on_page(driver, lambda s: s["error"] == "code_required", "the code asked for")
+
+    def enter(code: str) -> None:
+        box = driver.find_element(By.ID, "code")
+        box.clear()
+        box.send_keys(code)
+        driver.find_element(By.ID, "code-submit").click()
+
+    for code, refusal in (("not-a-code-000", "code_invalid"), ("invite-page-0002", "code_used")):
+        await asyncio.to_thread(enter, code)
+        await on_page(driver, lambda s, want=refusal: s["error"] == want, refusal)
+        r = await pc.get(f"/v1/deals/{deal_id}/queue", headers=buyer(user))
+        assert r.status_code == 404 and r.json()["code"] == "NO_TICKET", r.text
+    await asyncio.to_thread(enter, "invite-page-0001")
+    landed = await until(
+        lambda: driver.current_url if driver.current_url.startswith(shop.origin) else None,
+        "the shop's page",
+        lambda: shown(driver),
+    )
+    assert "#admission_token=" in landed
+    assert csp_violations(driver) == []

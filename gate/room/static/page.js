@@ -193,8 +193,9 @@
     return origins.includes(url.origin) ? url : null;
   }
 
-  async function call(method, path, body) {
-    const headers = { Authorization: "Bearer " + token };
+  // A call to the gate's own API; the buyer's token rides along unless `anonymous`.
+  async function call(method, path, body, anonymous) {
+    const headers = anonymous ? {} : { Authorization: "Bearer " + token };
     const init = { method, headers, cache: "no-store", credentials: "omit", referrerPolicy: "no-referrer" };
     if (body !== undefined) {
       headers["Content-Type"] = "application/json";
@@ -323,7 +324,7 @@
   }
 
   async function start() {
-    const r = await call("GET", `/room/${dealId}/config`);
+    const r = await call("GET", `/room/${dealId}/config`, undefined, true);
     if (r.status !== 200) return onProblem(r, start);
     config = r.data;
     setText("deal-title", String(config.title || ""));
