@@ -21,6 +21,7 @@ from gate.room.console_panel import RoomPanel
 from gate.room.edge_lane import QueueLane, TicketEdge, join_body
 from gate.room.gatekeeper import RoomGates
 from gate.room.gates import CODES_BODY_MAX_BYTES, JoinPasses
+from gate.room.page import BuyerPage
 from gate.room.retire import RoomRetirer
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
@@ -139,6 +140,7 @@ def install(gate: Gate) -> Extension:
             Route("/v1/admin/deals/{deal_id:id}/waiting-room", configure, methods=["PUT"]),
             Route(deal + "/queue/challenge", challenge, methods=["GET"]),
             Route("/v1/admin/deals/{deal_id:id}/access-codes", access_codes, methods=["POST"]),
+            *BuyerPage(gate.deals).routes(),
         ],
         workers=[room.run, retirer.run],
         on_stop=[wire.aclose],

@@ -75,6 +75,7 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
             },
         },
         **_gate_operations(),
+        **_page_operations(),
         (deal + "/queue", "get"): {
             "tags": ["buyers"],
             "summary": "Read the buyer's ticket (poll no sooner than poll_after_ms).",
@@ -194,6 +195,94 @@ def _gate_operations() -> dict[tuple[str, str], dict[str, Any]]:
                     "Codes new to the deal, and the deal's codes in all.",
                 ),
                 **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "CONFLICT", "OVERLOADED"),
+            },
+        },
+    }
+
+
+_PAGE_HEADERS_NOTE = (
+    " Served with a strict Content-Security-Policy (only the gate's own files and API,"
+    " no inline script or style, no framing), Referrer-Policy: no-referrer and"
+    " X-Content-Type-Options: nosniff."
+)
+
+
+def _page_operations() -> dict[tuple[str, str], dict[str, Any]]:
+    """The buyer page (gate/room/page.py): HTML and its files, and the room's
+    settings it reads. Public: the buyer's token stays in the page's fragment."""
+    return {
+        ("/room/{deal_id}", "get"): {
+            "tags": ["buyers"],
+            "summary": "The waiting room's page for buyers (HTML).",
+            "description": (
+                "The shop links here with `#token=<buyer token>&return=<URL>` in the"
+                " fragment (never sent to the server). The page joins the room, polls as"
+                " advised and, once admitted, sends the buyer to `return` with"
+                " `#admission_token=…`, only if return's origin is one of the room's"
+                ' return_origins (docs/waiting-room.md, "The buyer page").' + _PAGE_HEADERS_NOTE
+            ),
+            "operationId": "roomPage",
+            "parameters": [_param("DealId")],
+            "responses": {
+                "200": {
+                    "description": "The page (the same for every deal).",
+                    "content": {"text/html": {"schema": {"type": "string"}}},
+                },
+                **_problems("NOT_FOUND", "OVERLOADED"),
+            },
+        },
+        ("/room/{deal_id}/config", "get"): {
+            "tags": ["buyers"],
+            "summary": "What the buyer page needs of the deal's room (public).",
+            "description": (
+                "At most about a second old. NOT_FOUND: an unknown deal or a deal"
+                " without a waiting room."
+            ),
+            "operationId": "roomPageConfig",
+            "parameters": [_param("DealId")],
+            "responses": {
+                "200": _json(
+                    {
+                        "type": "object",
+                        "properties": {
+                            "deal_id": {"type": "integer", "minimum": 1},
+                            "title": {"type": "string"},
+                            "return_origins": {
+                                "type": "array",
+                                "items": {"type": "string"},
+                                "description": "Where the page may send an admitted buyer"
+                                " (empty: nowhere, the page refuses every return address).",
+                            },
+                            "access": {"type": "string", "enum": ["open", "codes"]},
+                        },
+                        "required": ["deal_id", "title", "return_origins", "access"],
+                    },
+                    "The room's settings for its page.",
+                ),
+                **_problems("NOT_FOUND", "OVERLOADED"),
+            },
+        },
+        ("/room/static/{name}", "get"): {
+            "tags": ["buyers"],
+            "summary": "The buyer page's files: page.js, pow.js (its Web Worker), page.css.",
+            "operationId": "roomPageFile",
+            "parameters": [
+                {
+                    "name": "name",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "enum": ["page.js", "pow.js", "page.css"]},
+                }
+            ],
+            "responses": {
+                "200": {
+                    "description": "The file (JavaScript or CSS)." + _PAGE_HEADERS_NOTE,
+                    "content": {
+                        "text/javascript": {"schema": {"type": "string"}},
+                        "text/css": {"schema": {"type": "string"}},
+                    },
+                },
+                **_problems("NOT_FOUND"),
             },
         },
     }

@@ -303,6 +303,11 @@ class Deals:
             raise not_found("deal")
         return deal.public(remaining)
 
+    async def cached(self, deal_id: int) -> Deal:
+        """The deal's row, at most PUBLIC_CACHE_SECONDS old; 404 for an unknown id (a
+        random one without the database). For reads that show a deal to buyers."""
+        return await self._cached(deal_id)
+
     async def _cached(self, deal_id: int) -> Deal:
         now = time.monotonic()
         hit = self._public.get(deal_id)

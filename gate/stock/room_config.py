@@ -4,6 +4,7 @@ and per process (GATE_ROOM_* settings, checked at start-up)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ ROOM_FIELDS = {
     "message",
     "access",
     "challenge",
+    "return_origins",
 }
 ADMIT_PER_SECOND_MAX = 100_000
 TTL_SECONDS_MIN, TTL_SECONDS_MAX, TTL_SECONDS_DEFAULT = 10, 3600, 120
@@ -32,6 +34,18 @@ MESSAGE_LEVELS = ("info", "warning")
 # "Proof of work").
 ACCESS_VALUES = ("open", "codes")
 CHALLENGE_MIN_BITS_MAX, CHALLENGE_MAX_BITS_MAX = 24, 28
+# Where the buyer page (gate/room/page.py) may send an admitted buyer: exact origins,
+# https only (http for the loopback names alone: a developer's shop). Bounded so a
+# room's JSON always fits the deal row's column (4096 ASCII characters).
+RETURN_ORIGINS_MAX = 16
+RETURN_ORIGIN_CHARS_MAX = 100
+_ORIGIN_RE = re.compile(
+    r"(?P<scheme>https?)://(?P<host>[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)*"
+    r"|\[::1\])(?::(?P<port>[0-9]{1,5}))?"
+)
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+DEFAULT_PORTS = {"https": 443, "http": 80}
+ROOM_COLUMN_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,8 @@ class RoomConfig:
     access: str = "open"
     # (min_bits, max_bits) of the join's proof of work, or None: no challenge.
     challenge: tuple[int, int] | None = None
+    # The buyer page's return addresses (origins as a browser's URL.origin writes them).
+    return_origins: tuple[str, ...] = ()
 
     def view(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -69,9 +85,11 @@ class RoomConfig:
         return out
 
     def gates_view(self) -> dict[str, Any]:
-        """access and challenge, shown only when set (absent means an open room
-        without a challenge, as before they existed)."""
+        """access, challenge and return_origins, shown only when set (absent means an
+        open room without a challenge or a buyer page, as before they existed)."""
         out: dict[str, Any] = {}
+        if self.return_origins:
+            out["return_origins"] = list(self.return_origins)
         if self.access != "open":
             out["access"] = self.access
         if self.challenge is not None:
@@ -105,6 +123,7 @@ def _gates_from_column(data: dict[str, Any]) -> dict[str, Any]:
         "challenge": (int(challenge["min_bits"]), int(challenge["max_bits"]))
         if challenge
         else None,
+        "return_origins": tuple(str(o) for o in data.get("return_origins", ())),
     }
 
 
@@ -125,6 +144,43 @@ def _parse_gates(value: dict[str, Any]) -> dict[str, Any]:
     return {"access": access, "challenge": (low, high)}
 
 
+def parse_return_origins(value: Any) -> tuple[str, ...]:
+    """`return_origins`: a list of at most 16 origins, each "https://host[:port]"
+    (or "http://" for localhost, 127.0.0.1 and [::1]), no path, no trailing slash;
+    stored as a browser's URL.origin writes it (host in lowercase, the scheme's
+    default port left out), duplicates once."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > RETURN_ORIGINS_MAX:
+        raise invalid(f"'return_origins' must be a list of at most {RETURN_ORIGINS_MAX} origins.")
+    found: dict[str, None] = {}
+    for i, origin in enumerate(value):
+        found[parse_origin(origin, f"return_origins[{i}]")] = None
+    return tuple(found)
+
+
+def parse_origin(origin: Any, name: str) -> str:
+    shape = (
+        f"'{name}' must be an origin such as \"https://shop.example\" or"
+        ' "https://shop.example:8443": https (http only for localhost, 127.0.0.1'
+        f" and [::1]), no path, at most {RETURN_ORIGIN_CHARS_MAX} characters."
+    )
+    if not isinstance(origin, str) or len(origin) > RETURN_ORIGIN_CHARS_MAX:
+        raise invalid(shape)
+    match = _ORIGIN_RE.fullmatch(origin.lower())
+    if match is None:
+        raise invalid(shape)
+    scheme, host, port = match["scheme"], match["host"], match["port"]
+    if scheme == "http" and host not in LOOPBACK_HOSTS:
+        raise invalid(shape)
+    if port is not None:
+        number = int(port)
+        if not 1 <= number <= 65535:
+            raise invalid(shape)
+        port = None if number == DEFAULT_PORTS[scheme] else str(number)
+    return f"{scheme}://{host}" + (f":{port}" if port else "")
+
+
 def parse_room(value: Any) -> RoomConfig | None:
     """The admin API's `waiting_room` value: null (no room) or the object; every
     failure a 400 naming the field."""
@@ -137,7 +193,7 @@ def parse_room(value: Any) -> RoomConfig | None:
         # Optional, but an integer when given (the contract's type): null is refused.
         if name in value and value[name] is None:
             raise invalid(f"'{name}' must be an integer (omit it for the default).")
-    return RoomConfig(
+    room = RoomConfig(
         admit_per_second=validate.integer(value, "admit_per_second", 1, ADMIT_PER_SECOND_MAX),
         admission_ttl_seconds=validate.integer(
             value,
@@ -152,7 +208,12 @@ def parse_room(value: Any) -> RoomConfig | None:
         method=parse_method(value),
         message=parse_message(value.get("message")),
         **_parse_gates(value),
+        return_origins=parse_return_origins(value.get("return_origins")),
     )
+    if len(room.to_column()) > ROOM_COLUMN_MAX:
+        # Only a long message of escaped characters with many long origins gets here.
+        raise invalid("The waiting room is too long: shorten its message or its return_origins.")
+    return room
 
 
 def parse_method(room: dict[str, Any]) -> str:

@@ -362,6 +362,23 @@ def _schemas() -> dict[str, Any]:
                     "default": "open",
                     "description": "codes: a join needs an access code (invite-only).",
                 },
+                "return_origins": {
+                    "oneOf": [
+                        {
+                            "type": "array",
+                            "maxItems": 16,
+                            "items": {
+                                "type": "string",
+                                "maxLength": 100,
+                                "pattern": "^https?://[^/?#]+$",
+                            },
+                        },
+                        {"type": "null"},
+                    ],
+                    "description": "Where the buyer page (GET /room/{deal_id}) may send an"
+                    " admitted buyer: origins such as https://shop.example (http only for"
+                    " localhost, 127.0.0.1 and [::1]); absent, null or empty: nowhere.",
+                },
                 "challenge": {
                     "oneOf": [
                         _object(

@@ -62,14 +62,16 @@ def _run(args: list[str], cwd: Path) -> str:
 
 
 def _data_files() -> set[str]:
-    """The package's Lua scripts and SQL files, as paths inside an archive."""
+    """The package's Lua scripts, SQL files and the buyer page's files, as paths
+    inside an archive."""
     found = {
         p.relative_to(ROOT).as_posix()
-        for folder in ("gate/lua", "gate/db")
+        for folder in ("gate/lua", "gate/db", "gate/room/static")
         for p in (ROOT / folder).rglob("*")
         if p.is_file()
     }
     assert "gate/lua/admit.lua" in found and "gate/db/001_schema.sql" in found
+    assert "gate/room/static/index.html" in found
     return found
 
 

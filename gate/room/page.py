@@ -1,0 +1,111 @@
+"""The waiting room's page for buyers (docs/waiting-room.md, "The buyer page").
+
+    shop ── link ──> GET /room/{deal_id}#token=<buyer JWT>&return=<shop URL>
+                     (the fragment never leaves the browser)
+    page ── GET /room/static/{page.js, pow.js, page.css}   (no other origin)
+         ── GET /room/{deal_id}/config ──> {"return_origins", "access", ...}
+            return's origin not among them ──> refused on the page, no token sent
+         ── GET  /v1/deals/{id}/queue/challenge ── solved in a Web Worker (pow.js)
+         ── POST /v1/deals/{id}/queue {challenge, nonce, access_code?}
+         ── GET  /v1/deals/{id}/queue   as often as poll_after_ms advises
+         ── admitted ──> location.assign(return#admission_token=…)
+
+The page is the same bytes for every deal: it reads the deal id from its path and
+the room's return origins from the config read, so every answer here is cached
+bytes but the config (the deal's row, at most a second old, gate/stock/deals.py,
+behind the unknown-deal guard: a random id costs no database statement).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gate.base.errors import not_found
+from gate.stock.room_config import RoomConfig
+from gate.web.http_io import json_response
+
+if TYPE_CHECKING:
+    from gate.stock.deals import Deals
+
+MAX_ID = 2**63 - 1
+STATIC_FILES = {
+    "page.js": "text/javascript; charset=utf-8",
+    "pow.js": "text/javascript; charset=utf-8",
+    "page.css": "text/css; charset=utf-8",
+}
+# Only the gate's own files and API: no inline script or style, no framing, no form
+# posts, no referrer (the page's address names the deal and nothing more).
+CSP = (
+    "default-src 'none'; script-src 'self'; worker-src 'self'; connect-src 'self';"
+    " style-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none';"
+    " frame-ancestors 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Cross-Origin-Opener-Policy": "same-origin",
+}
+# The page answers 404 once a room is removed: never kept by a cache. The assets are
+# the same for every deal and version-bound only to the installed gate.
+PAGE_HEADERS = {**SECURITY_HEADERS, "Cache-Control": "no-store"}
+STATIC_HEADERS = {**SECURITY_HEADERS, "Cache-Control": "public, max-age=300"}
+CONFIG_HEADERS = {**SECURITY_HEADERS, "Cache-Control": "no-store"}
+
+
+def _static(name: str) -> bytes:
+    return importlib.resources.files("gate.room").joinpath("static", name).read_bytes()
+
+
+class BuyerPage:
+    """GET /room/{deal_id}, its config read and its static files."""
+
+    def __init__(self, deals: Deals) -> None:
+        self.deals = deals
+        self._page = _static("index.html")
+        self._files = {name: _static(name) for name in STATIC_FILES}
+
+    async def _room(self, request: Request) -> tuple[int, str, RoomConfig]:
+        """The deal's id, title and room; 404 for an unknown deal (without the
+        database for a random id) or a deal without a room."""
+        deal_id = int(request.path_params["deal_id"])
+        if not 1 <= deal_id <= MAX_ID:
+            raise not_found("deal")
+        deal = await self.deals.cached(deal_id)
+        room = RoomConfig.from_column(deal.waiting_room)
+        if room is None:
+            raise not_found("waiting room")
+        return deal_id, deal.title, room
+
+    async def page(self, request: Request) -> Response:
+        await self._room(request)
+        return Response(self._page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+    async def config(self, request: Request) -> Response:
+        deal_id, title, room = await self._room(request)
+        body: dict[str, Any] = {
+            "deal_id": deal_id,
+            "title": title,
+            "return_origins": list(room.return_origins),
+            "access": room.access,
+        }
+        return json_response(body, headers=CONFIG_HEADERS)
+
+    async def static(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        body = self._files.get(name)
+        if body is None:
+            raise not_found("file")
+        return Response(body, media_type=STATIC_FILES[name], headers=STATIC_HEADERS)
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/room/{deal_id:id}", self.page, methods=["GET"]),
+            Route("/room/{deal_id:id}/config", self.config, methods=["GET"]),
+            Route("/room/static/{name:str}", self.static, methods=["GET"]),
+        ]
