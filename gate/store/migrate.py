@@ -12,8 +12,8 @@ Versioned files hold schema changes (and the data moves a change needs) and are
 append-only: a recorded file whose checksum changed stops the run. The one sanctioned
 exception is db/superseded.txt: `NNN old-checksum new-checksum` lines naming a former
 content of an applied file and the content that replaced it (the routines left
-002–006 for files of their own; header comments were reworded); a database that recorded the old checksum has the new one
-recorded instead, nothing re-run.
+002–006 for files of their own; header comments were reworded); a database that
+recorded the old checksum has the new one recorded instead, nothing re-run.
 Routines are repeatable (Flyway's idea): each lives once, in its own file, and an edit
 is deployed by `gate migrate` re-creating it. They run after every versioned file, so
 a routine may use any table; a versioned file must not call a routine.
