@@ -314,11 +314,6 @@ async def test_writer_killed_for_good_mid_sale_keeps_every_201(
     assert totals == {"total": stock, "available": 0, "held": stock, "sold": 0}
 
 
-# Known to fail now and then (1 run in 3 on a loaded 2-core machine): a buyer whose
-# request was in flight while the writer was killed and came back kept reading
-# IDEMPOTENCY_IN_PROGRESS / 503 past the test's retry window. Not understood yet
-# (docs/status.md); the test runs on every Galera run and reports XPASS or XFAIL.
-@pytest.mark.xfail(reason="an in-flight key can stay in progress past the window", strict=False)
 async def test_writer_restarted_rejoins_and_takes_the_writes_back(
     cluster: LocalGalera,
     gates: list[GateProcess],
