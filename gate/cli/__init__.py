@@ -236,6 +236,14 @@ def cmd_token(args: argparse.Namespace) -> int:
     from gate.web.auth import mint
 
     settings = checked_settings()
+    if not settings.jwt_hs256:
+        # The secret kept then is random: a token minted with it is refused by every gate.
+        print(
+            "gate: buyer tokens come from the identity provider (GATE_JWT_JWKS_FILE/URL);"
+            " gate token signs HS256 tokens only when GATE_JWT_SECRET is set",
+            file=sys.stderr,
+        )
+        return 2
     try:
         print(mint(settings.jwt_secret, args.user_id, args.ttl_seconds))
     except ValueError as exc:
@@ -278,7 +286,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "max_per_order": 2,
             }
         )
-        token = mint(gate.settings.jwt_secret, 42, 86_400)
+        token = (
+            mint(gate.settings.jwt_secret, 42, 86_400)
+            if gate.settings.jwt_hs256
+            else "<a token from your identity provider for buyer 42>"
+        )
         base = args.base_url
         print(f"Demo deal {deal['id']} created with {args.stock} units in {args.buckets} buckets.")
         print("Try it (buyer 42):")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -38,7 +39,7 @@ from gate.web.jwks import (
     JwksKeys,
     parse_jwks,
 )
-from tests.support import Client, GateProcess, base_env, create_deal, free_port, token
+from tests.support import GATE_BIN, Client, GateProcess, base_env, create_deal, free_port, token
 
 ISSUER = "https://id.shop.example/"
 AUDIENCE = "gate-buyers"
@@ -308,6 +309,18 @@ async def test_keys_from_a_file_and_no_hs256_without_its_secret(
         r = await reserve_with(client, deal, added)
         assert r.status_code == 201, r.text
         assert await orders_of(db, user) == 1 and await orders_of(db, user + 1) == 0
+        # `gate token` signs HS256 only: with no secret it refuses, rather than print
+        # a token every gate would answer 401.
+        minted = await asyncio.to_thread(
+            subprocess.run,
+            [GATE_BIN, "token", str(user)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert minted.returncode == 2 and not minted.stdout, minted.stdout
+        assert "GATE_JWT_SECRET" in minted.stderr, minted.stderr
     finally:
         await client.close()
         proc.stop()
