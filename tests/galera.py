@@ -292,6 +292,15 @@ class LocalGalera:
             proc.wait(10)
         self._kill_strays(self.node_dir(i))
 
+    def pause(self, i: int) -> None:
+        """SIGSTOP node i: it keeps its sockets (connections are accepted by the
+        kernel) and answers nothing, as a stalled host does. resume(i) before the
+        cluster's suspect timeout, or the others go on without it."""
+        os.kill(self.procs[i].pid, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        os.kill(self.procs[i].pid, signal.SIGCONT)
+
     def _kill_strays(self, under: Path) -> None:
         """Processes a node started that left its process group (a state-transfer
         script's rsync daemon): found by the node's own directory on their command

@@ -624,7 +624,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             env, "GATE_RESERVATION_DB_TIMEOUT_SECONDS", 10.0, 0.1, 120
         ),
         db_probe_interval_seconds=env_float(env, "GATE_DB_PROBE_INTERVAL_SECONDS", 1.0, 0.1, 5),
-        db_probe_timeout_seconds=env_float(env, "GATE_DB_PROBE_TIMEOUT_SECONDS", 1.0, 0.1, 4),
+        db_probe_timeout_seconds=env_float(env, "GATE_DB_PROBE_TIMEOUT_SECONDS", 1.0, 0.1, 2),
         db_writer_hold_down_seconds=env_float(
             env, "GATE_DB_WRITER_HOLD_DOWN_SECONDS", 30.0, 0, 3600
         ),

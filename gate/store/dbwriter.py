@@ -20,10 +20,15 @@ one writer (no certification conflicts between gates):
 
 A node seen for the first time counts as usable since its server started (its
 Uptime), so a process that starts while a node is in its hold-down after a restart
-agrees with the processes that saw it go. A node that fails is dropped within one
-probe interval plus one probe timeout (at most 9 s with the bounds the settings
-allow); it takes the writes back only after the hold-down, so a node that flaps does
-not drag the writers along with it.
+agrees with the processes that saw it go. A node that refuses connections or answers
+that it is unusable is dropped within one probe interval plus one probe timeout. The
+writer is dropped for merely not answering in time only when two probes in a row
+time out (the second follows the first at once): one late answer, as a load spike on
+the gate's host gives, would otherwise move this process alone to another node and
+keep it there for the hold-down, two writers for the cluster meanwhile. A dead or
+unreachable writer is then dropped within one interval plus two timeouts (3 s with
+the defaults, at most 9 s with the bounds the settings allow). A node takes the writes back only after the hold-down, so a node that
+flaps does not drag the writers along with it.
 
 A single host is never probed after start-up: there is nowhere to move to. At start
 (gate serve, Database.start) every host is probed once and a gate refuses to start
@@ -89,6 +94,7 @@ class NodeReport:
     uptime_seconds: float = 0.0
     version: str = ""
     members: str = ""  # wsrep_incoming_addresses: the primary component's nodes
+    timed_out: bool = False  # unreachable because it did not answer within the timeout
 
     @property
     def name(self) -> str:
@@ -162,6 +168,11 @@ async def probe_once(target: MysqlTarget, node: MysqlNode, timeout_seconds: floa
     return judge(node, variables, status)
 
 
+def _late(exc: BaseException) -> bool:
+    """Whether a probe failed for want of an answer in time (rather than a refusal)."""
+    return isinstance(exc, TimeoutError) or "timed out" in str(exc)
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if len(text) <= 160 else text[:157] + "..."
@@ -229,6 +240,8 @@ class WriterSelector:
         self.usable_since: dict[MysqlNode, float | None] = {}
         self._conns: dict[MysqlNode, Any] = {}
         self._poked = asyncio.Event()
+        # The writer, when its last probe timed out and it was kept (see _note).
+        self._late_writer: MysqlNode | None = None
         self._last_run = 0.0
         self._running = asyncio.Lock()
 
@@ -251,7 +264,7 @@ class WriterSelector:
             if conn is not None:
                 conn.close()
             self._conns.pop(node, None)
-            return NodeReport(node, False, f"unreachable: {_short(exc)}")
+            return NodeReport(node, False, f"unreachable: {_short(exc)}", timed_out=_late(exc))
         return judge(node, variables, status)
 
     async def run_once(self) -> MysqlNode | None:
@@ -275,6 +288,15 @@ class WriterSelector:
         node = report.node
         seen = node in self.usable_since
         self.reports[node] = report
+        if report.timed_out and node == self.writer and self._late_writer != node:
+            # The first probe of the writer in a row to time out: kept, and probed
+            # again at once (run()); a second timeout drops it.
+            self._late_writer = node
+            self._poked.set()
+            log.info("database writer %s did not answer its probe in time", report.name)
+            return
+        if node == self._late_writer:
+            self._late_writer = None
         if not report.usable:
             if self.usable_since.get(node) is not None:
                 log.warning("database node %s is unusable: %s", report.name, report.reason)

@@ -28,7 +28,7 @@ from gate.base.settings import MysqlTarget, SettingsError, load_settings
 from gate.stock.check import server_findings
 from gate.stock.janitor import Janitor
 from gate.store.db import Database, connect_kwargs
-from gate.store.dbwriter import NoWriter, choose, first_usable, judge
+from gate.store.dbwriter import NoWriter, WriterSelector, choose, first_usable, judge
 from gate.store.keys import owner_keys
 from gate.store.migrate import migrate, read_migrations
 from gate.store.process_lease import parse_thread_field, thread_field
@@ -109,6 +109,7 @@ def test_writer_settings_are_bounded() -> None:
     for name, value in (
         ("GATE_DB_PROBE_INTERVAL_SECONDS", "6"),
         ("GATE_DB_PROBE_TIMEOUT_SECONDS", "0"),
+        ("GATE_DB_PROBE_TIMEOUT_SECONDS", "2.5"),  # interval + 2 timeouts stay within 9 s
         ("GATE_DB_WRITER_HOLD_DOWN_SECONDS", "-1"),
     ):
         with pytest.raises(SettingsError, match=name):
@@ -470,6 +471,48 @@ async def test_the_pool_follows_the_writer(writable: LocalGalera) -> None:
         assert db.selector.status()[galera.hosts[0]] == "read-only"
     finally:
         await db.close()
+
+
+async def test_one_late_probe_keeps_the_writer_two_in_a_row_move_it(
+    writable: LocalGalera,
+) -> None:
+    """A writer that misses one probe's timeout (a load spike) keeps the writes; one
+    that misses two in a row (a stalled or unreachable host) loses them. The node is
+    stalled for real (SIGSTOP): it accepts connections and answers nothing. The
+    selector is driven by hand (no probe loop beside it)."""
+    galera = writable
+    if not galera.procs:
+        pytest.skip("the cluster was started by hand: its processes are not this run's")
+    moves: list[str] = []
+
+    async def moved(_old: object, new: tuple[str, int], _report: object) -> None:
+        moves.append(f"{new[0]}:{new[1]}")
+
+    selector = WriterSelector(load_settings(_env(galera)), moved)
+    first, second = galera.hosts[0], galera.hosts[1]
+    try:
+        await selector.run_once()
+        assert moves == [first]
+        galera.pause(0)
+        try:
+            await selector.run_once()
+        finally:
+            galera.resume(0)
+        assert moves == [first]
+        assert selector.status()[first].startswith("unreachable")
+        await selector.run_once()  # answered: the next late probe is a first one again
+        assert selector.status()[first] == "ok"
+        galera.pause(0)
+        try:
+            await selector.run_once()
+            assert moves == [first]
+            await selector.run_once()
+        finally:
+            galera.resume(0)
+        assert moves == [first, second]
+    finally:
+        selector.close()
+    _wait_state(galera, 0, synced=True)
 
 
 def _wait_state(galera: LocalGalera, i: int, synced: bool, timeout_seconds: float = 60) -> None:
