@@ -198,19 +198,22 @@ ensure_galera() {
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
 }
 
-# promtool checks the alert rules (tests/project/test_ops_monitoring.py). Debian ships it
-# only inside the prometheus package, which would also install a server; so the
-# package is downloaded and just the one binary unpacked under $STATE/bin.
+# promtool checks the alert rules (tests/project/test_ops_monitoring.py). Debian 13 ships
+# it as the package promtool; Debian 12 only inside the prometheus package, which would
+# also install a server. So the package is downloaded (promtool, else prometheus) and
+# just the one binary unpacked under $STATE/bin.
 ensure_promtool() {
   if [ -n "${PROMTOOL:-}" ] || command -v promtool >/dev/null 2>&1; then return 0; fi
   local bin="$STATE/bin/promtool"
   if [ ! -x "$bin" ]; then
     local tmp
     tmp=$(mktemp -d)
-    say "unpacking promtool from Debian's prometheus package"
-    if (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 \
-          || { as_root apt-get update -qq && apt-get download prometheus >/dev/null 2>&1; }; } \
-        && dpkg-deb -x prometheus_*.deb x && mkdir -p "$STATE/bin" \
+    say "unpacking promtool from Debian's promtool or prometheus package"
+    download_promtool() {
+      apt-get download promtool >/dev/null 2>&1 || apt-get download prometheus >/dev/null 2>&1
+    }
+    if (cd "$tmp" && { download_promtool || { as_root apt-get update -qq && download_promtool; }; } \
+        && dpkg-deb -x ./*.deb x && mkdir -p "$STATE/bin" \
         && cp x/usr/bin/promtool "$bin"); then :
     else say "promtool could not be fetched; the alert-rule tests will be skipped"; fi
     rm -rf "$tmp"
