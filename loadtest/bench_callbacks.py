@@ -54,7 +54,7 @@ import orjson
 from gate.base.settings import MysqlTarget, Secret, load_settings
 from gate.payments.signing import decode_secret, sign
 from gate.stock.check import check_deal
-from gate.store.db import Database
+from gate.store.db import Database, notes_off_blocking
 from gate.web.auth import mint
 from loadtest import procs, wrkrun
 
@@ -157,7 +157,7 @@ def reset_stores(mysql_url: str, redis_url: str) -> None:
     conn = connect(mysql_url)
     try:
         with conn.cursor() as cur:
-            cur.execute("SET SESSION sql_notes = 0")
+            notes_off_blocking(cur)
             cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")
             cur.execute(f"CREATE DATABASE `{target.database}`")
     finally:

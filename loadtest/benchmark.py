@@ -255,13 +255,13 @@ class Bench:
         async def drop() -> None:
             import aiomysql
 
-            from gate.store.db import connect_kwargs
+            from gate.store.db import connect_kwargs, notes_off
 
             target = MysqlTarget.parse(self.gate_mysql)
             conn = await aiomysql.connect(**connect_kwargs(target, 5, with_db=False))
             try:
                 async with conn.cursor() as cur:
-                    await cur.execute("SET SESSION sql_notes = 0")
+                    await notes_off(cur)
                     await cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")
             finally:
                 conn.close()

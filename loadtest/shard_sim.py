@@ -62,7 +62,7 @@ from gate.base.settings import Settings, load_settings
 from gate.reserve.request import fingerprint
 from gate.stock.check import check_deal
 from gate.stock.orders import new_id
-from gate.store.db import Database, connect_kwargs
+from gate.store.db import Database, connect_kwargs, notes_off
 from gate.store.migrate import migrate
 
 # Bounds: a simulation, not a benchmark; it must stay seconds long.
@@ -267,7 +267,7 @@ async def prepare(settings: Settings, base: str, shards: int) -> None:
     conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
     try:
         async with conn.cursor() as cur:
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             await cur.execute(
                 f"CREATE DATABASE IF NOT EXISTS `{base}` CHARACTER SET utf8mb4"
                 " COLLATE utf8mb4_unicode_ci"

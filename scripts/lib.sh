@@ -1,7 +1,9 @@
 # Shared set-up steps for scripts/run and scripts/test (sourced, not executed).
 #
 # ensure_venv      create .venv and install the project when needed, with the locked
-#                  versions of requirements-dev.lock (GATE_DEPS=newest: without the lock)
+#                  versions of requirements-dev.lock (GATE_DEPS=newest: without the lock);
+#                  `ensure_venv PYTHON DIR`: the same with another interpreter, in DIR
+# find_python      an interpreter of a given minor version (python3.13 on PATH, pyenv, uv)
 # ensure_services  make Redis and MariaDB answer at GATE_REDIS_URL / GATE_MYSQL_URL:
 #                  use what answers there, otherwise start local instances on
 #                  loopback with their own data directory under .local/, installing
@@ -31,39 +33,68 @@ apt_install() {
 }
 
 ensure_venv() {
-  if ! command -v python3 >/dev/null 2>&1; then apt_install python3; fi
-  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-    say "Python >= 3.11 is required (found $(python3 --version 2>&1))"; return 1
+  local python=${1:-python3} venv=${2:-$VENV}
+  if [ "$python" = python3 ] && ! command -v python3 >/dev/null 2>&1; then apt_install python3; fi
+  if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    say "Python >= 3.11 is required (found $("$python" --version 2>&1))"; return 1
   fi
-  if [ ! -x "$VENV/bin/python" ]; then
-    say "creating virtualenv in $VENV"
-    if ! python3 -m venv "$VENV" 2>/dev/null; then
-      rm -rf "$VENV"
-      apt_install python3-venv
-      python3 -m venv "$VENV"
+  if [ ! -x "$venv/bin/python" ]; then
+    say "creating virtualenv in $venv ($("$python" --version 2>&1))"
+    if ! "$python" -m venv "$venv" >/dev/null 2>&1; then
+      rm -rf "$venv"
+      # Debian splits venv (and the ensurepip it needs) out of each interpreter.
+      if [ "$python" = python3 ]; then apt_install python3-venv || return 1
+      else apt_install "python$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv" || return 1
+      fi
+      "$python" -m venv "$venv" || return 1
     fi
   fi
-  local stamp="$VENV/.gate-installed"
+  local stamp="$venv/.gate-installed"
   if [ "${GATE_DEPS:-locked}" = newest ]; then
     # scripts/test --upgrade: the newest releases pyproject.toml's ranges allow, without
     # the lock, in a virtualenv of its own (re-resolved on every run).
-    say "installing gate with the newest releases of its dependencies (no lock) into $VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-    "$VENV/bin/python" -m pip install -q --upgrade --upgrade-strategy eager -e "$ROOT[dev]"
-    "$VENV/bin/python" -m pip freeze --exclude-editable >"$VENV/versions.txt"
-    say "versions under test: $VENV/versions.txt"
+    say "installing gate with the newest releases of its dependencies (no lock) into $venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null || return 1
+    "$venv/bin/python" -m pip install -q --upgrade --upgrade-strategy eager -e "$ROOT[dev]" \
+      || return 1
+    "$venv/bin/python" -m pip freeze --exclude-editable >"$venv/versions.txt" || return 1
+    say "versions under test: $venv/versions.txt"
     return 0
   fi
   if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] \
       || [ "$ROOT/requirements-dev.lock" -nt "$stamp" ]; then
     # Exactly the versions the suite runs on, every file checked against its hash
-    # (requirements-dev.lock, written by scripts/lock); then the gate itself.
-    say "installing gate and its locked dependencies (requirements-dev.lock)"
-    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-    "$VENV/bin/python" -m pip install -q --require-hashes -r "$ROOT/requirements-dev.lock"
-    "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+    # (requirements-dev.lock, written by scripts/lock; one lock for every supported
+    # Python); then the gate itself.
+    say "installing gate and its locked dependencies (requirements-dev.lock) into $venv"
+    # (`|| return 1` on each step: callers may run this under `if`, where set -e is off,
+    # and a failed install must not be stamped as done.)
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null || return 1
+    "$venv/bin/python" -m pip install -q --require-hashes -r "$ROOT/requirements-dev.lock" \
+      || return 1
+    "$venv/bin/python" -m pip install -q --no-deps -e "$ROOT" || return 1
     touch "$stamp"
   fi
+}
+
+# find_python 3.13 -> the path of a Python 3.13 interpreter, or nothing (status 1).
+# Looks for python3.13 on PATH (Debian's, or a pyenv shim that is active), then in
+# pyenv's versions, then asks uv; each candidate is run, so a shim of an inactive
+# pyenv version or a broken link does not count.
+find_python() {
+  local want=$1 candidate found
+  local candidates=("python$want" "${PYENV_ROOT:-$HOME/.pyenv}/versions/$want".*/bin/"python$want")
+  if command -v uv >/dev/null 2>&1 && found=$(uv python find "$want" 2>/dev/null); then
+    candidates+=("$found")
+  fi
+  for candidate in "${candidates[@]}"; do
+    if found=$("$candidate" -c 'import sys
+if "%d.%d" % sys.version_info[:2] == sys.argv[1]: print(sys.executable)' "$want" 2>/dev/null) \
+        && [ -n "$found" ]; then
+      printf '%s\n' "$found"; return 0
+    fi
+  done
+  return 1
 }
 
 # url_part URL field -> host | port | db, with defaults for the scheme.
@@ -167,19 +198,22 @@ ensure_galera() {
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
 }
 
-# promtool checks the alert rules (tests/project/test_ops_monitoring.py). Debian ships it
-# only inside the prometheus package, which would also install a server; so the
-# package is downloaded and just the one binary unpacked under $STATE/bin.
+# promtool checks the alert rules (tests/project/test_ops_monitoring.py). Debian 13 ships
+# it as the package promtool; Debian 12 only inside the prometheus package, which would
+# also install a server. So the package is downloaded (promtool, else prometheus) and
+# just the one binary unpacked under $STATE/bin.
 ensure_promtool() {
   if [ -n "${PROMTOOL:-}" ] || command -v promtool >/dev/null 2>&1; then return 0; fi
   local bin="$STATE/bin/promtool"
   if [ ! -x "$bin" ]; then
     local tmp
     tmp=$(mktemp -d)
-    say "unpacking promtool from Debian's prometheus package"
-    if (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 \
-          || { as_root apt-get update -qq && apt-get download prometheus >/dev/null 2>&1; }; } \
-        && dpkg-deb -x prometheus_*.deb x && mkdir -p "$STATE/bin" \
+    say "unpacking promtool from Debian's promtool or prometheus package"
+    download_promtool() {
+      apt-get download promtool >/dev/null 2>&1 || apt-get download prometheus >/dev/null 2>&1
+    }
+    if (cd "$tmp" && { download_promtool || { as_root apt-get update -qq && download_promtool; }; } \
+        && dpkg-deb -x ./*.deb x && mkdir -p "$STATE/bin" \
         && cp x/usr/bin/promtool "$bin"); then :
     else say "promtool could not be fetched; the alert-rule tests will be skipped"; fi
     rm -rf "$tmp"

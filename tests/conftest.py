@@ -124,12 +124,12 @@ def settings(env: dict[str, str]) -> Settings:
 async def _reset(settings: Settings) -> None:
     import aiomysql
 
-    from gate.store.db import connect_kwargs
+    from gate.store.db import connect_kwargs, notes_off
 
     conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
     try:
         async with conn.cursor() as cur:
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             await cur.execute(f"DROP DATABASE IF EXISTS `{settings.mysql.database}`")
     finally:
         conn.close()

@@ -189,6 +189,10 @@ def _mysql_node(item: str) -> MysqlNode:
     return host.strip("[]").lower(), int(port)
 
 
+# scheme :// netloc (user info and the host list, up to the path, query or fragment) rest
+_URL_HOSTS_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)(.*)$", re.DOTALL)
+
+
 @dataclass(frozen=True)
 class MysqlTarget:
     """Where the database is. `host`/`port` name the first node; `nodes` every node of
@@ -218,7 +222,12 @@ class MysqlTarget:
 
     @classmethod
     def parse(cls, url: str) -> MysqlTarget:
-        parts = urlsplit(url)
+        # The host list is taken out before urlsplit sees the URL: newer Pythons (3.13,
+        # Debian 13's) refuse a bracketed IPv6 host that is not the netloc's first
+        # ("Invalid IPv6 URL" for h1,[fd00::4]:3311); the list is split below.
+        listed = _URL_HOSTS_RE.match(url)
+        netloc = listed[2] if listed else ""
+        parts = urlsplit(f"{listed[1]}://host{listed[3]}" if listed else url)
         if parts.scheme not in ("mysql", "mariadb"):
             raise SettingsError(
                 f"GATE_MYSQL_URL must start with mysql://, got scheme {parts.scheme!r}"
@@ -228,7 +237,7 @@ class MysqlTarget:
             raise SettingsError("GATE_MYSQL_URL database name must be [A-Za-z0-9_]+")
         query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
         # urlsplit's hostname/port know one host only: the list is split here.
-        userinfo, _, hosts = parts.netloc.rpartition("@")
+        userinfo, _, hosts = (netloc if listed else parts.netloc).rpartition("@")
         username, _, password = userinfo.partition(":")
         items = hosts.split(",") if hosts else []
         if len(items) > MYSQL_NODES_MAX:

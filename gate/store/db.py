@@ -117,6 +117,35 @@ def isolation_variable(server_version: str) -> str:
     return "transaction_isolation"
 
 
+# Notes ("database exists", "table exists" after IF [NOT] EXISTS) reach a client as
+# warnings, which set-up statements never want. note_verbosity = '' turns them off
+# (MariaDB 10.6.16, 10.11.6 and later); sql_notes = 0 did before it, and is itself
+# answered with a deprecation warning on newer servers (Debian 13's MariaDB 11.8).
+NOTES_OFF_SQL = "SET SESSION note_verbosity = ''"
+NOTES_OFF_BEFORE_NOTE_VERBOSITY_SQL = "SET SESSION sql_notes = 0"
+UNKNOWN_SYSTEM_VARIABLE = 1193
+
+
+async def notes_off(cursor: Any) -> None:
+    """Turn notes off for an aiomysql cursor's session, on any supported MariaDB."""
+    try:
+        await cursor.execute(NOTES_OFF_SQL)
+    except pymysql.err.MySQLError as exc:
+        if errno_of(exc) != UNKNOWN_SYSTEM_VARIABLE:
+            raise
+        await cursor.execute(NOTES_OFF_BEFORE_NOTE_VERBOSITY_SQL)
+
+
+def notes_off_blocking(cursor: Any) -> None:
+    """`notes_off` for a PyMySQL (blocking) cursor."""
+    try:
+        cursor.execute(NOTES_OFF_SQL)
+    except pymysql.err.MySQLError as exc:
+        if errno_of(exc) != UNKNOWN_SYSTEM_VARIABLE:
+            raise
+        cursor.execute(NOTES_OFF_BEFORE_NOTE_VERBOSITY_SQL)
+
+
 async def server_version(target: MysqlTarget, timeout_seconds: float) -> str:
     conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds, with_db=False))
     try:

@@ -50,7 +50,7 @@ import aiomysql
 import pymysql
 
 from gate.base.settings import DEV_PASSWORDS, MysqlTarget, Secret, SettingsError, refuse_dev_value
-from gate.store.db import connect_kwargs
+from gate.store.db import connect_kwargs, notes_off
 from gate.store.dbwriter import writer_target
 
 log = logging.getLogger("gate.migrate")
@@ -303,7 +303,7 @@ async def _apply(
     try:
         async with conn.cursor() as cur:
             # Notes such as "table exists" would become warnings; none are useful here.
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             await cur.execute(
                 f"CREATE DATABASE IF NOT EXISTS `{target.database}` "
                 "CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci"
@@ -367,7 +367,7 @@ async def _migration_lock(target: MysqlTarget, timeout_seconds: float) -> AsyncI
     try:
         async with conn.cursor() as cur:
             # Two first runs may both create the table: "already exists" is no news.
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             await cur.execute(
                 "SELECT COUNT(*) FROM information_schema.TABLES"
                 " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
@@ -557,7 +557,7 @@ async def ensure_app_user(target: MysqlTarget, user: AppUser, timeout_seconds: f
     account = (user.name, user.host)
     try:
         async with conn.cursor() as cur:
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             await cur.execute(
                 "CREATE USER IF NOT EXISTS %s@%s IDENTIFIED BY %s",
                 (*account, user.password.reveal()),

@@ -10,7 +10,7 @@ from typing import Any
 import aiomysql
 
 from gate.base.settings import MysqlTarget
-from gate.store.db import Database, connect_kwargs
+from gate.store.db import Database, connect_kwargs, notes_off
 
 SCHEMA = Path(__file__).with_name("schema.sql")
 DEFAULT_DATABASE = "gate_baseline"
@@ -42,7 +42,7 @@ async def migrate(target: MysqlTarget, *, drop: bool = False) -> None:
         async with conn.cursor() as cur:
             # "IF NOT EXISTS" on an existing object raises a note; notes become
             # SHOW WARNINGS round trips and Python warnings in aiomysql.
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             if drop:
                 await cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")
             await cur.execute(f"CREATE DATABASE IF NOT EXISTS `{target.database}`")

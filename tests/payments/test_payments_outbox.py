@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from gate.base.settings import Settings
 from gate.payments.outbox import Consumer
 from gate.stock.orders import new_id
-from gate.store.db import Database, connect_kwargs
+from gate.store.db import Database, connect_kwargs, notes_off
 from gate.store.migrate import migrate
 from tests.support import GATE_BIN, ROOT, base_env, free_port
 
@@ -87,7 +87,7 @@ async def relay_settings(settings: Settings) -> AsyncIterator[Settings]:
     conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
     try:
         async with conn.cursor() as cur:
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             await cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
     finally:
         conn.close()

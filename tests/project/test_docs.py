@@ -31,7 +31,13 @@ NAME = re.compile(r"^GATE_[A-Z0-9_]*[A-Z0-9]$")
 SHELL_NAME = re.compile(r"\b(GATE_[A-Z0-9_]+)\b")
 # Names built at run time, expanded here: GATE_LIMIT_<scope> (gate/base/settings.py).
 DYNAMIC = {"GATE_LIMIT_": [f"GATE_LIMIT_{scope.upper()}" for scope in SCOPES]}
-SHELL_SCRIPTS = ("scripts/lib.sh", "scripts/test", "scripts/run", "scripts/lock")
+SHELL_SCRIPTS = (
+    "scripts/lib.sh",
+    "scripts/test",
+    "scripts/run",
+    "scripts/lock",
+    "scripts/debian13-check",
+)
 ENV_READERS = ("env_int", "env_float", "env_bool")
 
 

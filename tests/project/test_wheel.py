@@ -42,6 +42,7 @@ import pytest
 
 from gate import __version__
 from gate.base.settings import load_settings
+from gate.store.db import notes_off_blocking
 from tests.support import ROOT, Client, create_deal, free_port, reserve
 
 pytestmark = pytest.mark.slow
@@ -167,7 +168,7 @@ def _drop_database(env: dict[str, str]) -> None:
     )
     try:
         with conn.cursor() as cur:
-            cur.execute("SET SESSION sql_notes = 0")
+            notes_off_blocking(cur)
             cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")
     finally:
         conn.close()

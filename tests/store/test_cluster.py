@@ -22,7 +22,7 @@ from redis.crc import key_slot
 
 from gate.base.settings import SettingsError, load_settings
 from gate.runtime import Gate
-from gate.store.db import Database
+from gate.store.db import Database, notes_off
 from gate.store.keys import deal_keys
 from gate.store.migrate import migrate
 from gate.store.redis_mode import detect_mode, make_redis
@@ -77,7 +77,7 @@ def cenv(cluster: LocalCluster) -> dict[str, str]:
         conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
         try:
             async with conn.cursor() as cur:
-                await cur.execute("SET SESSION sql_notes = 0")
+                await notes_off(cur)
                 await cur.execute(f"DROP DATABASE IF EXISTS `{settings.mysql.database}`")
         finally:
             conn.close()

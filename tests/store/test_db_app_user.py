@@ -21,7 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.base.settings import MysqlTarget, Settings
-from gate.store.db import Database, connect_kwargs
+from gate.store.db import Database, connect_kwargs, notes_off
 from gate.store.migrate import APP_PRIVILEGES, DB_DIR
 from tests.support import (
     ADMIN_TOKEN,
@@ -55,7 +55,7 @@ async def root_rows(settings: Settings, sql: str, args: tuple[object, ...] = ())
     try:
         async with conn.cursor() as cur:
             # DROP USER IF EXISTS of a user never made is a note, not news.
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             await cur.execute(sql, args)
             return [tuple(r) for r in await cur.fetchall()]
     finally:

@@ -20,7 +20,7 @@ import aiomysql
 import pytest
 
 from gate.base.settings import Settings
-from gate.store.db import Database, connect_kwargs
+from gate.store.db import Database, connect_kwargs, notes_off
 from tests.support import (
     ADMIN,
     Client,
@@ -71,7 +71,7 @@ async def _root(settings: Settings, *statements: str) -> list[tuple[object, ...]
     try:
         rows: list[tuple[object, ...]] = []
         async with conn.cursor() as cur:
-            await cur.execute("SET SESSION sql_notes = 0")
+            await notes_off(cur)
             for sql in statements:
                 await cur.execute(sql)
                 rows = [tuple(r) for r in await cur.fetchall()]

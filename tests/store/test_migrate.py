@@ -15,7 +15,7 @@ import aiomysql
 import pytest
 
 from gate.base.settings import MysqlTarget, Settings
-from gate.store.db import connect_kwargs
+from gate.store.db import connect_kwargs, notes_off
 from gate.store.migrate import (
     DB_DIR,
     SUPERSEDED_FILE_NAME,
@@ -39,7 +39,7 @@ async def scratch(settings: Settings) -> MysqlTarget:
     )
     conn = await aiomysql.connect(**connect_kwargs(target, 5, with_db=False))
     async with conn.cursor() as cur:
-        await cur.execute("SET SESSION sql_notes = 0")
+        await notes_off(cur)
         await cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
     conn.close()
     return target
