@@ -27,8 +27,9 @@ time out (the second follows the first at once): one late answer, as a load spik
 the gate's host gives, would otherwise move this process alone to another node and
 keep it there for the hold-down, two writers for the cluster meanwhile. A dead or
 unreachable writer is then dropped within one interval plus two timeouts (3 s with
-the defaults, at most 9 s with the bounds the settings allow). A node takes the writes back only after the hold-down, so a node that
-flaps does not drag the writers along with it.
+the defaults, at most 9 s with the bounds the settings allow). A node takes the
+writes back only after the hold-down, so a node that flaps does not drag the writers
+along with it.
 
 A single host is never probed after start-up: there is nowhere to move to. At start
 (gate serve, Database.start) every host is probed once and a gate refuses to start

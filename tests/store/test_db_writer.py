@@ -531,6 +531,8 @@ async def test_a_partitioned_writers_thread_is_ended_on_it_then_read_on_the_new_
     asked about on that node (it still answers), which commits nothing any more, and
     the lookup then reads the new writer."""
     galera = writable
+    if not galera.can_isolate():
+        pytest.skip("the nodes refuse gmcast.isolate at run time (MariaDB 11.8's provider plugin)")
     _reset(galera)
     await migrate(MysqlTarget.parse(_url(galera)))
     db = await _db_on(galera)
@@ -640,6 +642,8 @@ def test_a_gate_refuses_to_start_on_a_node_cut_off_from_the_cluster(
     writable: LocalGalera,
 ) -> None:
     galera = writable
+    if not galera.can_isolate():
+        pytest.skip("the nodes refuse gmcast.isolate at run time (MariaDB 11.8's provider plugin)")
     _reset(galera)
     asyncio.run(migrate(MysqlTarget.parse(_url(galera))))
     only_first = f"mysql://root@{galera.hosts[0]}/{DATABASE}"
