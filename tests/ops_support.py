@@ -8,8 +8,7 @@ import glob
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -22,7 +21,7 @@ from gate.base.metrics import (
     prepare_multiprocess,
     sample_values,
 )
-from tests.support import Client, GateProcess
+from tests.support import Client
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -34,16 +33,6 @@ def multiprocess_env(base: Mapping[str, str], metrics_dir: Path, workers: int) -
     path = prepare_multiprocess(workers, env)
     assert path == str(metrics_dir) and env[MULTIPROC_ENV] == path
     return env
-
-
-@contextmanager
-def running_gate(env: Mapping[str, str], workers: int = 2) -> Iterator[GateProcess]:
-    proc = GateProcess(env, workers=workers)
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
 
 
 class FreshConnectionClient(Client):

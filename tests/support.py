@@ -14,8 +14,8 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -285,6 +285,19 @@ class GateProcess(GateCommand):
             streak = 0
             time.sleep(0.1)
         raise RuntimeError(f"gate not ready: {self.log_path.read_text()[-3000:]}")
+
+
+@contextmanager
+def running_gate(
+    env: Mapping[str, str], workers: int = 2, background: bool = True
+) -> Iterator[GateProcess]:
+    """A GateProcess that answers on every worker, stopped on the way out."""
+    proc = GateProcess(env, workers=workers, background=background)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
 
 
 @dataclass

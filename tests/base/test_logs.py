@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from gate.base import logs
-from tests.ops_support import multiprocess_env, running_gate
+from tests.ops_support import multiprocess_env
 from tests.support import (
     ADMIN,
     ADMIN_TOKEN,
@@ -25,6 +25,7 @@ from tests.support import (
     buyer,
     create_deal,
     reserve,
+    running_gate,
     token,
 )
 

@@ -19,11 +19,10 @@ from tests.ops_support import (
     Samples,
     multiprocess_env,
     per_process_values,
-    running_gate,
     scrape,
     scrape_until,
 )
-from tests.support import ADMIN, Client, GateProcess, create_deal, reserve
+from tests.support import ADMIN, Client, GateProcess, create_deal, reserve, running_gate
 
 RESERVE_ROUTE = "/v1/deals/{deal_id}/reservations"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.store.db import Database
+from tests.browser_support import browser, confirm, text_of, until
 from tests.console_support import console_env
 from tests.support import (
     ADMIN_TOKEN,
@@ -27,87 +28,25 @@ from tests.support import (
     assert_invariants,
     create_deal,
     db_available,
+    running_gate,
 )
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-WAIT_SECONDS = 20.0
-
-
-def _driver() -> Any:
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install -e '.[dev]')")
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.skip(
-            "Chromium is not installed: apt-get install chromium chromium-driver"
-            " (scripts/test installs them on Debian)"
-        )
-    # Selenium Manager must not fetch a browser or a driver: both are given.
-    os.environ["SE_OFFLINE"] = "true"
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",  # root in a container
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--window-size=1280,1400",
-        "--no-first-run",
-        "--disable-extensions",
-    ):
-        options.add_argument(arg)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
 @pytest.fixture(scope="module")
 def browser_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
     # Two workers: the page's polls land on either; each has its own snapshot.
-    proc = GateProcess(console_env(env), workers=2)
-    try:
-        proc.wait_ready()
+    with running_gate(console_env(env), workers=2) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[Any]:
-    d = _driver()
-    try:
+    with browser() as d:
         yield d
-    finally:
-        d.quit()
-
-
-async def until(
-    check: Callable[[], Any], what: str, on_timeout: Callable[[], Any] | None = None
-) -> Any:
-    """Poll a blocking browser check off the event loop until it returns a truthy value."""
-    deadline = asyncio.get_running_loop().time() + WAIT_SECONDS
-    last: Any = None
-    while asyncio.get_running_loop().time() < deadline:
-        try:
-            last = await asyncio.to_thread(check)
-        except Exception as exc:  # the element may be re-rendered under our feet
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        await asyncio.sleep(0.2)
-    seen = await asyncio.to_thread(on_timeout) if on_timeout else None
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}; seen: {seen!r}")
-
-
-def _text(driver: Any, element_id: str) -> str:
-    from selenium.webdriver.common.by import By
-
-    return str(driver.find_element(By.ID, element_id).text)
 
 
 def _num(driver: Any, element_id: str) -> int | None:
-    t = _text(driver, element_id)
+    t = text_of(driver, element_id)
     return int(t) if t.lstrip("-").isdigit() else None
 
 
@@ -119,16 +58,6 @@ def _fill_and_confirm(driver: Any, fields: dict[str, str], form_id: str) -> None
         box.clear()
         box.send_keys(value)
     driver.find_element(By.CSS_SELECTOR, f"#{form_id} button[type=submit]").click()
-
-
-def _confirm(driver: Any) -> bool:
-    from selenium.webdriver.common.by import By
-
-    dialog = driver.find_element(By.ID, "confirm")
-    if not dialog.get_attribute("open"):
-        return False
-    driver.find_element(By.ID, "confirm-ok").click()
-    return True
 
 
 async def test_console_in_a_real_browser(
@@ -172,7 +101,7 @@ async def test_console_in_a_real_browser(
         await asyncio.to_thread(
             _fill_and_confirm, driver, {"token": "not-the-token-000000"}, "signin-form"
         )
-        await until(lambda: "Wrong admin token" in _text(driver, "signin-error"), "the refusal")
+        await until(lambda: "Wrong admin token" in text_of(driver, "signin-error"), "the refusal")
         assert not driver.find_element(By.ID, "console").is_displayed()
 
         # Sign in with the keyboard: type the token, Enter.
@@ -218,7 +147,7 @@ async def test_console_in_a_real_browser(
                 "held units to rise on the page",
             )
             await until(
-                lambda: _text(driver, "r-created") not in ("–", "0", "0.0"),
+                lambda: text_of(driver, "r-created") not in ("–", "0", "0.0"),
                 "a reservation rate on the page",
             )
             await asyncio.sleep(2.5)  # a few points on the chart
@@ -234,8 +163,8 @@ async def test_console_in_a_real_browser(
 
         # Rebucket from the page: confirm, see the bars and the ledger change.
         await asyncio.to_thread(_fill_and_confirm, driver, {"bucket-count": "5"}, "buckets-form")
-        await until(lambda: _confirm(driver), "the confirmation dialog")
-        await until(lambda: "Done: buckets" in _text(driver, "action-result"), "the rebucket")
+        await until(lambda: confirm(driver), "the confirmation dialog")
+        await until(lambda: "Done: buckets" in text_of(driver, "action-result"), "the rebucket")
         await until(
             lambda: len(driver.find_elements(By.CSS_SELECTOR, "#bars .bar")) == 5, "five bars"
         )
@@ -260,7 +189,7 @@ async def test_console_in_a_real_browser(
         await asyncio.to_thread(_fill_and_confirm, driver, {"bucket-count": "7"}, "buckets-form")
         await until(lambda: driver.find_element(By.ID, "confirm").get_attribute("open"), "dialog")
         await asyncio.to_thread(lambda: driver.find_element(By.ID, "confirm-cancel").click())
-        await until(lambda: _text(driver, "action-result") == "Cancelled.", "the cancel")
+        await until(lambda: text_of(driver, "action-result") == "Cancelled.", "the cancel")
         assert len(await db_available(db, deal_id)) == 5
 
         # Add stock with a reason.
@@ -276,8 +205,8 @@ async def test_console_in_a_real_browser(
             {"stock-delta": "50", "stock-reason": "second pallet"},
             "stock-form",
         )
-        await until(lambda: _confirm(driver), "the confirmation dialog")
-        await until(lambda: "Done: stock" in _text(driver, "action-result"), "the stock change")
+        await until(lambda: confirm(driver), "the confirmation dialog")
+        await until(lambda: "Done: stock" in text_of(driver, "action-result"), "the stock change")
         await until(lambda: _num(driver, "n-total") == before_total + 50, "the new total")
         adjust = await db.fetchall(
             "SELECT SUM(d_total), MIN(actor), MIN(note) FROM inventory_ledger"

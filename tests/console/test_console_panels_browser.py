@@ -1,6 +1,6 @@
 """The console's waiting-room and queue-mode panels in a real headless Chromium
 (Debian's chromium and chromium-driver through Selenium, offline, as
-test_console_browser.py drives them): the numbers of a room with real joiners, the
+the other browser tests drive it): the numbers of a room with real joiners, the
 room message edited from the page and carried by a buyer's ticket read, a dead
 letter made for real and retried with the page's button."""
 
@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from gate.store.db import Database
 from gate.store.keys import queue_keys
-from tests.console.test_console_browser import _confirm, _driver, _text, until
+from tests.browser_support import browser, confirm, text_of, until
 from tests.console_support import console_env
 from tests.panels_support import (
     PANEL_ENV,
@@ -29,28 +29,27 @@ from tests.panels_support import (
     read_ticket,
     until_true,
 )
-from tests.support import ADMIN_TOKEN, Client, GateProcess, assert_invariants, create_deal
+from tests.support import (
+    ADMIN_TOKEN,
+    Client,
+    GateProcess,
+    assert_invariants,
+    create_deal,
+    running_gate,
+)
 
 
 @pytest.fixture(scope="module")
 def panels_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
-    proc = GateProcess(
-        console_env(env, **PANEL_ENV, GATE_QUEUE_RETRY_BASE_SECONDS="0.05"), workers=1
-    )
-    try:
-        proc.wait_ready()
+    env = console_env(env, **PANEL_ENV, GATE_QUEUE_RETRY_BASE_SECONDS="0.05")
+    with running_gate(env, workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[Any]:
-    d = _driver()
-    try:
+    with browser() as d:
         yield d
-    finally:
-        d.quit()
 
 
 def _pick(driver: Any, deal_id: int) -> Any:
@@ -108,12 +107,12 @@ async def test_room_and_queue_panels_in_a_real_browser(
         # The room's panel: six waiting, 1 + floor(log2(1 + 6 / 2)) = 3 bits, no message.
         pick = await until(lambda: _pick(driver, room_deal), "the room's deal in the list")
         await asyncio.to_thread(pick.click)
-        await until(lambda: _text(driver, "room-waiting") == "6", "six waiting")
+        await until(lambda: text_of(driver, "room-waiting") == "6", "six waiting")
         assert _shown(driver, "room-panel") and not _shown(driver, "queue-panel")
-        assert _text(driver, "room-bits") == "3"
-        assert _text(driver, "room-lapses") == "0"
-        assert _text(driver, "room-message") == "none"
-        assert _text(driver, "room-aps") == "5/s"
+        assert text_of(driver, "room-bits") == "3"
+        assert text_of(driver, "room-lapses") == "0"
+        assert text_of(driver, "room-message") == "none"
+        assert text_of(driver, "room-aps") == "5/s"
         # Every control of the panels has its label.
         unlabeled = await asyncio.to_thread(
             driver.execute_script,
@@ -132,13 +131,13 @@ async def test_room_and_queue_panels_in_a_real_browser(
         await asyncio.to_thread(level.select_by_value, "warning")
         submit = driver.find_element(By.CSS_SELECTOR, "#room-message-form button[type=submit]")
         await asyncio.to_thread(submit.click)
-        await until(lambda: _confirm(driver), "the confirmation dialog")
-        await until(lambda: "Done: room_message" in _text(driver, "action-result"), "the edit")
+        await until(lambda: confirm(driver), "the confirmation dialog")
+        await until(lambda: "Done: room_message" in text_of(driver, "action-result"), "the edit")
         wanted = {"text": words, "level": "warning"}
         assert await message_read_within(client, room_deal, joiners[0], wanted) == wanted
         assert (await read_ticket(client, room_deal, joiners[-1]))["message"] == wanted
         await until(
-            lambda: _text(driver, "room-message") == "warning: " + words, "the message shown"
+            lambda: text_of(driver, "room-message") == "warning: " + words, "the message shown"
         )
         await until(
             lambda: any(
@@ -152,19 +151,19 @@ async def test_room_and_queue_panels_in_a_real_browser(
         # The queue's panel: one dead letter waiting; the button retries it.
         pick = await until(lambda: _pick(driver, queue_deal), "the queue's deal in the list")
         await asyncio.to_thread(pick.click)
-        await until(lambda: _text(driver, "queue-dead-waiting") == "1", "the dead letter")
+        await until(lambda: text_of(driver, "queue-dead-waiting") == "1", "the dead letter")
         assert _shown(driver, "queue-panel") and not _shown(driver, "room-panel")
-        assert _text(driver, "queue-mode") == "queue"
-        assert _text(driver, "queue-dead") == "1" and _text(driver, "queue-depth") == "0"
+        assert text_of(driver, "queue-mode") == "queue"
+        assert text_of(driver, "queue-dead") == "1" and text_of(driver, "queue-depth") == "0"
         await asyncio.to_thread(driver.find_element(By.ID, "retry-button").click)
-        await until(lambda: _confirm(driver), "the confirmation dialog")
+        await until(lambda: confirm(driver), "the confirmation dialog")
         await until(
-            lambda: "1 re-submitted" in _text(driver, "action-result"), "the retry's answer"
+            lambda: "1 re-submitted" in text_of(driver, "action-result"), "the retry's answer"
         )
         ((_, order_id, retried_order_id, outcome),) = await dead_letters(db, queue_deal)
         assert retried_order_id and retried_order_id != order_id
         assert outcome in ("QUEUED", "PENDING_PAYMENT")
-        await until(lambda: _text(driver, "queue-dead-waiting") == "0", "none left to retry")
+        await until(lambda: text_of(driver, "queue-dead-waiting") == "0", "none left to retry")
         assert not driver.find_element(By.ID, "retry-button").is_enabled()
         await until(
             lambda: any("dead_letter_retry" in r and "console:" in r for r in _ledger_rows(driver)),

@@ -16,7 +16,6 @@ request either server saw, no CSP violation in the browser's log."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,7 +27,7 @@ import redis.asyncio as aioredis
 
 from gate.room.gates import solve
 from gate.store.db import Database
-from tests.console.test_console_browser import CHROMEDRIVER, CHROMIUM, until
+from tests.browser_support import browser, chromium, until
 from tests.support import (
     ADMIN,
     Client,
@@ -37,6 +36,7 @@ from tests.support import (
     buyer,
     create_deal,
     free_port,
+    running_gate,
     token,
 )
 
@@ -75,46 +75,12 @@ class Shop:
         self.server.server_close()
 
 
-def _chromium(language: str) -> Any:
-    """Headless Chromium whose preferred languages are `language` first."""
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install -e '.[dev]')")
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.skip("Chromium is not installed: apt-get install chromium chromium-driver")
-    os.environ["SE_OFFLINE"] = "true"
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--window-size=900,900",
-        "--no-first-run",
-        "--disable-extensions",
-        f"--lang={language}",
-    ):
-        options.add_argument(arg)
-    primary = language.split("-")[0]
-    options.add_experimental_option("prefs", {"intl.accept_languages": f"{language},{primary}"})
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-
-
 @pytest.fixture(scope="module")
 def page_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
     # Short poll advice: the page moves within a fraction of a second of each change.
-    proc = GateProcess(
-        {**env, "GATE_ROOM_POLL_MIN_MS": "200", "GATE_ROOM_POLL_MAX_MS": "1000"}, workers=1
-    )
-    try:
-        proc.wait_ready()
+    env = {**env, "GATE_ROOM_POLL_MIN_MS": "200", "GATE_ROOM_POLL_MAX_MS": "1000"}
+    with running_gate(env, workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +94,8 @@ def shop() -> Iterator[Shop]:
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[Any]:
-    d = _chromium("en-US")
-    try:
+    with browser("en-US", window="900,900") as d:
         yield d
-    finally:
-        d.quit()
 
 
 @pytest.fixture
@@ -327,7 +290,7 @@ async def test_a_sold_out_room_is_shown_as_such(
 async def test_the_page_speaks_simplified_chinese_to_a_zh_cn_browser(
     page_gate: GateProcess, pc: Client, shop: Shop
 ) -> None:
-    zh = await asyncio.to_thread(_chromium, "zh-CN")
+    zh = await asyncio.to_thread(chromium, "zh-CN", "900,900")
     try:
         languages = await asyncio.to_thread(zh.execute_script, "return navigator.languages")
         assert languages[0] == "zh-CN", languages

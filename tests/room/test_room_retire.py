@@ -21,7 +21,16 @@ from gate.runtime import Gate
 from gate.stock.check import check_deal
 from gate.store.db import Database
 from gate.store.keys import ROOMS, ROOMS_RETIRING, deal_keys
-from tests.support import ADMIN, Client, GateProcess, Resp, buyer, create_deal, reserve
+from tests.support import (
+    ADMIN,
+    Client,
+    GateProcess,
+    Resp,
+    buyer,
+    create_deal,
+    reserve,
+    running_gate,
+)
 
 ROOM = {"admit_per_second": 1000, "admission_ttl_seconds": 10}
 BUYERS = (9101, 9102, 9103, 9104)
@@ -30,12 +39,8 @@ BUYERS = (9101, 9102, 9103, 9104)
 @pytest.fixture(scope="module")
 def quiet_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
     """A gate without background loops: the test runs the room and retire passes."""
-    gate = GateProcess(env, background=False)
-    try:
-        gate.wait_ready()
+    with running_gate(env, workers=1, background=False) as gate:
         yield gate
-    finally:
-        gate.stop()
 
 
 @pytest.fixture

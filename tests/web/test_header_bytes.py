@@ -54,6 +54,7 @@ from tests.support import (
     GateProcess,
     base_env,
     create_deal,
+    running_gate,
     token,
 )
 
@@ -340,12 +341,8 @@ def _served_routes(env: dict[str, str]) -> set[tuple[str, str]]:
 
 
 def _gate(env: dict[str, str]) -> Iterator[GateProcess]:
-    gate = GateProcess(env, background=False)
-    try:
-        gate.wait_ready()
+    with running_gate(env, workers=1, background=False) as gate:
         yield gate
-    finally:
-        gate.stop()
 
 
 @pytest.fixture(scope="module")
