@@ -45,6 +45,7 @@ SCRIPTS = (
     "room_retire_done",
     "room_fairness",
     "room_challenge",
+    "room_publish",
 )
 
 for (_path, _method), _operation in room_openapi.operations().items():

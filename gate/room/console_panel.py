@@ -128,11 +128,11 @@ class RoomPanel:
         message = parse_message(body["message"])
         note = f"message: {message.level}: {message.text}" if message else "message removed"
 
-        async def attempt() -> tuple[RoomConfig, bytes | None]:
+        async def attempt() -> tuple[RoomConfig, bytes | None, int]:
             async with self.gate.db.connection() as conn, conn.cursor() as cur:
                 await cur.execute("START TRANSACTION")
                 await cur.execute(
-                    "SELECT waiting_room, room_seed FROM deals WHERE id = %s FOR UPDATE",
+                    "SELECT waiting_room, room_seed, version FROM deals WHERE id = %s FOR UPDATE",
                     (deal_id,),
                 )
                 row = await cur.fetchone()
@@ -151,11 +151,12 @@ class RoomPanel:
                 )
                 await ledger_note(cur, deal_id, MESSAGE_REASON, actor, note)
                 await cur.execute("COMMIT")
-                return changed, None if row[1] is None else bytes(row[1])
+                return changed, None if row[1] is None else bytes(row[1]), int(row[2]) + 1
 
-        changed, seed = await self.gate.db.retrying(attempt)
+        changed, seed, version = await self.gate.db.retrying(attempt)
         try:
-            await self.room.publish(deal_id, changed, await self.room.seed(deal_id, seed))
+            seed = await self.room.seed(deal_id, seed)
+            await self.room.publish(deal_id, version, changed, seed)
         except Exception as exc:
             # Committed: the room loop copies every open room to Redis within its refresh.
             log.warning("deal %s: room message stored, Redis deferred: %r", deal_id, exc)

@@ -348,26 +348,37 @@ class Room:
     async def configure(self, deal_id: int, body: Any) -> None:
         """PUT /v1/admin/deals/{id}/waiting-room: the object, or null to remove."""
         room = parse_room(body)
-        async with self.db.connection() as conn, conn.cursor() as cur:
-            # A deal of several partitions has no room (docs/scale-out.md): its
-            # admissions live in one partition's slot, its buyers in P.
-            await cur.execute(
-                "UPDATE deals SET waiting_room = %s, updated_at = NOW(6), version = version + 1"
-                " WHERE id = %s AND (partitions = 1 OR %s IS NULL)",
-                (room.to_column() if room else None, deal_id, room.to_column() if room else None),
-            )
-            if cur.rowcount != 1:
-                await cur.execute("SELECT partitions FROM deals WHERE id = %s", (deal_id,))
+        column = room.to_column() if room else None
+
+        async def attempt() -> int | None:
+            async with self.db.connection() as conn, conn.cursor() as cur:
+                await cur.execute("START TRANSACTION")
+                # A deal of several partitions has no room (docs/scale-out.md): its
+                # admissions live in one partition's slot, its buyers in P.
+                await cur.execute(
+                    "UPDATE deals SET waiting_room = %s, updated_at = NOW(6),"
+                    " version = version + 1 WHERE id = %s AND (partitions = 1 OR %s IS NULL)",
+                    (column, deal_id, column),
+                )
+                changed = cur.rowcount == 1
+                # Under the row's lock: the version of this change, not of a later one.
+                await cur.execute("SELECT version, partitions FROM deals WHERE id = %s", (deal_id,))
                 row = await cur.fetchone()
-                if row is None:
-                    raise not_found("deal")
-                if room is not None and int(row[0]) > 1:
-                    raise Problem(
-                        "CONFLICT", "A deal of several partitions cannot have a waiting room."
-                    )
+                await cur.execute("COMMIT")
+            if row is None:
+                raise not_found("deal")
+            if not changed and room is not None and int(row[1]) > 1:
+                raise Problem(
+                    "CONFLICT", "A deal of several partitions cannot have a waiting room."
+                )
+            return int(row[0]) if changed else None
+
+        version = await self.db.retrying(attempt)
+        if version is None:
+            return
         seed = await self.seed(deal_id) if room is not None else None
         # Every process reads the room's configuration from Redis on every call.
-        await self.publish(deal_id, room, seed)
+        await self.publish(deal_id, version, room, seed)
 
     async def seed(self, deal_id: int, known: bytes | None = None) -> bytes:
         """The deal's draw seed, made the first time the deal has a room and never
@@ -385,31 +396,40 @@ class Room:
         return bytes(row[0])
 
     async def publish(
-        self, deal_id: int, room: RoomConfig | None, seed: bytes | None = None
-    ) -> None:
-        """Copy a room's configuration (and its seed) to Redis, where the scripts read it."""
+        self, deal_id: int, version: int, room: RoomConfig | None, seed: bytes | None = None
+    ) -> bool:
+        """Copy a room's configuration (and its seed) to Redis, where the scripts read
+        it, unless Redis holds one of a newer `version` of the deal's row
+        (lua/room_publish.lua); returns whether it was copied."""
         keys = deal_keys(deal_id)
+        unset: list[str] = []
         if room is None:
-            if await self.redis.hget(keys.room, "on") == "1":
-                await self.redis.hset(keys.room, "on", "0")
-                # Its tickets, queue and admissions are dead now: deleted by the
-                # retire loop (gate/room/retire.py) within its interval.
-                await retire.schedule(self.redis, deal_id)
-            await self.redis.srem(ROOMS, deal_id)
-            return
-        mapping: dict[str, str | int] = {
-            "on": "1",
-            "aps": room.admit_per_second,
-            "ttl_ms": room.admission_ttl_seconds * 1000,
-            "pq_ms": room.prequeue_seconds * 1000,
-        }
-        gate_fields, unset = redis_fields(room)
-        mapping.update(_fairness_fields(room, seed))
-        mapping.update(gate_fields)
-        await self.redis.hset(keys.room, mapping=mapping)  # type: ignore[arg-type]
-        if unset:
-            await self.redis.hdel(keys.room, *unset)
-        await self.redis.sadd(ROOMS, deal_id)
+            mapping: dict[str, str | int] = {"on": "0"}
+        else:
+            mapping = {
+                "on": "1",
+                "aps": room.admit_per_second,
+                "ttl_ms": room.admission_ttl_seconds * 1000,
+                "pq_ms": room.prequeue_seconds * 1000,
+            }
+            gate_fields, unset = redis_fields(room)
+            mapping.update(_fairness_fields(room, seed))
+            mapping.update(gate_fields)
+        pairs = [item for field in mapping.items() for item in field]
+        written, was_on = await self.runner.call(
+            "room_publish", (keys.room,), (version, len(mapping), *pairs, *unset)
+        )
+        if not int(written):
+            return False
+        if room is not None:
+            await self.redis.sadd(ROOMS, deal_id)
+            return True
+        if str(was_on) == "1":
+            # Its tickets, queue and admissions are dead now: deleted by the retire
+            # loop (gate/room/retire.py) within its interval.
+            await retire.schedule(self.redis, deal_id)
+        await self.redis.srem(ROOMS, deal_id)
+        return True
 
     async def before_sync(self, deal_id: int, mode: str) -> None:
         """Mirror hook: the room's configuration reaches Redis before the deal's state
@@ -418,15 +438,16 @@ class Room:
         if mode == "resync":
             return
         row = await self.db.fetchone(
-            "SELECT waiting_room, room_seed FROM deals WHERE id = %s", (deal_id,)
+            "SELECT waiting_room, room_seed, version FROM deals WHERE id = %s", (deal_id,)
         )
         if row is None:
             return
-        await self._publish_row(deal_id, row[0], row[1])
+        await self._publish_row(deal_id, row[0], row[1], int(row[2]))
 
-    async def _publish_row(self, deal_id: int, raw: Any, seed: bytes | None) -> None:
+    async def _publish_row(self, deal_id: int, raw: Any, seed: bytes | None, version: int) -> None:
         room = RoomConfig.from_column(raw)
-        await self.publish(deal_id, room, await self.seed(deal_id, seed) if room else None)
+        seed = await self.seed(deal_id, seed) if room else None
+        await self.publish(deal_id, version, room, seed)
 
     # -- fairness ---------------------------------------------------------------------
 
@@ -520,12 +541,13 @@ class Room:
     async def refresh(self) -> list[int]:
         """Every room of a deal whose sale has not ended, from the database to Redis."""
         rows = await self.db.fetchall(
-            "SELECT id, waiting_room, room_seed FROM deals WHERE waiting_room IS NOT NULL"
-            " AND (ends_at IS NULL OR ends_at > NOW(6)) ORDER BY id DESC LIMIT %s",
+            "SELECT id, waiting_room, room_seed, version FROM deals"
+            " WHERE waiting_room IS NOT NULL AND (ends_at IS NULL OR ends_at > NOW(6))"
+            " ORDER BY id DESC LIMIT %s",
             (ROOMS_MAX,),
         )
-        for deal_id, raw, seed in rows:
-            await self._publish_row(int(deal_id), raw, seed)
+        for deal_id, raw, seed, version in rows:
+            await self._publish_row(int(deal_id), raw, seed, int(version))
         return [int(r[0]) for r in rows]
 
     async def gauges(self, deal_ids: list[int]) -> None:

@@ -19,6 +19,7 @@ from gate.room.retire import RoomRetirer, schedule
 from gate.room.service import Room
 from gate.runtime import Gate
 from gate.stock.check import check_deal
+from gate.stock.room_config import RoomConfig
 from gate.store.db import Database
 from gate.store.keys import ROOMS, ROOMS_RETIRING, deal_keys
 from tests.support import (
@@ -195,6 +196,7 @@ async def test_an_ended_sale_is_retired_after_its_admission_ttl(
         "method",
         "msg",
         "seed",
+        "ver",
     }
     assert await rds.zscore(ROOMS_RETIRING, str(deal_id)) is None
     gone = await quiet.get(f"/v1/deals/{deal_id}/queue", headers=buyer(BUYERS[3]))
@@ -231,3 +233,52 @@ async def test_the_retire_loop_of_a_serving_gate_deletes_a_removed_room(
     finally:
         await client.close()
         gate.stop()
+
+
+async def test_a_refresh_that_read_the_row_before_a_change_does_not_undo_it(
+    quiet: Client, rds: aioredis.Redis, inproc: Gate, db: Database
+) -> None:
+    """The room loop's refresh reads every open room's row, then publishes each: a PUT
+    published in between must stand (lua/room_publish.lua refuses the older version),
+    and a room removed in between must stay off (the refresh never sees it again)."""
+    room = _room(inproc)
+    deal_id = await create_deal(quiet, stock=5, waiting_room=ROOM)
+    keys = deal_keys(deal_id)
+    row = await db.fetchone(
+        "SELECT waiting_room, room_seed, version FROM deals WHERE id = %s", (deal_id,)
+    )
+    assert row is not None
+    old_raw, seed, old_version = row[0], bytes(row[1]), int(row[2])
+
+    changed = await quiet.put(
+        f"/v1/admin/deals/{deal_id}/waiting-room",
+        json={**ROOM, "admit_per_second": 7},
+        headers=ADMIN,
+    )
+    assert changed.status_code == 200, changed.text
+    assert await rds.hget(keys.room, "aps") in ("7", b"7")
+
+    # The refresh's stale row arrives after the change: refused, nothing moves.
+    stale = RoomConfig.from_column(old_raw)
+    assert stale is not None and stale.admit_per_second == 1000
+    assert not await room.publish(deal_id, old_version, stale, seed)
+    assert await rds.hget(keys.room, "aps") in ("7", b"7")
+    # The same row read again (its version now) is published, as every refresh does.
+    row = await db.fetchone(
+        "SELECT waiting_room, room_seed, version FROM deals WHERE id = %s", (deal_id,)
+    )
+    assert row is not None
+    current = RoomConfig.from_column(row[0])
+    assert await room.publish(deal_id, int(row[2]), current, seed)
+    assert await rds.hget(keys.room, "aps") in ("7", b"7")
+
+    removed = await _remove_room(quiet, deal_id)
+    assert removed.status_code == 200, removed.text
+    assert await rds.hget(keys.room, "on") in ("0", b"0")
+    assert not await room.publish(deal_id, int(row[2]), current, seed)
+    assert await rds.hget(keys.room, "on") in ("0", b"0")
+    assert not await rds.sismember(ROOMS, str(deal_id))
+    assert deal_id not in await room.refresh()
+    # Buyers are not queued any more: the deal sells without a room.
+    sold = await reserve(quiet, deal_id, BUYERS[3], "after-stale-refresh")
+    assert sold.status_code == 201, sold.text
