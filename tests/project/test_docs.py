@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ SHELL_SCRIPTS = (
     "scripts/test",
     "scripts/run",
     "scripts/lock",
-    "scripts/debian13-check",
+    "scripts/debian-check",
 )
 ENV_READERS = ("env_int", "env_float", "env_bool")
 
@@ -236,12 +237,15 @@ async def test_api_page_is_what_the_served_document_gives(client: Client) -> Non
 def _project_files() -> list[Path]:
     skip = {".git", ".local", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"}
     out = []
-    for path in ROOT.rglob("*"):
-        rel = path.relative_to(ROOT)
-        if any(p in skip or p.startswith(".venv") or p.endswith(".egg-info") for p in rel.parts):
-            continue
-        if path.is_file() and path.suffix not in (".png", ".lock"):
-            out.append(path)
+    # Pruned while walking: .local may hold a Debian root file system with /proc mounted.
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [
+            d for d in dirs if not (d in skip or d.startswith(".venv") or d.endswith(".egg-info"))
+        ]
+        for name in files:
+            path = Path(top) / name
+            if path.suffix not in (".png", ".lock") and path.is_file():
+                out.append(path)
     return out
 
 
