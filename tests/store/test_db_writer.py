@@ -532,7 +532,7 @@ async def test_a_partitioned_writers_thread_is_ended_on_it_then_read_on_the_new_
     the lookup then reads the new writer."""
     galera = writable
     if not galera.can_isolate():
-        pytest.skip("the nodes refuse gmcast.isolate at run time (MariaDB 11.8's provider plugin)")
+        pytest.skip("the nodes refuse gmcast.isolate at run time (the wsrep_provider plugin)")
     _reset(galera)
     await migrate(MysqlTarget.parse(_url(galera)))
     db = await _db_on(galera)
@@ -643,7 +643,7 @@ def test_a_gate_refuses_to_start_on_a_node_cut_off_from_the_cluster(
 ) -> None:
     galera = writable
     if not galera.can_isolate():
-        pytest.skip("the nodes refuse gmcast.isolate at run time (MariaDB 11.8's provider plugin)")
+        pytest.skip("the nodes refuse gmcast.isolate at run time (the wsrep_provider plugin)")
     _reset(galera)
     asyncio.run(migrate(MysqlTarget.parse(_url(galera))))
     only_first = f"mysql://root@{galera.hosts[0]}/{DATABASE}"

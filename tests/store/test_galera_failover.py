@@ -364,7 +364,7 @@ async def test_a_writer_partitioned_away_is_treated_as_down(
     galera_env: dict[str, str],
 ) -> None:
     if not cluster.can_isolate():
-        pytest.skip("the nodes refuse gmcast.isolate at run time (MariaDB 11.8's provider plugin)")
+        pytest.skip("the nodes refuse gmcast.isolate at run time (the wsrep_provider plugin)")
     first, second = cluster.hosts[0], cluster.hosts[1]
     await wait_writers(gates, first)
     deal_id = await create_deal(buyers_client, stock=1_000_000, buckets=8)
