@@ -103,7 +103,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     name = _run([python, "-c", BUILD.format(hook="build_sdist"), str(dist)], src).split()[-1]
     sdist = dist / name
     with tarfile.open(sdist) as tar:
-        tar.extractall(work / "unpacked", filter="data")
+        # filter= arrived in 3.11.4; Debian 12's python3 is 3.11.2 (our own sdist).
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(work / "unpacked", filter="data")
+        else:
+            tar.extractall(work / "unpacked")
     unpacked = work / "unpacked" / name.removesuffix(".tar.gz")
     name = _run([python, "-c", BUILD.format(hook="build_wheel"), str(dist)], unpacked).split()[-1]
     wheel = dist / name

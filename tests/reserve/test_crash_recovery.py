@@ -124,19 +124,26 @@ async def test_a_killed_gate_leaves_no_ghost_stock(
         crowd = asyncio.gather(
             *(_attempt(victim_client, deal_id, user_base + i) for i in range(BUYERS))
         )
-        # The kill lands once some orders are in and reservations are in flight (one
-        # Redis read before it): on an idle database a fast sale can otherwise finish
-        # between the count and the kill, leaving nothing to recover.
+        # The kill lands once some orders are in and reservations are in flight. The
+        # victim is frozen (SIGSTOP) when they are seen, looked at again, and killed
+        # where it stands: on an idle database the ones seen in flight a moment before
+        # could all have committed by the kill, leaving nothing to recover.
         inflight = deal_keys(deal_id).inflight
-        while await _order_count(db, deal_id) < ORDERS_BEFORE_KILL or not await rds.hlen(inflight):
-            assert not crowd.done(), "the crowd finished before the kill"
-            await asyncio.sleep(0.01)
         locked_at = time.monotonic()
-        if orders_locked:
-            async with locker.cursor() as cur:
-                await cur.execute("LOCK TABLES orders WRITE")
-            # Let the storm pile up on the busy database before the kill lands.
-            await asyncio.sleep(0.5)
+        while True:
+            assert not crowd.done(), "the crowd finished before the kill"
+            if await _order_count(db, deal_id) >= ORDERS_BEFORE_KILL and await rds.hlen(inflight):
+                if orders_locked:
+                    locked_at = time.monotonic()
+                    async with locker.cursor() as cur:
+                        await cur.execute("LOCK TABLES orders WRITE")
+                    # Let the storm pile up on the busy database before the kill lands.
+                    await asyncio.sleep(0.5)
+                os.killpg(victim.proc.pid, signal.SIGSTOP)
+                if await rds.hlen(inflight):
+                    break
+                os.killpg(victim.proc.pid, signal.SIGCONT)
+            await asyncio.sleep(0.01)
         victim.kill()
         killed_at = time.monotonic()
         ghost_at_kill, markers_at_kill = await _ghost_units(db, rds, deal_id)

@@ -300,7 +300,9 @@ def test_every_process_moves_off_a_read_only_writer_and_back_after_the_hold_down
         assert moved_after <= FAILOVER_SECONDS, moved_after
         body = _get(gate.url + "/readyz")[1].decode()
         assert f'"db_writer":"{second}"' in body and "read-only" in body
-        assert _failovers(gate) >= failovers_before + 2  # both workers moved
+        # Both workers moved (the counter is a tally: it may reach the scrape a
+        # fraction of a second after the gauge the wait above read).
+        assert _failovers_reach(gate, failovers_before + 2, 2.0), _failovers(gate)
         deals.append(_new_deal(gate))
 
         _sql(galera, 0, "SET GLOBAL read_only = 0")
@@ -323,6 +325,15 @@ def _failovers(gate: GateProcess) -> float:
     text = _get(f"{gate.metrics_url}/metrics")[1].decode()
     found = re.search(r"^gate_db_failovers_total ([0-9.e+]+)$", text, re.M)
     return float(found[1]) if found else 0.0
+
+
+def _failovers_reach(gate: GateProcess, at_least: float, timeout_seconds: float) -> bool:
+    deadline = time.monotonic() + timeout_seconds
+    while _failovers(gate) < at_least:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_a_gate_refuses_to_start_on_a_read_only_single_node(writable: LocalGalera) -> None:
