@@ -270,6 +270,10 @@ class GateProcess(GateCommand):
         deadline = time.monotonic() + timeout_seconds
         needed = 1 if self.workers <= 1 else 6 * self.workers
         streak = 0
+        # Each worker binds its socket only once it has started: until then the
+        # others take every connection, so a streak alone can be one worker's. Every
+        # worker must also have answered (its request ids' prefix is its own).
+        answered: set[str] = set()
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gate exited early: {self.log_path.read_text()[-3000:]}")
@@ -277,7 +281,8 @@ class GateProcess(GateCommand):
                 with urllib.request.urlopen(self.url + "/readyz", timeout=1.0) as resp:
                     if resp.status == 200:
                         streak += 1
-                        if streak >= needed:
+                        answered.add(resp.headers.get("X-Request-Id", "").rsplit("-", 1)[0])
+                        if streak >= needed and len(answered) >= self.workers:
                             return
                         continue
             except (urllib.error.URLError, OSError):

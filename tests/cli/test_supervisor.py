@@ -53,7 +53,8 @@ async def test_connections_opened_together_reach_every_worker(env: dict[str, str
         await asyncio.to_thread(gate.wait_ready)
         assert len(_workers(gate)) == 2
         # 32 connections hashed over two sockets all land on one with odds of 2^-31.
-        assert len(await _answering_processes(gate.url, 32)) == 2
+        answering = await _answering_processes(gate.url, 32)
+        assert len(answering) == 2, (answering, gate.output()[-3000:])
     finally:
         assert gate.stop() == 0, gate.output()[-2000:]
 
