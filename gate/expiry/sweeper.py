@@ -39,7 +39,7 @@ import pymysql
 from gate.base.drain import mark_draining
 from gate.base.metrics import METRICS
 from gate.stock.mirror import Intent, Mirror
-from gate.store.db import Database, errno_of, is_connection_error, is_retryable
+from gate.store.db import Database, OutcomeUnknown, errno_of, is_connection_error, is_retryable
 
 log = logging.getLogger("gate.sweeper")
 
@@ -134,23 +134,6 @@ class Batch:
         for due, intent in zip(self.orders, self.intents, strict=True):
             groups[due.deal_id].append(intent)
         return dict(groups)
-
-
-class Unknown(Exception):
-    """The batch's COMMIT outcome is not known (connection lost or deadline passed)."""
-
-    def __init__(
-        self,
-        thread_id: int | None,
-        connected_at: float | None,
-        cause: BaseException,
-        node: str | None = None,
-    ):
-        super().__init__(f"outcome unknown (thread {thread_id} on {node}): {cause!r}")
-        self.thread_id = thread_id
-        self.connected_at = connected_at
-        self.cause = cause
-        self.node = node  # the server that issued thread_id (Database.node_of)
 
 
 _CROCKFORD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", "0123456789ABCDEFGHJKMNPQRSTVWXYZ")
@@ -269,11 +252,9 @@ class Sweeper:
 
     async def _batch(self, *, last_attempt: bool) -> int:
         batch: Batch | None = None
-        thread: list[Any] = []
         cursor: dict[str, tuple[str, str] | None] = {}
         try:
             async with self.db.connection() as conn:
-                thread[:] = [conn.thread_id(), conn.connected_time, self.db.node_of(conn)]
                 async with conn.cursor() as cur:
                     orders = await self._take(cur, cursor)
                     if not orders:
@@ -281,7 +262,7 @@ class Sweeper:
                         return 0
                     batch = Batch(orders)
                     await self._intend(batch)
-                    row = await self._release(cur, batch, thread)
+                    row = await self._release(conn, cur, batch)
         except asyncio.CancelledError:
             if batch is not None:
                 # Stopping mid-batch: the server may still commit it. The janitor
@@ -290,7 +271,7 @@ class Sweeper:
                     "expiry batch of %d interrupted; left to the janitor", len(batch.orders)
                 )
             raise
-        except Unknown as exc:
+        except OutcomeUnknown as exc:
             assert batch is not None
             log.warning("expiry batch of %d: outcome unknown (%r)", len(batch.orders), exc.cause)
             committed = await self._resolve(exc, batch)
@@ -424,7 +405,7 @@ class Sweeper:
                 # brings it to the database once the release has committed.
                 log.warning("deal %s: release intents not recorded in Redis: %r", deal_id, result)
 
-    async def _release(self, cur: Any, batch: Batch, thread: list[Any]) -> tuple[Any, ...]:
+    async def _release(self, conn: Any, cur: Any, batch: Batch) -> tuple[Any, ...]:
         payload = orjson.dumps(
             [
                 (due.order_id, intent.id)
@@ -443,21 +424,18 @@ class Sweeper:
             row = await asyncio.wait_for(call(), self.config.batch_timeout_seconds)
         except Exception as exc:
             if is_connection_error(exc) or isinstance(exc, TimeoutError):
-                raise Unknown(thread[0], thread[1], exc, thread[2]) from exc
+                raise self.db.outcome_unknown(conn, exc) from exc
             raise
         assert row is not None, "gate_expire_batch returned no row"
         return row
 
     # -- deciding the intents --------------------------------------------------------
 
-    async def _resolve(self, exc: Unknown, batch: Batch) -> bool | None:
+    async def _resolve(self, exc: OutcomeUnknown, batch: Batch) -> bool | None:
         """The connection broke mid-batch: wait until the server thread is gone (its
         transaction is then over), then ask the ledger. None: cannot tell yet."""
         try:
-            if exc.thread_id is not None and exc.connected_at is not None:
-                age = asyncio.get_running_loop().time() - exc.connected_at
-                if not await self.db.wait_thread_gone(exc.thread_id, age, node=exc.node):
-                    raise TimeoutError("the server thread did not end in time")
+            await self.db.end_thread_of(exc)
         except Exception as lookup_exc:
             log.warning("expiry batch left to the janitor: %r", lookup_exc)
             return None

@@ -573,11 +573,8 @@ class QueueConsumer:
     async def _thread_gone(self, exc: OutcomeUnknown) -> None:
         """A lost connection's server thread is ended before the entry is retried or
         given up, so the database's answer afterwards is final."""
-        if exc.thread_id is None or exc.connected_at is None:
-            return
-        age = asyncio.get_running_loop().time() - exc.connected_at
         try:
-            await self.gate.db.wait_thread_gone(exc.thread_id, age, node=exc.node)
+            await self.gate.db.end_thread_of(exc)
         except Exception as wait_exc:
             log.warning("queue: thread %s not seen gone: %r", exc.thread_id, wait_exc)
 

@@ -10,7 +10,7 @@ node ("host:port", `node_of`), and `servers` who answered there (wsrep_node_name
 hostname:port, and server_id). A server thread id is only ever acted on where it was
 issued:
 
-    wait_thread_gone(id, age, node)
+    end_thread_of(OutcomeUnknown) ──> wait_thread_gone(id, age, node)
       node = the writer ──> KILL it here, wait until the processlist shows it gone
       node = a former writer
         answers, same server ──> KILL it there (a node cut off from the primary
@@ -70,7 +70,10 @@ class DbUnavailable(Exception):
 
 
 class OutcomeUnknown(Exception):
-    """The connection broke while a transaction was committing; it may have committed."""
+    """The connection broke (or the deadline passed) while a transaction was
+    committing: it may have committed. It names the server thread, so that the
+    caller can make sure the thread has ended (`Database.end_thread_of`) before it
+    looks the outcome up."""
 
     def __init__(
         self,
@@ -401,6 +404,24 @@ class Database:
                 METRICS.db_retries.labels(str(errno_of(exc))).inc()
                 await asyncio.sleep(random.uniform(0.002, 0.02) * (2**i))
         raise AssertionError("unreachable")
+
+    def outcome_unknown(self, conn: Any, cause: BaseException) -> OutcomeUnknown:
+        """`cause` broke `conn` while its transaction was committing: the
+        OutcomeUnknown naming the connection's server thread and node."""
+        return OutcomeUnknown(conn.thread_id(), conn.connected_time, cause, self.node_of(conn))
+
+    async def end_thread_of(self, unknown: OutcomeUnknown, timeout_seconds: float = 5.0) -> None:
+        """Make sure the server thread of an unknown outcome has ended (`wait_thread_gone`),
+        so that a lookup afterwards tells whether it committed. Returns at once when
+        the connection never had a thread; TimeoutError when the thread did not end
+        within `timeout_seconds`, or whatever the database raised."""
+        if unknown.thread_id is None or unknown.connected_at is None:
+            return
+        age = asyncio.get_running_loop().time() - unknown.connected_at
+        if not await self.wait_thread_gone(
+            unknown.thread_id, age, timeout_seconds, node=unknown.node
+        ):
+            raise TimeoutError("the server thread did not end in time")
 
     async def wait_thread_gone(
         self,
