@@ -32,7 +32,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from gate.stock.orders import new_id
+from gate.base.ids import new_id
 from gate.store.db import Database
 from gate.store.keys import DEALS_GENERATION
 from gate.store.resp import text

@@ -9,12 +9,12 @@ import pymysql
 import pytest
 import redis.asyncio as aioredis
 
+from gate.base.ids import new_id
 from gate.base.metrics import METRICS, sample_values, value_of
 from gate.base.settings import Settings, SettingsError, load_settings
 from gate.expiry import ExpirySettings, make_sweeper
 from gate.expiry.sweeper import NEXT_DUE_PAUSE_MIN_SECONDS, STATS, SweepConfig
 from gate.runtime import Gate
-from gate.stock.orders import new_id
 from gate.store.db import Database, OutcomeUnknown
 from gate.store.keys import deal_keys
 from tests.expiry_support import holding, make_holds, run_gate, statuses, wait_until
