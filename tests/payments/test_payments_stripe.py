@@ -28,7 +28,8 @@ import stripe
 from gate.base.settings import load_settings
 from gate.payments.adapters import load_adapter
 from gate.payments.config import load_payment_settings
-from gate.payments.provider import ProviderRejected, SessionRequest
+from gate.payments.provider import ProviderRejected, ProviderUnavailable, SessionRequest
+from gate.payments.providers.provider_http import RETRY_AFTER_MAX_SECONDS
 from gate.payments.providers.stripe import StripeProvider
 from gate.runtime import Gate
 from gate.store.db import Database
@@ -174,6 +175,9 @@ class FakeClient:
     async def deliver(self, event_ids: list[str], copies: int = 1) -> list[list[int]]:
         doc = await self._ok("POST", "/fake/deliver", {"event_ids": event_ids, "copies": copies})
         return list(doc["statuses"])
+
+    async def arrivals(self, path: str) -> list[dict[str, Any]]:
+        return list((await self._ok("GET", f"/fake/arrivals?path={path}"))["data"])
 
     async def intent(self, payment_id: str) -> dict[str, Any]:
         r = await self.http.get(f"/v1/payment_intents/{payment_id}", headers=self.api)
@@ -595,6 +599,47 @@ async def test_api_calls_are_idempotent_and_errors_are_read(
             await provider.capture(payment_id, 1000, "test-capture-6081")
         assert state.value.code == "payment_intent_unexpected_state"
     finally:
+        await provider.close()
+
+
+async def test_a_throttled_api_is_retried_as_its_retry_after_asks(
+    stack: StripeStack, fake: FakeClient
+) -> None:
+    """429 and 503 with Retry-After (tests/fake_stripe.py's throttle, over a real
+    socket): the next attempt waits as long as asked, up to the bound; asked to wait
+    longer, the call gives up at once; without the header the backoff's own waits
+    apply, and the attempts stay within GATE_PAYMENT_RETRY_MAX."""
+    settings = load_settings(stack.env)
+    payment = load_payment_settings(stack.env)
+    adapter = load_adapter(
+        stack.env, payment, is_dev=False, webhook_secrets=settings.webhook_secrets
+    )
+    provider = adapter.provider
+    assert isinstance(provider, StripeProvider)
+    path = "/v1/payment_intents/pi_throttled"
+    try:
+        # Asked to wait one second (the bound): the retry comes no sooner, and the
+        # call answers with what the API said then (no such PaymentIntent).
+        await fake.configure(throttle=[[429, "1"]])
+        assert await provider.get_payment("pi_throttled") is None
+        first, second = await fake.arrivals(path)
+        assert (first["status"], second["status"]) == (429, 404)
+        assert second["at"] - first["at"] >= RETRY_AFTER_MAX_SECONDS * 0.95
+
+        # Asked to wait longer than the bound: no second attempt now.
+        await fake.configure(throttle=[[503, "30"], [503, None]])
+        with pytest.raises(ProviderUnavailable, match="asked to retry after 30 s"):
+            await provider.get_payment("pi_throttled")
+        assert [a["status"] for a in await fake.arrivals(path)][2:] == [503]
+
+        # No Retry-After: every attempt GATE_PAYMENT_RETRY_MAX allows, then unavailable.
+        await fake.configure(throttle=[[429, None]] * payment.retry_max)
+        with pytest.raises(ProviderUnavailable, match=f"after {payment.retry_max} attempt"):
+            await provider.get_payment("pi_throttled")
+        statuses = [a["status"] for a in await fake.arrivals(path)][3:]
+        assert statuses == [429] * payment.retry_max
+    finally:
+        await fake.configure(throttle=[])
         await provider.close()
 
 
