@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import socket
 import time
 from collections import defaultdict
@@ -35,11 +34,19 @@ from typing import Any
 import orjson
 import pymysql
 
+from gate.base.backoff import Backoff
 from gate.base.drain import mark_draining
 from gate.base.ids import new_ids
 from gate.base.metrics import METRICS
 from gate.stock.mirror import Intent, Mirror
-from gate.store.db import Database, OutcomeUnknown, errno_of, is_connection_error, is_retryable
+from gate.store.db import (
+    DEADLOCK_BACKOFF,
+    Database,
+    OutcomeUnknown,
+    errno_of,
+    is_connection_error,
+    is_retryable,
+)
 
 log = logging.getLogger("gate.sweeper")
 
@@ -157,6 +164,11 @@ class Sweeper:
         # when the scan last started from the beginning (see _take).
         self._after: dict[str, tuple[str, str]] = {}
         self._scan_started = 0.0
+        # After a failed batch: twice the interval, doubling, at most
+        # FAILURE_PAUSE_MAX_SECONDS (or the interval, when that is longer).
+        interval = config.interval_seconds
+        cap = max(interval, FAILURE_PAUSE_MAX_SECONDS)
+        self._failure_backoff = Backoff(min(2 * interval, cap), cap, jitter=0.0)
 
     # -- loops -----------------------------------------------------------------------
 
@@ -177,7 +189,7 @@ class Sweeper:
                 # The database or Redis may be down: back off a little, but never so
                 # far that a hold would wait long once they are back.
                 failures = min(failures + 1, 8)
-                pause = min(pause * 2**failures, max(pause, FAILURE_PAUSE_MAX_SECONDS))
+                pause = self._failure_backoff.delay_seconds(failures)
             if released >= self.config.batch_max:
                 mark_draining()
             else:
@@ -234,7 +246,7 @@ class Sweeper:
                     raise
                 STATS.retries += 1
                 METRICS.db_retries.labels(str(errno_of(exc))).inc()
-                await asyncio.sleep(random.uniform(0.002, 0.02) * (2**attempt))
+                await asyncio.sleep(DEADLOCK_BACKOFF.delay_seconds(attempt + 1))
         raise AssertionError("unreachable")
 
     async def _batch(self, *, last_attempt: bool) -> int:

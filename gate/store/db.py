@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -34,6 +33,7 @@ from typing import Any, TypeVar
 import aiomysql
 import pymysql
 
+from gate.base.backoff import Backoff
 from gate.base.metrics import METRICS
 from gate.base.settings import MysqlNode, MysqlTarget, Settings, node_name
 from gate.base.timeouts import deadline_in
@@ -60,6 +60,9 @@ ER_WSREP_NOT_READY = 1047
 # The node refuses writes (read-only) or is out of the primary component: the writer
 # is probed again at once rather than at the next interval.
 WRITER_LOST_ERRNOS = frozenset({1290, ER_WSREP_NOT_READY})
+# Between attempts after a deadlock or lock-wait timeout: 2 to 20 ms, doubling each
+# attempt (such a conflict is over in milliseconds), at most a second.
+DEADLOCK_BACKOFF = Backoff(base_seconds=0.02, cap_seconds=1.0, jitter=0.9)
 # A read meets at most this many dead pooled connections before it fails (each one
 # met is closed, never handed out again).
 READ_TRIES = 4
@@ -402,7 +405,7 @@ class Database:
                     raise
                 log.info("retrying after errno %s (attempt %d)", errno_of(exc), i + 1)
                 METRICS.db_retries.labels(str(errno_of(exc))).inc()
-                await asyncio.sleep(random.uniform(0.002, 0.02) * (2**i))
+                await asyncio.sleep(DEADLOCK_BACKOFF.delay_seconds(i + 1))
         raise AssertionError("unreachable")
 
     def outcome_unknown(self, conn: Any, cause: BaseException) -> OutcomeUnknown:
