@@ -5,13 +5,8 @@ notification sink that verifies with the adapter's own webhook code.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +21,7 @@ from gate.base.errors import Encoded
 from gate.payments.adapters import verifier_completion
 from gate.payments.provider import EventInvalid, ProviderError, ProviderEvent
 from gate.payments.signing import WebhookRejected
-from tests.support import ROOT, base_env, free_port
+from tests.support import ServerProcess, base_env, free_port
 
 
 @dataclass(frozen=True)
@@ -82,49 +77,15 @@ def make_certificate(directory: Path, pair: KeyPair, name: str, serial: int) -> 
     return str(path)
 
 
-class FakeProcess:
+def fake_process(module: str, env: Mapping[str, str]) -> ServerProcess:
     """`python -m tests.fake_<provider> --port N`, a real process on 127.0.0.1."""
-
-    def __init__(self, module: str, env: Mapping[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        full = base_env()
-        full.update(env)
-        self.log_path = ROOT / ".local" / f"test-{module.rsplit('.', 1)[-1]}-{self.port}.log"
-        self.log_path.parent.mkdir(exist_ok=True)
-        self._log = open(self.log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--port", str(self.port)],
-            env=full,
-            cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_seconds: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"fake not ready: {self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+    port = free_port()
+    return ServerProcess(
+        module.rsplit(".", 1)[-1],
+        [sys.executable, "-m", module, "--port", str(port)],
+        {**base_env(), **env},
+        port,
+    )
 
 
 class FakeControl:

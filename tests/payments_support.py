@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,11 +25,11 @@ from gate.stock import orders
 from gate.store.db import Database
 from tests.support import (
     GATE_BIN,
-    ROOT,
     WEBHOOK_SECRET,
     Client,
     GateProcess,
     Resp,
+    ServerProcess,
     base_env,
     buyer,
     free_port,
@@ -82,66 +78,31 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
     return env
 
 
-class SandboxProcess:
+def sandbox_process(
+    port: int, webhook_url: str, extra_env: dict[str, str] | None = None
+) -> ServerProcess:
     """A real `gate sandbox` process: GATE_ENV=dev (it refuses anything else), its own
     webhook secret (NEW_SECRET, which the gate's GATE_WEBHOOK_SECRET lists) and an API
     key on every route."""
-
-    def __init__(self, port: int, webhook_url: str, extra_env: dict[str, str] | None = None):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        env = base_env()
-        env.update(
-            {
-                "GATE_ENV": "dev",
-                "GATE_SANDBOX_API_KEY": SANDBOX_API_KEY,
-                "GATE_SANDBOX_WEBHOOK_SECRET": NEW_SECRET,
-                "GATE_SANDBOX_WEBHOOK_URL": webhook_url,
-                "GATE_SANDBOX_BACKOFF_BASE_SECONDS": "0.1",
-                "GATE_SANDBOX_BACKOFF_MAX_SECONDS": "0.5",
-                **(extra_env or {}),
-            }
-        )
-        self.log_path = ROOT / ".local" / f"test-sandbox-{port}.log"
-        self.log_path.parent.mkdir(exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [GATE_BIN, "sandbox", "--port", str(port)],
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_seconds: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sandbox exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"sandbox not ready: {self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+    env = base_env()
+    env.update(
+        {
+            "GATE_ENV": "dev",
+            "GATE_SANDBOX_API_KEY": SANDBOX_API_KEY,
+            "GATE_SANDBOX_WEBHOOK_SECRET": NEW_SECRET,
+            "GATE_SANDBOX_WEBHOOK_URL": webhook_url,
+            "GATE_SANDBOX_BACKOFF_BASE_SECONDS": "0.1",
+            "GATE_SANDBOX_BACKOFF_MAX_SECONDS": "0.5",
+            **(extra_env or {}),
+        }
+    )
+    return ServerProcess("sandbox", [GATE_BIN, "sandbox", "--port", str(port)], env, port)
 
 
 @dataclass
 class PayStack:
     gate: GateProcess
-    sandbox: SandboxProcess
+    sandbox: ServerProcess
     env: dict[str, str]
 
 
@@ -153,7 +114,7 @@ def running_pay_stack(
     sandbox_port = free_port()
     env = {**pay_env(f"http://127.0.0.1:{sandbox_port}"), **(extra_env or {})}
     gate = GateProcess(env, workers=workers)
-    sandbox = SandboxProcess(sandbox_port, gate.url + f"/v1/payments/{provider}/webhook")
+    sandbox = sandbox_process(sandbox_port, gate.url + f"/v1/payments/{provider}/webhook")
     try:
         sandbox.wait_ready()
         gate.wait_ready()

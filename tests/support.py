@@ -292,6 +292,53 @@ class GateProcess(GateCommand):
         raise RuntimeError(f"gate not ready: {self.log_path.read_text()[-3000:]}")
 
 
+class ServerProcess:
+    """A test server as a real process on 127.0.0.1 (a provider's fake, `python -m
+    tests.fake_…`; the sandbox, `gate sandbox`): in its own process group, its output
+    in .local/test-<name>-<port>.log, ready once GET /healthz answers 200, stopped
+    with SIGTERM (SIGKILL after 10 s)."""
+
+    def __init__(self, name: str, args: Sequence[str], env: Mapping[str, str], port: int) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = ROOT / ".local" / f"test-{name}-{port}.log"
+        self.log_path.parent.mkdir(exist_ok=True)
+        self._log = open(self.log_path, "wb")  # closed in stop()
+        self.proc = subprocess.Popen(
+            list(args),
+            env=dict(env),
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout_seconds: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not ready: {self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
 @contextmanager
 def running_gate(
     env: Mapping[str, str], workers: int = 2, background: bool = True

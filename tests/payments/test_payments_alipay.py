@@ -38,13 +38,14 @@ from gate.payments.providers.rsa_http import fen_to_yuan, sign_sha256_rsa, yuan_
 from gate.payments.signing import WebhookRejected
 from tests.cn_support import (
     FakeControl,
-    FakeProcess,
     KeyPair,
     Sink,
     StaticWindow,
     eventually,
+    fake_process,
     make_key_pair,
 )
+from tests.support import ServerProcess
 
 APP_ID = "2021000000000001"
 
@@ -56,8 +57,8 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KeyPair]:
 
 
 @pytest.fixture(scope="module")
-def fake(keys: dict[str, KeyPair]) -> Iterator[FakeProcess]:
-    proc = FakeProcess(
+def fake(keys: dict[str, KeyPair]) -> Iterator[ServerProcess]:
+    proc = fake_process(
         "tests.fake_alipay",
         {
             "FAKE_ALIPAY_APP_ID": APP_ID,
@@ -92,7 +93,7 @@ def pay_settings() -> PaymentSettings:
 
 @pytest.fixture
 async def stack(
-    keys: dict[str, KeyPair], fake: FakeProcess
+    keys: dict[str, KeyPair], fake: ServerProcess
 ) -> AsyncIterator[tuple[AlipayProvider, Sink, FakeControl]]:
     alipay = load_alipay_settings(env_for(keys, fake.url))
     provider = AlipayProvider(pay_settings(), alipay)
@@ -411,7 +412,7 @@ async def test_service_unavailable_is_retried(
 
 
 async def test_answers_not_signed_by_alipay_are_not_believed(
-    keys: dict[str, KeyPair], fake: FakeProcess
+    keys: dict[str, KeyPair], fake: ServerProcess
 ) -> None:
     # The gate holding another "Alipay public key": every answer fails verification.
     alipay = load_alipay_settings(

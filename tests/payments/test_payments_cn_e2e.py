@@ -38,9 +38,17 @@ from gate.payments.providers.wechatpay import answer_message, encrypt_resource
 from gate.runtime import Gate
 from gate.store.db import Database
 from tests import payments_support as ps
-from tests.cn_support import FakeControl, FakeProcess, KeyPair, make_key_pair
+from tests.cn_support import FakeControl, KeyPair, fake_process, make_key_pair
 from tests.payments_support import counts, expire, new_order, order_row, start_payment, wait_status
-from tests.support import GATE_BIN, Client, GateProcess, assert_invariants, create_deal, reserve
+from tests.support import (
+    GATE_BIN,
+    Client,
+    GateProcess,
+    ServerProcess,
+    assert_invariants,
+    create_deal,
+    reserve,
+)
 
 core = ps.core
 
@@ -56,7 +64,7 @@ PLATFORM_SERIAL = "5157F09EFDC096DE15EBE81A47057A72"  # the fake's default
 class Stack:
     provider: str
     gate: GateProcess
-    fake: FakeProcess
+    fake: ServerProcess
     env: dict[str, str]
     keys: dict[str, KeyPair]
 
@@ -130,7 +138,7 @@ def stack(
     provider: str = request.param
     d = tmp_path_factory.mktemp(f"{provider}-keys")
     keys = {n: make_key_pair(d, n) for n in ("merchant", "provider", "other")}
-    fake = FakeProcess(f"tests.fake_{provider}", _fake_env(provider, keys))
+    fake = fake_process(f"tests.fake_{provider}", _fake_env(provider, keys))
     port = ps.free_port()
     env = _stack_env(provider, keys, fake.url, f"http://127.0.0.1:{port}")
     gate = GateProcess(env, workers=1, port=port)

@@ -10,12 +10,9 @@ import asyncio
 import hashlib
 import hmac
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +43,10 @@ from tests.payments_support import (
 )
 from tests.support import (
     GATE_BIN,
-    ROOT,
     Client,
     GateProcess,
     Resp,
+    ServerProcess,
     assert_invariants,
     buyer,
     create_deal,
@@ -65,50 +62,15 @@ OTHER_SECRET = "whsec_someoneElsesEndpointSecret012345678"
 WEBHOOK = "/v1/payments/stripe/webhook"
 
 
-class FakeStripeProcess:
-    def __init__(self, port: int, webhook_url: str) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GATE_")}
-        env.update(
-            FAKE_STRIPE_API_KEY=STRIPE_KEY,
-            FAKE_STRIPE_WEBHOOK_SECRET=STRIPE_SECRET,
-            FAKE_STRIPE_WEBHOOK_URL=webhook_url,
-        )
-        self.log_path = ROOT / ".local" / f"test-fake-stripe-{port}.log"
-        self.log_path.parent.mkdir(exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.fake_stripe", "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_seconds: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake Stripe exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"fake Stripe not ready: {self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+def fake_stripe_process(port: int, webhook_url: str) -> ServerProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATE_")}
+    env.update(
+        FAKE_STRIPE_API_KEY=STRIPE_KEY,
+        FAKE_STRIPE_WEBHOOK_SECRET=STRIPE_SECRET,
+        FAKE_STRIPE_WEBHOOK_URL=webhook_url,
+    )
+    args = [sys.executable, "-m", "tests.fake_stripe", "--port", str(port)]
+    return ServerProcess("fake-stripe", args, env, port)
 
 
 def stripe_env(api_base: str) -> dict[str, str]:
@@ -130,7 +92,7 @@ def stripe_env(api_base: str) -> dict[str, str]:
 @dataclass
 class StripeStack:
     gate: GateProcess
-    fake: FakeStripeProcess
+    fake: ServerProcess
     env: dict[str, str]
 
 
@@ -139,7 +101,7 @@ def stack(prepared: None) -> Iterator[StripeStack]:
     port = free_port()
     env = stripe_env(f"http://127.0.0.1:{port}")
     gate = GateProcess(env, workers=1)
-    fake = FakeStripeProcess(port, gate.url + WEBHOOK)
+    fake = fake_stripe_process(port, gate.url + WEBHOOK)
     try:
         fake.wait_ready()
         gate.wait_ready()

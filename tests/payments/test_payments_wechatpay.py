@@ -43,14 +43,15 @@ from gate.payments.providers.wechatpay import (
 from gate.payments.signing import WebhookRejected
 from tests.cn_support import (
     FakeControl,
-    FakeProcess,
     KeyPair,
     Sink,
     StaticWindow,
     eventually,
+    fake_process,
     make_certificate,
     make_key_pair,
 )
+from tests.support import ServerProcess
 
 MCHID = "1900009191"
 APPID = "wxd678efh567hg6787"
@@ -73,8 +74,8 @@ SERIAL_B = "PUB_KEY_ID_0114232134912410000000000000"
 
 
 @pytest.fixture(scope="module")
-def fake(keys: dict[str, KeyPair]) -> Iterator[FakeProcess]:
-    proc = FakeProcess(
+def fake(keys: dict[str, KeyPair]) -> Iterator[ServerProcess]:
+    proc = fake_process(
         "tests.fake_wechatpay",
         {
             "FAKE_WECHATPAY_MCHID": MCHID,
@@ -122,7 +123,7 @@ def pay_settings(callback_url: str | None = None) -> PaymentSettings:
 
 @pytest.fixture
 async def stack(
-    keys: dict[str, KeyPair], fake: FakeProcess
+    keys: dict[str, KeyPair], fake: ServerProcess
 ) -> AsyncIterator[tuple[WechatPayProvider, Sink, FakeControl]]:
     wechat = load_wechatpay_settings(env_for(keys, fake.url))
     sink = Sink(WechatPayWebhook(wechat))
@@ -437,7 +438,7 @@ async def test_no_authorize_capture_and_retries(
 
 
 async def test_requests_signed_with_another_key_are_refused(
-    keys: dict[str, KeyPair], fake: FakeProcess
+    keys: dict[str, KeyPair], fake: ServerProcess
 ) -> None:
     wechat = load_wechatpay_settings(
         env_for(keys, fake.url, GATE_WECHATPAY_PRIVATE_KEY_FILE=keys["other"].private_file)
@@ -621,7 +622,7 @@ def test_bad_platform_key_lists_name_the_variable(
 
 
 async def test_a_key_rotation_verifies_with_both_keys_and_only_with_both(
-    keys: dict[str, KeyPair], fake: FakeProcess, cert_a: str
+    keys: dict[str, KeyPair], fake: ServerProcess, cert_a: str
 ) -> None:
     both = load_wechatpay_settings(
         keyset_env(keys, fake.url, GATE_WECHATPAY_PLATFORM_KEY_FILES=both_keys(keys, cert_a))
