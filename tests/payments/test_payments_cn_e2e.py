@@ -37,8 +37,9 @@ from gate.payments.providers.rsa_http import fen_to_yuan, sign_sha256_rsa
 from gate.payments.providers.wechatpay import answer_message, encrypt_resource
 from gate.runtime import Gate
 from gate.store.db import Database
+from tests import cn_support as cn
 from tests import payments_support as ps
-from tests.cn_support import FakeControl, KeyPair, fake_process, make_key_pair
+from tests.cn_support import FakeControl, KeyPair
 from tests.payments_support import counts, expire, new_order, order_row, start_payment, wait_status
 from tests.support import (
     GATE_BIN,
@@ -52,12 +53,11 @@ from tests.support import (
 
 core = ps.core
 
-ALIPAY_APP_ID = "2021000000000001"
-MCHID = "1900009191"
-APPID = "wxd678efh567hg6787"
-APIV3_KEY = "a7cde1ZJB1kG2e7VfTs3jQzaWizur8Gb"
-SERIAL = "1DDE55AD98ED71D6EDD4A4A16996DE7B47773A8C"
-PLATFORM_SERIAL = "5157F09EFDC096DE15EBE81A47057A72"  # the fake's default
+ALIPAY_APP_ID = cn.ALIPAY_APP_ID
+MCHID = cn.WECHATPAY_MCHID
+APPID = cn.WECHATPAY_APPID
+APIV3_KEY = cn.WECHATPAY_APIV3_KEY
+PLATFORM_SERIAL = cn.WECHATPAY_SERIAL_A  # the fake's default platform key
 
 
 @dataclass
@@ -67,6 +67,7 @@ class Stack:
     fake: ServerProcess
     env: dict[str, str]
     keys: dict[str, KeyPair]
+    case: cn.CnCase
 
     @property
     def webhook_path(self) -> str:
@@ -74,81 +75,41 @@ class Stack:
 
 
 def _stack_env(
-    provider: str, keys: dict[str, KeyPair], fake_url: str, gate_url: str
+    case: cn.CnCase, keys: dict[str, KeyPair], fake_url: str, gate_url: str
 ) -> dict[str, str]:
     env = ps.pay_env("http://127.0.0.1:1")
     del env["GATE_PAYMENT_PROVIDER_URL"], env["GATE_PAYMENT_API_KEY"]
     env.update(
         {
-            "GATE_PAYMENT_PROVIDER": provider,
-            "GATE_PAYMENT_CALLBACK_URL": f"{gate_url}/v1/payments/{provider}/webhook",
+            "GATE_PAYMENT_PROVIDER": case.name,
+            "GATE_PAYMENT_CALLBACK_URL": f"{gate_url}/v1/payments/{case.name}/webhook",
         }
     )
-    if provider == "alipay":
-        env.update(
-            {
-                "GATE_ALIPAY_APP_ID": ALIPAY_APP_ID,
-                "GATE_ALIPAY_PRIVATE_KEY_FILE": keys["merchant"].private_file,
-                "GATE_ALIPAY_PUBLIC_KEY_FILE": keys["provider"].public_file,
-                "GATE_ALIPAY_GATEWAY_URL": fake_url + "/gateway.do",
-            }
+    provider = {k: v for k, v in case.env(keys, fake_url).items() if k != "GATE_ENV"}
+    if case is cn.WECHATPAY:
+        # The platform key under its id (the fake names it in Wechatpay-Serial): an
+        # unknown serial is refused.
+        del provider["GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE"]
+        provider["GATE_WECHATPAY_PLATFORM_KEY_FILES"] = (
+            f"{PLATFORM_SERIAL}={keys[case.provider_pair].public_file}"
         )
-    else:
-        env.update(
-            {
-                "GATE_WECHATPAY_MCHID": MCHID,
-                "GATE_WECHATPAY_APPID": APPID,
-                "GATE_WECHATPAY_APIV3_KEY": APIV3_KEY,
-                "GATE_WECHATPAY_PRIVATE_KEY_FILE": keys["merchant"].private_file,
-                "GATE_WECHATPAY_CERT_SERIAL": SERIAL,
-                # The platform key under its id (the fake names it in
-                # Wechatpay-Serial): an unknown serial is refused.
-                "GATE_WECHATPAY_PLATFORM_KEY_FILES": (
-                    f"{PLATFORM_SERIAL}={keys['provider'].public_file}"
-                ),
-                "GATE_WECHATPAY_API_BASE": fake_url,
-            }
-        )
+    env.update(provider)
     return env
 
 
-def _fake_env(provider: str, keys: dict[str, KeyPair]) -> dict[str, str]:
-    if provider == "alipay":
-        return {
-            "FAKE_ALIPAY_APP_ID": ALIPAY_APP_ID,
-            "FAKE_ALIPAY_APP_PUBLIC_KEY_FILE": keys["merchant"].public_file,
-            "FAKE_ALIPAY_PRIVATE_KEY_FILE": keys["provider"].private_file,
-            "FAKE_NOTIFY_SCHEDULE": "0.2,0.4,0.8",
-        }
-    return {
-        "FAKE_WECHATPAY_MCHID": MCHID,
-        "FAKE_WECHATPAY_APPID": APPID,
-        "FAKE_WECHATPAY_APIV3_KEY": APIV3_KEY,
-        "FAKE_WECHATPAY_MERCHANT_SERIAL": SERIAL,
-        "FAKE_WECHATPAY_MERCHANT_PUBLIC_KEY_FILE": keys["merchant"].public_file,
-        "FAKE_WECHATPAY_PLATFORM_PRIVATE_KEY_FILE": keys["provider"].private_file,
-        "FAKE_NOTIFY_SCHEDULE": "0.2,0.4,0.8",
-    }
-
-
-@pytest.fixture(scope="module", params=["alipay", "wechatpay"])
-def stack(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, prepared: None
-) -> Iterator[Stack]:
-    provider: str = request.param
-    d = tmp_path_factory.mktemp(f"{provider}-keys")
-    keys = {n: make_key_pair(d, n) for n in ("merchant", "provider", "other")}
-    fake = fake_process(f"tests.fake_{provider}", _fake_env(provider, keys))
+@pytest.fixture(scope="module", params=list(cn.CASES))
+def stack(request: pytest.FixtureRequest, prepared: None) -> Iterator[Stack]:
+    case = cn.CASES[request.param]
+    keys: dict[str, KeyPair] = request.getfixturevalue(f"{case.name}_keys")
+    fake: ServerProcess = request.getfixturevalue(f"{case.name}_fake")
     port = ps.free_port()
-    env = _stack_env(provider, keys, fake.url, f"http://127.0.0.1:{port}")
+    env = _stack_env(case, keys, fake.url, f"http://127.0.0.1:{port}")
     gate = GateProcess(env, workers=1, port=port)
     try:
-        fake.wait_ready()
         gate.wait_ready()
-        yield Stack(provider, gate, fake, env, keys)
+        yield Stack(case.name, gate, fake, env, keys, case)
     finally:
         gate.stop()
-        fake.stop()
 
 
 @pytest.fixture
@@ -163,7 +124,8 @@ async def client(stack: Stack) -> AsyncIterator[Client]:
 @pytest.fixture
 async def fake(stack: Stack) -> AsyncIterator[FakeControl]:
     c = FakeControl(stack.fake.url)
-    await c.post("/_fake/configure", {"drop_notifications": 0, "drop_refund_notifications": 0})
+    # The fakes serve the whole session: whatever another test configured is undone.
+    await c.post("/_fake/configure", dict(stack.case.reset))
     try:
         yield c
     finally:
@@ -201,6 +163,12 @@ async def test_reserve_session_pay_notification_paid_and_duplicate_once(
 
     row = await wait_status(db, order_id, "PAID")
     assert (row["paid_amount"], row["payment_id"]) == (1999, payment_id)
+
+    async def acknowledged() -> bool:
+        # The fake reads the gate's answer after the gate committed: a moment later.
+        return any(n["acknowledged"] for n in await notes(fake, order_id))
+
+    await ps.wait_until(acknowledged)
     [note] = await notes(fake, order_id)
     # Acknowledged by the provider's own rule (Alipay: body "success"; WeChat: 2xx).
     assert note["acknowledged"] and note["attempts"] == 1, note
@@ -300,7 +268,7 @@ def _forged(
 ) -> tuple[bytes, dict[str, str]]:
     now = time.time()
     when = now - 301 if change == "stale" else now
-    signer = stack.keys["other" if change == "forged" else "provider"].private
+    signer = stack.keys["other" if change == "forged" else stack.case.provider_pair].private
     if stack.provider == "alipay":
         stamp = datetime.fromtimestamp(when, CST).strftime(TIME_FORMAT)
         params = {
