@@ -81,6 +81,19 @@ def _deliver_confirms(chunk: list[_Confirm], sent: asyncio.Future[Any]) -> None:
             c[5].set_result(code)
 
 
+def _confirm_keys(keys: DealKeys, idempotency: list[str]) -> tuple[str, ...]:
+    """lua/confirm.lua's and lua/confirm_many.lua's KEYS: the deal's state, then each
+    reservation's idempotency record."""
+    return (
+        keys.meta,
+        keys.buckets,
+        keys.inflight,
+        keys.inflight_times,
+        keys.resolved,
+        *idempotency,
+    )
+
+
 @dataclass(frozen=True)
 class Intent:
     """A change the database is about to commit and Redis will mirror afterwards."""
@@ -245,38 +258,17 @@ class Mirror:
         return int(await fut) == 1
 
     def _write_confirms(self, groups: list[tuple[str, list[_Confirm]]]) -> None:
-        ttl = self.settings.idempotency_ttl_seconds
         for _, chunk in groups:
             keys = chunk[0][0]
             if len(chunk) == 1:
                 _, key, token, fp, alloc, _ = chunk[0]
-                sent = self.runner.call(
-                    "confirm",
-                    (
-                        keys.meta,
-                        keys.buckets,
-                        keys.inflight,
-                        keys.inflight_times,
-                        keys.resolved,
-                        key,
-                    ),
-                    (token, fp, ttl, alloc, RESOLVED_RETENTION_MS),
-                )
+                sent = self._confirm_one(keys, key, token, fp, alloc)
             else:
-                args: list[Any] = [ttl, RESOLVED_RETENTION_MS]
+                args: list[Any] = [self.settings.idempotency_ttl_seconds, RESOLVED_RETENTION_MS]
                 for _, _, token, fp, alloc, _ in chunk:
                     args += (token, fp, alloc)
                 sent = self.runner.call(
-                    "confirm_many",
-                    (
-                        keys.meta,
-                        keys.buckets,
-                        keys.inflight,
-                        keys.inflight_times,
-                        keys.resolved,
-                        *(c[1] for c in chunk),
-                    ),
-                    args,
+                    "confirm_many", _confirm_keys(keys, [c[1] for c in chunk]), args
                 )
             sent.add_done_callback(functools.partial(_deliver_confirms, chunk))
 
@@ -285,17 +277,16 @@ class Mirror:
     ) -> asyncio.Future[Any]:
         """`confirm`'s script call, queued now (a batch's calls share a pipeline
         without a task each); the future resolves to its raw reply."""
+        return self._confirm_one(keys, keys.idempotency(user_id, idempotency_key), token, fp, alloc)
+
+    def _confirm_one(
+        self, keys: DealKeys, idempotency: str, token: str, fp: str, alloc: str
+    ) -> asyncio.Future[Any]:
+        ttl = self.settings.idempotency_ttl_seconds
         return self.runner.call(
             "confirm",
-            (
-                keys.meta,
-                keys.buckets,
-                keys.inflight,
-                keys.inflight_times,
-                keys.resolved,
-                keys.idempotency(user_id, idempotency_key),
-            ),
-            (token, fp, self.settings.idempotency_ttl_seconds, alloc, RESOLVED_RETENTION_MS),
+            _confirm_keys(keys, [idempotency]),
+            (token, fp, ttl, alloc, RESOLVED_RETENTION_MS),
         )
 
     async def compensate(
