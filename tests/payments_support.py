@@ -113,15 +113,12 @@ def running_pay_stack(
     """A gate (`workers` processes) and a sandbox delivering to it, both stopped after."""
     sandbox_port = free_port()
     env = {**pay_env(f"http://127.0.0.1:{sandbox_port}"), **(extra_env or {})}
-    gate = GateProcess(env, workers=workers)
-    sandbox = sandbox_process(sandbox_port, gate.url + f"/v1/payments/{provider}/webhook")
-    try:
-        sandbox.wait_ready()
-        gate.wait_ready()
+    webhook = f"/v1/payments/{provider}/webhook"
+    with (
+        GateProcess(env, workers=workers) as gate,
+        sandbox_process(sandbox_port, gate.url + webhook) as sandbox,
+    ):
         yield PayStack(gate, sandbox, env)
-    finally:
-        gate.stop()
-        sandbox.stop()
 
 
 # Per module: no payment gate idles in the background while other suites run.
@@ -133,11 +130,8 @@ def pay_stack(prepared: None) -> Iterator[PayStack]:
 
 @pytest.fixture
 async def pay_client(pay_stack: PayStack) -> AsyncIterator[Client]:
-    c = Client(pay_stack.gate.url)
-    try:
+    async with Client(pay_stack.gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 class KeyedClient(Client):
@@ -297,6 +291,24 @@ async def wait_until(predicate: Any, timeout_seconds: float = 15.0) -> Any:
         if value or time.monotonic() > deadline:
             return value
         await asyncio.sleep(0.05)
+
+
+async def reconcile(env: Mapping[str, str], *args: str) -> tuple[int, dict[str, Any]]:
+    """`gate reconcile --json ARGS…` as an operator runs it; its exit status and report."""
+    proc = await asyncio.create_subprocess_exec(
+        GATE_BIN,
+        "reconcile",
+        "--json",
+        *args,
+        env=dict(env),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    assert out, err.decode()[-3000:]
+    report: dict[str, Any] = orjson.loads(out)
+    return proc.returncode, report
 
 
 async def expire(core: Gate, order_id: str) -> None:

@@ -1,41 +1,37 @@
 """The Alipay and WeChat Pay fakes, one real process each for the whole session, and
-their keys: shared by the contract both adapters keep
-(test_payments_cn_contract.py) and by each adapter's own tests."""
+their keys, shared by the contract both adapters keep (test_payments_cn_contract.py),
+by each adapter's own tests and by the end-to-end tests; `cn`, one adapter against
+its fake, for both providers unless a test names one
+(`@pytest.mark.parametrize("cn", ["alipay"], indirect=True)`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tests.cn_support import ALIPAY, WECHATPAY, CnCase, KeyPair
+from tests.cn_support import CASES, CnStack, KeyPair, cn_stack
 from tests.support import ServerProcess
 
 
-def _running(case: CnCase, keys: dict[str, KeyPair]) -> Iterator[ServerProcess]:
-    proc = case.fake(keys)
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+@pytest.fixture(scope="session")
+def cn_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, KeyPair]]:
+    return {n: c.keys(tmp_path_factory.mktemp(f"{n}-keys")) for n, c in CASES.items()}
 
 
 @pytest.fixture(scope="session")
-def alipay_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KeyPair]:
-    return ALIPAY.keys(tmp_path_factory.mktemp("alipay-keys"))
+def cn_fakes(cn_keys: dict[str, dict[str, KeyPair]]) -> Iterator[dict[str, ServerProcess]]:
+    with contextlib.ExitStack() as running:
+        yield {n: running.enter_context(c.fake(cn_keys[n])) for n, c in CASES.items()}
 
 
-@pytest.fixture(scope="session")
-def wechatpay_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KeyPair]:
-    return WECHATPAY.keys(tmp_path_factory.mktemp("wechatpay-keys"))
-
-
-@pytest.fixture(scope="session")
-def alipay_fake(alipay_keys: dict[str, KeyPair]) -> Iterator[ServerProcess]:
-    yield from _running(ALIPAY, alipay_keys)
-
-
-@pytest.fixture(scope="session")
-def wechatpay_fake(wechatpay_keys: dict[str, KeyPair]) -> Iterator[ServerProcess]:
-    yield from _running(WECHATPAY, wechatpay_keys)
+@pytest.fixture(params=list(CASES))
+async def cn(
+    request: pytest.FixtureRequest,
+    cn_keys: dict[str, dict[str, KeyPair]],
+    cn_fakes: dict[str, ServerProcess],
+) -> AsyncIterator[CnStack]:
+    name: str = request.param
+    async with cn_stack(CASES[name], cn_keys[name], cn_fakes[name]) as stack:
+        yield stack

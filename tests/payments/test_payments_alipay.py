@@ -7,7 +7,6 @@ keep against their fakes is tests/payments/test_payments_cn_contract.py."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode
@@ -20,7 +19,6 @@ from gate.payments.provider import EventInvalid
 from gate.payments.providers.alipay import (
     CST,
     TIME_FORMAT,
-    AlipayProvider,
     AlipaySettings,
     AlipayWebhook,
     load_alipay_settings,
@@ -30,33 +28,21 @@ from gate.payments.providers.alipay import (
 from gate.payments.providers.rsa_http import fen_to_yuan, sign_sha256_rsa, yuan_to_fen
 from gate.payments.signing import WebhookRejected
 from tests.cn_support import (
-    ALIPAY,
     ALIPAY_APP_ID,
-    FakeControl,
+    CnStack,
     KeyPair,
-    Sink,
     alipay_env,
-    cn_stack,
     eventually,
     session_request,
 )
-from tests.support import ServerProcess
 
 APP_ID = ALIPAY_APP_ID
 env_for = alipay_env
 
 
 @pytest.fixture(scope="module")
-def keys(alipay_keys: dict[str, KeyPair]) -> dict[str, KeyPair]:
-    return alipay_keys
-
-
-@pytest.fixture
-async def stack(
-    keys: dict[str, KeyPair], alipay_fake: ServerProcess
-) -> AsyncIterator[tuple[AlipayProvider, Sink, FakeControl]]:
-    async with cn_stack(ALIPAY, keys, alipay_fake) as s:
-        yield s.provider, s.sink, s.control
+def keys(cn_keys: dict[str, dict[str, KeyPair]]) -> dict[str, KeyPair]:
+    return cn_keys["alipay"]
 
 
 # -- signing, amounts, settings -------------------------------------------------------
@@ -342,13 +328,14 @@ def test_an_order_id_that_only_starts_like_one_names_no_order(keys: dict[str, Ke
     assert parse_notification(settings_of(keys), body, now).order_id is None
 
 
+@pytest.mark.parametrize("cn", ["alipay"], indirect=True)
 async def test_two_partial_refunds_record_their_own_amounts(
-    stack: tuple[AlipayProvider, Sink, FakeControl],
+    cn: CnStack,
 ) -> None:
     # Alipay's refund_fee is the trade's refunded total: refunds of 30 and 20 on a
     # 100 trade are notified with 30.00 then 50.00; each event is that refund's own
     # amount (asked of the refund query), and a redelivery is the same event.
-    provider, sink, control = stack
+    provider, sink, control = cn.provider, cn.sink, cn.control
     request = session_request(sink, amount=10_000)
     await provider.create_session(request, "k")
     _, trade = await control.post("/_fake/pay", {"out_trade_no": request.order_id})
@@ -378,12 +365,13 @@ async def test_two_partial_refunds_record_their_own_amounts(
     assert len(sink.of_type("refund.succeeded", request.order_id)) == 2
 
 
+@pytest.mark.parametrize("cn", ["alipay"], indirect=True)
 async def test_a_refund_alipay_does_not_know_is_recorded_without_an_amount(
-    keys: dict[str, KeyPair], stack: tuple[AlipayProvider, Sink, FakeControl]
+    keys: dict[str, KeyPair], cn: CnStack
 ) -> None:
     # Genuine (signed) but naming a refund the refund query does not find: no amount
     # to apply (the gate quarantines it as a mismatch), never the cumulative fee.
-    provider, sink, control = stack
+    provider, sink, control = cn.provider, cn.sink, cn.control
     request = session_request(sink, amount=500)
     await provider.create_session(request, "k")
     _, trade = await control.post("/_fake/pay", {"out_trade_no": request.order_id})

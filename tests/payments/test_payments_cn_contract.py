@@ -9,7 +9,6 @@ what only one provider does is in its own module."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 
 import pytest
 from ulid import ULID
@@ -27,15 +26,6 @@ from tests.cn_support import (
 from tests.support import ServerProcess
 
 BOTH = list(CASES)
-
-
-@pytest.fixture(params=BOTH)
-async def cn(request: pytest.FixtureRequest) -> AsyncIterator[CnStack]:
-    case = CASES[request.param]
-    keys: dict[str, KeyPair] = request.getfixturevalue(f"{case.name}_keys")
-    fake: ServerProcess = request.getfixturevalue(f"{case.name}_fake")
-    async with cn_stack(case, keys, fake) as stack:
-        yield stack
 
 
 async def test_session_payment_notification_and_query(cn: CnStack) -> None:
@@ -156,14 +146,12 @@ async def test_an_unavailable_provider_is_retried_within_retry_max(cn: CnStack) 
 
 @pytest.mark.parametrize("name", BOTH)
 async def test_answers_not_signed_by_the_provider_are_not_believed(
-    request: pytest.FixtureRequest, name: str
+    cn_keys: dict[str, dict[str, KeyPair]], cn_fakes: dict[str, ServerProcess], name: str
 ) -> None:
     # The gate holding another key for the provider: every answer fails verification.
-    case = CASES[name]
-    keys: dict[str, KeyPair] = request.getfixturevalue(f"{name}_keys")
-    fake: ServerProcess = request.getfixturevalue(f"{name}_fake")
+    case, keys = CASES[name], cn_keys[name]
     other = {case.answer_key_variable: keys["other"].public_file}
-    async with cn_stack(case, keys, fake, **other) as stack:
+    async with cn_stack(case, keys, cn_fakes[name], **other) as stack:
         with pytest.raises(ProviderUnavailable, match=r"(?i)signature"):
             await stack.provider.payments_for_order(str(ULID()))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gate.payments.config import PaymentSettings
 from gate.payments.providers.alipay import (
     CST,
     TIME_FORMAT,
@@ -42,13 +40,13 @@ from tests import payments_support as ps
 from tests.cn_support import FakeControl, KeyPair
 from tests.payments_support import counts, expire, new_order, order_row, start_payment, wait_status
 from tests.support import (
-    GATE_BIN,
     Client,
     GateProcess,
     ServerProcess,
     assert_invariants,
     create_deal,
     reserve,
+    serve_once,
 )
 
 core = ps.core
@@ -98,27 +96,24 @@ def _stack_env(
 
 
 @pytest.fixture(scope="module", params=list(cn.CASES))
-def stack(request: pytest.FixtureRequest, prepared: None) -> Iterator[Stack]:
+def stack(
+    request: pytest.FixtureRequest,
+    prepared: None,
+    cn_keys: dict[str, dict[str, KeyPair]],
+    cn_fakes: dict[str, ServerProcess],
+) -> Iterator[Stack]:
     case = cn.CASES[request.param]
-    keys: dict[str, KeyPair] = request.getfixturevalue(f"{case.name}_keys")
-    fake: ServerProcess = request.getfixturevalue(f"{case.name}_fake")
+    keys, fake = cn_keys[case.name], cn_fakes[case.name]
     port = ps.free_port()
     env = _stack_env(case, keys, fake.url, f"http://127.0.0.1:{port}")
-    gate = GateProcess(env, workers=1, port=port)
-    try:
-        gate.wait_ready()
+    with GateProcess(env, workers=1, port=port) as gate:
         yield Stack(case.name, gate, fake, env, keys, case)
-    finally:
-        gate.stop()
 
 
 @pytest.fixture
 async def client(stack: Stack) -> AsyncIterator[Client]:
-    c = Client(stack.gate.url)
-    try:
+    async with Client(stack.gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture
@@ -362,18 +357,7 @@ async def test_reconcile_repairs_a_dropped_notification(
     assert note["dropped"] and note["attempts"] == 0
     assert (await order_row(db, order_id))["status"] == "PENDING_PAYMENT"
 
-    env = {**stack.env, "GATE_RECONCILE_GRACE_SECONDS": "0"}
-    proc = await asyncio.create_subprocess_exec(
-        GATE_BIN,
-        "reconcile",
-        "--json",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert out, err.decode()[-3000:]
-    report = orjson.loads(out)
+    report = await _reconcile(stack)
     assert report["provider"] == stack.provider and report["scanned"]["transactions"] >= 1, report
     kinds = {f["kind"] for f in report["findings"] if f["payment_id"] == payment_id}
     assert kinds, report
@@ -408,14 +392,7 @@ def test_start_up_refuses_incomplete_settings_naming_the_variable(stack: Stack) 
     for name in required:
         env = {k: v for k, v in stack.env.items() if k != name}
         # Port 1: were the configuration accepted, binding would fail loudly instead.
-        out = subprocess.run(
-            [GATE_BIN, "serve", "--port", "1"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        out = serve_once(env)
         assert out.returncode == 2, out.stderr
         assert name in out.stderr and "Traceback" not in out.stderr
 
@@ -558,18 +535,7 @@ async def test_reconcile_flags_paid_without_a_payment_at_the_provider(
 
 
 async def _reconcile(stack: Stack) -> dict[str, Any]:
-    env = {**stack.env, "GATE_RECONCILE_GRACE_SECONDS": "0"}
-    proc = await asyncio.create_subprocess_exec(
-        GATE_BIN,
-        "reconcile",
-        "--json",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert out, err.decode()[-3000:]
-    report: dict[str, Any] = orjson.loads(out)
+    _, report = await ps.reconcile({**stack.env, "GATE_RECONCILE_GRACE_SECONDS": "0"})
     assert report["provider"] == stack.provider, report
     return report
 
@@ -618,6 +584,24 @@ async def _refund_amounts(db: Database, order_id: str) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
+async def _paid_order(
+    client: Client, fake: FakeControl, db: Database, user: int
+) -> tuple[str, str]:
+    """An order of 100 CNY paid at the provider (its id there) and PAID at the gate."""
+    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
+    order_id = await new_order(client, deal, user)
+    await start_payment(client, order_id, user)
+    payment_id = await pay(fake, order_id)
+    await wait_status(db, order_id, "PAID")
+    return order_id, payment_id
+
+
+def _alipay(stack: Stack) -> AlipayProvider:
+    """The gate's Alipay adapter as an operator's console would act: refunds made at
+    Alipay, outside the gate's own refund worker."""
+    return AlipayProvider(cn.cn_pay_settings("alipay"), load_alipay_settings(stack.env))
+
+
 async def test_two_partial_alipay_refunds_record_two_right_amounts(
     stack: Stack, client: Client, fake: FakeControl, db: Database
 ) -> None:
@@ -626,15 +610,8 @@ async def test_two_partial_alipay_refunds_record_two_right_amounts(
     # records 30 and 20, and a redelivery records nothing new.
     if stack.provider != "alipay":
         pytest.skip("refund_fee is Alipay's")
-    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
-    order_id = await new_order(client, deal, 7192)
-    await start_payment(client, order_id, 7192)
-    trade_no = await pay(fake, order_id)
-    await wait_status(db, order_id, "PAID")
-    alipay = AlipayProvider(
-        PaymentSettings(provider="alipay", timeout_seconds=2.0, retry_max=3),
-        load_alipay_settings(stack.env),
-    )
+    order_id, trade_no = await _paid_order(client, fake, db, 7192)
+    alipay = _alipay(stack)
     try:
         await alipay.refund(trade_no, 3000, "console-refund-1")
         assert await ps.wait_until(lambda: _has_event(db, order_id, "refund.succeeded"))
@@ -677,16 +654,9 @@ async def test_an_alipay_refund_notification_waits_for_alipays_answer(
     # answer, the notification is a 503 and nothing is recorded; the redelivery is.
     if stack.provider != "alipay":
         pytest.skip("refund_fee is Alipay's")
-    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
-    order_id = await new_order(client, deal, 7193)
-    await start_payment(client, order_id, 7193)
-    trade_no = await pay(fake, order_id)
-    await wait_status(db, order_id, "PAID")
+    order_id, trade_no = await _paid_order(client, fake, db, 7193)
     await fake.post("/_fake/configure", {"drop_refund_notifications": 1})
-    alipay = AlipayProvider(
-        PaymentSettings(provider="alipay", timeout_seconds=2.0, retry_max=3),
-        load_alipay_settings(stack.env),
-    )
+    alipay = _alipay(stack)
     try:
         await alipay.refund(trade_no, 4000, "console-refund-3")
     finally:

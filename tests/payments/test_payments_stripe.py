@@ -10,7 +10,6 @@ import asyncio
 import hashlib
 import hmac
 import os
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -42,7 +41,6 @@ from tests.payments_support import (
     wait_until,
 )
 from tests.support import (
-    GATE_BIN,
     Client,
     GateProcess,
     Resp,
@@ -52,6 +50,7 @@ from tests.support import (
     create_deal,
     free_port,
     reserve,
+    serve_once,
 )
 
 core = ps.core
@@ -100,15 +99,11 @@ class StripeStack:
 def stack(prepared: None) -> Iterator[StripeStack]:
     port = free_port()
     env = stripe_env(f"http://127.0.0.1:{port}")
-    gate = GateProcess(env, workers=1)
-    fake = fake_stripe_process(port, gate.url + WEBHOOK)
-    try:
-        fake.wait_ready()
-        gate.wait_ready()
+    with (
+        GateProcess(env, workers=1) as gate,
+        fake_stripe_process(port, gate.url + WEBHOOK) as fake,
+    ):
         yield StripeStack(gate, fake, env)
-    finally:
-        gate.stop()
-        fake.stop()
 
 
 class FakeClient:
@@ -155,11 +150,8 @@ class FakeClient:
 
 @pytest.fixture
 async def gate_client(stack: StripeStack) -> AsyncIterator[Client]:
-    c = Client(stack.gate.url)
-    try:
+    async with Client(stack.gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture
@@ -481,19 +473,8 @@ async def test_reconcile_repairs_a_dropped_notification(
     assert event["deliveries"] == [] and (await order_row(db, order_id))["status"] == (
         "PENDING_PAYMENT"
     )
-    proc = await asyncio.create_subprocess_exec(
-        GATE_BIN,
-        "reconcile",
-        "--json",
-        "--window-seconds",
-        "600",
-        env=stack.env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode in (0, 1), err.decode()[-3000:]
-    report = orjson.loads(out)
+    code, report = await ps.reconcile(stack.env, "--window-seconds", "600")
+    assert code in (0, 1), report
     assert report["scanned"]["complete"] and report["provider"] == "stripe", report
     [finding] = [f for f in report["findings"] if f["payment_id"] == payment_id]
     assert finding["kind"] == "paid_not_applied" and finding["order_id"] == order_id, finding
@@ -629,14 +610,7 @@ def test_the_signature_the_fake_sends_is_the_one_stripe_documents() -> None:
 def test_start_up_refuses_incomplete_stripe_settings(change: dict[str, str], message: str) -> None:
     # Production rules (stripe_env is a dev env, for the plain-http sandbox).
     env = {**stripe_env("http://127.0.0.1:9"), "GATE_ENV": "test", **change}
-    out = subprocess.run(
-        [GATE_BIN, "serve", "--port", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = serve_once(env)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
     assert STRIPE_KEY not in out.stdout + out.stderr

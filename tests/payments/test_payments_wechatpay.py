@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +41,17 @@ from gate.payments.providers.wechatpay import (
 )
 from gate.payments.signing import WebhookRejected
 from tests.cn_support import (
-    WECHATPAY,
     WECHATPAY_APIV3_KEY,
     WECHATPAY_APPID,
     WECHATPAY_MCHID,
     WECHATPAY_SERIAL,
     WECHATPAY_SERIAL_A,
     WECHATPAY_SERIAL_B,
+    CnStack,
     FakeControl,
     KeyPair,
     Sink,
     cn_pay_settings,
-    cn_stack,
     eventually,
     make_certificate,
     session_request,
@@ -75,21 +73,13 @@ def pay_settings(callback_url: str | None = None) -> PaymentSettings:
 
 
 @pytest.fixture(scope="module")
-def keys(wechatpay_keys: dict[str, KeyPair]) -> dict[str, KeyPair]:
-    return wechatpay_keys
+def keys(cn_keys: dict[str, dict[str, KeyPair]]) -> dict[str, KeyPair]:
+    return cn_keys["wechatpay"]
 
 
 @pytest.fixture(scope="module")
-def fake(wechatpay_fake: ServerProcess) -> ServerProcess:
-    return wechatpay_fake
-
-
-@pytest.fixture
-async def stack(
-    keys: dict[str, KeyPair], fake: ServerProcess
-) -> AsyncIterator[tuple[WechatPayProvider, Sink, FakeControl]]:
-    async with cn_stack(WECHATPAY, keys, fake) as s:
-        yield s.provider, s.sink, s.control
+def fake(cn_fakes: dict[str, ServerProcess]) -> ServerProcess:
+    return cn_fakes["wechatpay"]
 
 
 # -- signatures, resources, settings ----------------------------------------------------
@@ -265,10 +255,11 @@ def test_genuine_but_unreadable_is_400(keys: dict[str, KeyPair]) -> None:
 # -- against the fake: what only WeChat Pay does ----------------------------------------
 
 
+@pytest.mark.parametrize("cn", ["wechatpay"], indirect=True)
 async def test_abnormal_refund_is_a_failed_refund(
-    stack: tuple[WechatPayProvider, Sink, FakeControl],
+    cn: CnStack,
 ) -> None:
-    provider, sink, control = stack
+    provider, sink, control = cn.provider, cn.sink, cn.control
     await control.post("/_fake/configure", {"refund_outcome": "ABNORMAL"})
     request = session_request(sink, amount=300)
     await provider.create_session(request, "k")

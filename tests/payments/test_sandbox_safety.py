@@ -103,21 +103,14 @@ async def receiver() -> AsyncIterator[Receiver]:
 def keyed_sandbox(receiver: Receiver) -> Iterator[ServerProcess]:
     # The gate's GATE_WEBHOOK_SECRET is set (OTHER_SECRET) and must not be used;
     # GATE_SANDBOX_WEBHOOK_SECRET is unset: the built-in dev secret signs.
-    proc = sandbox_process(
-        free_port(),
-        receiver.url,
-        {
-            "GATE_SANDBOX_API_KEY": KEY,
-            "GATE_WEBHOOK_SECRET": OTHER_SECRET,
-            "GATE_SANDBOX_WEBHOOK_SECRET": "",
-            "GATE_SANDBOX_NOTIFY_ALLOW": "127.0.0.1",
-        },
-    )
-    try:
-        proc.wait_ready()
+    env = {
+        "GATE_SANDBOX_API_KEY": KEY,
+        "GATE_WEBHOOK_SECRET": OTHER_SECRET,
+        "GATE_SANDBOX_WEBHOOK_SECRET": "",
+        "GATE_SANDBOX_NOTIFY_ALLOW": "127.0.0.1",
+    }
+    with sandbox_process(free_port(), receiver.url, env) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 async def wait_hits(receiver: Receiver, n: int) -> None:
