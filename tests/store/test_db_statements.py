@@ -241,6 +241,7 @@ async def test_waiting_room_calls_on_unknown_deals_stay_off_the_database(
 # -- a cold gate under a flood ------------------------------------------------------------
 
 COLD_CONNECTIONS = 256
+KNOWN_DEAL_STATEMENTS_MAX = 16
 
 
 def _raw(method: str, path: str, headers: dict[str, str], body: bytes = b"") -> bytes:
@@ -390,9 +391,11 @@ def test_a_cold_gate_flooded_on_one_known_deal_loads_it_once(
             statements = asyncio.run(flood(gate, counter, deal_id))
         finally:
             gate.stop()
-    # One load (its snapshot, the room's and the codes' rows, the buyers), one read
-    # of the row for the views, one of the highest deal id: a constant.
-    assert statements <= BOUND_PER_REQUEST * COLD_CONNECTIONS, statements
+    # One load (its snapshot, the room's and the codes' rows, the buyers: 8 or 9),
+    # one read of the row for the views, one of the highest deal id, and maybe a
+    # renewal of either if the flood outlasts a second: a constant, whatever the
+    # number of connections (on 1fadcf7: 149).
+    assert statements <= KNOWN_DEAL_STATEMENTS_MAX, statements
 
 
 async def test_a_refused_buyer_re_clicking_stays_off_the_database(
