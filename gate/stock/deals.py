@@ -21,6 +21,7 @@ from gate.base.alloc import parse_alloc
 from gate.base.clock import iso
 from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, invalid, not_found
+from gate.base.singleflight import SingleFlight
 from gate.stock.check import check_deal
 from gate.stock.mirror import Intent, Mirror
 from gate.stock.orders import new_id
@@ -208,6 +209,7 @@ class Deals:
         self.mirror = mirror
         self.unknown = unknown or UnknownDeals(mirror.redis, db)
         self._public: dict[int, tuple[float, Deal]] = {}
+        self._filling: SingleFlight[int, Deal] = SingleFlight()
 
     async def create(self, body: Any, actor: str = "admin") -> dict[str, Any]:
         body = validate.obj(body)
@@ -309,10 +311,14 @@ class Deals:
         return await self._cached(deal_id)
 
     async def _cached(self, deal_id: int) -> Deal:
-        now = time.monotonic()
         hit = self._public.get(deal_id)
-        if hit and hit[0] > now:
+        if hit and hit[0] > time.monotonic():
             return hit[1]
+        # Concurrent misses of one deal share one read (gate/base/singleflight.py).
+        return await self._filling.run(deal_id, lambda: self._fill(deal_id))
+
+    async def _fill(self, deal_id: int) -> Deal:
+        now = time.monotonic()
         # Unknown ids (a flood of random ones, say) are answered without the database.
         generation = await self.unknown.generation()
         if self.unknown.unknown(deal_id, generation):

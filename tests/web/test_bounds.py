@@ -48,6 +48,7 @@ BASE_BODIES: dict[str, dict[str, Any]] = {
     "StockAdjustment": {"delta": 1, "reason": "bounds test"},
     "Rebucket": {"count": 2},
     "WaitingRoom": {"admit_per_second": 10, "admission_ttl_seconds": 60, "prequeue_seconds": 0},
+    "addAccessCodes": {"generate": 1},
     "PaymentEvent": {
         "id": "evt_bounds",
         "type": "payment.succeeded",
