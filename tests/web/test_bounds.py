@@ -234,8 +234,10 @@ SCOPED_ROWS: dict[str, str] = {
     " OR order_id = %(order)s OR retried_order_id = %(order)s",
     "room_access_codes": "SELECT * FROM room_access_codes WHERE deal_id = %(deal)s",
 }
-# Tables no request writes: the migrations' own bookkeeping.
-UNREACHABLE_TABLES = frozenset({"schema_lock", "schema_migrations", "schema_routines"})
+# Tables no request writes: the migrations' own bookkeeping, the database writer mark.
+UNREACHABLE_TABLES = frozenset(
+    {"schema_lock", "schema_migrations", "schema_routines", "writer_mark"}
+)
 
 
 async def _scoped_state(db: Database, rds: aioredis.Redis, scope: Scope) -> dict[str, Any]:
