@@ -40,6 +40,7 @@ import aiohttp
 import orjson
 import stripe
 
+from gate.base import tracing
 from gate.base.errors import Encoded
 from gate.base.settings import Secret, SettingsError
 from gate.payments.adapters import Adapter, AdapterContext, require
@@ -447,6 +448,8 @@ class StripeProvider:
                     total=self.settings.timeout_seconds,
                     sock_connect=self.settings.connect_timeout_seconds,
                 ),
+                # Traced: each call a client span, traceparent sent (gate/base/tracing.py).
+                trace_configs=tracing.client_trace_configs(),
             )
         return self._session
 
