@@ -42,7 +42,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from contextvars import ContextVar, Token
@@ -50,6 +49,7 @@ from typing import Any
 
 from gate.base import logs
 from gate.base.settings import SettingsError
+from gate.base.trace_context import parse_traceparent, parse_tracestate
 
 log = logging.getLogger("gate.tracing")
 
@@ -67,19 +67,11 @@ SAMPLERS = (
     "parentbased_always_off",
     "parentbased_traceidratio",
 )
-TRACESTATE_MAX_CHARS = 512
-TRACESTATE_MEMBERS_MAX = 32
 # Requests that are traced only when the caller's traceparent samples them in.
 PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # Bounded wait for the last spans when a process stops (the SDK's own exit hook
 # sends what is left, within OTEL_BSP_EXPORT_TIMEOUT).
 FLUSH_SECONDS = 2.0
-
-_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
-_TRACESTATE_MEMBER = re.compile(
-    r"((?:[a-z][_0-9a-z\-*/]{0,255})|(?:[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13}))"
-    r"=([\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e])"
-)
 
 
 class Sampler:
@@ -321,48 +313,6 @@ def shutdown() -> None:
         provider.shutdown()
 
 
-# -- W3C trace context -----------------------------------------------------------------
-
-
-def parse_traceparent(raw: bytes | str | None) -> tuple[int, int, bool] | None:
-    """(trace id, parent span id, sampled) of a valid `traceparent`, else None."""
-    if raw is None:
-        return None
-    if isinstance(raw, str):
-        raw = raw.encode("latin-1", "replace")
-    raw = raw.strip()
-    m = _TRACEPARENT.fullmatch(raw)
-    if m is None:
-        return None
-    version, trace_hex, span_hex, flags, rest = m.groups()
-    if version == b"ff" or (version == b"00" and rest is not None):
-        return None
-    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
-    if not trace_id or not span_id:
-        return None
-    return trace_id, span_id, bool(int(flags, 16) & 1)
-
-
-def parse_tracestate(raw: bytes | str | None) -> list[tuple[str, str]]:
-    """The members of a valid `tracestate` (bounded), else none: it is then dropped,
-    never partly kept."""
-    if not raw:
-        return []
-    text = raw.decode("latin-1") if isinstance(raw, bytes) else raw
-    if len(text) > TRACESTATE_MAX_CHARS:
-        return []
-    pairs: dict[str, str] = {}
-    for member in text.split(","):
-        member = member.strip(" \t")
-        if not member:
-            continue
-        m = _TRACESTATE_MEMBER.fullmatch(member)
-        if m is None or m.group(1) in pairs or len(pairs) >= TRACESTATE_MEMBERS_MAX:
-            return []
-        pairs[m.group(1)] = m.group(2)
-    return list(pairs.items())
-
-
 def _remote(trace_id: int, span_id: int, sampled: bool, tracestate: Any) -> Any:
     api = _api
     state = api.TraceState(parse_tracestate(tracestate)) if tracestate else None
@@ -548,6 +498,12 @@ def _parent(materialize: bool, root: bool) -> tuple[Any, list[Live], bool]:
     if root and _sampler.root():
         return None, [], True
     return None, [], False
+
+
+def traced() -> bool:
+    """Whether a span started now would be recorded (an undecided request is decided
+    here): lets a call site skip building a span's attributes for the untraced."""
+    return ENABLED and _parent(True, False)[2]
 
 
 def start(

@@ -24,6 +24,7 @@ issued:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import re
@@ -107,9 +108,8 @@ def is_connection_error(exc: BaseException) -> bool:
 _PROCEDURE = re.compile(r"\s*CALL\s+(\w+)", re.IGNORECASE)
 
 
-def procedure_span(sql: str, node: str | None) -> tuple[str, int, dict[str, Any]]:
-    """The name, kind and attributes of a procedure call's span (semantic conventions
-    for database calls; never the arguments)."""
+@functools.lru_cache(maxsize=256)
+def _procedure(sql: str, node: str | None) -> tuple[str, tuple[tuple[str, Any], ...]]:
     m = _PROCEDURE.match(sql)
     procedure = m.group(1) if m else "statement"
     attributes: dict[str, Any] = {
@@ -123,10 +123,18 @@ def procedure_span(sql: str, node: str | None) -> tuple[str, int, dict[str, Any]
         attributes["server.address"] = host or node
         if port.isdigit():
             attributes["server.port"] = int(port)
+    return f"CALL {procedure}", tuple(attributes.items())
+
+
+def procedure_span(sql: str, node: str | None) -> tuple[str, int, dict[str, Any]]:
+    """The name, kind and attributes of a procedure call's span (semantic conventions
+    for database calls; never the arguments)."""
+    name, fixed = _procedure(sql, node)
+    attributes = dict(fixed)
     size = tracing.batch_size()
     if size is not None:
         attributes["gate.batch.size"] = size
-    return f"CALL {procedure}", tracing.CLIENT, attributes
+    return name, tracing.CLIENT, attributes
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -398,7 +406,7 @@ class Database:
         """Run a CALL and read its single result row, draining the trailing results.
         With traces on, a client span (gate/base/tracing.py; a group's call is one span
         linked to and from every request it serves)."""
-        if tracing.ENABLED:
+        if tracing.ENABLED and tracing.traced():
             with tracing.span(*procedure_span(sql, self.node_of(conn))):
                 return await self._call(conn, sql, args)
         return await self._call(conn, sql, args)

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gate.base import logs, tracing
+from gate.base import logs, trace_context, tracing
 from gate.base.access_log import DROPPED, AccessLog
 from gate.base.settings import SettingsError
 from tests.otlp_receiver import OtlpReceiver, Span
@@ -49,21 +49,21 @@ PARENT = "00f067aa0ba902b7"
     ],
 )
 def test_traceparent_is_read_as_w3c_trace_context_says(header: Any, expected: Any) -> None:
-    assert tracing.parse_traceparent(header) == expected
+    assert trace_context.parse_traceparent(header) == expected
     if isinstance(header, str):
-        assert tracing.parse_traceparent(header.encode()) == expected
+        assert trace_context.parse_traceparent(header.encode()) == expected
 
 
 def test_tracestate_is_kept_whole_or_not_at_all() -> None:
-    assert tracing.parse_tracestate("congo=t61rcWkgMzE, rojo=00f067aa0ba902b7") == [
+    assert trace_context.parse_tracestate("congo=t61rcWkgMzE, rojo=00f067aa0ba902b7") == [
         ("congo", "t61rcWkgMzE"),
         ("rojo", "00f067aa0ba902b7"),
     ]
-    assert tracing.parse_tracestate("tenant@vendor=x,,") == [("tenant@vendor", "x")]
+    assert trace_context.parse_tracestate("tenant@vendor=x,,") == [("tenant@vendor", "x")]
     for bad in ("Upper=x", "a=x,a=y", "a=x=y", "a=" + "x" * 300, ",".join(["k=v"] * 200)):
-        assert tracing.parse_tracestate(bad) == [], bad
+        assert trace_context.parse_tracestate(bad) == [], bad
     many = ",".join(f"k{i}=v" for i in range(33))
-    assert tracing.parse_tracestate(many) == []
+    assert trace_context.parse_tracestate(many) == []
 
 
 def test_otel_settings_turn_traces_on_only_with_an_exporter() -> None:
