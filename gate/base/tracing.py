@@ -46,6 +46,7 @@ import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from contextvars import ContextVar, Token
 from typing import Any
+from urllib.parse import urlsplit
 
 from gate.base import logs
 from gate.base.settings import SettingsError
@@ -134,8 +135,16 @@ def exporter_endpoint(env: Mapping[str, str]) -> str | None:
         if not base:
             return None
         endpoint = base.rstrip("/") + "/v1/traces"
-    if not endpoint.startswith(("http://", "https://")):
-        raise SettingsError(f"the OTLP endpoint must be an http(s) URL, got {endpoint!r}")
+    parts = urlsplit(endpoint)
+    try:
+        parts.port  # noqa: B018 (a port that is not a number raises)
+    except ValueError:
+        parts = parts._replace(netloc="")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        # (Not echoed: it may carry a password.)
+        raise SettingsError(
+            "OTEL_EXPORTER_OTLP_ENDPOINT / _TRACES_ENDPOINT must be an http(s) URL with a host"
+        )
     for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = (env.get(name) or "").strip().lower()
         if protocol:
@@ -272,10 +281,14 @@ def configure(env: Mapping[str, str] | None = None, *, service_version: str = ""
             exc,
         )
         return False
-    # Header values of the exporter (an API key of the tracing service) are secrets.
+    # Header values of the exporter (an API key of the tracing service) and a password
+    # in the endpoint are secrets: never in a log line (the SDK logs failed exports).
     for name in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
         values = [p.partition("=")[2].strip() for p in (env.get(name) or "").split(",")]
         logs.redact_secrets(v for v in values if v)
+    parts = urlsplit(endpoint)
+    if parts.password:
+        logs.redact_secrets([parts.password])
     resource = Resource.create({"service.version": service_version, "process.pid": os.getpid()})
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "gate"}))
@@ -290,7 +303,11 @@ def configure(env: Mapping[str, str] | None = None, *, service_version: str = ""
     ENABLED = True
     log.info(
         "traces on",
-        extra={"endpoint": endpoint.split("?")[0], "sampler": sampler.name, "ratio": sampler.ratio},
+        extra={
+            "endpoint": f"{parts.scheme}://{parts.hostname}:{parts.port or ''}{parts.path}",
+            "sampler": sampler.name,
+            "ratio": sampler.ratio,
+        },
     )
     return True
 
@@ -645,9 +662,13 @@ def batch_size() -> int | None:
     return scope.size if type(scope) is _Batch else None
 
 
-def outbound(method: str, url: str, headers: MutableMapping[str, str]) -> _Scope:
+def outbound(
+    method: str, url: str, headers: MutableMapping[str, str], *, root: bool = False
+) -> _Scope:
     """A client span around one outbound HTTP call, `traceparent` (and the caller's
-    `tracestate`) written into `headers` when the call is traced:
+    `tracestate`) written into `headers` when the call is traced. Under the current
+    request or scope; `root=True`, outside of any (a delivery loop): a trace of its
+    own, sampled by the root sampler.
 
         with tracing.outbound("POST", url, headers) as live:
             async with session.post(url, headers=headers, ...) as r:
@@ -657,7 +678,7 @@ def outbound(method: str, url: str, headers: MutableMapping[str, str]) -> _Scope
     """
     if not ENABLED:
         return _NO_SCOPE
-    live = start(method, CLIENT, _url_attributes(method, url))
+    live = start(method, CLIENT, _url_attributes(method, url), root=root)
     if live is None:
         return _NO_SCOPE
     inject(live, headers)
@@ -706,7 +727,7 @@ def client_trace_configs() -> list[Any]:
         live = start(params.method, CLIENT, _url_attributes(params.method, str(params.url)))
         ctx.gate_live = live
         if live is not None:
-            params.headers["traceparent"] = live.traceparent()
+            inject(live, params.headers)
 
     async def on_end(session: Any, ctx: Any, params: Any) -> None:
         live = getattr(ctx, "gate_live", None)

@@ -106,7 +106,8 @@ class _Pending:
         self.item = item
         self.future = future
         self.due = due  # event-loop time by which it must have left in a group
-        self.trace = tracing.current()  # the request's trace, for the group's span
+        # The request's trace, for the group's span (gate/base/tracing.py `serving`).
+        self.trace = tracing.current() if tracing.ENABLED else None
 
 
 class ReservationGroups:

@@ -105,6 +105,16 @@ def is_connection_error(exc: BaseException) -> bool:
     return code is not None and code in CONNECTION_ERRNOS
 
 
+async def _call(conn: Any, sql: str, args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """`Database.call`'s body, inside its span (untraced calls run it inline)."""
+    async with conn.cursor() as cur:
+        await cur.execute(sql, args)
+        row = await cur.fetchone()
+        while await cur.nextset():
+            pass
+        return tuple(row) if row is not None else None
+
+
 _PROCEDURE = re.compile(r"\s*CALL\s+(\w+)", re.IGNORECASE)
 
 
@@ -408,11 +418,7 @@ class Database:
         linked to and from every request it serves)."""
         if tracing.ENABLED and tracing.traced():
             with tracing.span(*procedure_span(sql, self.node_of(conn))):
-                return await self._call(conn, sql, args)
-        return await self._call(conn, sql, args)
-
-    @staticmethod
-    async def _call(conn: Any, sql: str, args: Sequence[Any]) -> tuple[Any, ...] | None:
+                return await _call(conn, sql, args)
         async with conn.cursor() as cur:
             await cur.execute(sql, args)
             row = await cur.fetchone()

@@ -85,6 +85,8 @@ def test_otel_settings_turn_traces_on_only_with_an_exporter() -> None:
         {**on, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
         {**on, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"},
         {"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:port"},
+        {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "ftp://collector/v1/traces"},
     ]
     for env in refused:
         with pytest.raises(SettingsError):
@@ -262,9 +264,18 @@ def test_a_background_batch_is_a_root_only_when_it_does_traced_work(
     assert batch.parent_span_id == "" and batch.attributes["gate.expiry.released"] == 3
     assert spans["CALL gate_expire_batch"].parent_span_id == batch.span_id
     time.sleep(0.2)
-    assert len(receiver.spans) == 2
-    # Outside any request or batch, work makes no span.
+    assert len(receiver.spans) == 2  # the empty batch made none
+    # Outside any request or batch, work makes no span; an outbound call may be a root.
     assert tracing.start("EVALSHA x", tracing.CLIENT) is None
+    headers: dict[str, str] = {}
+    with tracing.outbound("POST", "https://shop.example/hooks", headers):
+        pass
+    assert headers == {}
+    with tracing.outbound("POST", "https://shop.example/hooks", headers, root=True) as live:
+        assert live is not None
+    delivery = _flushed(receiver, 3)[-1]
+    assert (delivery.name, delivery.kind, delivery.parent_span_id) == ("POST", "client", "")
+    assert headers["traceparent"] == f"00-{delivery.trace_id}-{delivery.span_id}-01"
 
 
 def test_off_everything_is_a_flag_check() -> None:
