@@ -24,13 +24,14 @@ A request keeps its trace on its log context (`logs.RequestContext.trace`):
         costs nothing more than a flag check.
     answered ──> finish(): route, status, end
 
-Spans under a request: `span()` (a scope: a procedure call, a provider call, the
-callback's processing, a sweeper batch as a root), `start()`/`end()` (a Redis script,
-ended by its reply's callback), `outbound()` (a client span around an outbound HTTP
-call, `traceparent` written into its headers; `client_trace_configs()` does the same
-for an aiohttp session), `serving()` (a group's work, e.g. a group commit: its spans
-are children of the first traced request it serves, carry a link to every one, and
-every one gets a link to them).
+Spans under a request: `span()` (a scope: a procedure call, the callback's
+processing), `start()`/`end()` (a Redis script, ended by its reply's callback),
+`outbound()` (a client span around an outbound HTTP call, `traceparent` written into
+its headers; `client_trace_configs()` does the same for an aiohttp session),
+`serving()` (a group's work, e.g. a group commit: its spans are children of the
+first traced request it serves, carry a link to every one, and every one gets a
+link to them). Outside requests: `background()` (a sweeper's batch: a root span once
+traced work happens in it), `outbound(root=True)`.
 
 Sampling is decided here rather than by the SDK's sampler (which the SDK is given as
 ALWAYS_ON): the unsampled majority then never reaches the SDK, whose span start costs
