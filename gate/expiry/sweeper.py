@@ -36,10 +36,17 @@ from typing import Any
 import orjson
 import pymysql
 
+from gate.base import tracing
 from gate.base.drain import mark_draining
 from gate.base.metrics import METRICS
 from gate.stock.mirror import Intent, Mirror
-from gate.store.db import Database, errno_of, is_connection_error, is_retryable
+from gate.store.db import (
+    Database,
+    errno_of,
+    is_connection_error,
+    is_retryable,
+    procedure_span,
+)
 
 log = logging.getLogger("gate.sweeper")
 
@@ -255,7 +262,14 @@ class Sweeper:
     async def run_once(self) -> int:
         """Release at most one batch of due holds; returns how many were released.
 
-        Raises when the batch failed (its holds stay for the next batch)."""
+        Raises when the batch failed (its holds stay for the next batch). Traced: a
+        root span once the batch has holds to release (an empty poll makes none)."""
+        with tracing.background("expiry batch") as unit:
+            released = await self._attempts()
+            unit.set("gate.expiry.released", released)
+            return released
+
+    async def _attempts(self) -> int:
         for attempt in range(BATCH_ATTEMPTS_MAX):
             try:
                 return await self._batch(last_attempt=attempt == BATCH_ATTEMPTS_MAX - 1)
@@ -440,7 +454,8 @@ class Sweeper:
             return tuple(row) if row is not None else None
 
         try:
-            row = await asyncio.wait_for(call(), self.config.batch_timeout_seconds)
+            with tracing.span(*procedure_span("CALL gate_expire_batch", thread[2])):
+                row = await asyncio.wait_for(call(), self.config.batch_timeout_seconds)
         except Exception as exc:
             if is_connection_error(exc) or isinstance(exc, TimeoutError):
                 raise Unknown(thread[0], thread[1], exc, thread[2]) from exc

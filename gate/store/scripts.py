@@ -27,6 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gate.base import tracing
 from gate.base.metrics import METRICS, HistogramTally
 from gate.base.redis_url import parse_redis_url
 from gate.store.resp import RespConnection
@@ -51,6 +52,40 @@ def script_seconds(name: str) -> HistogramTally:
 
 
 REDIS_ERRORS = METRICS.redis_errors
+
+# Scripts a request starts for the near-cache's upkeep (a sold-out answer renewing the
+# entry): traced under a request already traced, never deciding an undecided one, so
+# that a sold-out answer stays untraced unless its caller asked (gate/base/tracing.py).
+UPKEEP_SCRIPTS = frozenset({"soldout_renew"})
+_SPAN_ATTRIBUTES: dict[str, dict[str, Any]] = {}
+
+
+def _trace(name: str, fut: asyncio.Future[Any]) -> None:
+    """A script call's client span, from the call to its reply."""
+    attributes = _SPAN_ATTRIBUTES.get(name)
+    if attributes is None:
+        attributes = _SPAN_ATTRIBUTES[name] = {
+            "db.system.name": "redis",
+            "db.operation.name": "EVALSHA",
+            "db.query.summary": f"EVALSHA {name}",
+            "gate.redis.script": name,
+        }
+    live = tracing.start(
+        f"EVALSHA {name}",
+        tracing.CLIENT,
+        attributes,
+        materialize=name not in UPKEEP_SCRIPTS,
+    )
+    if live is not None:
+        fut.add_done_callback(lambda done: _traced_reply(live, done))
+
+
+def _traced_reply(live: tracing.Live, done: asyncio.Future[Any]) -> None:
+    if done.cancelled():
+        tracing.end(live, asyncio.CancelledError())
+    else:
+        # (Marks the error retrieved; the caller awaits the same future anyway.)
+        tracing.end(live, done.exception())
 
 
 def error_kind(exc: BaseException) -> str:
@@ -407,6 +442,8 @@ class ScriptRunner:
         elif not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
+        if tracing.ENABLED:
+            _trace(name, fut)
         return fut
 
     def _flush(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gate.base import tracing
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import (
     PROVIDER_ID_RE,
@@ -90,6 +91,8 @@ class SandboxProvider:
                     total=self.settings.timeout_seconds,
                     sock_connect=self.settings.connect_timeout_seconds,
                 ),
+                # Traced: each call a client span, traceparent sent (gate/base/tracing.py).
+                trace_configs=tracing.client_trace_configs(),
             )
         return self._session
 

@@ -30,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
+from gate.base import tracing
 from gate.base.settings import SettingsError
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import AMOUNT_MAX, ProviderUnavailable
@@ -169,6 +170,8 @@ class Exchange:
                     total=self.settings.timeout_seconds,
                     sock_connect=self.settings.connect_timeout_seconds,
                 ),
+                # Traced: each call a client span, traceparent sent (gate/base/tracing.py).
+                trace_configs=tracing.client_trace_configs(),
             )
         return self._session
 
