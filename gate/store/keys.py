@@ -170,9 +170,10 @@ def console_revoked(session_id: str) -> str:
     return f"gate:console:revoked:{session_id}"
 
 
-def console_sign_ins(address: str) -> str:
-    """The console sign-in attempts of one client address (gate/console SignInLimiter)."""
-    return f"gate:console:signin:{address}"
+def admin_attempts(address: str) -> str:
+    """sorted set: one client address's recent attempts at the admin token, the admin
+    API's failures and the console's sign-ins alike (gate/web/admin_guard.py)."""
+    return f"gate:admin:attempts:{address}"
 
 
 # Queue mode (gate/queuemode/): deals that have (or had) a request queue, walked by the
