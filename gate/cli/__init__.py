@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -43,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except MigrationError as exc:
             print(f"gate: {exc}", file=sys.stderr)
             return 2
+    metrics_addr = _metrics_addr(settings, args.port, args.workers)
     # Several workers keep their metrics in files one scrape merges (gate/base/metrics.py).
     metrics_dir = prepare_multiprocess(args.workers)
     return run_server(
@@ -51,11 +52,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.port,
         args.workers,
         worker_timeout_seconds=settings.worker_timeout_seconds,
-        metrics_addr=settings.metrics_addr,
+        metrics_addr=metrics_addr,
         metrics_dir=metrics_dir,
         shutdown_delay_seconds=settings.shutdown_delay_seconds,
         shutdown_grace_seconds=settings.shutdown_grace_seconds,
     )
+
+
+def _metrics_addr(settings: Settings, port: int, workers: int) -> tuple[str, int] | None:
+    """Where this gate serves /metrics: GATE_METRICS_ADDR, or unset 127.0.0.1 at a
+    port derived from --port (gate/base/settings.py `metrics_address`). Several
+    workers: the parent binds it (`_parent_metrics`). One worker binds it in its
+    lifespan, from GATE_METRICS_ADDR, written here: the address is tried first, so
+    that a port in use exits 2 here too."""
+    from gate.base.settings import metrics_address
+    from gate.web.metrics_listener import listen_socket
+
+    addr = metrics_address(settings, port)
+    if addr is None or workers > 1:
+        return addr
+    try:
+        listen_socket(addr).close()
+    except OSError as exc:
+        _cannot_listen(addr, exc)
+    host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+    os.environ["GATE_METRICS_ADDR"] = f"{host}:{addr[1]}"
+    return addr
+
+
+def _cannot_listen(addr: tuple[str, int], exc: OSError) -> NoReturn:
+    """Exit 2 naming GATE_METRICS_ADDR; when it was unset, what it defaulted to."""
+    unset = not os.environ.get("GATE_METRICS_ADDR", "").strip()
+    default = (
+        " (GATE_METRICS_ADDR is unset: the default for this --port; set it to a free"
+        " host:port, or off)"
+        if unset
+        else ""
+    )
+    reason = exc.strerror or type(exc).__name__
+    print(
+        f"gate: cannot listen on GATE_METRICS_ADDR {addr[0]}:{addr[1]}{default}: {reason}",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
 
 
 def _parent_metrics(addr: tuple[str, int] | None, metrics_dir: str | None) -> Any:
@@ -70,10 +109,7 @@ def _parent_metrics(addr: tuple[str, int] | None, metrics_dir: str | None) -> An
     try:
         listener = MetricsListener(addr, files_render(metrics_dir)).start()
     except OSError as exc:
-        print(
-            f"gate: cannot listen on GATE_METRICS_ADDR {addr[0]}:{addr[1]}: {exc}", file=sys.stderr
-        )
-        raise SystemExit(2) from None
+        _cannot_listen(addr, exc)
     os.environ["GATE_METRICS_ADDR"] = "off"
     return listener
 
