@@ -300,35 +300,64 @@ def _loop_command(name: str) -> Callable[[argparse.Namespace], int]:
             await worker.run(stop)
             return 0
 
-        return asyncio.run(with_gate(go))
+        return asyncio.run(with_gate(go, daemon=not args.once))
 
     return run
 
 
+DEMO_TITLE = "Demo: limited edition"
+
+
+async def _demo_deal(gate: Any, args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """The demo deal and whether it was made now: the newest one of an earlier run
+    while it has units left and no sale window (as made; unless --new), else a new
+    one."""
+    if not args.new:
+        found = await gate.deals.newest_titled(DEMO_TITLE)
+        if (
+            found is not None
+            and found["totals"]["available"] > 0
+            and found["starts_at"] is None
+            and found["ends_at"] is None
+        ):
+            return found, False
+    created = await gate.deals.create(
+        {
+            "title": DEMO_TITLE,
+            "unit_price": 1999,
+            "currency": "USD",
+            "stock": args.stock,
+            "buckets": args.buckets,
+            "hold_seconds": 120,
+            "per_user_limit": 2,
+            "max_per_order": 2,
+        }
+    )
+    return created, True
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Create a demo deal and print how to try the gate with it."""
+    """Create (or find again) the demo deal and print how to try the gate with it."""
     from gate.web.auth import mint
 
     async def run(gate: Any) -> int:
-        deal = await gate.deals.create(
-            {
-                "title": "Demo: limited edition",
-                "unit_price": 1999,
-                "currency": "USD",
-                "stock": args.stock,
-                "buckets": args.buckets,
-                "hold_seconds": 120,
-                "per_user_limit": 2,
-                "max_per_order": 2,
-            }
-        )
+        deal, created = await _demo_deal(gate, args)
         token = (
             mint(gate.settings.jwt_secret, 42, 86_400)
             if gate.settings.jwt_hs256
             else "<a token from your identity provider for buyer 42>"
         )
         base = args.base_url
-        print(f"Demo deal {deal['id']} created with {args.stock} units in {args.buckets} buckets.")
+        if created:
+            print(
+                f"Demo deal {deal['id']} created with {args.stock} units in {args.buckets} buckets."
+            )
+        else:
+            totals = deal["totals"]
+            print(
+                f"Demo deal {deal['id']} reused: {totals['available']} of {totals['total']}"
+                " units left (gate demo --new makes another)."
+            )
         print("Try it (buyer 42):")
         print(f"  TOKEN={token}")
         print(f"  curl -s {base}/v1/deals/{deal['id']}")
@@ -388,9 +417,14 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--once", action="store_true")
         s.set_defaults(fn=_loop_command(name))
 
-    s = sub.add_parser("demo", help="create a demo deal and print how to try it")
+    s = sub.add_parser(
+        "demo", help="create the demo deal (or reuse an earlier run's) and print how to try it"
+    )
     s.add_argument("--stock", type=ranged_int(0, MAX_STOCK), default=100)
     s.add_argument("--buckets", type=ranged_int(1, MAX_BUCKETS), default=4)
+    s.add_argument(
+        "--new", action="store_true", help="a new demo deal even if an earlier one has units left"
+    )
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.set_defaults(fn=cmd_demo)
 
