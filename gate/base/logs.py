@@ -1,4 +1,7 @@
-"""Structured JSON log lines, one object per line, on stderr.
+"""Structured JSON log lines, one object per line, on stderr (`configure`: the
+server and the background loops); one-shot commands (`gate deal list`, `gate
+check`, …) write their output for people on stdout and the gate's own records as
+plain "gate: warning: …" lines on stderr, warnings and above (`configure_command`).
 
 Every line written while a request is being answered carries that request's id
 (and the buyer's id once authentication found it): the request middleware
@@ -258,3 +261,25 @@ def configure(level: str = "INFO") -> None:
     access.propagate = False
     # Warnings (deprecations and the like) become log records, hence JSON lines too.
     logging.captureWarnings(True)
+
+
+class HumanFormatter(logging.Formatter):
+    """`gate: <level>: <message>`, the exception after it; redacted as JSON lines are."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"gate: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return redact(text)
+
+
+def configure_command(level: str = "WARNING") -> None:
+    """Logging for a one-shot command: human-readable lines on stderr, warnings and
+    above (`level` when it asks for fewer), so that what the command prints on
+    stdout (a table, JSON, a token) is all there is there and a terminal shows no
+    JSON between its lines."""
+    configure(level)
+    assert _handler is not None
+    _handler.setFormatter(HumanFormatter())
+    root = logging.getLogger()
+    root.setLevel(max(logging.WARNING, logging.getLevelName(level)))

@@ -517,6 +517,14 @@ class Deals:
         await self._refresh_redis(deal_id)
         return await self.admin_view(deal_id)
 
+    async def newest_titled(self, title: str) -> dict[str, Any] | None:
+        """The admin view of the newest deal of that title, or None (`gate demo`
+        finds its own deal again)."""
+        row = await self.db.fetchone(
+            "SELECT id FROM deals WHERE title = %s ORDER BY id DESC LIMIT 1", (title,)
+        )
+        return None if row is None else await self.admin_view(int(row[0]))
+
     async def list_admin(self, after_id: int, limit: int) -> dict[str, Any]:
         """A page of deals in id order with their stock totals (`gate deal list`)."""
         if not 0 <= after_id <= MAX_ID or not 1 <= limit <= LIST_PAGE_MAX:

@@ -211,6 +211,13 @@ def parse_room(value: Any) -> RoomConfig | None:
         **_parse_gates(value),
         return_origins=parse_return_origins(value.get("return_origins")),
     )
+    return fitting(room)
+
+
+def fitting(room: RoomConfig) -> RoomConfig:
+    """`room`, or the 400 problem when its JSON would not fit the deal row's column
+    (ROOM_COLUMN_MAX ASCII characters). Every change of a room goes through it: the
+    admin API's whole room (`parse_room`) and the console's message alone."""
     if len(room.to_column()) > ROOM_COLUMN_MAX:
         # Only a long message of escaped characters with many long origins gets here.
         raise invalid("The waiting room is too long: shorten its message or its return_origins.")

@@ -178,9 +178,10 @@ def room_fairness_limit(address: str) -> str:
     return f"gate:room:fair:{address}"
 
 
-def console_sign_ins(address: str) -> str:
-    """The console sign-in attempts of one client address (gate/console SignInLimiter)."""
-    return f"gate:console:signin:{address}"
+def admin_attempts(address: str) -> str:
+    """sorted set: one client address's recent attempts at the admin token, the admin
+    API's failures and the console's sign-ins alike (gate/web/admin_guard.py)."""
+    return f"gate:admin:attempts:{address}"
 
 
 # Queue mode (gate/queuemode/): deals that have (or had) a request queue, walked by the

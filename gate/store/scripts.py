@@ -172,11 +172,17 @@ async def read_call(client: Any, name: str, keys: Sequence[str]) -> Any:
     cluster client, which routes it by its keys' slot): several reads in one step."""
     source = _READ_SOURCES.get(name)
     if source is None:
-        path = lua_dir() / f"{name}.lua"
-        if not path.is_file():
-            raise ScriptMissing(f"Lua script {path} is missing")
-        source = _READ_SOURCES[name] = path.read_text(encoding="utf-8")
+        source = _READ_SOURCES[name] = lua_source(name)
     return await client.eval(source, len(keys), *keys)
+
+
+def lua_source(name: str) -> str:
+    """The text of lua/<name>.lua, for code that runs it through a redis-py client
+    (`register_script`) rather than the runner; ScriptMissing when absent."""
+    path = lua_dir() / f"{name}.lua"
+    if not path.is_file():
+        raise ScriptMissing(f"Lua script {path} is missing; refusing to start")
+    return path.read_text(encoding="utf-8")
 
 
 _Call = tuple[Script, Sequence[str], Sequence[Any], "asyncio.Future[Any]", float]
