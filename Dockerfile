@@ -51,7 +51,10 @@ RUN pip install --no-index /tmp/wheels/gate-*.whl \
 WORKDIR /app
 # Numeric, so orchestrators can verify runAsNonRoot.
 USER 10001:10001
-EXPOSE 8000
+# 8000: the public port. 18000: the metrics listener, the default for --port 8000
+# (--port + 10000), on the container's loopback unless GATE_METRICS_ADDR says
+# otherwise (docker-compose.yml and deploy/kubernetes set 0.0.0.0:18000).
+EXPOSE 8000 18000
 # /healthz does no I/O: it says the process serves, not that Redis or the database
 # answer (that is /readyz, for load balancers and readiness probes).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \

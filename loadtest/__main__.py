@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "hotpath": ("loadtest.hotpath", "CPU per request of the hot paths, in process"),
     "ab-queued": ("loadtest.ab_queued", "queue mode's 202 at the edge, measured pair by pair"),
+    "ab-tracing": (
+        "loadtest.ab_tracing",
+        "traces on at 1 % against off, sold-out and commit, pair by pair",
+    ),
     "ab-ticket": (
         "loadtest.ab_ticket",
         "a room ticket by callback or by task, pair by pair",

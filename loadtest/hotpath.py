@@ -33,6 +33,12 @@ kind (a JWKS file written to a temporary directory and named by GATE_JWT_JWKS_FI
 instead of HS256 with GATE_JWT_SECRET; with GATE_JWT_CACHE_MAX=0 every request
 verifies its token again.
 
+`--trace-ratio R` runs the gate with traces on (gate/base/tracing.py), OTEL_* set for
+a ratio R of the traces the gate starts (parentbased_traceidratio; 0.01: 1 %),
+exported over OTLP/HTTP to a process on loopback that drops them
+(loadtest/otlp_sink.py): the CPU measured here includes the export. For pairs
+alternated in one process: `python -m loadtest ab-tracing`.
+
 `--edge` sends each request as bytes through the HTTP protocol `gate serve` runs
 (gate/web/edge.py's `EdgeProtocol` on an in-memory transport, one kept-alive
 "connection" per concurrent request): the edge answers its routes, the rest go
@@ -529,8 +535,18 @@ def main(argv: list[str] | None = None) -> int:
         "--token", choices=("hs256", "es256"), default="hs256", help="the buyers' tokens (above)"
     )
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--trace-ratio", type=float, help="traces on, this share sampled (above; 0.01: 1 %%)"
+    )
     args = p.parse_args(argv)
-    results = asyncio.run(measure(args))
+    if args.trace_ratio is None:
+        results = asyncio.run(measure(args))
+    else:
+        from loadtest.otlp_sink import running_sink, tracing_env
+
+        with running_sink() as endpoint:
+            os.environ.update(tracing_env(endpoint, args.trace_ratio))
+            results = asyncio.run(measure(args))
     if args.json:
         with open(args.json, "wb") as f:
             f.write(orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))

@@ -26,7 +26,7 @@ class Server:
     """A server process in its own process group, logging to a file. A gate's
     /metrics is on its own listener (GATE_METRICS_ADDR): unless the environment
     names one, each server is given a free port for it (`metrics_url`), so that
-    servers started side by side never collide on the default 127.0.0.1:9100
+    servers started side by side never collide on a metrics port
     (`metrics_url` is empty when the environment says `off`)."""
 
     def __init__(

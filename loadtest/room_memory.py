@@ -60,11 +60,13 @@ async def measure(url: str, tickets: int, prequeue: bool) -> dict[str, float]:
                     "join",
                     1000,
                     10_000,
+                    10,  # failed access codes a minute (none here)
                     base + user,
                     secrets.randbits(50),
                     secrets.token_hex(16),
                     "",  # an open room: no access code
                     "",  # and no challenge
+                    "",  # nor a client address (only a code's attempts count by it)
                 )
             await pipe.execute()
         elapsed = time.perf_counter() - started

@@ -6,14 +6,18 @@ form-encoded requests with nested keys (`metadata[order_id]`), Bearer secret key
 true`; the same key with other parameters is a 400 `idempotency_error`), errors as
 `{"error": {"type", "code", "message", "param"}}`, lists as `{"object": "list",
 "data", "has_more"}` newest first with `starting_after`/`created[gte]`, the search
-query `metadata['order_id']:'…'`, and webhook deliveries signed as
+query `metadata['order_id']:'…'`, `Stripe-Version` (this fake speaks one version, the
+adapter's `API_VERSION`: a request without the header or with another version is a 400
+`invalid_request_error`, so a gate that forgot it fails here rather than against an
+account whose default version differs), and webhook deliveries signed as
 https://docs.stripe.com/webhooks#verify-manually documents:
 `Stripe-Signature: t=<unix>,v1=<hex HMAC-SHA256 of "{t}.{payload}" with the
 endpoint secret>`, retried with backoff until a 2xx.
 
 Test controls under /fake/* (the buyer's pay step, holding or dropping deliveries,
 delivering by id, settling a pending refund, throttling the API with 429/503 and
-Retry-After, the API requests' arrival times). Run: python -m tests.fake_stripe
+Retry-After, the API requests' arrival times, the api_version events are rendered
+at, the Stripe-Versions requests came with). Run: python -m tests.fake_stripe
 --port N with FAKE_STRIPE_API_KEY, FAKE_STRIPE_WEBHOOK_SECRET, FAKE_STRIPE_WEBHOOK_URL.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import hashlib
 import hmac
 import itertools
@@ -38,6 +43,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from gate.payments.providers.stripe import API_VERSION
 
 DELIVERY_ATTEMPTS_MAX = 6
 DELIVERY_BACKOFF_SECONDS = 0.1
@@ -102,9 +109,13 @@ class FakeStripe:
             # Answers given before any API request is looked at, one a request:
             # [[status, Retry-After or null], …] (a throttled or unavailable API).
             "throttle": [],
+            # The api_version events are rendered at (an endpoint set to another one).
+            "event_api_version": API_VERSION,
         }
         # (path, monotonic seconds, status) of the latest API requests.
         self.arrivals: list[tuple[str, float, int]] = []
+        # How many API requests came with each Stripe-Version ("" for none).
+        self.versions: collections.Counter[str] = collections.Counter()
         self.tasks: set[asyncio.Task[None]] = set()
         self.http: aiohttp.ClientSession | None = None
 
@@ -126,6 +137,15 @@ class FakeStripe:
             return answer({"error": {"type": kind, "message": "Try again later."}}, status, headers)
         if request.headers.get("authorization") != f"Bearer {self.api_key}":
             return error(401, "invalid_request_error", "Invalid API Key provided.")
+        version = request.headers.get("stripe-version")
+        self.versions[version or ""] += 1
+        if version != API_VERSION:
+            return error(
+                400,
+                "invalid_request_error",
+                f"Invalid Stripe API version: {version!r} (this account reads {API_VERSION}).",
+                param="Stripe-Version",
+            )
         if request.method == "POST":
             params = nest(parse_qsl((await request.body()).decode(), keep_blank_values=True))
         else:
@@ -155,7 +175,7 @@ class FakeStripe:
         event = {
             "id": new_id("evt"),
             "object": "event",
-            "api_version": "2024-06-20",
+            "api_version": self.config["event_api_version"],
             "created": int(time.time()),
             "livemode": False,
             "pending_webhooks": 1,
@@ -484,6 +504,9 @@ class FakeStripe:
         ]
         return answer({"data": found})
 
+    async def list_versions(self, request: Request) -> Response:
+        return answer({"versions": dict(self.versions)})
+
     async def healthz(self, request: Request) -> Response:
         return answer({"ok": True})
 
@@ -510,6 +533,7 @@ class FakeStripe:
                 Route("/fake/events", self.list_events, methods=["GET"]),
                 Route("/fake/arrivals", self.list_arrivals, methods=["GET"]),
                 Route("/fake/deliver", self.deliver_now, methods=["POST"]),
+                Route("/fake/versions", self.list_versions, methods=["GET"]),
                 Route("/fake/refunds/{id}/settle", self.settle_refund, methods=["POST"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
             ],

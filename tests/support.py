@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GATE_BIN = str(Path(sys.executable).with_name("gate"))
 
 JWT_SECRET = "test-jwt-secret-0123456789abcdef0123456789"
-ADMIN_TOKEN = "test-admin-token-0123456789"
+ADMIN_TOKEN = "test-admin-token-0123456789abcdef012345"
 ADMISSION_SECRET = "test-admission-secret-0123456789abcdef012345"
 WEBHOOK_SECRET = "whsec_dGVzdC13ZWJob29rLXNlY3JldC0wMTIzNDU2Nzg5"
 
@@ -93,8 +93,8 @@ def base_env() -> dict[str, str]:
             "GATE_JANITOR_INTERVAL_SECONDS": "0.2",
             "GATE_RESYNC_INTERVAL_SECONDS": "0.3",
             "GATE_LOG_LEVEL": "WARNING",
-            # No gate of the suite may take the default 127.0.0.1:9100 (gates run side
-            # by side, other suites too): GateProcess gives each a port of its own.
+            # No gate of the suite takes its default metrics port (--port + 10000, which
+            # for a free port may be another's): GateProcess gives each a free one.
             "GATE_METRICS_ADDR": "off",
             # Limits are off unless a test turns them on: many tests fire hundreds
             # of requests from one address and a few buyers.
@@ -255,9 +255,10 @@ class GateCommand(LoggedProcess):
 
 class GateProcess(GateCommand):
     """A real `gate serve` process on its own port, with its metrics listener
-    (GATE_METRICS_ADDR) on another port of its own (`metrics_url`), so that gates
-    started side by side never collide on the default 127.0.0.1:9100. `metrics=False`:
-    no listener (GATE_METRICS_ADDR=off)."""
+    (GATE_METRICS_ADDR) on another free port of its own (`metrics_url`), so that
+    gates started side by side never collide on a metrics port. `metrics=False`: no
+    listener (GATE_METRICS_ADDR=off); `metrics=None`: GATE_METRICS_ADDR unset, the
+    default address for `port`."""
 
     def __init__(
         self,
@@ -265,15 +266,22 @@ class GateProcess(GateCommand):
         workers: int = 1,
         background: bool = True,
         port: int | None = None,
-        metrics: bool = True,
+        metrics: bool | None = True,
     ):
         self.port = port or free_port()
         self.workers = workers
         self.url = f"http://127.0.0.1:{self.port}"
-        self.metrics_port = free_port() if metrics else None
-        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}" if metrics else None
-        address = f"127.0.0.1:{self.metrics_port}" if metrics else "off"
-        env = {**env, "GATE_METRICS_ADDR": address}
+        if metrics is None:
+            # GATE_METRICS_ADDR unset: the default address for this port.
+            from gate.base.settings import metrics_port_for
+
+            self.metrics_port: int | None = metrics_port_for(self.port)
+            env = {k: v for k, v in env.items() if k != "GATE_METRICS_ADDR"}
+        else:
+            self.metrics_port = free_port() if metrics else None
+            address = f"127.0.0.1:{self.metrics_port}" if metrics else "off"
+            env = {**env, "GATE_METRICS_ADDR": address}
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}" if self.metrics_port else None
         if self.metrics_url is not None:
             METRICS_URLS[self.url] = self.metrics_url
         # Every gate serving the suite (a cluster run starts two): see Client.

@@ -51,6 +51,7 @@ from gate.extensions import area_modules
 from gate.runtime import Gate
 from gate.store.db import DbUnavailable
 from gate.web import docs_page
+from gate.web.admin_guard import AdminAttempts, AdminGuard
 from gate.web.edge import Edge, EdgeRoute
 from gate.web.guard import BODY_METHODS, UNGUARDED_PATHS, BodyReceive, Guard
 from gate.web.http_io import (
@@ -280,6 +281,17 @@ def build_app(settings: Settings, *, background: bool | None = None) -> Starlett
         body_timeout_seconds=settings.body_timeout_seconds,
     )
     middleware.append(Middleware(FastLane, routes=lanes, guard=guard))
+    # Attempts at the admin token counted per client address, for every admin route
+    # (gate/web/admin_guard.py); inside the HTTP guard, outside the routes.
+    middleware.append(
+        Middleware(
+            AdminGuard,
+            attempts=AdminAttempts(gate.redis),
+            auth=gate.admin_auth,
+            trusted=settings.trusted_proxies,
+            v6_prefix=settings.limit_ip_v6_prefix,
+        )
+    )
     middleware.extend(inner)
     app = Starlette(
         routes=all_routes,

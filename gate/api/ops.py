@@ -1,5 +1,7 @@
 """Operations: the request middleware installed outermost (request ids, one log
-line and metrics per request: gate/web/recorder.py), pool sampling, /openapi.json.
+line and metrics per request: gate/web/recorder.py), the access log
+(GATE_ACCESS_LOG, gate/base/access_log.py), traces (OTEL_*, gate/base/tracing.py),
+pool sampling, /openapi.json.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gate.base import logs
+from gate import __version__
+from gate.base import logs, tracing
+from gate.base.access_log import AccessLog
 from gate.base.metrics import (
     METRICS,
     TALLY_FLUSH_SECONDS,
@@ -25,7 +29,7 @@ from gate.base.metrics import (
     process_stopping,
 )
 from gate.base.redis_url import parse_redis_url
-from gate.base.settings import SECRET_NAMES, SettingsError, env_float
+from gate.base.settings import SECRET_NAMES, SettingsError, env_bool, env_float
 from gate.extensions import Extension
 from gate.web import docs_page, openapi
 from gate.web.recorder import REQUEST_LOG_MODES, RequestObserver, RequestRecorder
@@ -125,6 +129,10 @@ def install(gate: Gate) -> Extension:
         )
     env = gate.settings.environ
     log_mode = request_log_mode(env)
+    # OTEL_* values the gate cannot honour stop `gate serve` here (exit 2), like every
+    # other setting; the SDK starts with the serving process (`start`).
+    tracing.check(env)
+    access = AccessLog() if env_bool(env, "GATE_ACCESS_LOG", False) else None
     sample_seconds = env_float(env, "GATE_METRICS_SAMPLE_SECONDS", 1.0, 0.05, 60.0)
     logs.redact_secrets(_secrets(gate.settings))
     rendered: list[bytes] = []
@@ -148,14 +156,21 @@ def install(gate: Gate) -> Extension:
         loop = asyncio.get_running_loop()
         tasks.append(loop.create_task(sampler.run(stop)))
         tasks.append(loop.create_task(flush_tallies(stop)))
+        tracing.configure(env, service_version=__version__)  # once per process
+        if access is not None:
+            access.start()
 
     async def finish() -> None:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         tasks.clear()
+        if access is not None:
+            await asyncio.to_thread(access.stop)
+        if tracing.ENABLED:
+            await asyncio.to_thread(tracing.flush)
         process_stopping()
 
-    recorder = RequestRecorder(log_mode)
+    recorder = RequestRecorder(log_mode, access)
     return Extension(
         name="ops",
         routes=[Route("/openapi.json", openapi_json, methods=["GET"])],

@@ -48,6 +48,8 @@ class RoomCode(IntEnum):
     CHALLENGE_INVALID = 14
     # lua/room_challenge.lua: the room asks no challenge
     NO_CHALLENGE = 15
+    # A join with a code from a buyer or an address that failed too many lately
+    CODE_ATTEMPTS_LIMITED = 16
 
 
 class LimitCode(IntEnum):

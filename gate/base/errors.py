@@ -213,6 +213,15 @@ def from_room(code: RoomCode, detail: str = "") -> Problem:
             retry_after_seconds=max(1, -(-wait_ms // 1000)),
             extra={"scope": "poll", "retry_after_ms": wait_ms},
         )
+    if code == RoomCode.CODE_ATTEMPTS_LIMITED:
+        wait_ms = int(detail or 1000)
+        seconds = max(1, -(-wait_ms // 1000))
+        return Problem(
+            "RATE_LIMITED",
+            f"Too many access codes refused lately; retry in {seconds} s.",
+            retry_after_seconds=seconds,
+            extra={"scope": "access_code", "retry_after_ms": wait_ms},
+        )
     gate = _ROOM_GATES.get(code)
     if gate is not None:
         return Problem(*gate, cacheable=True)

@@ -1,4 +1,7 @@
-"""Structured JSON log lines, one object per line, on stderr.
+"""Structured JSON log lines, one object per line, on stderr (`configure`: the
+server and the background loops); one-shot commands (`gate deal list`, `gate
+check`, …) write their output for people on stdout and the gate's own records as
+plain "gate: warning: …" lines on stderr, warnings and above (`configure_command`).
 
 Every line written while a request is being answered carries that request's id
 (and the buyer's id once authentication found it): the request middleware
@@ -17,7 +20,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from typing import Any
 
@@ -43,13 +46,17 @@ _BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"',;]+")
 
 
 class RequestContext:
-    """What is known about the request being answered; one per request."""
+    """What is known about the request being answered; one per request. `started` is
+    its start (perf_counter seconds, 0: unknown); `trace` is gate/base/tracing.py's
+    (None: no trace decided)."""
 
-    __slots__ = ("request_id", "user_id")
+    __slots__ = ("request_id", "started", "trace", "user_id")
 
-    def __init__(self, rid: str) -> None:
+    def __init__(self, rid: str, started: float = 0.0) -> None:
         self.request_id = rid
         self.user_id: int | None = None
+        self.started = started
+        self.trace: Any = None
 
 
 current: ContextVar[RequestContext | None] = ContextVar("gate_request", default=None)
@@ -80,9 +87,9 @@ def new_request_id() -> str:
     return f"{_id_prefix}{next(_id_counter):x}"
 
 
-def begin_request(rid: str) -> RequestContext:
+def begin_request(rid: str, started: float = 0.0) -> RequestContext:
     """Open the context of one request (in the request's own task)."""
-    ctx = RequestContext(rid)
+    ctx = RequestContext(rid, started)
     current.set(ctx)
     request_id.set(rid)
     return ctx
@@ -117,6 +124,16 @@ class _Redactor:
 
 redact = _Redactor()
 
+# The trace and span ids of the running code, when traces are on (gate/base/tracing.py
+# hands its reader over: this module cannot import it).
+_trace_ids: Callable[[], tuple[str, str] | None] | None = None
+
+
+def use_trace_ids(reader: Callable[[], tuple[str, str] | None] | None) -> None:
+    """Every line written inside a span carries `trace_id` and `span_id` from `reader`."""
+    global _trace_ids
+    _trace_ids = reader
+
 
 def redact_secrets(secrets: Iterable[str]) -> None:
     """Register configured secrets that must never appear in a log line."""
@@ -150,6 +167,10 @@ class JsonFormatter(logging.Formatter):
             rid = request_id.get()
             if rid:
                 entry["request_id"] = rid
+        if _trace_ids is not None:
+            ids = _trace_ids()
+            if ids is not None:
+                entry["trace_id"], entry["span_id"] = ids
         for key, value in record.__dict__.items():
             if key not in _RESERVED and not key.startswith("_"):
                 entry[key] = value
@@ -163,6 +184,22 @@ class JsonFormatter(logging.Formatter):
 _formatter = JsonFormatter()
 # The handler configure() installed: request lines are written to it directly.
 _handler: logging.StreamHandler[Any] | None = None
+
+
+def json_handler() -> logging.StreamHandler[Any] | None:
+    """configure()'s handler while it is the root logger's only one: lines may then be
+    written to its stream directly (under its lock)."""
+    handler = _handler
+    if handler is None or logging.getLogger().handlers != [handler]:
+        return None
+    return handler
+
+
+def timestamp(seconds: float) -> str:
+    """A line's `ts` for a unix time (any thread: nothing cached)."""
+    whole = int(seconds)
+    milli = int((seconds - whole) * 1000)
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(whole))}.{milli:03d}Z"
 
 
 def write_line(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None:
@@ -190,6 +227,10 @@ def write_line(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None
         entry["request_id"] = ctx.request_id
         if ctx.user_id is not None:
             entry["user_id"] = ctx.user_id
+    if _trace_ids is not None:
+        ids = _trace_ids()
+        if ids is not None:
+            entry["trace_id"], entry["span_id"] = ids
     entry.update(fields)
     line = redact(orjson.dumps(entry, default=str).decode()) + "\n"
     handler.acquire()
@@ -220,3 +261,25 @@ def configure(level: str = "INFO") -> None:
     access.propagate = False
     # Warnings (deprecations and the like) become log records, hence JSON lines too.
     logging.captureWarnings(True)
+
+
+class HumanFormatter(logging.Formatter):
+    """`gate: <level>: <message>`, the exception after it; redacted as JSON lines are."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"gate: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return redact(text)
+
+
+def configure_command(level: str = "WARNING") -> None:
+    """Logging for a one-shot command: human-readable lines on stderr, warnings and
+    above (`level` when it asks for fewer), so that what the command prints on
+    stdout (a table, JSON, a token) is all there is there and a terminal shows no
+    JSON between its lines."""
+    configure(level)
+    assert _handler is not None
+    _handler.setFormatter(HumanFormatter())
+    root = logging.getLogger()
+    root.setLevel(max(logging.WARNING, logging.getLevelName(level)))

@@ -1,10 +1,13 @@
 """GATE_REDIS_URL read once for both connections to Redis (the pipelined RESP
 connection, gate/store/resp.py, and redis-py's pool): redis-py's own `parse_url` plus
 a refusal of what the RESP connection cannot honour, so the two always reach the same
-server, database and user. Settings read it at start-up, before any store exists."""
+server, database and user. Settings read it at start-up, before any store exists,
+with GATE_REDIS_MODE and GATE_REDIS_CLUSTER_NODES (`redis_config`)."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -79,3 +82,70 @@ def parse_redis_url(url: str, name: str = "GATE_REDIS_URL") -> RedisTarget:
         username=kwargs.get("username") or None,
         password=kwargs.get("password") or None,
     )
+
+
+REDIS_MODES = ("auto", "standalone", "cluster")
+CLUSTER_NODES_MAX = 16
+_HOST = re.compile(r"[A-Za-z0-9.:-]{1,253}")
+
+
+def host_port(item: str) -> tuple[str, int] | None:
+    """ "host:port" ("[v6]:port" for IPv6) as (host, port), or None when it is not
+    one (a port outside 1-65535 included)."""
+    host, sep, port = item.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not (sep and _HOST.fullmatch(host) and port.isdigit() and 1 <= int(port) <= 65_535):
+        return None
+    return host, int(port)
+
+
+def cluster_nodes(raw: str) -> tuple[tuple[str, int], ...]:
+    """GATE_REDIS_CLUSTER_NODES: "host:port" entries ([v6]:port for IPv6), separated by
+    spaces or commas; reached with GATE_REDIS_URL's credentials and TLS."""
+    nodes: list[tuple[str, int]] = []
+    for item in raw.replace(",", " ").split():
+        node = host_port(item)
+        if node is None:
+            raise RedisUrlError(
+                f"GATE_REDIS_CLUSTER_NODES: {item!r} is not host:port (entries separated by"
+                " spaces or commas)"
+            )
+        nodes.append(node)
+    if len(nodes) > CLUSTER_NODES_MAX:
+        raise RedisUrlError(f"GATE_REDIS_CLUSTER_NODES: at most {CLUSTER_NODES_MAX} nodes")
+    return tuple(dict.fromkeys(nodes))
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    # May carry a password: kept out of the repr.
+    url: str = field(repr=False)
+    target: RedisTarget
+    # "auto" asks the node (INFO cluster) at start-up; "standalone" or "cluster".
+    mode: str
+    cluster_nodes: tuple[tuple[str, int], ...]
+
+
+def redis_config(env: Mapping[str, str]) -> RedisConfig:
+    """GATE_REDIS_URL, GATE_REDIS_MODE and GATE_REDIS_CLUSTER_NODES, checked together:
+    Redis Cluster has database 0 only and is reached over TCP."""
+    url = env.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    target = parse_redis_url(url)
+    mode = env.get("GATE_REDIS_MODE", "auto").strip().lower() or "auto"
+    if mode not in REDIS_MODES:
+        raise RedisUrlError("GATE_REDIS_MODE must be 'auto', 'standalone' or 'cluster'")
+    if mode == "cluster" and target.db != 0:
+        raise RedisUrlError(
+            f"GATE_REDIS_URL names database {target.db}, but Redis Cluster has database 0"
+            " only: use redis://host:port/0 (or no database) with GATE_REDIS_MODE=cluster"
+        )
+    nodes = cluster_nodes(env.get("GATE_REDIS_CLUSTER_NODES", ""))
+    if nodes and mode == "standalone":
+        raise RedisUrlError(
+            "GATE_REDIS_CLUSTER_NODES names Redis Cluster nodes: not with"
+            " GATE_REDIS_MODE=standalone"
+        )
+    if (nodes or mode == "cluster") and target.unix_path is not None:
+        raise RedisUrlError("GATE_REDIS_URL: Redis Cluster cannot be reached over unix://")
+    return RedisConfig(url, target, mode, nodes)

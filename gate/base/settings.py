@@ -5,8 +5,6 @@ Secrets are wrapped in `Secret` so that no repr, log line or traceback prints th
 
 from __future__ import annotations
 
-import base64
-import binascii
 import os
 import re
 import stat
@@ -17,38 +15,19 @@ from types import MappingProxyType
 from urllib.parse import unquote, urlsplit
 
 from gate.base.limits import SCOPES, LimitError, LimitSpec, Network, parse_limit, parse_networks
-from gate.base.redis_url import RedisUrlError, parse_redis_url
 
-DEV_JWT_SECRET = "gate-dev-jwt-secret-not-for-production-000000"
-DEV_ADMIN_TOKEN = "gate-dev-admin-token"
-# The waiting room's admission tokens (gate/room/tokens.py) have a key of their own.
-DEV_ADMISSION_SECRET = "gate-dev-admission-secret-not-for-production-0"
-# base64 of "gate-dev-webhook-secret-0123456789"
-DEV_WEBHOOK_SECRET = "whsec_Z2F0ZS1kZXYtd2ViaG9vay1zZWNyZXQtMDEyMzQ1Njc4OQ=="
-# Published in docker-compose.dev.yml, so public too: the sandbox's API key and the
-# passwords of the development database and Redis. Refused outside GATE_ENV=dev.
-DEV_SANDBOX_API_KEY = "gate-dev-sandbox-api-key"
-DEV_PASSWORDS = frozenset(("gate-dev-app-password", "gate-dev-root", "gate-dev-redis"))
-DEV_ONLY = (
-    "the public development value; set a secret of your own"
-    " (the built-in one is accepted only with GATE_ENV=dev)"
-)
-
-
-def webhook_key(secret: str) -> bytes | None:
-    """The key bytes of a whsec_<base64> secret, padded or not (the way the signer
-    decodes it), or None if it is not one. The dev secret is compared as these bytes:
-    written without its "==" it is still the same, public, key."""
-    if not secret.startswith("whsec_"):
-        return None
-    body = secret[len("whsec_") :]
-    try:
-        return base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        return None
-
-
-DEV_WEBHOOK_KEY = webhook_key(DEV_WEBHOOK_SECRET)
+# The published values moved to gate/base/published.py; the areas and the tests name
+# them through this module too (`X as X`: re-exported).
+from gate.base.published import DEV_ADMIN_TOKEN as DEV_ADMIN_TOKEN
+from gate.base.published import DEV_ADMISSION_SECRET as DEV_ADMISSION_SECRET
+from gate.base.published import DEV_JWT_SECRET as DEV_JWT_SECRET
+from gate.base.published import DEV_ONLY as DEV_ONLY
+from gate.base.published import DEV_PASSWORDS as DEV_PASSWORDS
+from gate.base.published import DEV_SANDBOX_API_KEY as DEV_SANDBOX_API_KEY
+from gate.base.published import DEV_WEBHOOK_SECRET as DEV_WEBHOOK_SECRET
+from gate.base.published import published_reason
+from gate.base.published import webhook_key as webhook_key
+from gate.base.redis_url import RedisConfig, RedisUrlError, host_port, redis_config
 
 
 def refuse_dev_value(name: str, value: str | None, dev_values: frozenset[str], dev: bool) -> None:
@@ -56,6 +35,18 @@ def refuse_dev_value(name: str, value: str | None, dev_values: frozenset[str], d
     is refused: SettingsError naming the variable, never the value."""
     if not dev and value is not None and value.strip() in dev_values:
         raise SettingsError(f"{name} is {DEV_ONLY}")
+
+
+def refuse_published(name: str, value: str | None, dev: bool) -> None:
+    """Outside dev, a secret the repository publishes (a development value, an
+    example's placeholder: gate/base/published.py) is refused, each entry of a
+    whitespace-separated list alike: SettingsError naming `name`, never the value."""
+    if dev or not value:
+        return
+    for entry in value.split():
+        reason = published_reason(entry)
+        if reason is not None:
+            raise SettingsError(f"{name} is {reason}")
 
 
 # A per-deal buyer limit is on by default (no human clicks 20 times a second); the
@@ -331,6 +322,14 @@ def _jwt_idp(env: Mapping[str, str], dev: bool) -> JwtIdp | None:
             raise SettingsError(
                 "GATE_JWT_JWKS_URL must be an https:// URL (http:// only with GATE_ENV=dev)"
             )
+    if not dev and (issuer is None or audience is None):
+        # Without both, any token the provider signs, for any of its applications
+        # (or any tenant of a shared one), would buy here.
+        raise SettingsError(
+            "GATE_JWT_JWKS_FILE / GATE_JWT_JWKS_URL need GATE_JWT_ISSUER and"
+            " GATE_JWT_AUDIENCE outside GATE_ENV=dev: set both, to the issuer and the"
+            " audience of the tokens meant for this gate"
+        )
     refresh = env_float(env, "GATE_JWT_JWKS_REFRESH_SECONDS", 300.0, 1.0, 86_400.0)
     return JwtIdp(file, url, refresh, issuer, audience)
 
@@ -450,8 +449,11 @@ class Settings:
     shutdown_grace_seconds: float = 10.0
     # /docs: a browsable reference of /openapi.json (gate/web/docs_page.py).
     docs: bool = False
-    # /metrics's own listener (gate/web/metrics_listener.py): (host, port), None: off.
-    metrics_addr: tuple[str, int] | None = ("127.0.0.1", 9100)
+    # /metrics's own listener (gate/web/metrics_listener.py): GATE_METRICS_ADDR's
+    # (host, port), None: off or unset. Unset (`metrics_addr_from_port`), `gate serve`
+    # listens on 127.0.0.1 at a port derived from its --port (`metrics_address`).
+    metrics_addr: tuple[str, int] | None = None
+    metrics_addr_from_port: bool = True
 
     run_background: bool = True
     auto_migrate: bool = True
@@ -465,98 +467,128 @@ class Settings:
         return self.env == "dev"
 
 
-def _is_dev_value(entry: str, dev_value: str) -> bool:
-    if entry == dev_value:
-        return True
-    # A webhook secret is its key bytes: unpadded (or otherwise re-encoded) base64 of
-    # the dev key is the dev key.
-    return dev_value == DEV_WEBHOOK_SECRET and webhook_key(entry) == DEV_WEBHOOK_KEY
+# GATE_METRICS_ADDR unset: `gate serve --port P` serves /metrics on 127.0.0.1:P+10000
+# (P-10000 when that would pass 65535); the default --port 8000 gives 18000. Gates side
+# by side on one host differ in --port, so in their metrics port too, and no port of
+# the Prometheus exporters' range (9100 node_exporter, ... 9999) is ever the default.
+METRICS_PORT_OFFSET = 10_000
+PORT_MAX = 65_535
+METRICS_HOST_DEFAULT = "127.0.0.1"
 
 
-CLUSTER_NODES_MAX = 16
-_NODE_HOST = re.compile(r"[A-Za-z0-9.:-]{1,253}")
+def metrics_port_for(port: int) -> int:
+    """The default metrics port of a gate serving on `port`."""
+    up = port + METRICS_PORT_OFFSET
+    return up if up <= PORT_MAX else port - METRICS_PORT_OFFSET
 
 
-def _cluster_nodes(raw: str) -> tuple[tuple[str, int], ...]:
-    """GATE_REDIS_CLUSTER_NODES: "host:port" entries ([v6]:port for IPv6), separated by
-    spaces or commas; reached with GATE_REDIS_URL's credentials and TLS."""
-    nodes: list[tuple[str, int]] = []
-    for item in raw.replace(",", " ").split():
-        host, sep, port = item.rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        if not (sep and _NODE_HOST.fullmatch(host) and port.isdigit() and 1 <= int(port) <= 65_535):
-            raise SettingsError(
-                f"GATE_REDIS_CLUSTER_NODES: {item!r} is not host:port (entries separated by"
-                " spaces or commas)"
-            )
-        nodes.append((host, int(port)))
-    if len(nodes) > CLUSTER_NODES_MAX:
-        raise SettingsError(f"GATE_REDIS_CLUSTER_NODES: at most {CLUSTER_NODES_MAX} nodes")
-    return tuple(dict.fromkeys(nodes))
-
-
-METRICS_ADDR_DEFAULT = "127.0.0.1:9100"
+def metrics_address(settings: Settings, port: int) -> tuple[str, int] | None:
+    """Where `gate serve --port port` serves /metrics: GATE_METRICS_ADDR, or when it
+    is unset 127.0.0.1 at `metrics_port_for(port)`; None: off."""
+    if settings.metrics_addr_from_port:
+        return METRICS_HOST_DEFAULT, metrics_port_for(port)
+    return settings.metrics_addr
 
 
 def parse_listen_address(name: str, raw: str) -> tuple[str, int] | None:
     """ "host:port" ([v6]:port for IPv6) to listen on, or None for "off"."""
-    text = raw.strip() or METRICS_ADDR_DEFAULT
+    text = raw.strip()
     if text.lower() == "off":
         return None
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not (sep and _NODE_HOST.fullmatch(host) and port.isdigit() and 1 <= int(port) <= 65_535):
+    address = host_port(text)
+    if address is None:
         raise SettingsError(
-            f"{name} must be host:port (e.g. 127.0.0.1:9100, [::1]:9100) or 'off', got {raw!r}"
+            f"{name} must be host:port (e.g. 127.0.0.1:18000, [::1]:18000) or 'off', got {raw!r}"
         )
-    return host, int(port)
+    return address
 
 
-def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read every setting once. Raises SettingsError with a clear message."""
-    # Secrets given as files are read here, once: everything below, and every area
-    # reading Settings.environ, sees them as if set directly.
-    env = with_secret_files(os.environ if environ is None else environ)
-    gate_env = env.get("GATE_ENV", "production").strip().lower() or "production"
-    dev = gate_env == "dev"
-    dev_used: list[str] = []
+# The secrets every gate needs, with the built-in development values used for each
+# when GATE_ENV=dev leaves it unset.
+REQUIRED_SECRETS = (
+    ("GATE_JWT_SECRET", DEV_JWT_SECRET),
+    ("GATE_ADMIN_TOKEN", DEV_ADMIN_TOKEN),
+    ("GATE_ADMISSION_SECRET", DEV_ADMISSION_SECRET),
+    ("GATE_WEBHOOK_SECRET", DEV_WEBHOOK_SECRET),
+)
+# Outside dev, at least this many characters.
+SECRET_MIN_CHARS = {"GATE_JWT_SECRET": 32, "GATE_ADMIN_TOKEN": 32, "GATE_ADMISSION_SECRET": 32}
+SECRET_REASONS = {
+    "GATE_JWT_SECRET": " for HS256",
+    "GATE_ADMIN_TOKEN": " (it guards every admin route and the console)",
+}
 
-    def secret(name: str, dev_value: str) -> str:
-        value = env.get(name, "").strip()
-        if value:
-            # The development values are public (they are in this file): outside dev
-            # they would let anyone mint tokens, act as admin or forge callbacks.
-            if not dev and any(_is_dev_value(entry, dev_value) for entry in value.split()):
-                raise SettingsError(f"{name} is {DEV_ONLY}")
-            return value
-        if dev:
-            dev_used.append(name)
-            return dev_value
-        raise SettingsError(f"{name} is required (set GATE_ENV=dev to use built-in dev secrets)")
 
+@dataclass(frozen=True)
+class _Secrets:
+    jwt: str
+    admin: str
+    admission: str
+    webhook: tuple[Secret, ...]
+    dev_used: tuple[str, ...]
+    jwt_hs256: bool
+    jwt_idp: JwtIdp | None
+
+
+def _missing_secrets(names: list[str]) -> SettingsError:
+    """Every required secret that is not set, named at once: the operator sets them
+    in one go (each NAME or NAME_FILE)."""
+    listed = ", ".join(names)
+    verb = "is" if len(names) == 1 else "are"
+    return SettingsError(
+        f"{listed} {verb} required: set {'it' if len(names) == 1 else 'each'} (or"
+        " NAME_FILE, a file holding it), or GATE_ENV=dev to use the built-in development"
+        " values"
+    )
+
+
+def _secrets(env: Mapping[str, str], dev: bool) -> _Secrets:
+    """The core's secrets: given, or (GATE_ENV=dev) the built-in development values;
+    outside dev none published (gate/base/published.py), none too short."""
+    for name in SECRET_NAMES:
+        refuse_published(name, env.get(name), dev)
     jwt_idp = _jwt_idp(env, dev)
     # With a key set, HS256 is on only when its secret is given; the secret kept
     # otherwise is random, known to no one (`gate token` mints with it: 401s).
     jwt_hs256 = jwt_idp is None or _given(env, "GATE_JWT_SECRET")
-    jwt_secret = secret("GATE_JWT_SECRET", DEV_JWT_SECRET) if jwt_hs256 else token_urlsafe(48)
-    if len(jwt_secret) < 32 and not dev:
-        raise SettingsError("GATE_JWT_SECRET must be at least 32 characters for HS256")
-    admin_token = secret("GATE_ADMIN_TOKEN", DEV_ADMIN_TOKEN)
-    if len(admin_token) < 16 and not dev:
-        raise SettingsError("GATE_ADMIN_TOKEN must be at least 16 characters")
-    admission_secret = secret("GATE_ADMISSION_SECRET", DEV_ADMISSION_SECRET)
-    if len(admission_secret) < 32 and not dev:
-        raise SettingsError("GATE_ADMISSION_SECRET must be at least 32 characters")
-    if admission_secret == jwt_secret and not dev:
-        raise SettingsError("GATE_ADMISSION_SECRET must differ from GATE_JWT_SECRET")
-    webhook_raw = secret("GATE_WEBHOOK_SECRET", DEV_WEBHOOK_SECRET)
-    webhook_secrets = tuple(Secret(s) for s in webhook_raw.split())
-    for s in webhook_secrets:
-        if not s.reveal().startswith("whsec_"):
-            raise SettingsError("GATE_WEBHOOK_SECRET entries must look like whsec_<base64>")
+    values = {name: env.get(name, "").strip() for name, _ in REQUIRED_SECRETS}
+    if not jwt_hs256:
+        values["GATE_JWT_SECRET"] = token_urlsafe(48)
+    missing = [name for name, value in values.items() if not value]
+    if missing and not dev:
+        raise _missing_secrets(missing)
+    for name, dev_value in REQUIRED_SECRETS:
+        values[name] = values[name] or dev_value
+    if not dev:
+        for name, chars in SECRET_MIN_CHARS.items():
+            if len(values[name]) < chars:
+                reason = SECRET_REASONS.get(name, "")
+                raise SettingsError(f"{name} must be at least {chars} characters{reason}")
+        if values["GATE_ADMISSION_SECRET"] == values["GATE_JWT_SECRET"]:
+            raise SettingsError("GATE_ADMISSION_SECRET must differ from GATE_JWT_SECRET")
+    webhook = tuple(Secret(s) for s in values["GATE_WEBHOOK_SECRET"].split())
+    if not all(s.reveal().startswith("whsec_") for s in webhook):
+        raise SettingsError("GATE_WEBHOOK_SECRET entries must look like whsec_<base64>")
+    return _Secrets(
+        jwt=values["GATE_JWT_SECRET"],
+        admin=values["GATE_ADMIN_TOKEN"],
+        admission=values["GATE_ADMISSION_SECRET"],
+        webhook=webhook,
+        dev_used=tuple(name for name in missing if dev),
+        jwt_hs256=jwt_hs256,
+        jwt_idp=jwt_idp,
+    )
 
+
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = env.get(name, default).strip().lower() or default
+    if value not in allowed:
+        raise SettingsError(f"{name} must be {' or '.join(repr(a) for a in allowed)}")
+    return value
+
+
+def _limits(env: Mapping[str, str]) -> tuple[dict[str, LimitSpec | None], tuple[Network, ...]]:
+    """GATE_LIMIT_<SCOPE> for every scope and GATE_TRUSTED_PROXIES."""
     try:
         limits = {
             scope: parse_limit(
@@ -569,62 +601,65 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         trusted = parse_networks("GATE_TRUSTED_PROXIES", env.get("GATE_TRUSTED_PROXIES"))
     except LimitError as exc:
         raise SettingsError(str(exc)) from None
-    down_policy = env.get("GATE_REDIS_DOWN_POLICY", "reject").strip().lower() or "reject"
-    if down_policy not in ("reject", "database"):
-        raise SettingsError("GATE_REDIS_DOWN_POLICY must be 'reject' or 'database'")
-    limits_on_error = env.get("GATE_LIMITS_ON_REDIS_ERROR", "closed").strip().lower() or "closed"
-    if limits_on_error not in ("open", "closed"):
-        raise SettingsError("GATE_LIMITS_ON_REDIS_ERROR must be 'open' or 'closed'")
-    pool_max = env_int(env, "GATE_DB_POOL_MAX", 32, 2, 1000)
+    return limits, trusted
 
-    redis_url = env.get("GATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+def _redis(env: Mapping[str, str], dev: bool) -> RedisConfig:
     try:
-        # The one parser both Redis connections use (redis-py's own, see gate/store/resp.py).
-        parse_redis_url(redis_url)
+        config = redis_config(env)
     except RedisUrlError as exc:
         raise SettingsError(str(exc)) from None
-    redis_mode = env.get("GATE_REDIS_MODE", "auto").strip().lower() or "auto"
-    if redis_mode not in ("auto", "standalone", "cluster"):
-        raise SettingsError("GATE_REDIS_MODE must be 'auto', 'standalone' or 'cluster'")
-    if redis_mode == "cluster":
-        target = parse_redis_url(redis_url)
-        if target.db != 0:
-            raise SettingsError(
-                f"GATE_REDIS_URL names database {target.db}, but Redis Cluster has database 0"
-                " only: use redis://host:port/0 (or no database) with GATE_REDIS_MODE=cluster"
-            )
-        if target.unix_path is not None:
-            raise SettingsError("GATE_REDIS_URL: Redis Cluster cannot be reached over unix://")
-    redis_cluster_nodes = _cluster_nodes(env.get("GATE_REDIS_CLUSTER_NODES", ""))
-    if redis_cluster_nodes and redis_mode == "standalone":
+    password = config.target.password
+    refuse_published("GATE_REDIS_URL (its password)", password, dev)
+    return config
+
+
+def _check_inflight_max(settings: Settings) -> None:
+    """The janitor treats a token older than inflight_max_seconds as orphaned; a live
+    request must therefore always finish (or give up) well before that age. A
+    statement sent just before the request's deadline may still wait on a lock on
+    the server for up to the lock-wait timeout."""
+    live_max = (
+        settings.reservation_db_timeout_seconds
+        + settings.db_lock_wait_seconds
+        + 2 * settings.redis_timeout_seconds
+    )
+    if settings.inflight_max_seconds <= live_max:
         raise SettingsError(
-            "GATE_REDIS_CLUSTER_NODES names Redis Cluster nodes: not with"
-            " GATE_REDIS_MODE=standalone"
+            f"GATE_INFLIGHT_MAX_SECONDS must exceed {live_max:g}: the reservation DB timeout"
+            " plus the lock-wait timeout plus twice the Redis timeout"
         )
-    if redis_cluster_nodes and parse_redis_url(redis_url).unix_path is not None:
-        raise SettingsError("GATE_REDIS_URL: Redis Cluster cannot be reached over unix://")
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read every setting once. Raises SettingsError with a clear message."""
+    # Secrets given as files are read here, once: everything below, and every area
+    # reading Settings.environ, sees them as if set directly.
+    env = with_secret_files(os.environ if environ is None else environ)
+    gate_env = env.get("GATE_ENV", "production").strip().lower() or "production"
+    dev = gate_env == "dev"
+    secrets = _secrets(env, dev)
+    limits, trusted = _limits(env)
+    down_policy = _choice(env, "GATE_REDIS_DOWN_POLICY", "reject", ("reject", "database"))
+    limits_on_error = _choice(env, "GATE_LIMITS_ON_REDIS_ERROR", "closed", ("open", "closed"))
+    pool_max = env_int(env, "GATE_DB_POOL_MAX", 32, 2, 1000)
+    redis = _redis(env, dev)
     log_level = env.get("GATE_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if log_level not in LOG_LEVELS:
         raise SettingsError(f"GATE_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
     mysql = MysqlTarget.parse(env.get("GATE_MYSQL_URL", "mysql://root@127.0.0.1:3306/gate"))
-    refuse_dev_value("GATE_MYSQL_URL (its password)", mysql.password.reveal(), DEV_PASSWORDS, dev)
-    redis_password = urlsplit(redis_url).password
-    refuse_dev_value(
-        "GATE_REDIS_URL (its password)",
-        unquote(redis_password) if redis_password else None,
-        DEV_PASSWORDS,
-        dev,
-    )
+    refuse_published("GATE_MYSQL_URL (its password)", mysql.password.reveal(), dev)
+    metrics_raw = env.get("GATE_METRICS_ADDR", "")
 
     settings = Settings(
         env=gate_env,
-        redis_url=redis_url,
+        redis_url=redis.url,
         mysql=mysql,
-        jwt_secret=Secret(jwt_secret),
-        admin_token=Secret(admin_token),
-        webhook_secrets=webhook_secrets,
-        admission_secret=Secret(admission_secret),
-        dev_secrets_used=tuple(dev_used),
+        jwt_secret=Secret(secrets.jwt),
+        admin_token=Secret(secrets.admin),
+        webhook_secrets=secrets.webhook,
+        admission_secret=Secret(secrets.admission),
+        dev_secrets_used=secrets.dev_used,
         db_pool_max=pool_max,
         db_connect_timeout_seconds=env_float(env, "GATE_DB_CONNECT_TIMEOUT_SECONDS", 3.0, 0.1, 60),
         db_lock_wait_seconds=env_int(env, "GATE_DB_LOCK_WAIT_SECONDS", 5, 1, 120),
@@ -638,8 +673,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             env, "GATE_DB_WRITER_HOLD_DOWN_SECONDS", 30.0, 0, 3600
         ),
         redis_pool_max=env_int(env, "GATE_REDIS_POOL_MAX", 64, 1, 10_000),
-        redis_mode=redis_mode,
-        redis_cluster_nodes=redis_cluster_nodes,
+        redis_mode=redis.mode,
+        redis_cluster_nodes=redis.cluster_nodes,
         redis_timeout_seconds=env_float(env, "GATE_REDIS_TIMEOUT_SECONDS", 0.5, 0.01, 60),
         redis_breaker_failures_max=env_int(env, "GATE_REDIS_BREAKER_FAILURES", 5, 1, 10_000),
         redis_breaker_open_seconds=env_float(
@@ -684,8 +719,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         resync_interval_seconds=env_float(env, "GATE_RESYNC_INTERVAL_SECONDS", 1.0, 0.05, 60),
         resync_quiet_seconds=env_float(env, "GATE_RESYNC_QUIET_SECONDS", 15.0, 0, 600),
         jwt_cache_max=env_int(env, "GATE_JWT_CACHE_MAX", 65_536, 0, 10_000_000),
-        jwt_hs256=jwt_hs256,
-        jwt_idp=jwt_idp,
+        jwt_hs256=secrets.jwt_hs256,
+        jwt_idp=secrets.jwt_idp,
         sold_out_cache_seconds=env_int(env, "GATE_SOLD_OUT_CACHE_MS", 100, 0, 1000) / 1000,
         body_max_bytes=4096,
         body_timeout_seconds=env_float(env, "GATE_BODY_TIMEOUT_SECONDS", 5.0, 0.1, 300),
@@ -694,24 +729,14 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         shutdown_delay_seconds=env_float(env, "GATE_SHUTDOWN_DELAY_SECONDS", 5.0, 0, 300),
         shutdown_grace_seconds=env_float(env, "GATE_SHUTDOWN_GRACE_SECONDS", 10.0, 0.1, 600),
         docs=env_bool(env, "GATE_DOCS", dev),
-        metrics_addr=parse_listen_address("GATE_METRICS_ADDR", env.get("GATE_METRICS_ADDR", "")),
+        metrics_addr=parse_listen_address("GATE_METRICS_ADDR", metrics_raw)
+        if metrics_raw.strip()
+        else None,
+        metrics_addr_from_port=not metrics_raw.strip(),
         run_background=env_bool(env, "GATE_BACKGROUND", True),
         auto_migrate=env_bool(env, "GATE_AUTO_MIGRATE", True),
         log_level=log_level,
         environ=MappingProxyType(dict(env)),
     )
-    # The janitor treats a token older than inflight_max_seconds as orphaned; a live
-    # request must therefore always finish (or give up) well before that age.
-    # A statement sent just before the request's deadline may still wait on a lock
-    # on the server for up to the lock-wait timeout.
-    live_max = (
-        settings.reservation_db_timeout_seconds
-        + settings.db_lock_wait_seconds
-        + 2 * settings.redis_timeout_seconds
-    )
-    if settings.inflight_max_seconds <= live_max:
-        raise SettingsError(
-            f"GATE_INFLIGHT_MAX_SECONDS must exceed {live_max:g}: the reservation DB timeout"
-            " plus the lock-wait timeout plus twice the Redis timeout"
-        )
+    _check_inflight_max(settings)
     return settings

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -43,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except MigrationError as exc:
             print(f"gate: {exc}", file=sys.stderr)
             return 2
+    metrics_addr = _metrics_addr(settings, args.port, args.workers)
     # Several workers keep their metrics in files one scrape merges (gate/base/metrics.py).
     metrics_dir = prepare_multiprocess(args.workers)
     return run_server(
@@ -51,11 +52,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.port,
         args.workers,
         worker_timeout_seconds=settings.worker_timeout_seconds,
-        metrics_addr=settings.metrics_addr,
+        metrics_addr=metrics_addr,
         metrics_dir=metrics_dir,
         shutdown_delay_seconds=settings.shutdown_delay_seconds,
         shutdown_grace_seconds=settings.shutdown_grace_seconds,
     )
+
+
+def _metrics_addr(settings: Settings, port: int, workers: int) -> tuple[str, int] | None:
+    """Where this gate serves /metrics: GATE_METRICS_ADDR, or unset 127.0.0.1 at a
+    port derived from --port (gate/base/settings.py `metrics_address`). Several
+    workers: the parent binds it (`_parent_metrics`). One worker binds it in its
+    lifespan, from GATE_METRICS_ADDR, written here: the address is tried first, so
+    that a port in use exits 2 here too."""
+    from gate.base.settings import metrics_address
+    from gate.web.metrics_listener import listen_socket
+
+    addr = metrics_address(settings, port)
+    if addr is None or workers > 1:
+        return addr
+    try:
+        listen_socket(addr).close()
+    except OSError as exc:
+        _cannot_listen(addr, exc)
+    host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+    os.environ["GATE_METRICS_ADDR"] = f"{host}:{addr[1]}"
+    return addr
+
+
+def _cannot_listen(addr: tuple[str, int], exc: OSError) -> NoReturn:
+    """Exit 2 naming GATE_METRICS_ADDR; when it was unset, what it defaulted to."""
+    unset = not os.environ.get("GATE_METRICS_ADDR", "").strip()
+    default = (
+        " (GATE_METRICS_ADDR is unset: the default for this --port; set it to a free"
+        " host:port, or off)"
+        if unset
+        else ""
+    )
+    reason = exc.strerror or type(exc).__name__
+    print(
+        f"gate: cannot listen on GATE_METRICS_ADDR {addr[0]}:{addr[1]}{default}: {reason}",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
 
 
 def _parent_metrics(addr: tuple[str, int] | None, metrics_dir: str | None) -> Any:
@@ -70,10 +109,7 @@ def _parent_metrics(addr: tuple[str, int] | None, metrics_dir: str | None) -> An
     try:
         listener = MetricsListener(addr, files_render(metrics_dir)).start()
     except OSError as exc:
-        print(
-            f"gate: cannot listen on GATE_METRICS_ADDR {addr[0]}:{addr[1]}: {exc}", file=sys.stderr
-        )
-        raise SystemExit(2) from None
+        _cannot_listen(addr, exc)
     os.environ["GATE_METRICS_ADDR"] = "off"
     return listener
 
@@ -264,35 +300,64 @@ def _loop_command(name: str) -> Callable[[argparse.Namespace], int]:
             await worker.run(stop)
             return 0
 
-        return asyncio.run(with_gate(go))
+        return asyncio.run(with_gate(go, daemon=not args.once))
 
     return run
 
 
+DEMO_TITLE = "Demo: limited edition"
+
+
+async def _demo_deal(gate: Any, args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """The demo deal and whether it was made now: the newest one of an earlier run
+    while it has units left and no sale window (as made; unless --new), else a new
+    one."""
+    if not args.new:
+        found = await gate.deals.newest_titled(DEMO_TITLE)
+        if (
+            found is not None
+            and found["totals"]["available"] > 0
+            and found["starts_at"] is None
+            and found["ends_at"] is None
+        ):
+            return found, False
+    created = await gate.deals.create(
+        {
+            "title": DEMO_TITLE,
+            "unit_price": 1999,
+            "currency": "USD",
+            "stock": args.stock,
+            "buckets": args.buckets,
+            "hold_seconds": 120,
+            "per_user_limit": 2,
+            "max_per_order": 2,
+        }
+    )
+    return created, True
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Create a demo deal and print how to try the gate with it."""
+    """Create (or find again) the demo deal and print how to try the gate with it."""
     from gate.web.auth import mint
 
     async def run(gate: Any) -> int:
-        deal = await gate.deals.create(
-            {
-                "title": "Demo: limited edition",
-                "unit_price": 1999,
-                "currency": "USD",
-                "stock": args.stock,
-                "buckets": args.buckets,
-                "hold_seconds": 120,
-                "per_user_limit": 2,
-                "max_per_order": 2,
-            }
-        )
+        deal, created = await _demo_deal(gate, args)
         token = (
             mint(gate.settings.jwt_secret, 42, 86_400)
             if gate.settings.jwt_hs256
             else "<a token from your identity provider for buyer 42>"
         )
         base = args.base_url
-        print(f"Demo deal {deal['id']} created with {args.stock} units in {args.buckets} buckets.")
+        if created:
+            print(
+                f"Demo deal {deal['id']} created with {args.stock} units in {args.buckets} buckets."
+            )
+        else:
+            totals = deal["totals"]
+            print(
+                f"Demo deal {deal['id']} reused: {totals['available']} of {totals['total']}"
+                " units left (gate demo --new makes another)."
+            )
         print("Try it (buyer 42):")
         print(f"  TOKEN={token}")
         print(f"  curl -s {base}/v1/deals/{deal['id']}")
@@ -352,9 +417,14 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--once", action="store_true")
         s.set_defaults(fn=_loop_command(name))
 
-    s = sub.add_parser("demo", help="create a demo deal and print how to try it")
+    s = sub.add_parser(
+        "demo", help="create the demo deal (or reuse an earlier run's) and print how to try it"
+    )
     s.add_argument("--stock", type=ranged_int(0, MAX_STOCK), default=100)
     s.add_argument("--buckets", type=ranged_int(1, MAX_BUCKETS), default=4)
+    s.add_argument(
+        "--new", action="store_true", help="a new demo deal even if an earlier one has units left"
+    )
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
     s.set_defaults(fn=cmd_demo)
 

@@ -5,8 +5,10 @@ arguments."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from gate.base.settings import Settings, SettingsError, load_settings
@@ -25,6 +27,9 @@ def checked_settings() -> Settings:
         Gate(settings)
     except SettingsError as exc:
         print(f"gate: configuration error: {exc}", file=sys.stderr)
+        hint = _dev_env_hint()
+        if hint:
+            print(hint, file=sys.stderr)
         raise SystemExit(2) from None
     except ScriptMissing as exc:
         print(f"gate: {exc}", file=sys.stderr)
@@ -32,15 +37,35 @@ def checked_settings() -> Settings:
     return settings
 
 
-async def with_gate(fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True) -> int:
-    """Run `fn(gate)` with the database and Redis started but no background loops."""
-    from gate.base.logs import configure
+# Where scripts/run writes the settings of the development gate it runs.
+DEV_ENV_FILE = Path(".local") / "dev.env"
+
+
+def _dev_env_hint() -> str | None:
+    """With GATE_ENV unset, in a checkout where scripts/run wrote its settings: how to
+    reach that development gate (README's tour in a second shell)."""
+    if os.environ.get("GATE_ENV", "").strip() or not DEV_ENV_FILE.is_file():
+        return None
+    return (
+        f"gate: {DEV_ENV_FILE} holds the settings of the development gate scripts/run"
+        f" started: `source {DEV_ENV_FILE}` to use them"
+    )
+
+
+async def with_gate(
+    fn: Callable[[Any], Awaitable[int]], *, scripts: bool = True, daemon: bool = False
+) -> int:
+    """Run `fn(gate)` with the database and Redis started but no background loops.
+    Its log: a `daemon` (a loop that runs until stopped) writes JSON lines at
+    GATE_LOG_LEVEL as `gate serve` does; a one-shot command human-readable warnings
+    on stderr, so that its stdout holds its output alone."""
+    from gate.base.logs import configure, configure_command
     from gate.runtime import Gate
     from gate.store.dbwriter import NoWriter
 
     settings = checked_settings()
-    # JSON lines at GATE_LOG_LEVEL, with the secrets' redaction, as in `gate serve`.
-    configure(settings.log_level)
+    # Either way with the secrets' redaction.
+    (configure if daemon else configure_command)(settings.log_level)
     gate = Gate(settings)
     try:
         await gate.db.start()

@@ -367,7 +367,7 @@ def add_commands(sub: Any) -> None:
         "--gate-url",
         type=_http_url,
         help="with --advise: also read this running gate's /metrics, from its metrics"
-        " listener (GATE_METRICS_ADDR, e.g. http://gate:9100)",
+        " listener (GATE_METRICS_ADDR, e.g. http://gate:18000)",
     )
     operator(p)
 

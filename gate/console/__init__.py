@@ -23,10 +23,12 @@ Sign-in is the one call that takes the admin token, so it is the one a guesser
 would hammer:
 
     POST /console/api/session
-      -> SignInLimiter: at most SIGN_INS_PER_WINDOW attempts per client address
-         (GATE_TRUSTED_PROXIES decides the address, as for the IP limiter) in any
-         SIGN_IN_WINDOW_SECONDS, counted in Redis for every worker and process;
-         beyond it 429 RATE_LIMITED with Retry-After (Redis unreachable: 503)
+      -> AdminAttempts (gate/web/admin_guard.py): at most 10 attempts per client
+         address (GATE_TRUSTED_PROXIES decides the address, as for the IP limiter) in
+         any 60 s that failed (a wrong token, a malformed body), counted in Redis for
+         every worker and process, one budget with the admin API's failed attempts;
+         beyond it 429 RATE_LIMITED with Retry-After, the right token too (Redis
+         unreachable: 503)
       -> the token compared in constant time; a wrong one is 401 and counted in
          gate_console_signin_failures_total{reason}, not logged one by one (a
          guesser would otherwise write the log)
@@ -37,7 +39,6 @@ from __future__ import annotations
 import importlib
 import importlib.resources
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gate.base.errors import Problem, invalid, not_found, overloaded
-from gate.base.limits import LimitSpec, client_ip, rate_limited
+from gate.base.limits import client_ip
 from gate.base.metrics import METRICS
 from gate.base.settings import SettingsError, env_bool, env_int
 from gate.console.session import (
@@ -62,7 +63,8 @@ from gate.console.session import (
 )
 from gate.console.snapshot import Snapshots
 from gate.extensions import ConsoleAction, Extension
-from gate.store.keys import console_revoked, console_sign_ins
+from gate.store.keys import console_revoked
+from gate.web.admin_guard import AdminAttempts
 from gate.web.http_io import json_response, read_json
 
 if TYPE_CHECKING:
@@ -89,8 +91,6 @@ PAGE_HEADERS = {
 }
 LEDGER_ROWS_SHOWN = 50
 MAX_DEAL_ID = 2**63 - 1
-SIGN_INS_PER_WINDOW = 10
-SIGN_IN_WINDOW_SECONDS = 60
 SECURE_COOKIE_MODES = ("always", "auto")
 
 SIGN_IN_FAILURES = METRICS.counter(
@@ -98,23 +98,6 @@ SIGN_IN_FAILURES = METRICS.counter(
     "Console sign-ins refused, by reason (wrong_token, malformed, rate_limited).",
     ["reason"],
 )
-
-# A sliding window per client address: the attempts of the last window_ms, one
-# sorted-set member each (scored by its time); one more is taken only below the
-# bound. Returns 0 when taken, else the milliseconds until the oldest leaves.
-#   KEYS[1] the address's attempts; ARGV now_ms, window_ms, max, a unique member
-_SIGN_IN_SCRIPT = """
-local now = tonumber(ARGV[1])
-local window = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return math.max(1, tonumber(oldest[2]) + window - now)
-end
-redis.call('ZADD', KEYS[1], now, ARGV[4])
-redis.call('PEXPIRE', KEYS[1], window)
-return 0
-"""
 
 
 @dataclass(frozen=True)
@@ -144,31 +127,6 @@ class ConsoleSettings:
             raise SettingsError("GATE_CONSOLE_SECURE_COOKIE must be 'always' or 'auto'")
         admin_token = settings.admin_token.reveal()
         return cls(enabled, session_seconds, secret or admin_token, admin_token, secure_cookie)
-
-
-class SignInLimiter:
-    """At most `SIGN_INS_PER_WINDOW` sign-in attempts per client address in any
-    `SIGN_IN_WINDOW_SECONDS` (see the module docstring)."""
-
-    SPEC = LimitSpec(SIGN_INS_PER_WINDOW, SIGN_IN_WINDOW_SECONDS, SIGN_INS_PER_WINDOW)
-
-    def __init__(self, redis: Any) -> None:
-        self._script = redis.register_script(_SIGN_IN_SCRIPT)
-
-    async def take(self, address: str) -> None:
-        """One attempt of `address`, or the 429 problem (503 when Redis fails)."""
-        now_ms = int(time.time() * 1000)
-        member = f"{now_ms}:{secrets.token_hex(4)}"
-        try:
-            retry_ms = await self._script(
-                keys=[console_sign_ins(address)],
-                args=[now_ms, SIGN_IN_WINDOW_SECONDS * 1000, SIGN_INS_PER_WINDOW, member],
-            )
-        except RedisError:
-            raise overloaded("Redis unavailable; console sign-in cannot be checked.") from None
-        if int(retry_ms) > 0:
-            SIGN_IN_FAILURES.labels("rate_limited").inc()
-            raise rate_limited("console_sign_in", self.SPEC, int(retry_ms))
 
 
 # The console's own actions: (gate, deal id, body, actor) -> the deal's admin view.
@@ -226,7 +184,8 @@ class Console:
         self.gate = gate
         self.settings = settings
         self.signer = SessionSigner(settings.secret, settings.admin_token, settings.session_seconds)
-        self.sign_ins = SignInLimiter(gate.redis)
+        # The admin API's attempts too: one budget per address (gate/web/admin_guard.py).
+        self.sign_ins = AdminAttempts(gate.redis)
         self.snapshots = Snapshots(gate)
         self._files = {name: _static(name) for name in STATIC_FILES}
         self._page = _static("index.html")
@@ -294,30 +253,47 @@ class Console:
         return Response(self._files[name], media_type=STATIC_FILES[name], headers=PAGE_HEADERS)
 
     async def sign_in(self, request: Request) -> Response:
-        # Every attempt counts, a malformed one too, before the token is looked at.
-        await self.sign_ins.take(self._client_address(request))
+        # As on the admin API (gate/web/admin_guard.py): a failed attempt, a malformed
+        # one too, is counted against its address; while the address is over the
+        # bound even the right token is refused, so a 429 tells a guesser nothing.
+        address = self._client_address(request)
+        await self._attempt(self.sign_ins.look(address))
         try:
-            body = await read_json(request, self.gate.settings.body_max_bytes)
+            token = await self._token(request)
         except Problem:
             SIGN_IN_FAILURES.labels("malformed").inc()
+            await self._attempt(self.sign_ins.take(address))
             raise
-        if (
-            not isinstance(body, dict)
-            or set(body) != {"token"}
-            or not isinstance(body["token"], str)
-        ):
-            SIGN_IN_FAILURES.labels("malformed").inc()
-            raise invalid('The body must be {"token": "<admin token>"}.')
         try:
-            self.gate.admin_auth.check(f"Bearer {body['token']}")
+            self.gate.admin_auth.check(f"Bearer {token}")
         except Problem:
             SIGN_IN_FAILURES.labels("wrong_token").inc()
+            await self._attempt(self.sign_ins.take(address))
             raise unauthorized("Wrong admin token.") from None
         session, cookie = self.signer.issue()
         log.warning("console: %s signed in", session.actor)
         response = json_response(self._session_view(session))
         self._cookie(response, request, cookie, self.settings.session_seconds)
         return response
+
+    async def _token(self, request: Request) -> str:
+        body = await read_json(request, self.gate.settings.body_max_bytes)
+        if (
+            not isinstance(body, dict)
+            or set(body) != {"token"}
+            or not isinstance(body["token"], str)
+        ):
+            raise invalid('The body must be {"token": "<admin token>"}.')
+        return body["token"]
+
+    @staticmethod
+    async def _attempt(counted: Awaitable[None]) -> None:
+        try:
+            await counted
+        except Problem as refused:
+            if refused.code == "RATE_LIMITED":
+                SIGN_IN_FAILURES.labels("rate_limited").inc()
+            raise
 
     def _session_view(self, session: Session) -> dict[str, Any]:
         return {

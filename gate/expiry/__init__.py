@@ -110,7 +110,7 @@ def install(gate: Gate) -> Extension:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from gate.base.logs import configure
+    from gate.base.logs import configure, configure_command
     from gate.base.settings import load_settings
     from gate.runtime import Gate, StartupError
 
@@ -120,7 +120,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"gate: configuration error: {exc}", file=sys.stderr)
         return 2
-    configure(settings.log_level)
+    # --once prints a count for people or scripts; the loop logs as `gate serve` does.
+    (configure_command if args.once else configure)(settings.log_level)
 
     async def main() -> int:
         gate = Gate(settings)

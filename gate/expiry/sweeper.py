@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 import pymysql
 
+from gate.base import tracing
 from gate.base.backoff import Backoff
 from gate.base.drain import mark_draining
 from gate.base.ids import new_ids
@@ -46,6 +47,7 @@ from gate.store.db import (
     errno_of,
     is_connection_error,
     is_retryable,
+    procedure_span,
 )
 
 log = logging.getLogger("gate.sweeper")
@@ -237,7 +239,14 @@ class Sweeper:
     async def run_once(self) -> int:
         """Release at most one batch of due holds; returns how many were released.
 
-        Raises when the batch failed (its holds stay for the next batch)."""
+        Raises when the batch failed (its holds stay for the next batch). Traced: a
+        root span once the batch has holds to release (an empty poll makes none)."""
+        with tracing.background("expiry batch") as unit:
+            released = await self._attempts()
+            unit.set("gate.expiry.released", released)
+            return released
+
+    async def _attempts(self) -> int:
         for attempt in range(BATCH_ATTEMPTS_MAX):
             try:
                 return await self._batch(last_attempt=attempt == BATCH_ATTEMPTS_MAX - 1)
@@ -420,7 +429,8 @@ class Sweeper:
             return tuple(row) if row is not None else None
 
         try:
-            row = await asyncio.wait_for(call(), self.config.batch_timeout_seconds)
+            with tracing.span(*procedure_span("CALL gate_expire_batch", self.db.node_of(conn))):
+                row = await asyncio.wait_for(call(), self.config.batch_timeout_seconds)
         except Exception as exc:
             if is_connection_error(exc) or isinstance(exc, TimeoutError):
                 raise self.db.outcome_unknown(conn, exc) from exc

@@ -36,24 +36,28 @@
   KEYS[5] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
   KEYS[6] draw       list   {d:ID}:room:draw  ticket ids drawn, in join order
   KEYS[7] codes      hash   {d:ID}:rcodes  code HMAC -> "" (unbound) | user id
-  (and the challenges spent: strings KEYS[1] .. ":pow:" .. id, with a TTL)
+  (and, in the deal's slot, strings named after KEYS[1] with a TTL: the challenges
+  spent, KEYS[1] .. ":pow:" .. id, and the failed code attempts' cells,
+  KEYS[1] .. ":ca:u:" .. user id and KEYS[1] .. ":ca:i:" .. client address)
 
   ARGV[1] "join" | "read"
   ARGV[2] poll_after_ms floor      ARGV[3] poll_after_ms ceiling
+  ARGV[4] failed code attempts allowed per minute, per buyer and per address
   then, per buyer (at least one):
     join: user id, the draw in [0, 2^50), the new ticket's id (both used only
           when the buyer has no ticket; an empty id: the caller lacks the room's
           seed, answered NOT_LOADED so that it loads the room), the access code's
           HMAC or "", the verified challenge "<id>|<expires_ms>" or "" (the gate
-          checked its signature, buyer, deal, expiry and solution: gate/room/gates.py)
+          checked its signature, buyer, deal, expiry and solution: gate/room/gates.py),
+          the client address (used only with a code)
     read: user id
-  (The caller packs ARGV[1..3] once per deal: they come first.)
+  (The caller packs ARGV[1..4] once per deal: they come first.)
 
   Returns one reply per buyer, in order, each
     {code, created, position, joined_ms, avail, admission seq, expires_ms,
      poll_after_ms, aps, ms until the sale starts, ticket_id, message JSON or ""}
   (position, seq and expires_ms 0 when they do not apply), or {code} for a refusal
-  (4-8), or {9, wait ms}.
+  (4-8, 10-14), or {9, wait ms}, or {16, wait ms}.
     0 WAITING  1 ADMITTED  2 SOLD_OUT  3 CLOSED   (the ticket's state)
     4 NOT_LOADED     the deal's state is absent; load it from the database
     5 NO_ROOM        the deal has no waiting room
@@ -64,9 +68,17 @@
    10 ACCESS_CODE_REQUIRED  join, room "codes": no code     11 ACCESS_CODE_INVALID
    12 ACCESS_CODE_USED      the code is bound to another buyer
    13 CHALLENGE_REQUIRED    join, room with a challenge: none  14 CHALLENGE_INVALID (spent)
-  A join's gates are judged before anything is written (after the refusals that
-  write nothing either: 7, 8, 9); the code is bound to the buyer and the challenge
-  spent only when the join is answered with a ticket.
+   16 CODE_ATTEMPTS_LIMITED join with a code: the buyer or the address failed too
+                            many codes lately; {16, wait ms}
+  A join's gates are judged only for a buyer without a ticket (a ticket holder's
+  join is answered with the ticket, as a read: nothing judged, bound or spent), after
+  the refusals that write nothing (7, 8), the proof of work first: so without a
+  solved challenge, where the room asks one, every code is answered alike. A code
+  refused (11, 12) counts as a failed attempt of the buyer and of the address (GCRA
+  cells, as lua/limit.lua: `ARGV[4]` at once, then one per 60000 / ARGV[4] ms) and
+  spends the challenge, so each guess costs a proof of work; a refusal before the
+  code is judged writes nothing. The code is bound to the buyer and the challenge
+  spent when the join is answered with a new ticket.
   A read (or a repeated join) records when the next one is welcome: polling
   faster than poll_after_ms advises (less 20 % for jitter) is refused.
 ]]
@@ -74,8 +86,8 @@ local OPEN_BASE = 1125899906842624  -- 2^50
 
 local join = ARGV[1] == 'join'
 local step = 1
-if join then step = 5 end
-local count = (#ARGV - 3) / step
+if join then step = 6 end
+local count = (#ARGV - 4) / step
 local out = {}
 
 local function all(reply)
@@ -111,39 +123,66 @@ local floor_ms, ceil_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 local need_code = cfg[6] == '1'
 local need_pow = cfg[7] ~= false
 
--- A join's gates, before any write: nil when the buyer may go on, else the refusal.
-local function gates(user, code, pow)
-  if need_code then
-    if code == '' then return {10} end
-    local bound = redis.call('HGET', KEYS[7], code)
-    if not bound then return {11} end
-    if bound ~= '' and bound ~= user then return {12} end
-  end
+-- Failed code attempts: one GCRA cell per buyer and per address (ms of Redis time).
+local attempts = tonumber(ARGV[4]) or 10
+local interval = math.floor(60000 / attempts)
+local function cell(kind, who)
+  return KEYS[1] .. ':ca:' .. kind .. ':' .. who
+end
+local function arrival(key)
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now_ms then tat = now_ms end
+  return tat
+end
+local function charge(key, tat)
+  tat = tat + interval
+  redis.call('SET', key, tat, 'PX', tat - now_ms + 1000)
+end
+
+local function spend(pow)
+  local id, expires = string.match(pow, '^(%x+)|(%d+)$')
+  local ttl = math.max(60000, tonumber(expires) - now_ms + 60000)
+  redis.call('SET', KEYS[1] .. ':pow:' .. id, '1', 'PX', ttl)
+end
+
+-- A new ticket's gates: nil when the buyer may go on, else the refusal.
+local function gates(user, code, pow, address)
   if need_pow then
     if pow == '' then return {13} end
     local id = string.match(pow, '^(%x+)|%d+$')
     if not id or redis.call('EXISTS', KEYS[1] .. ':pow:' .. id) == 1 then return {14} end
   end
+  if need_code then
+    if code == '' then return {10} end
+    local ukey, akey = cell('u', user), cell('i', address)
+    local utat, atat = arrival(ukey), arrival(akey)
+    local wait = math.max(utat, atat) + interval - attempts * interval - now_ms
+    if wait > 0 then return {16, wait} end
+    local bound = redis.call('HGET', KEYS[7], code)
+    if not bound or (bound ~= '' and bound ~= user) then
+      charge(ukey, utat)
+      charge(akey, atat)
+      if need_pow then spend(pow) end
+      if not bound then return {11} end
+      return {12}
+    end
+  end
   return nil
 end
 
--- The join got its ticket: the code is the buyer's, the challenge spent (kept a
+-- The join got its new ticket: the code is the buyer's, the challenge spent (kept a
 -- minute past its expiry, against gates whose clocks run behind).
 local function pass(user, code, pow)
   if need_code then
     redis.call('HSET', KEYS[7], code, user)
   end
-  if need_pow then
-    local id, expires = string.match(pow, '^(%x+)|(%d+)$')
-    local ttl = math.max(60000, tonumber(expires) - now_ms + 60000)
-    redis.call('SET', KEYS[1] .. ':pow:' .. id, '1', 'PX', ttl)
-  end
+  if need_pow then spend(pow) end
 end
 
 -- One buyer's join or read. Its writes are made before the next buyer's look-ups,
 -- so a buyer named twice in one call is answered as two calls one after the other.
 -- (`access` and `proof`: the buyer's code hash and challenge; `code` is the state.)
-local function ticket(user, drawn, ticket_id, access, proof)
+local function ticket(user, drawn, ticket_id, access, proof, address)
   local record = redis.call('HGET', KEYS[3], user)
   local created = 0
   local joined_ms, id
@@ -162,7 +201,7 @@ local function ticket(user, drawn, ticket_id, access, proof)
     if prequeue and now_ms < start_ms - tonumber(cfg[3] or 0) then
       return {7}
     end
-    local refused = gates(user, access, proof)
+    local refused = gates(user, access, proof, address)
     if refused then return refused end
     local score
     if prequeue or random then
@@ -188,10 +227,6 @@ local function ticket(user, drawn, ticket_id, access, proof)
     joined_ms = tonumber(joined_ms)
     if tonumber(next_poll) > now_ms then
       return {9, tonumber(next_poll) - now_ms}
-    end
-    if join then
-      local refused = gates(user, access, proof)
-      if refused then return refused end
     end
     if not ended then
       -- In the queue (waiting or sold out) or not; a queued ticket is never admitted
@@ -225,7 +260,7 @@ local function ticket(user, drawn, ticket_id, access, proof)
   end
   -- Sold out: units may come back (a hold expires, a cancel), worth a slow poll.
 
-  if join then pass(user, access, proof) end
+  if created == 1 then pass(user, access, proof) end
   redis.call('HSET', KEYS[3], user,
     joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)) .. '|' .. id)
   return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start,
@@ -233,7 +268,8 @@ local function ticket(user, drawn, ticket_id, access, proof)
 end
 
 for i = 1, count do
-  local at = 4 + (i - 1) * step
-  out[i] = ticket(ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4])
+  local at = 5 + (i - 1) * step
+  out[i] = ticket(ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3], ARGV[at + 4],
+    ARGV[at + 5])
 end
 return out

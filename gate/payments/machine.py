@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gate.base import tracing
 from gate.base.ids import new_id
 from gate.payments.codes import EventCode
 from gate.payments.late import settle_late
@@ -245,6 +246,8 @@ class GroupCommitter:
         self.in_flight_max = max(1, in_flight_max)
         self._queue: list[tuple[ProviderEvent, asyncio.Future[Applied]]] = []
         self._pending: dict[str, asyncio.Future[Applied]] = {}
+        # With traces on: each queued callback's trace, for its group's span.
+        self._traces: dict[str, Any] = {}
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -255,6 +258,8 @@ class GroupCommitter:
             return DUPLICATE
         future: asyncio.Future[Applied] = asyncio.get_running_loop().create_future()
         self._pending[event.event_id] = future
+        if tracing.ENABLED:
+            self._traces[event.event_id] = tracing.current()
         self._queue.append((event, future))
         self._start()
         # Shielded: a client that hangs up does not cancel the group's other callbacks.
@@ -270,6 +275,11 @@ class GroupCommitter:
             task.add_done_callback(self._tasks.discard)
 
     async def _run(self, group: list[tuple[ProviderEvent, asyncio.Future[Applied]]]) -> None:
+        # Traced: the group's CALL is one span, linked to and from each traced callback.
+        with tracing.serving(self._traces.pop(event.event_id, None) for event, _ in group):
+            await self._record(group)
+
+    async def _record(self, group: list[tuple[ProviderEvent, asyncio.Future[Applied]]]) -> None:
         try:
             events = [event for event, _ in group]
             try:

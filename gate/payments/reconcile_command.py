@@ -37,7 +37,7 @@ def add_command(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from gate.base.logs import configure
+    from gate.base.logs import configure, configure_command
     from gate.base.settings import SettingsError, load_settings
     from gate.payments.adapters import load_adapter
     from gate.payments.config import load_payment_settings, load_reconcile_settings
@@ -67,7 +67,8 @@ def command(args: argparse.Namespace) -> int:
     if provider is None:
         print("gate reconcile: no provider configured (GATE_PAYMENT_PROVIDER_URL)", file=sys.stderr)
         return 2
-    configure(settings.log_level)
+    # One pass prints its report; --loop logs as `gate serve` does.
+    (configure if args.loop else configure_command)(settings.log_level)
 
     async def go() -> int:
         from gate.runtime import Gate

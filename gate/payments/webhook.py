@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from starlette.types import Receive, Scope, Send
 
+from gate.base import tracing
 from gate.base.errors import Encoded, Problem, invalid, not_found, overloaded
 from gate.base.validate import digits
 from gate.payments.adapters import WebhookVerifier, verifier_completion
@@ -95,6 +96,7 @@ class WebhookEndpoint:
         self.complete = verifier_completion(verifier)
         self.groups = GroupCommitter(machine, provider)
         self.kick = kick
+        self.span_attributes = {"gate.payment.provider": provider}
         # Labelled children looked up once: a lookup per callback showed in profiles.
         self.counted = {outcome: CALLBACKS.labels(provider, outcome) for outcome in _OUTCOMES}
 
@@ -122,7 +124,9 @@ class WebhookEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            answer = await self.handle(scope, receive)
+            # Traced: the callback's processing, a span under the request's.
+            with tracing.span("payment callback", attributes=self.span_attributes):
+                answer = await self.handle(scope, receive)
         except Problem as problem:
             answer = problem.encoded(scope["path"])
         except DbUnavailable:

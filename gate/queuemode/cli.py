@@ -241,7 +241,7 @@ async def _why_taken(gate: Any, entry_id: int) -> str:
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
-    from gate.base.logs import configure
+    from gate.base.logs import configure_command
     from gate.base.settings import load_settings
     from gate.runtime import Gate, StartupError
 
@@ -250,7 +250,8 @@ def cmd_queue(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"gate: configuration error: {exc}", file=sys.stderr)
         return 2
-    configure(settings.log_level)
+    # One-shot: its output on stdout, the gate's warnings on stderr for people.
+    configure_command(settings.log_level)
 
     async def main() -> int:
         try:

@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 import pymysql
 
+from gate.base import tracing
 from gate.base.codes import DbCode
 from gate.base.metrics import METRICS
 from gate.base.timeouts import deadline_at
@@ -99,12 +100,14 @@ Single = Callable[[int, Item], Awaitable[Row]]
 
 
 class _Pending:
-    __slots__ = ("due", "future", "item")
+    __slots__ = ("due", "future", "item", "trace")
 
     def __init__(self, item: Item, future: asyncio.Future[Row], due: float) -> None:
         self.item = item
         self.future = future
         self.due = due  # event-loop time by which it must have left in a group
+        # The request's trace, for the group's span (gate/base/tracing.py `serving`).
+        self.trace = tracing.current() if tracing.ENABLED else None
 
 
 class ReservationGroups:
@@ -199,6 +202,11 @@ class ReservationGroups:
             self._queues.pop(deal_id, None)
 
     async def _run(self, deal_id: int, group: list[_Pending]) -> None:
+        # Traced: the group's CALL is one span, linked to and from each traced request.
+        with tracing.serving(p.trace for p in group):
+            await self._run_traced(deal_id, group)
+
+    async def _run_traced(self, deal_id: int, group: list[_Pending]) -> None:
         try:
             GROUP_SIZE.observe(len(group))
             if len(group) == 1:

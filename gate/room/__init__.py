@@ -13,16 +13,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gate.base.errors import not_found
 from gate.extensions import Extension
 from gate.room import openapi as room_openapi
 from gate.room.admission import RoomAdmission
 from gate.room.console_panel import RoomPanel
-from gate.room.edge_lane import QueueLane, TicketEdge, join_body
+from gate.room.edge_lane import ClientAddresses, QueueLane, TicketEdge, join_body
+from gate.room.fairness_doc import FairnessDocs, page_query
 from gate.room.gatekeeper import RoomGates
 from gate.room.gates import CODES_BODY_MAX_BYTES, JoinPasses
 from gate.room.page import BuyerPage
 from gate.room.retire import RoomRetirer
+from gate.room.routes import DealGuard, DealRoutes
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
@@ -50,7 +51,6 @@ SCRIPTS = (
 
 for (_path, _method), _operation in room_openapi.operations().items():
     openapi.add_operation(_path, _method, _operation)
-MAX_ID = 2**63 - 1
 
 
 def _scripts() -> dict[str, Script]:
@@ -64,13 +64,6 @@ def _scripts() -> dict[str, Script]:
     return found
 
 
-def _deal_id(request: Request) -> int:
-    deal_id = int(request.path_params["deal_id"])
-    if not 1 <= deal_id <= MAX_ID:
-        raise not_found("deal")
-    return deal_id
-
-
 def install(gate: Gate) -> Extension:
     settings = load_room_settings(gate.settings.environ)
     tokens = AdmissionTokens(gate.settings.admission_secret)
@@ -81,36 +74,55 @@ def install(gate: Gate) -> Extension:
         gate.settings.redis_pipeline_max,
         gate.settings.redis_flush_every,
     )
-    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire, gate.unknown_deals)
+    # The one way a room request loads a deal Redis lacks (gate/room/routes.py).
+    guard = DealGuard(gate.unknown_deals, gate.mirror)
+    room = Room(settings, gate.db, gate.mirror, gate.runner, tokens, wire, guard)
     # Access codes and challenges (gate/room/gates.py), keyed like admission tokens.
     passes = JoinPasses(gate.settings.admission_secret)
     gatekeeper = RoomGates(gate.db, gate.mirror, gate.runner, passes)
+    documents = FairnessDocs(gate.runner, gate.redis, settings.fairness_limit)
     # One process at a time deletes retired rooms' keys (gate/room/retire.py).
     retirer = RoomRetirer(
         gate.redis,
         gate.runner,
         WorkLease(gate.runner, "room-retire", gate.settings.background_lease_seconds),
     )
+    addresses = ClientAddresses(gate.settings.trusted_proxies, gate.settings.limit_ip_v6_prefix)
 
-    async def join(request: Request) -> Response:
-        user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
-        deal_id = _deal_id(request)
-        passed = passes.parse(deal_id, user_id, await join_body(request.receive))
-        created, body = await room.ticket(deal_id, user_id, "join", passed)
-        return json_response(body, 201 if created else 200)
+    def address_of(request: Request) -> str:
+        peer = request.client.host if request.client else None
+        return addresses.of(peer, request.headers.get("x-forwarded-for"))
 
-    async def read(request: Request) -> Response:
+    async def join(request: Request, deal_id: int) -> Response:
         user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
-        _, body = await room.ticket(_deal_id(request), user_id, "read")
+        # Kept: the guard may call this handler again (gate/room/routes.py).
+        body = getattr(request.state, "join_body", None)
+        if body is None:
+            body = request.state.join_body = await join_body(request.receive)
+        passed = passes.parse(deal_id, user_id, body)
+        if passed.code_hash:
+            passed = passed.at(address_of(request))
+        created, answer = await room.ticket(deal_id, user_id, "join", passed)
+        return json_response(answer, 201 if created else 200)
+
+    async def read(request: Request, deal_id: int) -> Response:
+        user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+        _, body = await room.ticket(deal_id, user_id, "read")
         return json_response(body)
 
-    async def fairness(request: Request) -> Response:
-        # Public: the draw's commitment, and once revealed its seed and participants.
-        return json_response(await room.fairness(_deal_id(request)))
+    async def fairness(request: Request, deal_id: int) -> Response:
+        # Public: the draw's commitment, and once revealed its seed and participants,
+        # in pages (gate/room/fairness_doc.py).
+        after, limit = page_query(request.query_params)
+        await documents.take(deal_id, address_of(request))
+        doc = await documents.current(deal_id)
+        headers = request.headers
+        return documents.answer(
+            doc, after, limit, headers.get("if-none-match"), headers.get("accept-encoding")
+        )
 
-    async def configure(request: Request) -> Response:
+    async def configure(request: Request, deal_id: int) -> Response:
         gate.admin_auth.check(request.headers.get("authorization"))
-        deal_id = _deal_id(request)
         body = await read_json(request, gate.settings.body_max_bytes)
         await room.configure(deal_id, body)
         if isinstance(body, dict) and body.get("access") == "codes":
@@ -118,37 +130,45 @@ def install(gate: Gate) -> Extension:
             await gatekeeper.load_codes(deal_id)
         return json_response(await gate.deals.admin_view(deal_id))
 
-    async def challenge(request: Request) -> Response:
+    async def challenge(request: Request, deal_id: int) -> Response:
         user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
-        return json_response(await gatekeeper.challenge(_deal_id(request), user_id))
+        return json_response(await gatekeeper.challenge(deal_id, user_id))
 
-    async def access_codes(request: Request) -> Response:
+    async def access_codes(request: Request, deal_id: int) -> Response:
         gate.admin_auth.check(request.headers.get("authorization"))
-        deal_id = _deal_id(request)
         body = await read_json(request, CODES_BODY_MAX_BYTES)
         return json_response(await gatekeeper.add_codes(deal_id, body))
 
+    # Every route that names a deal, through the one registration that puts it
+    # behind the deal guard.
+    deals = DealRoutes(guard)
     deal = "/v1/deals/{deal_id:id}"
-    queue = [
-        Route(deal + "/queue", join, methods=["POST"]),
-        Route(deal + "/queue", read, methods=["GET"]),
+    queue: list[Route] = [
+        deals.add(deal + "/queue", join, ["POST"]),
+        deals.add(deal + "/queue", read, ["GET"]),
     ]
+    deals.add(deal + "/queue/fairness", fairness, ["GET"])
+    deals.add("/v1/admin/deals/{deal_id:id}/waiting-room", configure, ["PUT"])
+    deals.add(deal + "/queue/challenge", challenge, ["GET"])
+    deals.add("/v1/admin/deals/{deal_id:id}/access-codes", access_codes, ["POST"])
+    page = BuyerPage(gate.deals)
+    page.add_routes(deals)
     return Extension(
         name="room",
-        routes=[
-            *queue,
-            Route(deal + "/queue/fairness", fairness, methods=["GET"]),
-            Route("/v1/admin/deals/{deal_id:id}/waiting-room", configure, methods=["PUT"]),
-            Route(deal + "/queue/challenge", challenge, methods=["GET"]),
-            Route("/v1/admin/deals/{deal_id:id}/access-codes", access_codes, methods=["POST"]),
-            *BuyerPage(gate.deals).routes(),
-        ],
+        routes=[*deals.routes, *page.static_routes()],
         workers=[room.run, retirer.run],
         on_stop=[wire.aclose],
         inner_middleware=[
-            Middleware(QueueLane, room=room, auth=gate.buyer_auth, routes=queue, passes=passes)
+            Middleware(
+                QueueLane,
+                room=room,
+                auth=gate.buyer_auth,
+                routes=queue,
+                passes=passes,
+                addresses=addresses,
+            )
         ],
-        edge=[TicketEdge(room, gate.buyer_auth, join, passes) for join in (True, False)],
+        edge=[TicketEdge(room, gate.buyer_auth, join, passes, addresses) for join in (True, False)],
         # The runner loads every script it holds at start-up (ScriptRunner.load).
         scripts=_scripts(),
         before_sync=[room.before_sync, gatekeeper.before_sync],

@@ -12,8 +12,9 @@ console snapshot (at most once a second per process)
 
 POST /console/api/deals/{id}/room_message {"message": {"text", "level"} | null}
     --> parse_message (the admin API's rule: 400 on bad input, nothing changed)
-    --> one transaction: the deal's room configuration with the new message, and
-        a ledger note (reason room_message) naming the operator's session
+    --> one transaction: the deal's room configuration with the new message, within
+        the admin API's bound on the whole room (`fitting`: 400 otherwise, nothing
+        changed), and a ledger note (reason room_message) naming the operator's session
     --> Room.publish: the room's Redis hash, which every ticket read shows from
         then on (the room loop republishes it within its refresh if Redis failed)
 """
@@ -34,7 +35,7 @@ from gate.extensions import ConsoleAction
 from gate.room.gates import challenge_bits
 from gate.room.service import Room
 from gate.stock.deals import ledger_note
-from gate.stock.room_config import RoomConfig, parse_message
+from gate.stock.room_config import RoomConfig, fitting, parse_message
 from gate.store.keys import deal_keys
 from gate.store.resp import text
 
@@ -143,7 +144,12 @@ class RoomPanel:
                 if room is None:
                     await cur.execute("ROLLBACK")
                     raise Problem("CONFLICT", "The deal has no waiting room.")
-                changed = dataclasses.replace(room, message=message)
+                try:
+                    # The admin API's bound on the whole room (its column) too.
+                    changed = fitting(dataclasses.replace(room, message=message))
+                except Problem:
+                    await cur.execute("ROLLBACK")
+                    raise
                 await cur.execute(
                     "UPDATE deals SET waiting_room = %s, updated_at = NOW(6),"
                     " version = version + 1 WHERE id = %s",

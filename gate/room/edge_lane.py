@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gate.base.codes import RoomCode
 from gate.base.errors import Encoded, Problem, not_found, overloaded
+from gate.base.limits import Network, client_ip
 from gate.room.gates import NO_PASS, JoinPass, JoinPasses
 from gate.room.service import Room, ticket_failed
 from gate.store.db import DbUnavailable
@@ -38,6 +39,31 @@ SHORT_ID_DIGITS = 18
 JOIN_BODY_MAX_BYTES = 4096
 
 
+class ClientAddresses:
+    """The client address a join's failed access codes are counted by: the IP
+    limiter's (the peer, or behind GATE_TRUSTED_PROXIES the forwarded address; an
+    IPv6 client as its /GATE_LIMIT_IP_V6_PREFIX network)."""
+
+    __slots__ = ("trusted", "v6_prefix")
+
+    def __init__(self, trusted: tuple[Network, ...], v6_prefix: int) -> None:
+        self.trusted = trusted
+        self.v6_prefix = v6_prefix
+
+    def of(self, peer: str | None, forwarded_for: str | None) -> str:
+        return client_ip(peer, forwarded_for, self.trusted, self.v6_prefix)
+
+
+def _scope_address(addresses: ClientAddresses, scope: Scope) -> str:
+    client = scope.get("client")
+    forwarded = None
+    for name, value in scope["headers"]:
+        if name == b"x-forwarded-for":
+            forwarded = value.decode("latin-1")
+            break
+    return addresses.of(client[0] if client else None, forwarded)
+
+
 class QueueLane:
     def __init__(
         self,
@@ -47,11 +73,13 @@ class QueueLane:
         auth: BuyerAuth,
         routes: list[Route],
         passes: JoinPasses,
+        addresses: ClientAddresses,
     ) -> None:
         self.app = app
         self.room = room
         self.auth = auth
         self.passes = passes
+        self.addresses = addresses
         # method -> route ("POST": join, "GET": read)
         self.routes = {m: r for r in routes for m in (r.methods or ()) if m != "HEAD"}
 
@@ -99,6 +127,8 @@ class QueueLane:
             passed = NO_PASS
             if join:
                 passed = self.passes.parse(deal_id, user_id, await join_body(receive))
+                if passed.code_hash:
+                    passed = passed.at(_scope_address(self.addresses, scope))
         except Problem as problem:
             await send_answer(send, problem.encoded(path))
             return
@@ -150,14 +180,22 @@ class TicketEdge(EdgeRoute):
     The connection stays open until the answer is written, so a graceful shutdown
     waits for it as for a task; the wire's timeout bounds the wait."""
 
-    __slots__ = ("auth", "join", "passes", "room")
+    __slots__ = ("addresses", "auth", "join", "passes", "room")
 
-    def __init__(self, room: Room, auth: BuyerAuth, join: bool, passes: JoinPasses) -> None:
+    def __init__(
+        self,
+        room: Room,
+        auth: BuyerAuth,
+        join: bool,
+        passes: JoinPasses,
+        addresses: ClientAddresses,
+    ) -> None:
         super().__init__(b"POST" if join else b"GET", PREFIX.encode(), SUFFIX.encode(), ROUTE_LABEL)
         self.room = room
         self.auth = auth
         self.join = join
         self.passes = passes
+        self.addresses = addresses
 
     def handle(self, req: EdgeRequest) -> None:
         user_id = self.auth.user_id(req.header(b"authorization"))
@@ -165,12 +203,19 @@ class TicketEdge(EdgeRoute):
             raise not_found("deal")
         # A join's gates: a bad challenge is refused here, before Redis (gates.py).
         passed = self.passes.parse(req.id, user_id, req.body) if self.join else NO_PASS
+        if passed.code_hash:
+            passed = passed.at(self._address(req))
         if self.join and not self.room.has_seed(req.id):
             # The room's seed is learned once per deal and process (Room.ticket).
             req.run(_ticket_answer(self.room, req.id, user_id, True, req.path, passed))
             return
         fut = self.room.start_ticket(req.id, user_id, self.join, passed)
         fut.add_done_callback(partial(self._settled, req, user_id, passed), context=req.context)
+
+    def _address(self, req: EdgeRequest) -> str:
+        return self.addresses.of(
+            req.client[0] if req.client else None, req.header(b"x-forwarded-for")
+        )
 
     def _settled(
         self, req: EdgeRequest, user_id: int, passed: JoinPass, fut: asyncio.Future[Any]

@@ -7,8 +7,9 @@
              score of a prequeue joiner (and of every joiner of a "random" room);
              the ticket id is appended to the room's draw list
     starts_at (fifo) / ends_at (random) ──> GET /v1/deals/{id}/queue/fairness
-             reveals the seed and the draw list: anyone sorts the ids by
-             hmac-sha256(seed, ticket_id), hex ascending, and gets the order
+             reveals the seed and the draw list (in pages, gate/room/fairness_doc.py):
+             anyone sorts the ids by hmac-sha256(seed, ticket_id), hex ascending,
+             and gets the order
 
 Before the reveal the document carries the commitment only ("seed" and
 "participants" null), so nobody can compute the order while it still matters, and
@@ -21,8 +22,6 @@ import hashlib
 import hmac
 import os
 import secrets
-import time
-from typing import Any
 
 from gate.store.keys import deal_keys
 
@@ -36,11 +35,9 @@ SCORE_BITS = 50
 # An ended sale's draw list is kept this long for anyone to check, then deleted
 # (lua/room_retire.lua).
 DRAW_KEEP_MS = 7 * 86_400 * 1000
-# The draw list is read in pages of this many ids; a revealed document (it no longer
-# changes) is kept in process for CACHE_SECONDS, for at most CACHE_MAX deals.
+# The draw list is read in pages of this many ids (gate/room/fairness_doc.py encodes
+# the document once per change and serves it in pages).
 PAGE = 10_000
-CACHE_SECONDS = 5.0
-CACHE_MAX = 64
 
 
 def draw_key(deal_id: int) -> str:
@@ -97,21 +94,3 @@ class Drawer:
         outer = self._outer.copy()
         outer.update(inner.digest())
         return int.from_bytes(outer.digest()[:8], "big") >> (64 - SCORE_BITS)
-
-
-class RevealedCache:
-    """Revealed fairness documents by deal (they no longer change), briefly."""
-
-    def __init__(self) -> None:
-        self._docs: dict[int, tuple[float, dict[str, Any]]] = {}
-
-    def get(self, deal_id: int) -> dict[str, Any] | None:
-        hit = self._docs.get(deal_id)
-        if hit is None or hit[0] < time.monotonic():
-            return None
-        return hit[1]
-
-    def put(self, deal_id: int, doc: dict[str, Any]) -> None:
-        if len(self._docs) >= CACHE_MAX:
-            self._docs.clear()
-        self._docs[deal_id] = (time.monotonic() + CACHE_SECONDS, doc)

@@ -1,11 +1,14 @@
 """The Redis and database side of a room's gates (gate/room/gates.py has the flow):
 the admin's access codes, their copy into Redis, and the challenge a buyer asks for.
 
-    POST .../access-codes ──> room_access_codes (INSERT IGNORE, one transaction)
+    POST .../access-codes ──> the admin's codes, or codes made here ({"generate": n})
+                          ──> room_access_codes (INSERT IGNORE, one transaction)
                           ──> {d:ID}:rcodes HSETNX (a bound code stays bound)
     a deal's load (after a flush, a rebuild), a room set with access "codes"
                           ──> load_codes: the table's codes back into Redis
     GET .../queue/challenge ──> room_challenge.lua ──> bits ──> a signed challenge
+                                (a deal Redis lacks: NotLoaded, loaded by the route's
+                                guard, gate/room/routes.py)
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 from typing import Any
 
 from gate.base.codes import RoomCode
-from gate.base.errors import from_room, not_found, overloaded
+from gate.base.errors import from_room, not_found
 from gate.room.gates import (
     CODES_PER_DEAL_MAX,
     JoinPasses,
@@ -22,6 +25,7 @@ from gate.room.gates import (
     parse_codes,
     too_many_codes,
 )
+from gate.room.routes import NotLoaded
 from gate.room.service import iso_ms, ticket_failed
 from gate.stock.mirror import Mirror
 from gate.stock.room_config import RoomConfig
@@ -45,9 +49,11 @@ class RoomGates:
         self.runner = runner
         self.passes = passes
 
-    async def add_codes(self, deal_id: int, body: Any) -> dict[str, int]:
-        """POST /v1/admin/deals/{id}/access-codes: {"added", "total"}."""
-        hashes = [self.passes.code_hash(code) for code in parse_codes(body)]
+    async def add_codes(self, deal_id: int, body: Any) -> dict[str, Any]:
+        """POST /v1/admin/deals/{id}/access-codes: {"added", "total"}, and "codes" (the
+        only copy there is: they are stored hashed) when the gate made them."""
+        codes, generated = parse_codes(body)
+        hashes = [self.passes.code_hash(code) for code in codes]
         async with self.db.connection() as conn, conn.cursor() as cur:
             await cur.execute("START TRANSACTION")
             await cur.execute("SELECT id FROM deals WHERE id = %s FOR UPDATE", (deal_id,))
@@ -75,7 +81,10 @@ class RoomGates:
         except Exception as exc:
             # The table has them: the same call again copies them (HSETNX).
             raise ticket_failed(deal_id, exc) from None
-        return {"added": total - before, "total": total}
+        answer: dict[str, Any] = {"added": total - before, "total": total}
+        if generated:
+            answer["codes"] = codes
+        return answer
 
     async def _copy(self, deal_id: int, hashes: list[str]) -> None:
         """Codes into the deal's Redis hash, unbound unless Redis knows them bound."""
@@ -119,16 +128,7 @@ class RoomGates:
         """GET /v1/deals/{id}/queue/challenge: a challenge priced by the room's demand."""
         reply = await self._demand(deal_id)
         if reply[0] == RoomCode.NOT_LOADED:
-            try:
-                found = await self.mirror.load(deal_id)
-            except Exception as exc:
-                log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
-                raise overloaded("Deal state unavailable; retry shortly.") from None
-            if not found:
-                raise not_found("deal")
-            reply = await self._demand(deal_id)
-            if reply[0] == RoomCode.NOT_LOADED:
-                raise overloaded("Deal state is being rebuilt; retry shortly.")
+            raise NotLoaded(deal_id)
         if reply[0] != 0:
             raise from_room(RoomCode(int(reply[0])))
         _, low, high, waiting, available = (int(v) for v in reply)

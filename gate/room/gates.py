@@ -7,13 +7,19 @@ proof of work priced by demand (docs/waiting-room.md).
     buyer ── GET /v1/deals/{id}/queue/challenge ──> room_challenge.lua (demand)
           <── {"challenge": <deal>.<user>.<bits>.<expires_ms>.<id>.<HMAC>, "bits", ...}
     buyer ── POST /v1/deals/{id}/queue {"access_code", "challenge", "nonce"}
-          ──> JoinPasses.parse: the code's HMAC; the challenge's HMAC and one SHA-256
+          ──> JoinPasses.parse: the code's HMAC (and the client's address, which the
+              failed attempts are counted by); the challenge's HMAC and one SHA-256
               (a wrong, expired or foreign challenge is refused here, before Redis)
-          ──> room_ticket.lua: required? code known, unbound or this buyer's?
-              challenge id unspent? ... then the join, and only if it is answered
-              with a ticket: the code bound, the challenge id spent (a key with a TTL)
+          ──> room_ticket.lua, for a buyer without a ticket: challenge required and
+              unspent? then code required? too many failed lately (429)? known,
+              unbound or this buyer's? (refused: a failed attempt counted, the
+              challenge spent) ... then the join, and only if it makes a ticket:
+              the code bound, the challenge id spent (a key with a TTL)
 
 The codes are kept hashed: a leak of Redis or of the database gives no usable code.
+Codes an admin sends are at least 8 characters; codes the gate makes
+(`{"generate": n}`) carry 80 random bits (docs/waiting-room.md says how long codes
+must be for how many codes and guesses).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import hmac
 import math
 import os
 import re
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +41,18 @@ from gate.base.errors import Problem, from_room, invalid
 from gate.base.settings import Secret
 from gate.stock.room_config import RoomConfig
 
+# A code a join may carry: any a deal may hold (codes of 6 and 7 characters added
+# before the admin's bound was 8 are still judged).
 CODE_RE = re.compile(r"[A-Za-z0-9_-]{6,64}")
+# A code an admin adds: 8 characters at least (docs/waiting-room.md, "How long").
+CODE_MIN_CHARS = 8
+ADMIN_CODE_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
 CODES_PER_CALL_MAX = 10_000
+# Codes the gate makes: Crockford's base32 (no I, L, O, U: read aloud and typed
+# without confusion), 16 symbols of 5 random bits (80 bits), in groups of four.
+GENERATED_ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+GENERATED_SYMBOLS = 16
+GENERATED_BITS = 5 * GENERATED_SYMBOLS
 # A deal holds at most this many codes (each ~100 B in Redis, a row in the database).
 CODES_PER_DEAL_MAX = 1_000_000
 # 10,000 codes of 64 characters, quoted and separated, with room to spare.
@@ -89,10 +106,16 @@ def solve(challenge: str, bits: int) -> str:
 @dataclass(frozen=True, slots=True)
 class JoinPass:
     """What a join's body proved, as room_ticket.lua is told: the code's hash ("" for
-    none) and the verified challenge ("<id>|<expires_ms>", "" for none)."""
+    none), the verified challenge ("<id>|<expires_ms>", "" for none) and, with a
+    code, the client's address (its failed attempts are counted by it)."""
 
     code_hash: bytes = b""
     challenge: bytes = b""
+    address: bytes = b""
+
+    def at(self, address: str) -> JoinPass:
+        """This pass, from this client address (wanted only with a code)."""
+        return JoinPass(self.code_hash, self.challenge, address.encode())
 
 
 NO_PASS = JoinPass()
@@ -156,7 +179,8 @@ class JoinPasses:
     def parse(self, deal_id: int, user_id: int, body: bytes) -> JoinPass:
         """A join's body: empty (nothing proved), or {"access_code"?, "challenge"?,
         "nonce"?}. A malformed body is 400; a bad challenge 403 CHALLENGE_INVALID,
-        before any Redis call."""
+        before any Redis call. A pass with a code needs the client's address
+        (`JoinPass.at`) before it is sent."""
         if not body or body.isspace():
             return NO_PASS
         try:
@@ -202,18 +226,34 @@ def redis_fields(room: RoomConfig) -> tuple[dict[Any, Any], list[str]]:
     return out, [name for name in GATE_FIELDS if name not in out]
 
 
-def parse_codes(body: Any) -> list[str]:
-    """POST .../access-codes: {"codes": [1..10,000 strings of 6..64 [A-Za-z0-9_-]]},
-    duplicates counted once."""
+def parse_codes(body: Any) -> tuple[list[str], bool]:
+    """POST .../access-codes: {"codes": [1..10,000 strings of 8..64 [A-Za-z0-9_-]]}
+    (duplicates counted once), or {"generate": 1..10,000}: that many codes made here.
+    Returns the codes and whether the gate made them."""
+    if isinstance(body, dict) and set(body) == {"generate"}:
+        count = body["generate"]
+        if type(count) is not int or not 1 <= count <= CODES_PER_CALL_MAX:
+            raise invalid(f"'generate' must be an integer from 1 to {CODES_PER_CALL_MAX}.")
+        return [new_code() for _ in range(count)], True
     if not isinstance(body, dict) or set(body) != {"codes"}:
-        raise invalid('The body must be {"codes": [...]}.')
+        raise invalid('The body must be {"codes": [...]} or {"generate": n}.')
     codes = body["codes"]
     if not isinstance(codes, list) or not 1 <= len(codes) <= CODES_PER_CALL_MAX:
         raise invalid(f"'codes' must be a list of 1 to {CODES_PER_CALL_MAX} codes.")
     for i, code in enumerate(codes):
-        if not isinstance(code, str) or not CODE_RE.fullmatch(code):
-            raise invalid(f"codes[{i}] must be 6 to 64 characters of A-Z, a-z, 0-9, _ and -.")
-    return list(dict.fromkeys(codes))
+        if not isinstance(code, str) or not ADMIN_CODE_RE.fullmatch(code):
+            raise invalid(
+                f"codes[{i}] must be {CODE_MIN_CHARS} to 64 characters of A-Z, a-z, 0-9, _ and -."
+            )
+    return list(dict.fromkeys(codes)), False
+
+
+def new_code() -> str:
+    """A code made by the gate: GENERATED_BITS random bits (secrets), as
+    "XXXX-XXXX-XXXX-XXXX" in Crockford's base32."""
+    bits = secrets.randbits(GENERATED_BITS)
+    symbols = "".join(GENERATED_ALPHABET[(bits >> (5 * i)) & 31] for i in range(GENERATED_SYMBOLS))
+    return "-".join(symbols[i : i + 4] for i in range(0, GENERATED_SYMBOLS, 4))
 
 
 def too_many_codes() -> Problem:

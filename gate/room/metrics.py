@@ -36,3 +36,13 @@ RETIRED = METRICS.counter(
     "gate_room_retired_total",
     "Waiting rooms whose keys were deleted (removed, or sale over for an admission TTL).",
 )
+CODE_FAILURES = METRICS.counter(
+    "gate_room_code_failures_total",
+    "Joins with an access code refused, by reason: invalid (no such code), used (bound"
+    " to another buyer), rate_limited (too many failed lately, per buyer or address).",
+    ["reason"],
+)
+FAIRNESS_ENCODINGS = METRICS.counter(
+    "gate_room_fairness_encodings_total",
+    "Fairness documents encoded (once per change of a document and process).",
+)

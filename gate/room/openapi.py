@@ -26,6 +26,14 @@ _GATE_PROBLEMS = (
     "CHALLENGE_INVALID",
 )
 _CODE = {"type": "string", "pattern": "^[A-Za-z0-9_-]{6,64}$"}
+# A code an admin adds: at least 8 characters (docs/waiting-room.md, "How long").
+_ADMIN_CODE = {"type": "string", "pattern": "^[A-Za-z0-9_-]{8,64}$"}
+_TICKET_ID = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
+_ETAG = {
+    "description": "The page's entity tag (the same from every gate process; a gzipped"
+    ' answer\'s ends in "-gzip"): send it back as If-None-Match.',
+    "schema": {"type": "string"},
+}
 _JOIN_BODY = {
     "type": "object",
     "additionalProperties": False,
@@ -52,10 +60,15 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
             "tags": ["buyers"],
             "summary": "Join the deal's waiting room: one ticket per buyer.",
             "description": (
-                "201 with the ticket the first time, 200 with the same ticket after."
-                " Joiners during the prequeue (before starts_at) are admitted in a uniformly"
-                " random order at the opening, ahead of later joiners; after it, in join"
-                " order. NOT_ACTIVE: before the prequeue opens or after ends_at."
+                "201 with the ticket the first time, 200 with the same ticket after (a"
+                " buyer holding a ticket gets it whatever the body: no code or challenge is"
+                " judged, bound or spent). Joiners during the prequeue (before starts_at)"
+                " are admitted in a uniformly random order at the opening, ahead of later"
+                " joiners; after it, in join order. NOT_ACTIVE: before the prequeue opens or"
+                " after ends_at. A room's challenge is judged before its code; a refused"
+                " code spends the challenge and counts against the buyer and the client"
+                " address (RATE_LIMITED, scope access_code, past"
+                " GATE_ROOM_CODE_ATTEMPTS_PER_MINUTE)."
             ),
             "operationId": "joinQueue",
             "security": BUYER,
@@ -95,13 +108,60 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
                 " the seed and the ticket ids drawn once revealed: for fifo at starts_at"
                 " (the prequeue draw), for random at ends_at. Anyone can recompute the"
                 " order: sort the participants by hmac-sha256(seed, ticket_id), hex,"
-                " ascending."
+                " ascending. The participants come in pages of at most `limit` ticket ids"
+                " in ticket id order, each page with the commitment, the seed,"
+                " `participants_total` and a `next` link (null on the last page)."
+                " Conditional and compressed: every 200 carries an ETag (If-None-Match"
+                " naming it: 304, no body), `Cache-Control: no-cache` and"
+                " `Vary: Accept-Encoding`; with `Accept-Encoding: gzip` the body is gzipped"
+                " (`Content-Encoding: gzip`). Limited per client address"
+                " (GATE_ROOM_FAIRNESS_LIMIT; RATE_LIMITED, scope fairness)."
             ),
             "operationId": "readFairness",
-            "parameters": [_param("DealId")],
+            "parameters": [
+                _param("DealId"),
+                {
+                    "name": "after",
+                    "in": "query",
+                    "description": "Return the ticket ids that sort after this one (paging:"
+                    " the last id of the previous page, as `next` gives it).",
+                    "schema": _TICKET_ID,
+                },
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "description": "Ticket ids per page at most.",
+                    "schema": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": 10_000,
+                        "default": 10_000,
+                    },
+                },
+            ],
             "responses": {
-                "200": _json(_ref("Fairness"), "The fairness document."),
-                **_problems("NOT_FOUND", "NO_WAITING_ROOM", "OVERLOADED"),
+                "200": _json(
+                    _ref("Fairness"),
+                    "The fairness document (a page of it once revealed).",
+                    headers={
+                        "ETag": _ETAG,
+                        "Vary": {
+                            "description": "Accept-Encoding.",
+                            "schema": {"type": "string"},
+                        },
+                        "Content-Encoding": {
+                            "description": "gzip, when the request's Accept-Encoding takes gzip.",
+                            "schema": {"type": "string", "enum": ["gzip"]},
+                        },
+                    },
+                ),
+                "304": {
+                    "description": "Not modified: If-None-Match named this page's ETag.",
+                    "headers": {"ETag": _ETAG},
+                },
+                **_problems(
+                    "INVALID_REQUEST", "NOT_FOUND", "NO_WAITING_ROOM", "RATE_LIMITED", "OVERLOADED"
+                ),
             },
         },
         ("/v1/admin/deals/{deal_id}/waiting-room", "put"): {
@@ -158,12 +218,18 @@ def _gate_operations() -> dict[tuple[str, str], dict[str, Any]]:
         ("/v1/admin/deals/{deal_id}/access-codes", "post"): {
             "tags": ["admin"],
             "summary": "Add access codes to the deal (invite-only waiting room); stored hashed.",
+            "description": (
+                "The admin's codes (`codes`, each at least 8 characters), or codes the gate"
+                " makes (`generate`: how many; each 80 random bits, `XXXX-XXXX-XXXX-XXXX` in"
+                " Crockford's base32), answered once in `codes` and kept hashed only."
+            ),
             "operationId": "addAccessCodes",
             "security": ADMIN,
             "parameters": [_param("DealId")],
             "requestBody": {
                 "required": True,
-                "description": "1 to 10,000 codes. At most 1 MiB, application/json.",
+                "description": "1 to 10,000 codes, or a number of codes to make."
+                " At most 1 MiB, application/json.",
                 "content": {
                     JSON: {
                         "schema": {
@@ -171,12 +237,13 @@ def _gate_operations() -> dict[tuple[str, str], dict[str, Any]]:
                             "properties": {
                                 "codes": {
                                     "type": "array",
-                                    "items": _CODE,
+                                    "items": _ADMIN_CODE,
                                     "minItems": 1,
                                     "maxItems": 10_000,
-                                }
+                                },
+                                "generate": {"type": "integer", "minimum": 1, "maximum": 10_000},
                             },
-                            "required": ["codes"],
+                            "oneOf": [{"required": ["codes"]}, {"required": ["generate"]}],
                             "additionalProperties": False,
                         }
                     }
@@ -189,6 +256,12 @@ def _gate_operations() -> dict[tuple[str, str], dict[str, Any]]:
                         "properties": {
                             "added": {"type": "integer", "minimum": 0},
                             "total": {"type": "integer", "minimum": 0},
+                            "codes": {
+                                "type": "array",
+                                "items": {"type": "string"},
+                                "description": "The codes made (with `generate` only): their"
+                                " only copy.",
+                            },
                         },
                         "required": ["added", "total"],
                     },

@@ -13,7 +13,9 @@
 The page is the same bytes for every deal: it reads the deal id from its path and
 the room's return origins from the config read, so every answer here is cached
 bytes but the config (the deal's row, at most a second old, gate/stock/deals.py,
-behind the unknown-deal guard: a random id costs no database statement).
+behind the unknown-deal guard: a random id costs no database statement; concurrent
+reads of a row not held share one look-up). The routes that name a deal are
+registered through the room's DealRoutes (gate/room/routes.py), as every room route.
 """
 
 from __future__ import annotations
@@ -26,13 +28,12 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gate.base.errors import not_found
+from gate.room.routes import DealRoutes
 from gate.stock.room_config import RoomConfig
 from gate.web.http_io import json_response
 
 if TYPE_CHECKING:
     from gate.stock.deals import Deals
-
-MAX_ID = 2**63 - 1
 STATIC_FILES = {
     "page.js": "text/javascript; charset=utf-8",
     "pow.js": "text/javascript; charset=utf-8",
@@ -70,24 +71,21 @@ class BuyerPage:
         self._page = _static("index.html")
         self._files = {name: _static(name) for name in STATIC_FILES}
 
-    async def _room(self, request: Request) -> tuple[int, str, RoomConfig]:
+    async def _room(self, deal_id: int) -> tuple[int, str, RoomConfig]:
         """The deal's id, title and room; 404 for an unknown deal (without the
         database for a random id) or a deal without a room."""
-        deal_id = int(request.path_params["deal_id"])
-        if not 1 <= deal_id <= MAX_ID:
-            raise not_found("deal")
         deal = await self.deals.cached(deal_id)
         room = RoomConfig.from_column(deal.waiting_room)
         if room is None:
             raise not_found("waiting room")
         return deal_id, deal.title, room
 
-    async def page(self, request: Request) -> Response:
-        await self._room(request)
+    async def page(self, request: Request, deal_id: int) -> Response:
+        await self._room(deal_id)
         return Response(self._page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
 
-    async def config(self, request: Request) -> Response:
-        deal_id, title, room = await self._room(request)
+    async def config(self, request: Request, deal_id: int) -> Response:
+        deal_id, title, room = await self._room(deal_id)
         body: dict[str, Any] = {
             "deal_id": deal_id,
             "title": title,
@@ -103,9 +101,10 @@ class BuyerPage:
             raise not_found("file")
         return Response(body, media_type=STATIC_FILES[name], headers=STATIC_HEADERS)
 
-    def routes(self) -> list[BaseRoute]:
-        return [
-            Route("/room/{deal_id:id}", self.page, methods=["GET"]),
-            Route("/room/{deal_id:id}/config", self.config, methods=["GET"]),
-            Route("/room/static/{name:str}", self.static, methods=["GET"]),
-        ]
+    def add_routes(self, deals: DealRoutes) -> None:
+        """The page and its config read, which name a deal."""
+        deals.add("/room/{deal_id:id}", self.page, ["GET"])
+        deals.add("/room/{deal_id:id}/config", self.config, ["GET"])
+
+    def static_routes(self) -> list[BaseRoute]:
+        return [Route("/room/static/{name:str}", self.static, methods=["GET"])]

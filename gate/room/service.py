@@ -11,7 +11,8 @@
 
 All of a room's live state is in Redis, in the deal's slot; its configuration is on
 the deal row and copied to Redis before the deal's state is (Mirror.before_sync),
-so a Redis flush can never leave a loaded deal without its room.
+so a Redis flush can never leave a loaded deal without its room. A deal Redis lacks
+is loaded through the room's one guard (gate/room/routes.py DealGuard).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from gate.base.codes import RoomCode
 from gate.base.errors import Problem, from_room, not_found, overloaded
+from gate.base.singleflight import SingleFlight
 from gate.room import fairness, metrics, retire
 from gate.room.gates import NO_PASS, JoinPass, redis_fields
+from gate.room.routes import DealGuard, NotLoaded
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Command, Wire
 from gate.stock.mirror import Mirror
@@ -42,6 +45,12 @@ log = logging.getLogger("gate.room")
 # A ticket's state by room_ticket.lua's code (0-3); a higher code is a refusal.
 STATE_NAMES = ("waiting", "admitted", "sold_out", "closed")
 WAITING, ADMITTED, CLOSED = int(RoomCode.WAITING), int(RoomCode.ADMITTED), int(RoomCode.CLOSED)
+# The refusals of a join with a code that count in gate_room_code_failures_total.
+CODE_FAILURES = {
+    int(RoomCode.ACCESS_CODE_INVALID): "invalid",
+    int(RoomCode.ACCESS_CODE_USED): "used",
+    int(RoomCode.CODE_ATTEMPTS_LIMITED): "rate_limited",
+}
 # The room loop re-reads every room's configuration from the database this often
 # (a flushed Redis gets its rooms back even if no buyer asks), and the gauges.
 REFRESH_SECONDS = 5.0
@@ -110,9 +119,17 @@ def _ticket_keys(deal_id: int) -> tuple[str, ...]:
 
 
 def _pass_args(passed: JoinPass) -> bytes:
-    """A join's gate arguments in RESP: the code's hash, the challenge ("" each)."""
-    code, proof = passed.code_hash, passed.challenge
-    return b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(code), code, len(proof), proof)
+    """A join's gate arguments in RESP: the code's hash, the challenge, the client's
+    address ("" each when absent)."""
+    code, proof, address = passed.code_hash, passed.challenge, passed.address
+    return b"$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+        len(code),
+        code,
+        len(proof),
+        proof,
+        len(address),
+        address,
+    )
 
 
 class Room:
@@ -124,7 +141,7 @@ class Room:
         runner: ScriptRunner,
         tokens: AdmissionTokens,
         wire: Wire,
-        unknown: UnknownDeals | None = None,
+        guard: DealGuard | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -133,16 +150,16 @@ class Room:
         self.runner = runner
         self.tokens = tokens
         self.wire = wire
-        # Unknown deal ids answered 404 without the database, as reservations and
-        # deal views are (gate/stock/unknown_deals.py).
-        self.unknown = unknown or UnknownDeals(mirror.redis, db)
+        # A deal Redis lacks is loaded through the guard: unknown deal ids answered 404
+        # without the database, as reservations and deal views are, and one load per
+        # deal at a time (gate/room/routes.py).
+        self.guard = guard or DealGuard(UnknownDeals(mirror.redis, db), mirror)
         # deal -> room_ticket.lua's commands (join, read), packed once
         self._prefixes: dict[int, tuple[Command, Command]] = {}
         # deal -> the room's draw seed (fixed for the deal's life: kept once known)
         self._seeds: dict[int, fairness.Drawer] = {}
-        self._learning: dict[int, asyncio.Future[Any]] = {}
+        self._learning: SingleFlight[int, None] = SingleFlight()
         self._messages: dict[str, Any] = {"": None}
-        self._revealed = fairness.RevealedCache()
         self._ticket_ids = fairness.TicketIds()
 
     # -- buyers -----------------------------------------------------------------------
@@ -151,35 +168,23 @@ class Room:
         self, deal_id: int, user_id: int, mode: str, passed: JoinPass = NO_PASS
     ) -> tuple[bool, dict[str, Any]]:
         """Join ("join") or read ("read") a ticket: (created, body). `passed`: what the
-        join's body proved (gate/room/gates.py)."""
+        join's body proved (gate/room/gates.py). A deal Redis lacks is loaded through
+        the guard and asked again (nothing ran: the script answered NOT_LOADED)."""
         join = mode == "join"
+        return await self.guard.run(deal_id, lambda: self._ticket(deal_id, user_id, join, passed))
+
+    async def _ticket(
+        self, deal_id: int, user_id: int, join: bool, passed: JoinPass
+    ) -> tuple[bool, dict[str, Any]]:
         if join and deal_id not in self._seeds:
+            # The deal's first join in this process: an unknown id ends here, before
+            # its room's seed is looked for.
+            await self.guard.check(deal_id)
             await self._learn_seed(deal_id)
         reply = await self._ticket_call(deal_id, user_id, join, passed)
         if reply[0] == RoomCode.NOT_LOADED:
-            await self._load(deal_id)
-            if join:
-                await self._learn_seed(deal_id)
-            reply = await self._ticket_call(deal_id, user_id, join, passed)
-            if reply[0] == RoomCode.NOT_LOADED:
-                raise overloaded("Deal state is being rebuilt; retry shortly.")
+            raise NotLoaded(deal_id)
         return self.settle(deal_id, user_id, reply)
-
-    async def _load(self, deal_id: int) -> None:
-        """Redis holds no state for the deal (or its room lacks its seed): load it, or
-        answer 404. An unknown id (a flood of random ones, say) is answered before
-        any database look-up or load."""
-        generation = await self.unknown.generation()
-        if self.unknown.unknown(deal_id, generation):
-            raise not_found("deal")
-        try:
-            found = await self.mirror.load(deal_id)
-        except Exception as exc:
-            log.warning("deal %s not loaded into Redis: %r", deal_id, exc)
-            raise overloaded("Deal state unavailable; retry shortly.") from None
-        if not found:
-            await self.unknown.learn(deal_id, generation)
-            raise not_found("deal")
 
     def has_seed(self, deal_id: int) -> bool:
         """Whether a join can be sent at once (the edge's test; else `ticket`)."""
@@ -188,15 +193,13 @@ class Room:
     async def _learn_seed(self, deal_id: int) -> None:
         """The room's seed from Redis, once per deal: concurrent first joins share
         the look-up (and so go out together, in one call, when it is answered)."""
-        running = self._learning.get(deal_id)
-        if running is None:
-            running = asyncio.ensure_future(self.redis.hget(deal_keys(deal_id).room, "seed"))
-            self._learning[deal_id] = running
-            running.add_done_callback(lambda _: self._learning.pop(deal_id, None))
         try:
-            raw = await asyncio.shield(running)
+            await self._learning.run(deal_id, lambda: self._read_seed(deal_id))
         except Exception as exc:
             raise ticket_failed(deal_id, exc) from None
+
+    async def _read_seed(self, deal_id: int) -> None:
+        raw = await self.redis.hget(deal_keys(deal_id).room, "seed")
         if raw:
             if len(self._seeds) >= KEYS_CACHE_MAX:
                 self._seeds.clear()
@@ -247,9 +250,15 @@ class Room:
         call, and its future resolves to the buyer's part as the wire's does."""
         keys = _ticket_keys(deal_id)
         floor, ceiling = self.settings.poll_min_ms, self.settings.poll_max_ms
-        args: tuple[Any, ...] = ("join" if join else "read", floor, ceiling, user_id)
+        attempts = self.settings.code_attempts_per_minute
+        args: tuple[Any, ...] = ("join" if join else "read", floor, ceiling, attempts, user_id)
         if join:
-            args += (*self._new_ticket(deal_id), passed.code_hash, passed.challenge)
+            args += (
+                *self._new_ticket(deal_id),
+                passed.code_hash,
+                passed.challenge,
+                passed.address,
+            )
         inner = self.runner.call("room_ticket", keys, args)
         out: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
@@ -273,6 +282,9 @@ class Room:
         NOT_LOADED (its caller loads the deal and asks again)."""
         code: int = reply[0]
         if code > CLOSED:
+            failure = CODE_FAILURES.get(code)
+            if failure is not None:
+                metrics.CODE_FAILURES.labels(failure).inc()
             raise from_room(RoomCode(code), str(reply[1]) if len(reply) > 1 else "")
         # hiredis hands the script's integers over as ints: nothing to convert.
         _, created, position, joined_ms, avail, seq, expires_ms, advice, aps, to_start = reply[:10]
@@ -318,11 +330,13 @@ class Room:
             keys = _ticket_keys(deal_id)
             sha = self.runner.scripts["room_ticket"].sha
             floor, ceiling = str(self.settings.poll_min_ms), str(self.settings.poll_max_ms)
+            attempts = str(self.settings.code_attempts_per_minute)
             packed = (
                 # join: per buyer the user id, its draw score and ticket id, the
-                # access code's hash and the verified challenge; read: the id.
-                Command(sha, keys, ("join", floor, ceiling), 5),
-                Command(sha, keys, ("read", floor, ceiling), 1),
+                # access code's hash, the verified challenge and the client's
+                # address; read: the id.
+                Command(sha, keys, ("join", floor, ceiling, attempts), 6),
+                Command(sha, keys, ("read", floor, ceiling, attempts), 1),
             )
             self._prefixes[deal_id] = packed
         return packed[0] if join else packed[1]
@@ -449,56 +463,6 @@ class Room:
         seed = await self.seed(deal_id, seed) if room else None
         await self.publish(deal_id, version, room, seed)
 
-    # -- fairness ---------------------------------------------------------------------
-
-    async def fairness(self, deal_id: int) -> dict[str, Any]:
-        """GET /v1/deals/{id}/queue/fairness (gate/room/fairness.py)."""
-        doc = self._revealed.get(deal_id)
-        if doc is not None:
-            return doc
-        reply = await self._fairness_call(deal_id)
-        if reply[0] == RoomCode.NOT_LOADED:
-            await self._load(deal_id)
-            reply = await self._fairness_call(deal_id)
-            if reply[0] == RoomCode.NOT_LOADED:
-                raise overloaded("Deal state is being rebuilt; retry shortly.")
-        code, method, seed_hex, revealed, drawn = reply
-        if code != 0:
-            raise from_room(RoomCode(int(code)))
-        seed_hex = str(seed_hex)
-        participants = await self._drawn(deal_id, int(drawn)) if revealed else None
-        doc = {
-            "deal_id": deal_id,
-            "method": str(method),
-            "commitment": fairness.commitment(bytes.fromhex(seed_hex)),
-            "seed": seed_hex if revealed else None,
-            "rule": fairness.RULE,
-            "participants": participants,
-        }
-        if revealed:
-            # Revealed, the document no longer changes (no more draws are made).
-            self._revealed.put(deal_id, doc)
-        return doc
-
-    async def _fairness_call(self, deal_id: int) -> list[Any]:
-        keys = deal_keys(deal_id)
-        try:
-            reply = await self.runner.call(
-                "room_fairness", (keys.room, keys.meta, fairness.draw_key(deal_id)), ()
-            )
-        except Exception as exc:
-            raise ticket_failed(deal_id, exc) from None
-        return cast(list[Any], reply)
-
-    async def _drawn(self, deal_id: int, count: int) -> list[str]:
-        """The ticket ids drawn, read in pages (no more come once revealed)."""
-        key = fairness.draw_key(deal_id)
-        found: list[str] = []
-        for start in range(0, count, fairness.PAGE):
-            page = await self.redis.lrange(key, start, min(count, start + fairness.PAGE) - 1)
-            found += [p.decode() if isinstance(p, bytes) else str(p) for p in page]
-        return found
-
     # -- the room loop ------------------------------------------------------------------
 
     async def advance(self, deal_id: int) -> tuple[int, int]:
@@ -516,7 +480,10 @@ class Room:
         )
         if int(code) == 1:
             # The deal's state is absent (a flush): load it, the room comes with it.
-            await self.mirror.load(deal_id)
+            try:
+                await self.guard.load(deal_id)
+            except Problem as problem:
+                log.info("deal %s of a room not loaded: %s", deal_id, problem.detail)
             return 0, 0
         if int(code) == 2:
             await self.redis.srem(ROOMS, deal_id)

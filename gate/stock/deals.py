@@ -22,6 +22,7 @@ from gate.base.clock import iso
 from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, invalid, not_found
 from gate.base.ids import new_id
+from gate.base.singleflight import SingleFlight
 from gate.stock.check import check_deal
 from gate.stock.mirror import Intent, Mirror
 from gate.stock.room_config import parse_room, room_view
@@ -208,6 +209,7 @@ class Deals:
         self.mirror = mirror
         self.unknown = unknown or UnknownDeals(mirror.redis, db)
         self._public: dict[int, tuple[float, Deal]] = {}
+        self._filling: SingleFlight[int, Deal] = SingleFlight()
 
     async def create(self, body: Any, actor: str = "admin") -> dict[str, Any]:
         body = validate.obj(body)
@@ -309,10 +311,14 @@ class Deals:
         return await self._cached(deal_id)
 
     async def _cached(self, deal_id: int) -> Deal:
-        now = time.monotonic()
         hit = self._public.get(deal_id)
-        if hit and hit[0] > now:
+        if hit and hit[0] > time.monotonic():
             return hit[1]
+        # Concurrent misses of one deal share one read (gate/base/singleflight.py).
+        return await self._filling.run(deal_id, lambda: self._fill(deal_id))
+
+    async def _fill(self, deal_id: int) -> Deal:
+        now = time.monotonic()
         # Unknown ids (a flood of random ones, say) are answered without the database.
         generation = await self.unknown.generation()
         if self.unknown.unknown(deal_id, generation):
@@ -510,6 +516,14 @@ class Deals:
         await self.db.retrying(attempt)
         await self._refresh_redis(deal_id)
         return await self.admin_view(deal_id)
+
+    async def newest_titled(self, title: str) -> dict[str, Any] | None:
+        """The admin view of the newest deal of that title, or None (`gate demo`
+        finds its own deal again)."""
+        row = await self.db.fetchone(
+            "SELECT id FROM deals WHERE title = %s ORDER BY id DESC LIMIT 1", (title,)
+        )
+        return None if row is None else await self.admin_view(int(row[0]))
 
     async def list_admin(self, after_id: int, limit: int) -> dict[str, Any]:
         """A page of deals in id order with their stock totals (`gate deal list`)."""

@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 from gate.base.clock import epoch_ms
 from gate.base.codes import SyncCode
 from gate.base.settings import Settings
+from gate.base.singleflight import SingleFlight
 from gate.store.batcher import TurnBatcher
 from gate.store.db import Database
 from gate.store.keys import ACTIVE_DEALS, DealKeys, deal_keys, partition_keys
@@ -174,7 +175,8 @@ class Mirror:
         self.db = db
         self.redis = client
         self.runner = runner
-        self._loading: dict[int, asyncio.Future[bool]] = {}
+        self._loading: SingleFlight[int, bool] = SingleFlight()
+        self._partitions: SingleFlight[int, int] = SingleFlight()
         # deal -> its partition count P (fixed at creation): read from the database
         # once per process (`partitions`), or from partition 0's meta on the hot path
         # (`partitions_hint`). Absent: not known yet.
@@ -366,25 +368,15 @@ class Mirror:
     async def load(self, deal_id: int) -> bool:
         """Build a deal's state from the database when Redis lacks it. False: no such deal.
 
-        Concurrent callers in this process share one load.
+        Concurrent callers in this process share one load (gate/base/singleflight.py).
         """
-        running = self._loading.get(deal_id)
-        if running is not None:
-            return await asyncio.shield(running)
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._loading[deal_id] = fut
-        try:
-            found = await self._sync(deal_id, "load") is not None
-            if found:
-                await self.rebuild_buyers(deal_id)
-            fut.set_result(found)
-            return found
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: there may be no other waiter
-            raise
-        finally:
-            del self._loading[deal_id]
+        return await self._loading.run(deal_id, lambda: self._load(deal_id))
+
+    async def _load(self, deal_id: int) -> bool:
+        found = await self._sync(deal_id, "load") is not None
+        if found:
+            await self.rebuild_buyers(deal_id)
+        return found
 
     async def rebuild(self, deal_id: int) -> bool:
         """Rebuild a deal's buckets now (after creation or rebucketing)."""
@@ -430,6 +422,10 @@ class Mirror:
         parts = self.parts.get(deal_id)
         if parts is not None:
             return parts
+        # Concurrent first asks of one deal share the read (gate/base/singleflight.py).
+        return await self._partitions.run(deal_id, lambda: self._read_partitions(deal_id))
+
+    async def _read_partitions(self, deal_id: int) -> int:
         row = await self.db.fetchone(
             "SELECT partitions, bucket_count FROM deals WHERE id = %s", (deal_id,)
         )

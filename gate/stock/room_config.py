@@ -11,6 +11,7 @@ from typing import Any
 
 from gate.base import validate
 from gate.base.errors import invalid
+from gate.base.limits import LimitError, LimitSpec, parse_limit
 from gate.base.settings import SettingsError, env_float, env_int
 
 ROOM_FIELDS = {
@@ -210,6 +211,13 @@ def parse_room(value: Any) -> RoomConfig | None:
         **_parse_gates(value),
         return_origins=parse_return_origins(value.get("return_origins")),
     )
+    return fitting(room)
+
+
+def fitting(room: RoomConfig) -> RoomConfig:
+    """`room`, or the 400 problem when its JSON would not fit the deal row's column
+    (ROOM_COLUMN_MAX ASCII characters). Every change of a room goes through it: the
+    admin API's whole room (`parse_room`) and the console's message alone."""
     if len(room.to_column()) > ROOM_COLUMN_MAX:
         # Only a long message of escaped characters with many long origins gets here.
         raise invalid("The waiting room is too long: shorten its message or its return_origins.")
@@ -261,6 +269,13 @@ class RoomSettings:
     # Work bounds of one advance call per room.
     admit_batch_max: int = 1000
     lapse_batch_max: int = 1000
+    # Failed access codes per minute, per buyer and per client address, per deal.
+    code_attempts_per_minute: int = 10
+    # GET …/queue/fairness per client address (None: no limit).
+    fairness_limit: LimitSpec | None = None
+
+
+FAIRNESS_LIMIT_DEFAULT = "60/m burst 60"
 
 
 def load_room_settings(env: Mapping[str, str]) -> RoomSettings:
@@ -268,9 +283,17 @@ def load_room_settings(env: Mapping[str, str]) -> RoomSettings:
     poll_max = env_int(env, "GATE_ROOM_POLL_MAX_MS", 10_000, 100, 600_000)
     if poll_max < poll_min:
         raise SettingsError("GATE_ROOM_POLL_MAX_MS must be at least GATE_ROOM_POLL_MIN_MS")
+    try:
+        fairness_limit = parse_limit(
+            "GATE_ROOM_FAIRNESS_LIMIT", env.get("GATE_ROOM_FAIRNESS_LIMIT"), FAIRNESS_LIMIT_DEFAULT
+        )
+    except LimitError as exc:
+        raise SettingsError(str(exc)) from None
     return RoomSettings(
         admission_ratio=env_float(env, "GATE_ROOM_ADMISSION_RATIO", 1.0, 0.01, 100.0),
         interval_seconds=env_int(env, "GATE_ROOM_INTERVAL_MS", 100, 10, 5000) / 1000,
         poll_min_ms=poll_min,
         poll_max_ms=poll_max,
+        code_attempts_per_minute=env_int(env, "GATE_ROOM_CODE_ATTEMPTS_PER_MINUTE", 10, 1, 1000),
+        fairness_limit=fairness_limit,
     )

@@ -1,15 +1,23 @@
 """Unknown deal ids, remembered briefly, so that a flood of them stays off the
-database: `GET /v1/deals/{id}` and a reservation on a deal Redis holds
-no state for both ask the database only about ids it may hold.
+database: `GET /v1/deals/{id}`, a reservation and every waiting-room route on a
+deal Redis holds no state for ask the database only about ids it may hold.
 
     request for deal D
-      read the deals generation from Redis (one GET; Redis failing: nothing is
-      remembered, the database is asked as before)
+      read the deals generation from Redis (one GET, shared by the requests that
+      asked while it was on its way and sent after they asked: at most one in
+      flight; Redis failing: nothing is remembered, the database is asked as before)
       ├─ generation changed since this process last read it ──> forget everything
+      ├─ no ceiling yet (a process just started), or it lapsed ──> read it now: one
+      │  SELECT MAX(id) for every request waiting on it (a single flight), so a
+      │  fresh process hit by N requests at once asks the database once, not N times
       ├─ D above the ceiling (the highest deal id the database held when last read),
       │  or D itself remembered unknown ──────────────────────────> 404, no database
       └─ otherwise the caller asks the database; "no such deal" ──> remember D (the
-         ceiling is read once, then renewed in the background before it lapses)
+         ceiling is renewed in the background before it lapses)
+
+`load` puts it together for a caller that loads deals into Redis (the waiting
+room's routes): the guard, then the load (itself one flight per deal id and
+process, `Mirror.load`), then "remember D" when the load found nothing.
 
 Deal ids are AUTO_INCREMENT and deals are never deleted, so almost every unknown id
 is above the ceiling (a random id is); the rare gap below it (a creation rolled
@@ -29,10 +37,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
 from gate.base.ids import new_id
+from gate.base.singleflight import FreshRead, SingleFlight
 from gate.store.db import Database
 from gate.store.keys import DEALS_GENERATION
 from gate.store.resp import text
@@ -61,20 +71,54 @@ class UnknownDeals:
         self._ceiling: tuple[float, int] | None = None
         self._ids: dict[int, float] = {}  # unknown id below the ceiling -> valid until
         self._renewing: asyncio.Task[None] | None = None
+        # One read of the ceiling at a time per generation, shared by its waiters.
+        self._ceilings: SingleFlight[str, None] = SingleFlight()
+        # One read of the generation in flight at a time (a flood of misses takes one
+        # Redis connection, not one each).
+        self._generations: FreshRead[str | None] = FreshRead(self._read_generation)
 
     async def generation(self) -> str | None:
-        """The current generation (None: Redis failed; remember nothing)."""
+        """The current generation (None: Redis failed; remember nothing), with the
+        ceiling read for it if this process holds none that is still valid."""
+        generation = await self._current()
+        if generation is not None:
+            ceiling = self._ceiling
+            if ceiling is None or ceiling[0] <= time.monotonic():
+                await self._fresh_ceiling(generation)
+        return generation
+
+    async def load(self, deal_id: int, loader: Callable[[int], Awaitable[bool]]) -> bool:
+        """Load a deal Redis lacks through the guard: False for a deal the database does
+        not hold, without asking it when the id is known to be unknown. `loader` is
+        the load (`Mirror.load`: one flight per deal id and process)."""
+        generation = await self.generation()
+        if self.unknown(deal_id, generation):
+            return False
+        found = await loader(deal_id)
+        if not found:
+            await self.learn(deal_id, generation)
+        return found
+
+    async def _read_generation(self) -> str | None:
         try:
             value = await self.redis.get(DEALS_GENERATION)
         except Exception as exc:
             log.info("deals generation unreadable: %r", exc)
             return None
-        generation = "" if value is None else text(value)
+        return "" if value is None else text(value)
+
+    async def _current(self) -> str | None:
+        generation = await self._generations.read()
+        if generation is None:
+            return None
         if generation != self._generation:
             self._generation = generation
             self._ceiling = None
             self._ids.clear()
         return generation
+
+    async def _fresh_ceiling(self, generation: str) -> None:
+        await self._ceilings.run(generation, lambda: self._read_ceiling(generation))
 
     def unknown(self, deal_id: int, generation: str | None) -> bool:
         """True: the database held no deal `deal_id` at this generation; answer 404."""
@@ -101,7 +145,7 @@ class UnknownDeals:
         now = time.monotonic()
         ceiling = self._ceiling
         if ceiling is None or ceiling[0] <= now:
-            await self._read_ceiling(generation)
+            await self._fresh_ceiling(generation)
             ceiling = self._ceiling
         if generation != self._generation:
             return
@@ -140,9 +184,9 @@ class UnknownDeals:
         """Read the ceiling again before it lapses, so that a flood of unknown ids
         never finds it lapsed (every request in flight would then ask the database)."""
         try:
-            generation = await self.generation()
+            generation = await self._current()
             if generation is not None:
-                await self._read_ceiling(generation)
+                await self._fresh_ceiling(generation)
         finally:
             self._renewing = None
 

@@ -24,6 +24,7 @@ issued:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -33,6 +34,7 @@ from typing import Any, TypeVar
 import aiomysql
 import pymysql
 
+from gate.base import tracing
 from gate.base.backoff import Backoff
 from gate.base.metrics import METRICS
 from gate.base.settings import MysqlNode, MysqlTarget, Settings, node_name
@@ -107,6 +109,48 @@ def is_connection_error(exc: BaseException) -> bool:
         return True
     code = errno_of(exc)
     return code is not None and code in CONNECTION_ERRNOS
+
+
+async def _call(conn: Any, sql: str, args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """`Database.call`'s body, inside its span (untraced calls run it inline)."""
+    async with conn.cursor() as cur:
+        await cur.execute(sql, args)
+        row = await cur.fetchone()
+        while await cur.nextset():
+            pass
+        return tuple(row) if row is not None else None
+
+
+_PROCEDURE = re.compile(r"\s*CALL\s+(\w+)", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=256)
+def _procedure(sql: str, node: str | None) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    m = _PROCEDURE.match(sql)
+    procedure = m.group(1) if m else "statement"
+    attributes: dict[str, Any] = {
+        "db.system.name": "mariadb",
+        "db.operation.name": "CALL",
+        "db.stored_procedure.name": procedure,
+        "db.query.summary": f"CALL {procedure}",
+    }
+    if node:
+        host, _, port = node.rpartition(":")
+        attributes["server.address"] = host or node
+        if port.isdigit():
+            attributes["server.port"] = int(port)
+    return f"CALL {procedure}", tuple(attributes.items())
+
+
+def procedure_span(sql: str, node: str | None) -> tuple[str, int, dict[str, Any]]:
+    """The name, kind and attributes of a procedure call's span (semantic conventions
+    for database calls; never the arguments)."""
+    name, fixed = _procedure(sql, node)
+    attributes = dict(fixed)
+    size = tracing.batch_size()
+    if size is not None:
+        attributes["gate.batch.size"] = size
+    return name, tracing.CLIENT, attributes
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -375,7 +419,12 @@ class Database:
             return int(await cur.execute(sql, args))
 
     async def call(self, conn: Any, sql: str, args: Sequence[Any]) -> tuple[Any, ...] | None:
-        """Run a CALL and read its single result row, draining the trailing results."""
+        """Run a CALL and read its single result row, draining the trailing results.
+        With traces on, a client span (gate/base/tracing.py; a group's call is one span
+        linked to and from every request it serves)."""
+        if tracing.ENABLED and tracing.traced():
+            with tracing.span(*procedure_span(sql, self.node_of(conn))):
+                return await _call(conn, sql, args)
         async with conn.cursor() as cur:
             await cur.execute(sql, args)
             row = await cur.fetchone()

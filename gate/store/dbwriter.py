@@ -8,20 +8,37 @@ one writer (no certification conflicts between gates):
     every GATE_DB_PROBE_INTERVAL_SECONDS (and at once after a connection error)
       probe each node (one kept connection per node, GATE_DB_PROBE_TIMEOUT_SECONDS):
         usable = it answers, read_only = OFF, and where wsrep is on
-                 wsrep_local_state = 4 (Synced) and wsrep_cluster_status = Primary
+                 wsrep_cluster_status = Primary, wsrep_desync = OFF,
+                 wsrep_local_state = 4 (Synced) and wsrep_ready = ON
+        and read the writer mark it has (gate/store/writer_mark.py)
+      marked = the node the freshest mark of the usable nodes names, if usable
       writer = the first node in list order that is usable and either
-                 is the writer already, or has been usable for the hold-down
-                 (GATE_DB_WRITER_HOLD_DOWN_SECONDS)
+                 is the marked node (without one: is this process's writer already),
+                 or has been usable for the hold-down (GATE_DB_WRITER_HOLD_DOWN_SECONDS)
                else the first usable node (a node just back beats no writer)
                else none (the current pool stays; requests get 503 until one is)
       writer changed ──> gate_db_failovers_total + 1, gate_db_writer_info{node} moves,
                          the pool is replaced (gate/store/db.py): connections to the old node
                          are closed as they come back, new ones go to the new node
+      writer ≠ marked, and this process moved, or there is no mark, or the writer is
+        a node before the marked one that has been usable for the hold-down
+                     ──> the mark names the writer (written through it)
 
-A node seen for the first time counts as usable since its server started (its
-Uptime), so a process that starts while a node is in its hold-down after a restart
-agrees with the processes that saw it go. A node that refuses connections or answers
-that it is unusable is dropped within one probe interval plus one probe timeout. The
+The mark is how processes agree without having seen the same history: a process
+that starts follows the others to the node they write to, and every process follows
+a move another one made (within a probe interval). A node seen for the first time
+counts as usable since its server started (its Uptime) when there is no mark or the
+mark names it; while the mark names another node, its hold-down starts at first
+sight: a process cannot know whether the others hold it down (a node that was
+Donor/Desynced or read-only comes back without a restart), and the ones that saw
+it fail hand the writes back to it (moving the mark) when their hold-down ends.
+A process that cannot use the marked node while the others can (its own network)
+moves and marks its new node; the others follow it (one writer still) unless a node
+before it in the list has been usable for the hold-down in their view, typically
+their own writer: then they stay and mark that node again at their next probe.
+
+A node that refuses connections or answers that it is unusable is dropped within one
+probe interval plus one probe timeout (the mark is read within the same timeout). The
 writer is dropped for merely not answering in time only when two probes in a row
 time out (the second follows the first at once): one late answer, as a load spike on
 the gate's host gives, would otherwise move this process alone to another node and
@@ -31,7 +48,8 @@ the defaults, at most 9 s with the bounds the settings allow). A node takes the
 writes back only after the hold-down, so a node that flaps does not drag the writers
 along with it.
 
-A single host is never probed after start-up: there is nowhere to move to. At start
+A single host is never probed after start-up (nor is a mark read or written): there
+is nowhere to move to. At start
 (gate serve, Database.start) every host is probed once and a gate refuses to start
 when no listed node is usable (read-only, not Synced, unreachable), naming why.
 """
@@ -42,7 +60,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiomysql
@@ -51,6 +69,14 @@ from pymysql.constants import CLIENT
 from gate.base.metrics import METRICS
 from gate.base.settings import MysqlNode, MysqlTarget, Settings, node_name
 from gate.base.timeouts import deadline_in
+from gate.store.writer_mark import (
+    WriterMark,
+    freshest,
+    marked_node,
+    read_mark,
+    server_error,
+    write_mark,
+)
 
 log = logging.getLogger("gate.dbwriter")
 
@@ -70,12 +96,13 @@ WSREP_SYNCED = 4
 POKE_MIN_SECONDS = 0.1
 
 _VARIABLES = (
-    "SHOW GLOBAL VARIABLES WHERE Variable_name IN"
-    " ('read_only', 'wsrep_on', 'server_id', 'wsrep_node_name', 'hostname', 'port', 'version')"
+    "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', 'wsrep_on', 'wsrep_desync',"
+    " 'server_id', 'wsrep_node_name', 'hostname', 'port', 'version')"
 )
 _STATUS = (
-    "SHOW GLOBAL STATUS WHERE Variable_name IN"
-    " ('wsrep_local_state', 'wsrep_cluster_status', 'wsrep_incoming_addresses', 'Uptime')"
+    "SHOW GLOBAL STATUS WHERE Variable_name IN ('wsrep_local_state',"
+    " 'wsrep_local_state_comment', 'wsrep_cluster_status', 'wsrep_ready',"
+    " 'wsrep_incoming_addresses', 'Uptime')"
 )
 
 
@@ -96,6 +123,10 @@ class NodeReport:
     version: str = ""
     members: str = ""  # wsrep_incoming_addresses: the primary component's nodes
     timed_out: bool = False  # unreachable because it did not answer within the timeout
+    # The writer mark this node answered (gate/store/writer_mark.py); marked: whether
+    # it has the mark's table at all.
+    mark: WriterMark | None = None
+    marked: bool = False
 
     @property
     def name(self) -> str:
@@ -109,12 +140,19 @@ def judge(node: MysqlNode, variables: dict[str, str], status: dict[str, str]) ->
     label = label or f"{variables.get('hostname', '?')}:{variables.get('port', '?')}"
     server = f"{label} (server_id {variables.get('server_id', '?')})"
     reason = "ok"
+    state = status.get("wsrep_local_state", "?")
     if variables.get("read_only", "OFF").upper() not in ("OFF", "0"):
         reason = "read-only"
     elif wsrep and status.get("wsrep_cluster_status", "") != "Primary":
         reason = f"not in the primary component ({status.get('wsrep_cluster_status', '?')})"
-    elif wsrep and status.get("wsrep_local_state", "") != str(WSREP_SYNCED):
-        reason = f"not Synced (wsrep_local_state {status.get('wsrep_local_state', '?')})"
+    elif wsrep and variables.get("wsrep_desync", "OFF").upper() not in ("OFF", "0"):
+        # Desynced by an operator (or a backup tool): it may fall behind the others.
+        reason = f"not Synced (wsrep_desync = ON, wsrep_local_state {state})"
+    elif wsrep and state != str(WSREP_SYNCED):
+        comment = status.get("wsrep_local_state_comment", "")
+        reason = f"not Synced ({comment + ', ' if comment else ''}wsrep_local_state {state})"
+    elif wsrep and status.get("wsrep_ready", "ON").upper() != "ON":
+        reason = "not ready (wsrep_ready = OFF)"
     return NodeReport(
         node=node,
         usable=reason == "ok",
@@ -155,18 +193,27 @@ async def ask(conn: Any) -> tuple[dict[str, str], dict[str, str]]:
     return variables, status
 
 
+async def _verdict(conn: Any, target: MysqlTarget, node: MysqlNode) -> NodeReport:
+    """A node's verdict; with several nodes, with the writer mark it answers."""
+    variables, status = await ask(conn)
+    report = judge(node, variables, status)
+    if not target.clustered:
+        return report
+    marked, mark = await read_mark(conn, target.database)
+    return replace(report, mark=mark, marked=marked)
+
+
 async def probe_once(target: MysqlTarget, node: MysqlNode, timeout_seconds: float) -> NodeReport:
     """One node's verdict on a connection of its own (closed afterwards)."""
     try:
         async with deadline_in(timeout_seconds):
             conn = await aiomysql.connect(**connect_args(target, node, timeout_seconds))
             try:
-                variables, status = await ask(conn)
+                return await _verdict(conn, target, node)
             finally:
                 conn.close()
     except Exception as exc:
         return NodeReport(node, False, f"unreachable: {_short(exc)}")
-    return judge(node, variables, status)
 
 
 def _late(exc: BaseException) -> bool:
@@ -183,17 +230,27 @@ def describe(reports: list[NodeReport]) -> str:
     return "; ".join(f"{r.name} {r.reason}" for r in reports)
 
 
+def mark_of(reports: list[NodeReport]) -> tuple[WriterMark | None, MysqlNode | None]:
+    """The freshest writer mark the usable nodes answered, and the node it names."""
+    usable = [r for r in reports if r.usable]
+    mark = freshest(r.mark for r in usable)
+    return mark, marked_node(mark, [r.node for r in reports], {r.node: r.server for r in usable})
+
+
 async def first_usable(target: MysqlTarget, timeout_seconds: float) -> tuple[MysqlNode, NodeReport]:
-    """The writer by the rule without history (a one-shot tool: gate migrate, gate
-    check, gate serve's start-up check): the first usable node in list order.
-    NoWriter when there is none."""
-    reports = await asyncio.gather(
-        *(probe_once(target, node, timeout_seconds) for node in target.node_list)
+    """The writer for a one-shot tool (gate migrate, gate check, gate serve's start-up
+    check): the node the writer mark names when it is usable, else the first usable
+    node in list order. NoWriter when there is none."""
+    reports = list(
+        await asyncio.gather(
+            *(probe_once(target, node, timeout_seconds) for node in target.node_list)
+        )
     )
-    for report in reports:
+    _, marked = mark_of(reports)
+    for report in sorted(reports, key=lambda r: r.node != marked):
         if report.usable:
             return report.node, report
-    raise NoWriter(f"no database node takes writes: {describe(list(reports))}")
+    raise NoWriter(f"no database node takes writes: {describe(reports)}")
 
 
 async def writer_target(target: MysqlTarget, timeout_seconds: float) -> MysqlTarget:
@@ -237,6 +294,7 @@ class WriterSelector:
         self.hold_down_seconds = settings.db_writer_hold_down_seconds
         self.on_change = on_change
         self.writer: MysqlNode | None = None
+        self.mark: WriterMark | None = None
         self.reports: dict[MysqlNode, NodeReport] = {}
         self.usable_since: dict[MysqlNode, float | None] = {}
         self._conns: dict[MysqlNode, Any] = {}
@@ -260,32 +318,64 @@ class WriterSelector:
                         **connect_args(self.target, node, self.timeout_seconds)
                     )
                     self._conns[node] = conn
-                variables, status = await ask(conn)
+                return await _verdict(conn, self.target, node)
         except Exception as exc:
             if conn is not None:
                 conn.close()
             self._conns.pop(node, None)
             return NodeReport(node, False, f"unreachable: {_short(exc)}", timed_out=_late(exc))
-        return judge(node, variables, status)
 
     async def run_once(self) -> MysqlNode | None:
         """Probe every node, apply the rule; the writer (None: no node is usable)."""
         async with self._running:
             self._last_run = time.monotonic()
-            reports = await asyncio.gather(*(self._probe(n) for n in self.nodes))
+            reports = list(await asyncio.gather(*(self._probe(n) for n in self.nodes)))
             now = time.monotonic()
+            self.mark, marked = mark_of(reports)
             for report in reports:
-                self._note(report, now)
-            chosen = choose(self.nodes, self.usable_since, self.writer, now, self.hold_down_seconds)
+                self._note(report, now, marked)
+            # The node the mark names counts as the writer already: a process follows
+            # the others there, and leaves it only by the rule (it became unusable, or
+            # a node before it in the list has been usable for the hold-down).
+            current = marked if marked is not None and self.usable_since.get(marked) else None
+            chosen = choose(
+                self.nodes, self.usable_since, current or self.writer, now, self.hold_down_seconds
+            )
             if chosen is None:
                 if self.writer is not None:
-                    log.error("no database node takes writes: %s", describe(list(reports)))
+                    log.error("no database node takes writes: %s", describe(reports))
                 return None
-            if chosen != self.writer:
+            moved = chosen != self.writer
+            if moved:
                 await self._move(chosen)
+            # The mark is written by a process that moves, where there is none yet, and
+            # to hand the writes back to a node before the marked one in the list; not
+            # by one that merely cannot use the marked node (that could be its own
+            # network's fault: the others keep the mark).
+            if (
+                chosen != marked
+                and (moved or self.mark is None or current is not None)
+                and any(r.marked for r in reports)
+            ):
+                await self._mark(chosen)
             return chosen
 
-    def _note(self, report: NodeReport, now: float) -> None:
+    async def _mark(self, node: MysqlNode) -> None:
+        """Name `node` the writer in the cluster's writer mark (best effort: a process
+        that fails to follows the mark of whoever wrote it)."""
+        conn = self._conns.get(node)
+        if conn is None:
+            return
+        try:
+            async with deadline_in(self.timeout_seconds):
+                await write_mark(conn, self.target.database, node, self.reports[node].server)
+        except Exception as exc:
+            log.info("could not mark %s the database writer: %s", node_name(node), _short(exc))
+            if not server_error(exc):
+                conn.close()
+                self._conns.pop(node, None)
+
+    def _note(self, report: NodeReport, now: float, marked: MysqlNode | None = None) -> None:
         node = report.node
         seen = node in self.usable_since
         self.reports[node] = report
@@ -303,8 +393,12 @@ class WriterSelector:
                 log.warning("database node %s is unusable: %s", report.name, report.reason)
             self.usable_since[node] = None
         elif self.usable_since.get(node) is None:
-            # First sight: usable since its server started; back after a failure: now.
-            self.usable_since[node] = now - report.uptime_seconds if not seen else now
+            # Back after a failure: now. First sight: since its server started, unless
+            # a writer mark names another node (this process cannot know whether
+            # others hold this one down: it may have been desynced or read-only
+            # without a restart); then its hold-down starts now.
+            fresh = not seen and (marked is None or marked == node)
+            self.usable_since[node] = now - report.uptime_seconds if fresh else now
 
     async def _move(self, chosen: MysqlNode) -> None:
         old, report = self.writer, self.reports[chosen]

@@ -48,7 +48,9 @@ class DealKeys:
     room_expiry: str  # zset: user -> expires_ms (unspent admissions)
     room_window: str  # zset: admission seq -> admitted_ms (the last second's admissions)
     # hash: HMAC of an access code -> "" (unbound) or the user id it is bound to. The
-    # challenges spent are strings "{d:ID}:room:pow:<id>" with a TTL (room_ticket.lua).
+    # challenges spent are strings "{d:ID}:room:pow:<id>" with a TTL, the failed code
+    # attempts' cells "{d:ID}:room:ca:u:<user>" and "{d:ID}:room:ca:i:<address>"
+    # (room_ticket.lua builds these from `room`: one per buyer, in the deal's slot).
     room_codes: str
 
     def idempotency(self, user_id: int, key: str) -> str:
@@ -170,9 +172,16 @@ def console_revoked(session_id: str) -> str:
     return f"gate:console:revoked:{session_id}"
 
 
-def console_sign_ins(address: str) -> str:
-    """The console sign-in attempts of one client address (gate/console SignInLimiter)."""
-    return f"gate:console:signin:{address}"
+def room_fairness_limit(address: str) -> str:
+    """The GCRA cell of one client address's fairness document reads (gate/room/
+    fairness_doc.py, lua/limit.lua): across deals, a slot of its own per address."""
+    return f"gate:room:fair:{address}"
+
+
+def admin_attempts(address: str) -> str:
+    """sorted set: one client address's recent attempts at the admin token, the admin
+    API's failures and the console's sign-ins alike (gate/web/admin_guard.py)."""
+    return f"gate:admin:attempts:{address}"
 
 
 # Queue mode (gate/queuemode/): deals that have (or had) a request queue, walked by the

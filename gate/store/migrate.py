@@ -1,12 +1,13 @@
 """SQL migrations from db/: versioned schema changes once each, routines on change.
 
-    gate migrate ──lock: schema_lock row 'gate.migrate' FOR UPDATE──┐   (a second run
-                                                    waits, then finds nothing)
+    gate migrate ──> take the 'gate.migrate' lease of schema_lock (migrate_lock.py;
+                     a second run waits for it, then finds nothing to do)
       1. db/NNN_name.sql, in order, each once ──> schema_migrations (version, checksum)
       2. db/routines/<name>.sql, one stored routine per file (CREATE OR REPLACE),
          applied when its checksum differs from the one recorded, or the routine is
          missing from the server ──> schema_routines (name, checksum)
-    ROLLBACK (the lock's transaction changed nothing)
+    release the lease
+    (every statement: again after errno 1213 or 1047, bounded: execute_retried)
 
 Versioned files hold schema changes (and the data moves a change needs) and are
 append-only: a recorded file whose checksum changed stops the run. The one sanctioned
@@ -18,9 +19,11 @@ Routines are repeatable (Flyway's idea): each lives once, in its own file, and a
 is deployed by `gate migrate` re-creating it. They run after every versioned file, so
 a routine may use any table; a versioned file must not call a routine.
 DDL is not transactional in MySQL/MariaDB, so concurrency safety comes from the lock
-row held for the whole run (`_migration_lock`; not GET_LOCK, which Galera does not
-replicate). With several hosts in GATE_MYSQL_URL every step runs on the writer node
-(gate/store/dbwriter.py), so every migrator meets the same lock.
+held for the whole run: a committed lease row rather than GET_LOCK (which Galera does
+not replicate) or a row held FOR UPDATE (which binds only the node that holds it), so
+runs started at once on different nodes of a Galera cluster apply each file once.
+With several hosts in GATE_MYSQL_URL every step runs on the writer node
+(gate/store/dbwriter.py).
 
     migrate(target) ──> schema current? (reads only: versions, routine checksums)
           │ yes ──> done, no DDL: so `gate serve` may auto-migrate as the
@@ -40,8 +43,7 @@ import importlib.resources
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,15 +54,14 @@ import pymysql
 from gate.base.settings import DEV_PASSWORDS, MysqlTarget, Secret, SettingsError, refuse_dev_value
 from gate.store.db import connect_kwargs, notes_off
 from gate.store.dbwriter import writer_target
+from gate.store.migrate_lock import Lease, execute_retried, migration_lock
+from gate.store.migrate_lock import MigrationError as MigrationError
 
 log = logging.getLogger("gate.migrate")
 
 # The migrations are package data of gate (gate/db/), in a checkout and in an
 # installed wheel alike; GATE_DB_DIR points elsewhere (a test's copy).
 DB_DIR = Path(str(importlib.resources.files("gate") / "db"))
-LOCK_NAME = "gate.migrate"  # the schema_lock row (a name, not the module path)
-LOCK_TABLE = "schema_lock"
-LOCK_WAIT_SECONDS = 60
 _FILE_RE = re.compile(r"(\d{3,})_([a-z0-9_]+)\.sql")
 # What the gate needs at run time, its background loops included: rows, the stored
 # procedures, and the connection-private scratch tables of the batch procedures
@@ -79,10 +80,6 @@ _CREATE_ROUTINE_RE = re.compile(
     r"^CREATE\s+OR\s+REPLACE\s+(?:PROCEDURE|FUNCTION)\s+`?([A-Za-z0-9_]+)`?\s*\(", re.I
 )
 _SUPERSEDED_RE = re.compile(r"(\d{3,})\s+([0-9a-f]{64})\s+([0-9a-f]{64})(?:\s+#.*)?")
-
-
-class MigrationError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -305,135 +302,124 @@ async def _apply(
             # Notes such as "table exists" would become warnings; none are useful here.
             await notes_off(cur)
             await cur.execute(
-                f"CREATE DATABASE IF NOT EXISTS `{target.database}` "
-                "CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci"
+                "SELECT COUNT(*) FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = %s",
+                (target.database,),
             )
-            await cur.execute(f"USE `{target.database}`")
-            async with _migration_lock(target, timeout_seconds):
-                await cur.execute(
-                    "CREATE TABLE IF NOT EXISTS schema_migrations ("
-                    " version INT UNSIGNED NOT NULL PRIMARY KEY,"
-                    " name VARCHAR(200) NOT NULL,"
-                    " checksum CHAR(64) NOT NULL,"
-                    " applied_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)"
-                    ") ENGINE=InnoDB"
+            row = await cur.fetchone()
+            if not row or int(row[0]) == 0:
+                # Only when missing: on Galera a CREATE DATABASE, even one that finds the
+                # database there, is DDL replicated in total order that aborts the
+                # statements it conflicts with on every node.
+                await execute_retried(
+                    cur,
+                    f"CREATE DATABASE IF NOT EXISTS `{target.database}` "
+                    "CHARACTER SET utf8mb4 COLLATE utf8mb4_unicode_ci",
                 )
-                await cur.execute("SELECT version, checksum FROM schema_migrations")
-                done = {int(v): str(c) for v, c in await cur.fetchall()}
-                for m in migrations:
-                    if m.version in done:
-                        if (m.version, done[m.version], m.checksum) in superseded:
-                            log.info(
-                                "migration %03d_%s: recording its current checksum (a"
-                                " sanctioned edit, db/%s)",
-                                m.version,
-                                m.name,
-                                SUPERSEDED_FILE_NAME,
-                            )
-                            await cur.execute(
-                                "UPDATE schema_migrations SET checksum = %s WHERE version = %s",
-                                (m.checksum, m.version),
-                            )
-                        elif done[m.version] != m.checksum:
-                            raise MigrationError(
-                                f"migration {m.version:03d}_{m.name} changed after it was "
-                                "applied; add a new migration instead"
-                            )
-                        continue
-                    log.info("applying migration %03d_%s", m.version, m.name)
-                    for statement in m.statements:
-                        await cur.execute(statement)
-                    await cur.execute(
-                        "INSERT INTO schema_migrations (version, name, checksum)"
-                        " VALUES (%s, %s, %s)",
-                        (m.version, m.name, m.checksum),
-                    )
-                    applied.append(f"{m.version:03d}_{m.name}")
-                applied.extend(await _apply_routines(cur, target.database, routines))
+            await cur.execute(f"USE `{target.database}`")
+            async with migration_lock(target, timeout_seconds) as lease:
+                step = _Steps(cur, lease)
+                applied.extend(await _apply_migrations(step, migrations, superseded))
+                applied.extend(await _apply_routines(step, target.database, routines))
     finally:
         conn.close()
     return applied
 
 
-@asynccontextmanager
-async def _migration_lock(target: MysqlTarget, timeout_seconds: float) -> AsyncIterator[None]:
-    """One migration run at a time: the `gate.migrate` row of schema_lock held FOR
-    UPDATE by a transaction on a connection of its own, for the whole run (a second
-    run waits up to LOCK_WAIT_SECONDS). A run that dies loses its connection and with
-    it the lock, as GET_LOCK's would; unlike GET_LOCK, which Galera does not
-    replicate (and refuses with wsrep on), a row lock works on the one node every
-    gate writes to. The lock's transaction changes nothing: it is rolled back."""
-    conn = await aiomysql.connect(**connect_kwargs(target, timeout_seconds))
-    try:
-        async with conn.cursor() as cur:
-            # Two first runs may both create the table: "already exists" is no news.
-            await notes_off(cur)
-            await cur.execute(
-                "SELECT COUNT(*) FROM information_schema.TABLES"
-                " WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s",
-                (LOCK_TABLE,),
-            )
-            row = await cur.fetchone()
-            if not row or int(row[0]) == 0:
-                # Only when missing: DDL on the table while a run holds its row would
-                # wait for that run (or, on Galera, abort its lock).
-                await cur.execute(
-                    f"CREATE TABLE IF NOT EXISTS {LOCK_TABLE} ("
-                    " name VARCHAR(64) CHARACTER SET ascii NOT NULL PRIMARY KEY"
-                    ") ENGINE=InnoDB"
-                )
-            await cur.execute(
-                f"INSERT INTO {LOCK_TABLE} (name) VALUES (%s) ON DUPLICATE KEY UPDATE name = name",
-                (LOCK_NAME,),
-            )
-            await cur.execute(
-                f"SET SESSION innodb_lock_wait_timeout = {LOCK_WAIT_SECONDS},"
-                f" lock_wait_timeout = {LOCK_WAIT_SECONDS}"
-            )
-            await cur.execute("START TRANSACTION")
-            try:
-                await cur.execute(
-                    f"SELECT name FROM {LOCK_TABLE} WHERE name = %s FOR UPDATE", (LOCK_NAME,)
-                )
-                await cur.fetchall()
-            except pymysql.err.OperationalError as exc:
-                if exc.args and exc.args[0] == 1205:  # lock wait timeout
-                    raise MigrationError(
-                        "could not take the migration lock; another migrate is stuck"
-                    ) from None
-                raise
-            try:
-                yield
-            finally:
-                await cur.execute("ROLLBACK")
-    finally:
-        conn.close()
+class _Steps:
+    """The statements of one run under the lock: each one only while the lease is
+    held, and run again after a transient refusal (gate/store/migrate_lock.py). Every
+    step is safe to run again: DDL that is refused (1213, 1047) did not start, an
+    autocommit statement that is refused was rolled back."""
+
+    def __init__(self, cur: Any, lease: Lease) -> None:
+        self.cur = cur
+        self.lease = lease
+
+    async def execute(self, statement: str, args: Any = None) -> int:
+        self.lease.check()
+        return await execute_retried(self.cur, statement, args)
+
+    async def rows(self, statement: str, args: Any = None) -> list[tuple[Any, ...]]:
+        await self.execute(statement, args)
+        return [tuple(r) for r in await self.cur.fetchall()]
 
 
-async def _apply_routines(cur: Any, database: str, routines: list[Routine]) -> list[str]:
+async def _apply_migrations(
+    step: _Steps, migrations: list[Migration], superseded: set[tuple[int, str, str]]
+) -> list[str]:
+    await step.execute(
+        "CREATE TABLE IF NOT EXISTS schema_migrations ("
+        " version INT UNSIGNED NOT NULL PRIMARY KEY,"
+        " name VARCHAR(200) NOT NULL,"
+        " checksum CHAR(64) NOT NULL,"
+        " applied_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)"
+        ") ENGINE=InnoDB"
+    )
+    # Read under the lease: on Galera the take of the lease committed after the former
+    # holder's last write was applied on this node (commits apply in one order
+    # everywhere), so what a former run recorded is seen here.
+    done = {
+        int(v): str(c)
+        for v, c in await step.rows("SELECT version, checksum FROM schema_migrations")
+    }
+    applied: list[str] = []
+    for m in migrations:
+        if m.version in done:
+            if (m.version, done[m.version], m.checksum) in superseded:
+                log.info(
+                    "migration %03d_%s: recording its current checksum (a sanctioned edit, db/%s)",
+                    m.version,
+                    m.name,
+                    SUPERSEDED_FILE_NAME,
+                )
+                await step.execute(
+                    "UPDATE schema_migrations SET checksum = %s WHERE version = %s",
+                    (m.checksum, m.version),
+                )
+            elif done[m.version] != m.checksum:
+                raise MigrationError(
+                    f"migration {m.version:03d}_{m.name} changed after it was "
+                    "applied; add a new migration instead"
+                )
+            continue
+        log.info("applying migration %03d_%s", m.version, m.name)
+        for statement in m.statements:
+            await step.execute(statement)
+        await step.execute(
+            "INSERT INTO schema_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+            (m.version, m.name, m.checksum),
+        )
+        applied.append(f"{m.version:03d}_{m.name}")
+    return applied
+
+
+async def _apply_routines(step: _Steps, database: str, routines: list[Routine]) -> list[str]:
     """Re-create each routine whose file changed (or that the server lacks)."""
-    await cur.execute(
+    await step.execute(
         "CREATE TABLE IF NOT EXISTS schema_routines ("
         " name VARCHAR(64) CHARACTER SET ascii NOT NULL PRIMARY KEY,"
         " checksum CHAR(64) CHARACTER SET ascii NOT NULL,"
         " applied_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)"
         ") ENGINE=InnoDB"
     )
-    await cur.execute("SELECT name, checksum FROM schema_routines")
-    recorded = {str(n): str(c) for n, c in await cur.fetchall()}
-    await cur.execute(
-        "SELECT ROUTINE_NAME FROM information_schema.ROUTINES WHERE ROUTINE_SCHEMA = %s",
-        (database,),
-    )
-    present = {str(r[0]) for r in await cur.fetchall()}
+    recorded = {
+        str(n): str(c) for n, c in await step.rows("SELECT name, checksum FROM schema_routines")
+    }
+    present = {
+        str(r[0])
+        for r in await step.rows(
+            "SELECT ROUTINE_NAME FROM information_schema.ROUTINES WHERE ROUTINE_SCHEMA = %s",
+            (database,),
+        )
+    }
     applied: list[str] = []
     for r in routines:
         if recorded.get(r.name) == r.checksum and r.name in present:
             continue
         log.info("applying routine %s", r.name)
         for statement in r.statements:
-            await cur.execute(statement)
-        await cur.execute(
+            await step.execute(statement)
+        await step.execute(
             "INSERT INTO schema_routines (name, checksum) VALUES (%s, %s)"
             " ON DUPLICATE KEY UPDATE checksum = VALUES(checksum),"
             " applied_at = CURRENT_TIMESTAMP(6)",

@@ -27,6 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gate.base import tracing
 from gate.base.metrics import METRICS, HistogramTally
 from gate.base.redis_url import parse_redis_url
 from gate.store.batcher import TurnBatcher
@@ -52,6 +53,40 @@ def script_seconds(name: str) -> HistogramTally:
 
 
 REDIS_ERRORS = METRICS.redis_errors
+
+# Scripts a request starts for the near-cache's upkeep (a sold-out answer renewing the
+# entry): traced under a request already traced, never deciding an undecided one, so
+# that a sold-out answer stays untraced unless its caller asked (gate/base/tracing.py).
+UPKEEP_SCRIPTS = frozenset({"soldout_renew"})
+_SPAN_ATTRIBUTES: dict[str, dict[str, Any]] = {}
+
+
+def _trace(name: str, fut: asyncio.Future[Any]) -> None:
+    """A script call's client span, from the call to its reply."""
+    attributes = _SPAN_ATTRIBUTES.get(name)
+    if attributes is None:
+        attributes = _SPAN_ATTRIBUTES[name] = {
+            "db.system.name": "redis",
+            "db.operation.name": "EVALSHA",
+            "db.query.summary": f"EVALSHA {name}",
+            "gate.redis.script": name,
+        }
+    live = tracing.start(
+        f"EVALSHA {name}",
+        tracing.CLIENT,
+        attributes,
+        materialize=name not in UPKEEP_SCRIPTS,
+    )
+    if live is not None:
+        fut.add_done_callback(lambda done: _traced_reply(live, done))
+
+
+def _traced_reply(live: tracing.Live, done: asyncio.Future[Any]) -> None:
+    if done.cancelled():
+        tracing.end(live, asyncio.CancelledError())
+    else:
+        # (Marks the error retrieved; the caller awaits the same future anyway.)
+        tracing.end(live, done.exception())
 
 
 def error_kind(exc: BaseException) -> str:
@@ -138,11 +173,17 @@ async def read_call(client: Any, name: str, keys: Sequence[str]) -> Any:
     cluster client, which routes it by its keys' slot): several reads in one step."""
     source = _READ_SOURCES.get(name)
     if source is None:
-        path = lua_dir() / f"{name}.lua"
-        if not path.is_file():
-            raise ScriptMissing(f"Lua script {path} is missing")
-        source = _READ_SOURCES[name] = path.read_text(encoding="utf-8")
+        source = _READ_SOURCES[name] = lua_source(name)
     return await client.eval(source, len(keys), *keys)
+
+
+def lua_source(name: str) -> str:
+    """The text of lua/<name>.lua, for code that runs it through a redis-py client
+    (`register_script`) rather than the runner; ScriptMissing when absent."""
+    path = lua_dir() / f"{name}.lua"
+    if not path.is_file():
+        raise ScriptMissing(f"Lua script {path} is missing; refusing to start")
+    return path.read_text(encoding="utf-8")
 
 
 _Call = tuple[Script, Sequence[str], Sequence[Any], "asyncio.Future[Any]", float]
@@ -403,6 +444,8 @@ class ScriptRunner:
     def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls.add(None, (self.scripts[name], keys, args, fut, time.perf_counter()))
+        if tracing.ENABLED:
+            _trace(name, fut)
         return fut
 
     def _write(self, groups: list[tuple[None, list[_Call]]]) -> None:

@@ -27,7 +27,8 @@ routes the areas register (`EdgeRoute`) answered by itself:
 What the middleware does for every other request, the edge does for its own: the
 request id (taken or made, echoed in X-Request-Id), the log context, the request
 metrics and log line (gate/api/ops.py `RequestRecorder`), the HTTP guard's concurrency
-bound and body deadline, the 500 answer of an unexpected error. An edge route
+bound and body deadline, the 500 answer of an unexpected error, the server span with
+traces on (decided at once only with a `traceparent`: gate/base/tracing.py). An edge route
 answers exactly what its ASGI route answers (the same functions make both answers);
 the ASGI route answers what the edge does not take (a pipelined request behind one
 in flight, Expect: 100-continue, a mounted application, a path spelled otherwise).
@@ -69,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from gate.base import logs
+from gate.base import logs, tracing
 from gate.base.errors import Encoded, Problem
 from gate.base.metrics import METRICS
 from gate.web.edge_transport import (
@@ -79,6 +80,8 @@ from gate.web.edge_transport import (
     HeadTooLarge,
     Linger,
     Trailers,
+    declared_too_long,
+    has_body,
 )
 from gate.web.guard import body_timeout
 
@@ -89,8 +92,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gate.edge")
 
 _REQUEST_ID = b"x-request-id"
-_CONTENT_LENGTH = b"content-length"
-_TRANSFER_ENCODING = b"transfer-encoding"
 _CLOSE = b"connection: close\r\n"
 _MALFORMED = Problem(
     "INVALID_REQUEST", "Malformed HTTP request; the connection is closed.", cacheable=True
@@ -207,22 +208,6 @@ class Edge:
         return None
 
 
-def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
-    """A body announced (a Content-Length other than 0, or any Transfer-Encoding)."""
-    for name, value in headers:
-        if name == _TRANSFER_ENCODING or (name == _CONTENT_LENGTH and value.strip() != b"0"):
-            return True
-    return False
-
-
-def _declared_too_long(headers: list[tuple[bytes, bytes]], max_bytes: int) -> bool:
-    """A Content-Length past `max_bytes` (a malformed one is the route's to answer)."""
-    for name, value in headers:
-        if name == _CONTENT_LENGTH:
-            return len(value) > 9 or (value.isdigit() and int(value) > max_bytes)
-    return False
-
-
 class _NoEvent:
     """uvicorn sets its cycle's message event on a disconnect; the edge waits on none."""
 
@@ -266,6 +251,8 @@ class EdgeRequest:
         "request_id",
         "route",
         "started",
+        "traceparent",
+        "tracestate",
         "watched",
     )
 
@@ -295,6 +282,8 @@ class EdgeRequest:
         self.context: contextvars.Context | None = None
         self.watched = False  # its body's deadline is with the guard
         self.late = False  # that deadline passed: answered 408
+        self.traceparent: bytes | None = None  # read only with traces on
+        self.tracestate: bytes | None = None
 
     def header(self, name: bytes) -> str | None:
         """The first header of that (lower-case) name, decoded as latin-1."""
@@ -317,6 +306,10 @@ class EdgeRequest:
         edge.recorder.record(
             self.route.label, self.method, answer[0], time.perf_counter() - self.started
         )
+        if tracing.ENABLED and self.context is not None:
+            ctx = self.context.get(logs.current)
+            if ctx is not None and ctx.trace is not None:  # decided: traced or dropped
+                tracing.finish(ctx, self.method, self.route.label, answer[0], self.path)
         self.protocol.write_answer(cycle, answer, self.request_id)
 
     def run(self, work: Coroutine[Any, Any, Encoded]) -> None:
@@ -489,7 +482,7 @@ class EdgeProtocol(HttpToolsProtocol):
             ):
                 method = self.parser.get_method()
                 found = edge.route_of(method, self.url)
-                if found is not None and (found[0].takes_body or not _has_body(self.headers)):
+                if found is not None and (found[0].takes_body or not has_body(self.headers)):
                     route, id_, path = found
                     req = EdgeRequest(
                         self,
@@ -501,7 +494,7 @@ class EdgeProtocol(HttpToolsProtocol):
                         self.headers,
                         self.client,
                     )
-                    if _declared_too_long(self.headers, edge.body_max_bytes):
+                    if declared_too_long(self.headers, edge.body_max_bytes):
                         # Answered now (413), as the ASGI route answers it before it
                         # reads a byte; uvicorn's parser skips the body that follows.
                         self._dispatch(req)
@@ -737,10 +730,14 @@ class EdgeProtocol(HttpToolsProtocol):
         req.cycle = cycle
         req.started = time.perf_counter()
         rid = None
-        for name, value in req.headers:
-            if name == _REQUEST_ID:
-                rid = logs.sane_request_id(value)
-                break
+        if tracing.ENABLED:  # the three headers in one pass
+            raw, req.traceparent, req.tracestate = tracing.request_headers(req.headers)
+            rid = logs.sane_request_id(raw) if raw is not None else None
+        else:
+            for name, value in req.headers:
+                if name == _REQUEST_ID:
+                    rid = logs.sane_request_id(value)
+                    break
         req.request_id = rid or logs.new_request_id()
         # The request's own log context, as its task would have had; a task it
         # starts inherits it.
@@ -749,7 +746,9 @@ class EdgeProtocol(HttpToolsProtocol):
 
     @staticmethod
     def _handle(req: EdgeRequest) -> None:
-        logs.begin_request(req.request_id)
+        ctx = logs.begin_request(req.request_id, req.started)
+        if req.traceparent is not None:  # without one, the first traced work decides
+            tracing.begin_remote(ctx, req.traceparent, req.tracestate, {"url.path": req.path})
         guard = req.edge.guard
         guard.in_flight += 1  # answer() counts it down
         if req.late:

@@ -22,6 +22,9 @@ shutdown, is closed at once, as uvicorn does.
 Trailer fields (after a chunked body's last chunk) go to a `Trailers`, which counts
 them against what the head left of its bound and keeps none; a trailer field still
 coming is bounded by the bytes fed after its chunk began (`_feed`).
+
+What a request's headers say of its body, before it comes: `has_body` (a GET with
+one goes to the ASGI route), `declared_too_long` (answered 413 before it is read).
 """
 
 from __future__ import annotations
@@ -176,3 +179,23 @@ class Linger(asyncio.Transport):
             self.timer.cancel()
             self.timer = None
         self.transport.close()
+
+
+_CONTENT_LENGTH = b"content-length"
+_TRANSFER_ENCODING = b"transfer-encoding"
+
+
+def has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """A body announced (a Content-Length other than 0, or any Transfer-Encoding)."""
+    for name, value in headers:
+        if name == _TRANSFER_ENCODING or (name == _CONTENT_LENGTH and value.strip() != b"0"):
+            return True
+    return False
+
+
+def declared_too_long(headers: list[tuple[bytes, bytes]], max_bytes: int) -> bool:
+    """A Content-Length past `max_bytes` (a malformed one is the route's to answer)."""
+    for name, value in headers:
+        if name == _CONTENT_LENGTH:
+            return len(value) > 9 or (value.isdigit() and int(value) > max_bytes)
+    return False

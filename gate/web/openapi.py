@@ -18,7 +18,9 @@ import orjson
 
 from gate import __version__
 from gate.web.openapi_kit import (
+    ADMIN,
     ORDER_ID,
+    _problems,
 )
 from gate.web.openapi_paths import _paths
 from gate.web.openapi_schemas import _schemas
@@ -36,6 +38,12 @@ def document() -> dict[str, Any]:
     paths = _paths()
     for (path, method), operation in _extra_operations.items():
         paths.setdefault(path, {})[method] = deepcopy(operation)
+    for operations in paths.values():
+        for operation in operations.values():
+            if operation.get("security") == ADMIN:
+                # Every admin route, an area's too: attempts at the token are limited
+                # per client address (gate/web/admin_guard.py).
+                operation["responses"].setdefault("429", _problems("RATE_LIMITED")["429"])
     return {
         "openapi": "3.1.0",
         "info": {
@@ -69,7 +77,9 @@ def document() -> dict[str, Any]:
                 "admin": {
                     "type": "http",
                     "scheme": "bearer",
-                    "description": "GATE_ADMIN_TOKEN.",
+                    "description": "GATE_ADMIN_TOKEN. At most 10 failed attempts a minute"
+                    " per client address; beyond them every request of that address that"
+                    " carries a token is 429 RATE_LIMITED, the right token too.",
                 },
             },
             "parameters": {

@@ -46,8 +46,8 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "summary": "Prometheus metrics (text exposition, all workers merged).",
                 "description": (
                     "Served on the metrics listener, GATE_METRICS_ADDR (default"
-                    " 127.0.0.1:9100); on the public port with GATE_ENV=dev only,"
-                    " elsewhere 404 there."
+                    " 127.0.0.1 at gate serve's --port + 10000, e.g. 127.0.0.1:18000);"
+                    " on the public port with GATE_ENV=dev only, elsewhere 404 there."
                 ),
                 "operationId": "metrics",
                 "responses": {

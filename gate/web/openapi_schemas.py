@@ -490,10 +490,30 @@ def _schemas() -> dict[str, Any]:
                     "type": ["array", "null"],
                     "items": {"type": "string"},
                     "description": "The ticket ids drawn (fifo: the prequeue joiners;"
-                    " random: every ticket), in join order; null until revealed.",
+                    " random: every ticket), this page's (at most `limit`), in ticket id"
+                    " order; null until revealed.",
+                },
+                "participants_total": {
+                    "type": ["integer", "null"],
+                    "minimum": 0,
+                    "description": "The ticket ids drawn on all pages; null until revealed.",
+                },
+                "next": {
+                    "type": ["string", "null"],
+                    "description": "The next page's path (`…/queue/fairness?after=…&limit=…`);"
+                    " null on the last page and until revealed.",
                 },
             },
-            ["deal_id", "method", "commitment", "seed", "rule", "participants"],
+            [
+                "deal_id",
+                "method",
+                "commitment",
+                "seed",
+                "rule",
+                "participants",
+                "participants_total",
+                "next",
+            ],
         ),
         "StockAdjustment": _object(
             {

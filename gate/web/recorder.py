@@ -8,7 +8,10 @@ spawns a task and copies the body per request): it takes or makes the request id
 opens the request's log context, echoes the id in `X-Request-Id`, and once the
 answer is sent records gate_http_requests_total / gate_http_request_seconds under
 the route's path template (never the raw path: ids would make a series per order)
-and writes one log line.
+and writes one log line. With traces on (gate/base/tracing.py) it opens the request's
+server span (`begin_asgi`) and ends it once the answer is sent; with the access log on
+(GATE_ACCESS_LOG, gate/base/access_log.py) every request's line is queued for its
+writer thread here, the edge's too.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gate.base import logs
+from gate.base import logs, tracing
+from gate.base.access_log import AccessLog
 from gate.base.metrics import METRICS, CounterTally, HistogramTally
 
 log = logging.getLogger("gate.request")
@@ -44,9 +48,10 @@ class RequestRecorder:
     """The request metrics and log line of one answered request (the request
     middleware's, and the edge's for the requests it answers, gate/web/edge.py)."""
 
-    def __init__(self, log_mode: str = "all") -> None:
+    def __init__(self, log_mode: str = "all", access: AccessLog | None = None) -> None:
         if log_mode not in REQUEST_LOG_MODES:
             raise ValueError(f"log_mode must be one of {REQUEST_LOG_MODES}")
+        self.access = access
         self.log_all = log_mode == "all"
         self.log_errors = log_mode in ("all", "errors")
         # Caches keep the per-request cost to dictionary lookups: prometheus-client's
@@ -79,6 +84,17 @@ class RequestRecorder:
                     "status": status,
                     "duration_ms": round(elapsed * 1000.0, 3),
                 },
+            )
+        access = self.access
+        if access is not None:
+            ctx = logs.current.get()
+            access.put(
+                method,
+                route,
+                status,
+                elapsed,
+                ctx.request_id if ctx is not None else "",
+                tracing.trace_id(ctx) if tracing.ENABLED else None,
             )
 
 
@@ -114,7 +130,9 @@ class RequestObserver:
                 break
         if rid is None:
             rid = logs.new_request_id()
-        logs.begin_request(rid)
+        ctx = logs.begin_request(rid, started)
+        if tracing.ENABLED:
+            tracing.begin_asgi(ctx, scope)
         rid_header = (REQUEST_ID_HEADER, rid.encode("ascii"))
         status = 500  # until a response starts: an error escaped, or the client left
 
@@ -132,6 +150,7 @@ class RequestObserver:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self.recorder.record(
-                self._route(scope), scope["method"], status, time.perf_counter() - started
-            )
+            route = self._route(scope)
+            self.recorder.record(route, scope["method"], status, time.perf_counter() - started)
+            if tracing.ENABLED:
+                tracing.finish(ctx, scope["method"], route, status)

@@ -1,10 +1,12 @@
 """Production refuses development values: the built-in dev secrets outside
 GATE_ENV=dev, a plain-http payment provider off loopback, a provider without an API
-key. Real `gate serve` processes: exit 2 naming the variable, before any I/O."""
+key, a key set without an issuer and an audience, a short admin token. Real `gate
+serve` processes: exit 2 naming the variable, before any I/O."""
 
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -144,3 +146,58 @@ def test_the_payment_provider_needs_https_and_a_key_outside_dev(
         assert payments.provider_api_key is not None
     # No provider at all: payments are off and nothing is required.
     assert load_payment_settings(base).provider_url is None
+
+
+def test_a_key_set_needs_an_issuer_and_an_audience_outside_dev(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Without both, any token the identity provider signs for any of its
+    applications would buy: a JWKS outside dev without GATE_JWT_ISSUER and
+    GATE_JWT_AUDIENCE stops start-up (exit 2) saying so."""
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text('{"keys": []}')
+    issuer, audience = "https://id.shop.example/", "gate-buyers"
+    for source in (
+        {"GATE_JWT_JWKS_FILE": str(jwks)},
+        {"GATE_JWT_JWKS_URL": "https://id.example/k"},
+    ):
+        for claims in ({}, {"GATE_JWT_ISSUER": issuer}, {"GATE_JWT_AUDIENCE": audience}):
+            given = {**env, "GATE_ENV": "production", **source, **claims}
+            with pytest.raises(SettingsError, match="GATE_JWT_ISSUER and GATE_JWT_AUDIENCE"):
+                load_settings(given)
+            out = serve_once(given)
+            assert out.returncode == 2, out.stderr
+            assert "need GATE_JWT_ISSUER and GATE_JWT_AUDIENCE" in out.stderr, out.stderr
+        both = {"GATE_JWT_ISSUER": issuer, "GATE_JWT_AUDIENCE": audience}
+        idp = load_settings({**env, "GATE_ENV": "production", **source, **both}).jwt_idp
+        assert idp is not None and (idp.issuer, idp.audience) == (issuer, audience)
+        # A developer's provider may issue tokens without them.
+        assert load_settings({**env, "GATE_ENV": "dev", **source}).jwt_idp is not None
+
+
+def test_the_admin_token_is_at_least_32_characters_outside_dev(env: dict[str, str]) -> None:
+    short = "a-31-character-admin-token-0123"
+    assert len(short) == 31
+    given = {**env, "GATE_ENV": "production", "GATE_ADMIN_TOKEN": short}
+    with pytest.raises(SettingsError, match="GATE_ADMIN_TOKEN must be at least 32 characters"):
+        load_settings(given)
+    out = serve_once(given)
+    assert out.returncode == 2 and "GATE_ADMIN_TOKEN must be at least 32" in out.stderr
+    assert short not in out.stdout + out.stderr
+    assert load_settings({**given, "GATE_ADMIN_TOKEN": short + "4"}).admin_token.reveal()
+    assert load_settings({**given, "GATE_ENV": "dev"}).admin_token.reveal() == short
+
+
+def test_missing_secrets_are_named_together(env: dict[str, str]) -> None:
+    """A gate (or a CLI command) without its secrets names every one it needs, at
+    once, and how to give each."""
+    required = ("GATE_JWT_SECRET", "GATE_ADMIN_TOKEN", "GATE_ADMISSION_SECRET")
+    given = {k: v for k, v in env.items() if k not in required}
+    with pytest.raises(SettingsError) as refused:
+        load_settings({**given, "GATE_ENV": "production"})
+    message = str(refused.value)
+    assert message.startswith(
+        "GATE_JWT_SECRET, GATE_ADMIN_TOKEN, GATE_ADMISSION_SECRET are required: set each"
+    ), message
+    assert "NAME_FILE" in message and "GATE_ENV=dev" in message
+    assert "GATE_WEBHOOK_SECRET" not in message

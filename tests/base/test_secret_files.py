@@ -94,10 +94,10 @@ USES: dict[str, Use] = {
         "GATE_JWT_SECRET must be at least 32 characters",
     ),
     "GATE_ADMIN_TOKEN": Use(
-        "admin-token-from-a-file-0123",
+        "admin-token-from-a-file-0123456789abcdef",
         lambda env: _settings(env).admin_token.reveal(),
         "short-adm",
-        "GATE_ADMIN_TOKEN must be at least 16 characters",
+        "GATE_ADMIN_TOKEN must be at least 32 characters",
     ),
     "GATE_WEBHOOK_SECRET": Use(
         SANDBOX_SECRET,
@@ -310,9 +310,9 @@ def test_a_secret_file_that_is_no_secret_is_refused(
 def test_only_one_trailing_newline_is_stripped(env: dict[str, str], tmp_path: Path) -> None:
     given = _env_for(env, "GATE_ADMIN_TOKEN")
     for written, read in (
-        ("admin-token-0123456789\r\n", "admin-token-0123456789"),
-        ("admin-token-0123456789", "admin-token-0123456789"),
-        ("admin-token-0123456789 \n\n", "admin-token-0123456789 \n"),
+        ("admin-token-0123456789abcdef0123\r\n", "admin-token-0123456789abcdef0123"),
+        ("admin-token-0123456789abcdef0123", "admin-token-0123456789abcdef0123"),
+        ("admin-token-0123456789abcdef0123 \n\n", "admin-token-0123456789abcdef0123 \n"),
     ):
         given["GATE_ADMIN_TOKEN_FILE"] = str(_write(tmp_path, "token", written))
         assert load_settings(given).environ["GATE_ADMIN_TOKEN"] == read

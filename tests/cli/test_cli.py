@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import jwt
 import redis.asyncio as aioredis
@@ -185,3 +186,59 @@ def test_start_up_refuses_bad_configuration(env: dict[str, str], tmp_path: objec
     assert out.returncode == 2 and "missing; refusing to start" in out.stderr
     # No secret ever reaches the output.
     assert env["GATE_ADMIN_TOKEN"] not in out.stdout + out.stderr
+
+
+REQUIRED = ("GATE_JWT_SECRET", "GATE_ADMIN_TOKEN", "GATE_ADMISSION_SECRET", "GATE_WEBHOOK_SECRET")
+
+
+def test_a_command_without_its_settings_names_every_one_to_set(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A shell with none of the gate's settings (GATE_ENV unset: production): the
+    command names every required secret at once, and how to give them; in a checkout
+    where scripts/run wrote .local/dev.env, it says to source that."""
+    bare = {k: v for k, v in env.items() if not k.startswith("GATE_")}
+    out = subprocess.run(
+        [GATE_BIN, "token", "42"], env=bare, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert f"{', '.join(REQUIRED)} are required: set each" in out.stderr, out.stderr
+    assert "GATE_ENV=dev" in out.stderr and "Traceback" not in out.stderr
+    assert "dev.env" not in out.stderr
+    (tmp_path / ".local").mkdir()
+    (tmp_path / ".local" / "dev.env").write_text("export GATE_ENV=dev\n")
+    out = subprocess.run(
+        [GATE_BIN, "check"], env=bare, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert "`source .local/dev.env`" in out.stderr, out.stderr
+    # Said for a shell that did not choose production, not for one that did.
+    out = subprocess.run(
+        [GATE_BIN, "check"],
+        env={**bare, "GATE_ENV": "production"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "dev.env" not in out.stderr, out.stderr
+
+
+async def test_commands_print_no_log_lines(client: Client, env: dict[str, str]) -> None:
+    """At GATE_LOG_LEVEL=INFO (the default), a command's stdout is its output alone
+    and its stderr holds no JSON log lines: `gate deal list` once printed the
+    database writer's JSON line into its table (a terminal shows both streams)."""
+    deal_id = await create_deal(client, stock=3)
+    info = {**env, "GATE_LOG_LEVEL": "INFO"}
+    for args, first in (
+        (("deal", "list", "--after", str(deal_id - 1), "--limit", "1"), f"deal {deal_id}: "),
+        (("deal", "show", str(deal_id)), ""),
+        (("check", "--deal", str(deal_id)), f"deal {deal_id}: OK"),
+        (("token", "42"), "eyJ"),
+    ):
+        out = run(info, *args)
+        assert out.returncode == 0, (args, out.stderr)
+        assert out.stdout.startswith(first), (args, out.stdout)
+        for line in (out.stdout + out.stderr).splitlines():
+            assert not line.lstrip().startswith('{"ts"'), (args, line)
+            assert '"level":' not in line, (args, line)
+        assert out.stderr == "" or out.stderr.startswith("gate: "), (args, out.stderr)

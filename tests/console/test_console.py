@@ -413,7 +413,7 @@ async def test_rotating_the_admin_token_ends_sessions_with_a_console_secret(
     """GATE_CONSOLE_SECRET stays, GATE_ADMIN_TOKEN changes: a cookie signed before
     is refused. The same two settings again accept it (a restart keeps sessions)."""
     secret = "console-secret-0123456789abcdef0123456789"
-    rotated = "rotated-admin-token-0123456789"
+    rotated = "rotated-admin-token-0123456789abcdef0123"
     before = GateProcess(console_env(env, GATE_CONSOLE_SECRET=secret), workers=1)
     again = GateProcess(console_env(env, GATE_CONSOLE_SECRET=secret), workers=1)
     after = GateProcess(

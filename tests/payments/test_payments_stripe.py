@@ -21,12 +21,17 @@ import pytest
 import redis.asyncio as aioredis
 import stripe
 
-from gate.base.settings import load_settings
+from gate.base.settings import Secret, load_settings
 from gate.payments.adapters import load_adapter
 from gate.payments.config import load_payment_settings
 from gate.payments.provider import ProviderRejected, ProviderUnavailable, SessionRequest
 from gate.payments.providers.provider_http import RETRY_AFTER_MAX_SECONDS
-from gate.payments.providers.stripe import StripeProvider
+from gate.payments.providers.stripe import (
+    API_VERSION,
+    COMPATIBLE_API_VERSIONS,
+    StripeProvider,
+    StripeWebhook,
+)
 from gate.runtime import Gate
 from gate.store.db import Database
 from tests import payments_support as ps
@@ -41,6 +46,7 @@ from tests.payments_support import (
     wait_until,
 )
 from tests.support import (
+    ROOT,
     Client,
     GateProcess,
     Resp,
@@ -109,7 +115,7 @@ def stack(prepared: None) -> Iterator[StripeStack]:
 class FakeClient:
     def __init__(self, url: str) -> None:
         self.http = Client(url)
-        self.api = {"Authorization": f"Bearer {STRIPE_KEY}"}
+        self.api = {"Authorization": f"Bearer {STRIPE_KEY}", "Stripe-Version": API_VERSION}
 
     async def _ok(self, method: str, path: str, body: Any = None) -> Any:
         r = await self.http.request(method, path, json=body)
@@ -157,11 +163,18 @@ async def gate_client(stack: StripeStack) -> AsyncIterator[Client]:
 @pytest.fixture
 async def fake(stack: StripeStack) -> AsyncIterator[FakeClient]:
     f = FakeClient(stack.fake.url)
-    await f.configure(hold=False, drop=False, refund_mode="succeed", sign_with=None)
+    reset = {
+        "hold": False,
+        "drop": False,
+        "refund_mode": "succeed",
+        "sign_with": None,
+        "event_api_version": API_VERSION,
+    }
+    await f.configure(**reset)
     try:
         yield f
     finally:
-        await f.configure(hold=False, drop=False, refund_mode="succeed", sign_with=None)
+        await f.configure(**reset)
         await f.http.close()
 
 
@@ -342,11 +355,14 @@ async def test_late_payment_without_stock_is_refunded_and_the_refund_notified(
     await assert_invariants(db, rds, deal)
 
 
-def stripe_event(order_id: str, payment_id: str, amount: int) -> bytes:
+def stripe_event(
+    order_id: str, payment_id: str, amount: int, api_version: Any = API_VERSION
+) -> bytes:
     return orjson.dumps(
         {
             "id": f"evt_test_{os.urandom(8).hex()}",
             "object": "event",
+            "api_version": api_version,
             "type": "payment_intent.succeeded",
             "created": int(time.time()),
             "data": {
@@ -669,3 +685,150 @@ async def test_ids_outside_stripes_alphabet_are_a_counted_400(
     assert r.headers["content-type"] == "application/problem+json"
     assert await counts(db, order_id) == before
     assert await _rejected(gate_client) == rejected + 1
+
+
+async def _quarantined(client: Client) -> float:
+    """gate_payment_quarantined_total, from /metrics."""
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith("gate_payment_quarantined_total "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_every_api_call_sends_the_pinned_stripe_version_and_the_fake_checks_it(
+    stack: StripeStack, gate_client: Client, fake: FakeClient, db: Database
+) -> None:
+    deal = await create_deal(gate_client, stock=2, unit_price=410)
+    order_id = await new_order(gate_client, deal, 6091)
+    session = await start_payment(gate_client, order_id, 6091)
+    await fake.pay(session["session_id"])
+    await wait_status(db, order_id, "PAID")
+    seen = (await fake._ok("GET", "/fake/versions"))["versions"]
+    # The gate's calls (the session at least) all carried the one version.
+    assert set(seen) == {API_VERSION} and seen[API_VERSION] >= 1, seen
+    # The fake refuses what Stripe would not read as this version: without the header
+    # (an account default) and with another version, a 400 naming the parameter.
+    for version in (None, "2025-03-31.basil"):
+        headers = {"Authorization": fake.api["Authorization"]}
+        if version is not None:
+            headers["Stripe-Version"] = version
+        r = await fake.http.get("/v1/refunds?limit=1", headers=headers)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "Stripe-Version"
+    # The adapter's own client, its header taken away, is refused the same way.
+    settings = load_settings(stack.env)
+    adapter = load_adapter(
+        stack.env,
+        load_payment_settings(stack.env),
+        is_dev=False,
+        webhook_secrets=settings.webhook_secrets,
+    )
+    provider = adapter.provider
+    assert isinstance(provider, StripeProvider)
+    try:
+        assert provider._headers["Stripe-Version"] == API_VERSION
+        assert (await provider.transactions(None, 1)).items is not None
+        del provider._headers["Stripe-Version"]
+        with pytest.raises(ProviderRejected) as refused:
+            await provider.transactions(None, 1)
+        assert refused.value.status == 400
+    finally:
+        await provider.close()
+
+
+async def test_an_event_at_another_api_version_is_quarantined_never_applied(
+    gate_client: Client, fake: FakeClient, db: Database
+) -> None:
+    deal = await create_deal(gate_client, stock=2, unit_price=420)
+    order_id = await new_order(gate_client, deal, 6093)
+    session = await start_payment(gate_client, order_id, 6093)
+    quarantined = await _quarantined(gate_client)
+    # The endpoint was set (in Stripe's dashboard) to a version the adapter does not read.
+    await fake.configure(event_api_version="2099-01-01.future")
+    paid = await fake.pay(session["session_id"])
+    payment_id = paid["payment_intent"]["id"]
+
+    async def recorded() -> list[Any]:
+        rows = await db.fetchall(
+            "SELECT event_type, outcome, detail, payment_id FROM payment_events"
+            " WHERE order_id = %s",
+            (order_id,),
+        )
+        return [tuple(r) for r in rows]
+
+    rows = await wait_until(recorded)
+    assert rows == [
+        ("quarantine.api_version_mismatch", "quarantined", "api_version_mismatch", payment_id)
+    ]
+
+    async def delivered() -> list[dict[str, Any]]:
+        found = await fake.events(order_id, "payment_intent.succeeded")
+        return found if found and found[0]["deliveries"] else []
+
+    [event] = await wait_until(delivered)
+    assert event["deliveries"] == [200]  # recorded: Stripe does not redeliver
+    assert (await order_row(db, order_id))["status"] == "PENDING_PAYMENT"
+    assert await _quarantined(gate_client) == quarantined + 1
+    [topic] = await db.fetchall(
+        "SELECT topic FROM outbox WHERE aggregate_id = %s AND topic = 'payment.quarantined'",
+        (order_id,),
+    )
+    assert topic[0] == "payment.quarantined"
+
+
+async def test_events_at_a_compatible_version_apply_and_unversioned_ones_do_not(
+    gate_client: Client, db: Database
+) -> None:
+    older = sorted(COMPATIBLE_API_VERSIONS - {API_VERSION})[0]
+    deal = await create_deal(gate_client, stock=4, unit_price=300)
+    cases = {older: "applied", None: "quarantined", 20240620: "quarantined", "": "quarantined"}
+    for user, (version, outcome) in enumerate(cases.items(), start=6095):
+        order_id = await new_order(gate_client, deal, user)
+        body = stripe_event(order_id, f"pi_version{user}", 300, api_version=version)
+        r = await post(gate_client, body, signature(STRIPE_SECRET, int(time.time()), body))
+        assert r.status_code == 200 and r.json()["outcome"] == outcome, (version, r.text)
+        status = (await order_row(db, order_id))["status"]
+        assert status == ("PAID" if outcome == "applied" else "PENDING_PAYMENT"), version
+
+
+def test_the_version_check_covers_the_events_acted_on_only() -> None:
+    hook = StripeWebhook((Secret(STRIPE_SECRET),))
+    now = int(time.time())
+
+    def parsed(doc: dict[str, Any]) -> Any:
+        body = orjson.dumps(doc)
+        return hook.parse({"stripe-signature": signature(STRIPE_SECRET, now, body)}, body, now)
+
+    base = {"id": "evt_v1", "object": "event", "created": now, "api_version": "2030-01-01.x"}
+    refund = {
+        "id": "re_v1",
+        "object": "refund",
+        "payment_intent": "pi_v1",
+        "amount": 100,
+        "currency": "eur",
+        "status": "succeeded",
+        "metadata": {"order_id": "01J00000000000000000000000"},
+    }
+    # Not acted on: recorded as ignored whatever the version.
+    ignored = parsed({**base, "type": "customer.created", "data": {"object": {}}})
+    assert ignored.type == "stripe.customer.created"
+    # Acted on at an unknown version: quarantined, the ids that read as ids kept.
+    for event_type, obj in (
+        ("refund.updated", refund),
+        ("charge.refunded", {"id": "ch_v1", "payment_intent": "pi_v1", "refunds": []}),
+        ("payment_intent.succeeded", {"id": "pi_v1", "metadata": ["not", "an object"]}),
+    ):
+        event = parsed({**base, "type": event_type, "data": {"object": obj}})
+        assert event.type == "quarantine.api_version_mismatch", event_type
+        assert (event.payment_id, event.amount, event.refund_id) == ("pi_v1", None, None)
+    # The same refund at the pinned version is read.
+    read = parsed(
+        {**base, "api_version": API_VERSION, "type": "refund.updated", "data": {"object": refund}}
+    )
+    assert (read.type, read.amount, read.currency) == ("refund.succeeded", 100, "EUR")
+
+
+def test_docs_name_the_pinned_version_once() -> None:
+    text = (ROOT / "docs" / "payments.md").read_text()
+    assert text.count(f"`{API_VERSION}`") == 1
+    assert API_VERSION in COMPATIBLE_API_VERSIONS

@@ -7,6 +7,9 @@ what `kustomize build` does for the features these kustomizations use."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,7 +19,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from gate.base.settings import load_settings
+from gate.base.settings import SettingsError, load_settings, metrics_port_for
 from gate.store.migrate import load_app_user
 from tests.project import kustomize
 from tests.support import ROOT
@@ -147,7 +150,8 @@ def test_deployment_probes_and_shutdown_timing(overlay: list[Obj]) -> None:
     pod = deployment["spec"]["template"]["spec"]
     gate = container(deployment)
     ports = {p["name"]: p["containerPort"] for p in gate["ports"]}
-    assert ports == {"http": 8000, "metrics": 9100}
+    # The metrics port is the default for the public port (--port + 10000).
+    assert ports == {"http": 8000, "metrics": metrics_port_for(8000)}
     assert gate["args"][0] == "serve"
     assert gate["args"][gate["args"].index("--host") + 1] == "0.0.0.0"
     assert int(gate["args"][gate["args"].index("--port") + 1]) == ports["http"]
@@ -172,7 +176,7 @@ def test_deployment_probes_and_shutdown_timing(overlay: list[Obj]) -> None:
 
     for kind in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(gate["resources"][kind]), kind
-    assert env["GATE_METRICS_ADDR"] == "0.0.0.0:9100"
+    assert env["GATE_METRICS_ADDR"] == f"0.0.0.0:{ports['metrics']}"
 
 
 @pytest.mark.parametrize("kind,name", [("Deployment", "gate"), ("Job", "gate-migrate")])
@@ -214,7 +218,7 @@ def test_only_the_public_port_is_in_the_public_service(overlay: list[Obj]) -> No
     public = one(overlay, "Service", "gate")
     assert [(p["port"], p["targetPort"]) for p in public["spec"]["ports"]] == [(8000, "http")]
     metrics = one(overlay, "Service", "gate-metrics")
-    assert [p["port"] for p in metrics["spec"]["ports"]] == [9100]
+    assert [p["port"] for p in metrics["spec"]["ports"]] == [18000]
     assert metrics["spec"]["clusterIP"] == "None"
     for service in (public, metrics):
         assert service["spec"]["selector"].items() <= pod_labels.items()
@@ -240,8 +244,8 @@ def test_only_the_monitoring_namespace_reaches_the_metrics_port(overlay: list[Ob
     for rule in policy["ingress"]:
         for port in rule["ports"]:
             reach.setdefault(port["port"], []).append(rule.get("from"))
-    assert set(reach) == {8000, 9100}
-    assert reach[9100] == [
+    assert set(reach) == {8000, 18000}
+    assert reach[18000] == [
         [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     ]
     # The migrate Job's pods accept nothing.
@@ -282,6 +286,20 @@ def resolved_env(overlay: list[Obj], workload: Obj) -> dict[str, str]:
     return env
 
 
+def filled(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the example's placeholders replaced by values of one's own, the same
+    placeholder by the same value everywhere (the app password in two Secrets)."""
+
+    def own(match: re.Match[str]) -> str:
+        return "own-" + hashlib.sha256(match[0].encode()).hexdigest()[:40]
+
+    out = {name: re.sub(r"CHANGE-ME[\w-]*", own, value) for name, value in env.items()}
+    if "GATE_WEBHOOK_SECRET" in out:
+        key = base64.b64encode(b"own webhook key 01234567").decode()
+        out["GATE_WEBHOOK_SECRET"] = f"whsec_{key}"
+    return out
+
+
 def test_secrets_are_read_as_files_and_the_example_values_are_fake(overlay: list[Obj]) -> None:
     deployment = one(overlay, "Deployment", "gate")
     env = resolved_env(overlay, deployment)
@@ -290,9 +308,12 @@ def test_secrets_are_read_as_files_and_the_example_values_are_fake(overlay: list
         assert "data" not in secret, "readable placeholders: stringData"
         for key, value in secret["stringData"].items():
             assert "CHANGE-ME" in value or value.startswith("whsec_"), key
-    # The example's values are what a real installation has to provide: a production
-    # gate on Redis Cluster and the three Galera nodes accepts them.
-    settings = load_settings(env)
+    # A production gate refuses the example as shipped (placeholders are not
+    # secrets); with values of one's own in their places it runs on Redis Cluster
+    # and the three Galera nodes.
+    with pytest.raises(SettingsError, match="is a placeholder"):
+        load_settings(env)
+    settings = load_settings(filled(env))
     assert not settings.is_dev and settings.dev_secrets_used == ()
     assert [host for host, _ in settings.mysql.node_list] == [
         "gate-db-0.gate-db-internal.db.svc",
@@ -308,8 +329,8 @@ def test_only_the_migrate_job_holds_the_database_administrator(overlay: list[Obj
     job = one(overlay, "Job", "gate-migrate")
     assert container(job)["args"] == ["migrate"]
     assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
-    gate_env = resolved_env(overlay, deployment)
-    job_env = resolved_env(overlay, job)
+    gate_env = filled(resolved_env(overlay, deployment))
+    job_env = filled(resolved_env(overlay, job))
     admin = load_settings(job_env).mysql
     app = load_settings(gate_env).mysql
     assert admin.node_list == app.node_list and admin.database == app.database

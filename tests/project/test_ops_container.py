@@ -208,7 +208,7 @@ def strings(node: Any) -> list[str]:
 # What docker-compose.yml must be given; none has a default.
 PROD_SECRETS = {
     "GATE_JWT_SECRET": "j" * 40,
-    "GATE_ADMIN_TOKEN": "a" * 24,
+    "GATE_ADMIN_TOKEN": "a" * 32,
     "GATE_WEBHOOK_SECRET": "whsec_c2VjcmV0LXNlY3JldC1zZWNyZXQ=",
     "GATE_ADMISSION_SECRET": "s" * 40,
     "REDIS_PASSWORD": "r" * 32,

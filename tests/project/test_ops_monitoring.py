@@ -21,6 +21,7 @@ import yaml
 
 import gate
 from gate.base.metrics import AGREED_NAMES, METRICS
+from gate.base.settings import metrics_port_for
 from tests.support import ROOT
 
 PROM = ROOT / "deploy" / "prometheus"
@@ -158,8 +159,9 @@ def test_prometheus_config_scrapes_the_gate_and_loads_the_rules() -> None:
     ports = [sd["port"] for sd in gate.get("dns_sd_configs", [])] + [
         int(t.rsplit(":", 1)[1]) for sc in gate.get("static_configs", []) for t in sc["targets"]
     ]
-    # The metrics listener (GATE_METRICS_ADDR in the compose files), not the public port.
-    assert ports == [9100]
+    # The metrics listener (GATE_METRICS_ADDR in the compose files, the default for the
+    # public port 8000), not the public port.
+    assert ports == [metrics_port_for(8000)]
     # The exporters of docker-compose.yml, on the compose network (published nowhere).
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     for job, service, port in (

@@ -22,7 +22,14 @@ ROOM = {"admit_per_second": 1000, "access": "codes"}
 @pytest.fixture(scope="module")
 def access_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
     with GateProcess(
-        {**env, "GATE_ROOM_POLL_MIN_MS": "100", "GATE_ROOM_POLL_MAX_MS": "100"}, workers=1
+        {
+            **env,
+            "GATE_ROOM_POLL_MIN_MS": "100",
+            "GATE_ROOM_POLL_MAX_MS": "100",
+            # Joins may name their client address (failed codes count per address).
+            "GATE_TRUSTED_PROXIES": "127.0.0.1/32",
+        },
+        workers=1,
     ) as proc:
         yield proc
 
@@ -39,8 +46,13 @@ async def add_codes(client: Client, deal_id: int, codes: Any) -> Resp:
     )
 
 
-async def join(client: Client, deal_id: int, user_id: int, body: Any = None) -> Resp:
-    return await client.post(f"/v1/deals/{deal_id}/queue", json=body, headers=buyer(user_id))
+async def join(
+    client: Client, deal_id: int, user_id: int, body: Any = None, address: str | None = None
+) -> Resp:
+    headers = buyer(user_id)
+    if address is not None:
+        headers["X-Forwarded-For"] = address
+    return await client.post(f"/v1/deals/{deal_id}/queue", json=body, headers=headers)
 
 
 def problem(r: Resp, status: int, code: str) -> None:
@@ -91,6 +103,7 @@ async def test_admin_adds_codes_hashed_and_counts_them(
         {"codes": []},
         {"codes": "abcdef"},
         {"codes": ["short"]},
+        {"codes": ["seven-7"]},
         {"codes": ["x" * 65]},
         {"codes": ["has space"]},
         {"codes": ["caf\u00e9-0001"]},
@@ -117,11 +130,11 @@ async def test_bad_code_bodies_are_400_and_change_nothing(
 async def test_codes_need_admin_auth_and_a_deal(ac: Client) -> None:
     deal_id = await create_deal(ac, waiting_room=ROOM)
     url = f"/v1/admin/deals/{deal_id}/access-codes"
-    r = await ac.post(url, json={"codes": ["abcdef"]}, headers=buyer(1))
+    r = await ac.post(url, json={"codes": ["abcdefgh"]}, headers=buyer(1))
     problem(r, 401, "UNAUTHORIZED")
-    r = await ac.post(url, json={"codes": ["abcdef"]})
+    r = await ac.post(url, json={"codes": ["abcdefgh"]})
     problem(r, 401, "UNAUTHORIZED")
-    problem(await add_codes(ac, 9_000_000_000_123, ["abcdef"]), 404, "NOT_FOUND")
+    problem(await add_codes(ac, 9_000_000_000_123, ["abcdefgh"]), 404, "NOT_FOUND")
     # 10,000 codes in one call are accepted.
     r = await add_codes(ac, deal_id, [f"bulk-{i:06d}" for i in range(10_000)])
     assert r.status_code == 200 and r.json() == {"added": 10_000, "total": 10_000}
@@ -215,8 +228,9 @@ async def test_a_code_raced_by_many_buyers_binds_to_one(ac: Client, rds: aioredi
     deal_id = await create_deal(ac, stock=10, waiting_room=ROOM)
     assert (await add_codes(ac, deal_id, ["raced-code-1"])).status_code == 200
     users = list(range(900, 930))
+    # Each from an address of its own: 29 refusals from one would pass its limit.
     answers = await asyncio.gather(
-        *(join(ac, deal_id, u, {"access_code": "raced-code-1"}) for u in users)
+        *(join(ac, deal_id, u, {"access_code": "raced-code-1"}, f"10.3.0.{u - 899}") for u in users)
     )
     won = [u for u, r in zip(users, answers, strict=True) if r.status_code == 201]
     assert len(won) == 1, [r.status_code for r in answers]

@@ -5,13 +5,16 @@ waiters, and their bad values. Real gate processes, real Redis and MariaDB."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import hmac
 import random
+import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 import redis.asyncio as aioredis
@@ -38,15 +41,51 @@ from tests.store.test_db_statements import (  # noqa: F401 (fixture)
 from tests.support import ADMIN, Client, GateProcess, Resp, create_deal
 
 RULE = "hmac-sha256(seed, ticket_id) ascending"
+DOC_FIELDS = {
+    "deal_id",
+    "method",
+    "commitment",
+    "seed",
+    "rule",
+    "participants",
+    "participants_total",
+    "next",
+}
 
 
 async def fairness(client: Client, deal_id: int) -> dict[str, Any]:
     r = await client.get(f"/v1/deals/{deal_id}/queue/fairness")
     assert r.status_code == 200, r.text
     doc: dict[str, Any] = r.json()
-    assert set(doc) == {"deal_id", "method", "commitment", "seed", "rule", "participants"}
+    assert set(doc) == DOC_FIELDS
     assert doc["deal_id"] == deal_id and doc["rule"] == RULE
     return doc
+
+
+async def all_pages(client: Client, deal_id: int, limit: int) -> list[dict[str, Any]]:
+    """The revealed document page by page, following each page's `next` link."""
+    r = await client.get(f"/v1/deals/{deal_id}/queue/fairness?limit={limit}")
+    pages = []
+    while True:
+        assert r.status_code == 200, r.text
+        page: dict[str, Any] = r.json()
+        assert set(page) == DOC_FIELDS and len(page["participants"]) <= limit
+        pages.append(page)
+        if page["next"] is None:
+            return pages
+        r = await client.get(page["next"])
+
+
+def joined(pages: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a third party puts together from the pages: every page carries the
+    commitment and the seed, the participants come in ticket id order."""
+    first = pages[0]
+    for page in pages:
+        for field in ("deal_id", "method", "commitment", "seed", "rule", "participants_total"):
+            assert page[field] == first[field], (field, page[field], first[field])
+    ids = [t for page in pages for t in page["participants"]]
+    assert ids == sorted(ids) and len(ids) == first["participants_total"]
+    return {**first, "participants": ids, "next": None}
 
 
 def third_party_order(doc: dict[str, Any]) -> list[str]:
@@ -133,6 +172,11 @@ async def test_a_prequeue_draw_is_recomputed_from_the_fairness_document(
     admitted = [await wait_state((a, b)[u % 2], deal_id, u, "admitted") for u in users]
     by_admission = in_order([admission_seq(t) for t in admitted], users, tickets)
     assert by_admission == third_party_order(doc)
+    # The same from pages of 7 (each with the commitment and the seed), read from
+    # both processes.
+    pages = await all_pages(b, deal_id, 7)
+    assert len(pages) == 6 and [len(p["participants"]) for p in pages] == [7] * 5 + [5]
+    assert third_party_order(joined(pages)) == by_admission
     late_ticket = await wait_state(a, deal_id, 209_999, "admitted")
     assert admission_seq(late_ticket) > max(map(admission_seq, admitted))
 
@@ -198,6 +242,137 @@ async def test_fairness_refusals(client: Client) -> None:
         )
         assert r.status_code == 200, r.text
     assert (await fairness(client, open_deal))["commitment"] == doc["commitment"]
+
+
+# -- a large draw: pages, one encoding, ETag and gzip, a limit per address --------------
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+async def test_a_large_draw_is_paged_encoded_once_and_served_with_etag_and_gzip(
+    rc: list[Client],  # noqa: F811
+    rds: aioredis.Redis,
+) -> None:
+    a, b = rc
+    # Revealed at once (the sale started a minute ago); its prequeue's draw list, as a
+    # crowd of 25,000 prequeue joiners would have left it.
+    deal_id = await create_deal(
+        a, stock=5, starts_at=_at(-60), waiting_room={"admit_per_second": 100}
+    )
+    drawn = [secrets.token_hex(16) for _ in range(25_000)]
+    for i in range(0, len(drawn), 5000):
+        await rds.rpush(draw_key(deal_id), *drawn[i : i + 5000])
+    url = f"/v1/deals/{deal_id}/queue/fairness"
+    encodings = _metric(await a.metrics(), "gate_room_fairness_encodings_total")
+
+    first = await a.get(url)
+    assert first.status_code == 200, first.text
+    assert len(first.content) < 1_000_000
+    doc = first.json()
+    assert set(doc) == DOC_FIELDS and doc["participants_total"] == 25_000
+    assert len(doc["participants"]) == 10_000
+    assert doc["next"] == f"{url}?after={doc['participants'][-1]}&limit=10000"
+    pages = [doc]
+    while pages[-1]["next"]:
+        r = await (a, b)[len(pages) % 2].get(pages[-1]["next"])
+        assert r.status_code == 200, r.text
+        pages.append(r.json())
+    assert [len(p["participants"]) for p in pages] == [10_000, 10_000, 5_000]
+    whole = joined(pages)
+    assert whole["participants"] == sorted(drawn)
+    # Still a document anyone can check: the seed against the commitment, the rule.
+    assert len(third_party_order(whole)) == 25_000
+
+    ordered = sorted(drawn)
+    r = await b.get(f"{url}?after={ordered[5]}&limit=2")
+    assert r.json()["participants"] == ordered[6:8], r.text
+    assert r.json()["next"] == f"{url}?after={ordered[7]}&limit=2"
+    r = await b.get(f"{url}?after={ordered[-1]}")
+    assert r.json()["participants"] == [] and r.json()["next"] is None
+    # `after` is a bound, not a look-up: any ticket id sorts somewhere.
+    r = await b.get(f"{url}?after={'0' * 32}&limit=1")
+    assert r.json()["participants"] == ordered[:1]
+    for bad in ("limit=0", "limit=10001", "limit=x", "after=XYZ", "after=abc", f"after={'A' * 32}"):
+        problem(await a.get(f"{url}?{bad}"), 400, "INVALID_REQUEST")
+
+    # Encoded once per change: the requests above (both processes) cost one encoding
+    # in this process, however many pages were served from it.
+    for _ in range(20):
+        assert (await a.get(f"{url}?limit=100")).status_code == 200
+    assert _metric(await a.metrics(), "gate_room_fairness_encodings_total") == encodings + 1
+
+    # ETag and 304; gzip when asked.
+    async with aiohttp.ClientSession(auto_decompress=False) as raw:
+        plain_headers = {"Accept-Encoding": "identity"}
+        async with raw.get(a.base_url + url, headers=plain_headers) as plain:
+            assert plain.status == 200
+            body = await plain.read()
+            tag = plain.headers["ETag"]
+            assert "Content-Encoding" not in plain.headers
+            assert plain.headers["Vary"] == "Accept-Encoding"
+        assert orjson.loads(body) == doc
+        async with raw.get(a.base_url + url, headers={"Accept-Encoding": "gzip"}) as zipped:
+            assert zipped.status == 200
+            assert zipped.headers["Content-Encoding"] == "gzip"
+            zipped_tag = zipped.headers["ETag"]
+            assert gzip.decompress(await zipped.read()) == body
+            assert zipped_tag != tag
+        for client_tag in (tag, zipped_tag, f'W/{tag}, "other"'):
+            for served_by in (a, b):  # the same tags in every process
+                headers = {**plain_headers, "If-None-Match": client_tag}
+                async with raw.get(served_by.base_url + url, headers=headers) as again:
+                    assert again.status == 304
+                    assert await again.read() == b""
+                    assert again.headers["ETag"] == tag
+        other_page = {**plain_headers, "If-None-Match": tag}
+        async with raw.get(a.base_url + url + "?limit=5", headers=other_page) as r2:
+            assert r2.status == 200
+    # A change (the draw list lost in a flush) is a new document, with a new tag.
+    await rds.ltrim(draw_key(deal_id), 0, 99)
+    r = await a.get(url)
+    assert r.json()["participants_total"] == 100 and r.headers["ETag"] != tag
+
+
+@pytest.fixture(scope="module")
+def limited_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
+    proc = GateProcess(
+        {**env, "GATE_ROOM_FAIRNESS_LIMIT": "4/m burst 4", "GATE_TRUSTED_PROXIES": "127.0.0.1/32"},
+        workers=1,
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+async def test_fairness_reads_are_limited_per_client_address(limited_gate: GateProcess) -> None:
+    client = Client(limited_gate.url)
+    try:
+        deal_id = await create_deal(client, stock=1, waiting_room={"admit_per_second": 5})
+        url = f"/v1/deals/{deal_id}/queue/fairness"
+        first = {"X-Forwarded-For": "10.1.0.1"}
+        for _ in range(4):
+            assert (await client.get(url, headers=first)).status_code == 200
+        r = await client.get(url, headers=first)
+        body = problem(r, 429, "RATE_LIMITED")
+        assert body["scope"] == "fairness" and int(r.headers["Retry-After"]) >= 1
+        # Unknown deals count too (the limit comes first), other addresses do not.
+        problem(
+            await client.get("/v1/deals/999999999/queue/fairness", headers=first),
+            429,
+            "RATE_LIMITED",
+        )
+        r = await client.get(url, headers={"X-Forwarded-For": "10.1.0.2"})
+        assert r.status_code == 200, r.text
+    finally:
+        await client.close()
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import aiomysql
 import pytest
@@ -29,6 +31,7 @@ from tests.support import (
     TcpProxy,
     buyer,
     create_deal,
+    redis_client,
     reserve,
 )
 
@@ -80,13 +83,11 @@ async def _root(settings: Settings, *statements: str) -> list[tuple[object, ...]
         conn.close()
 
 
-@pytest.fixture(scope="module")
-def counted_gate(
-    env: dict[str, str], settings: Settings, prepared: None
-) -> Iterator[tuple[GateProcess, StatementCounter]]:
-    """A one-worker gate without background loops, connected as its own MariaDB user."""
+@contextmanager
+def counted_user(settings: Settings, suffix: str = "") -> Iterator[tuple[str, StatementCounter]]:
+    """A MariaDB user of its own for a gate under test (its URL) and its counter."""
     database = settings.mysql.database
-    user = f"stmts_{database}"[:32]
+    user = f"stmts{suffix}_{database}"[:32]
     password = secrets.token_hex(16)
     was_on = asyncio.run(_root(settings, "SELECT @@GLOBAL.userstat"))[0][0] in (1, "1", "ON")
     asyncio.run(
@@ -101,16 +102,31 @@ def counted_gate(
     )
     target = settings.mysql
     url = f"mysql://{user}:{password}@{target.host}:{target.port}/{database}"
-    gate = GateProcess({**env, "GATE_MYSQL_URL": url}, background=False)
     try:
-        gate.wait_ready()
-        yield gate, StatementCounter(settings, user)
+        yield url, StatementCounter(settings, user)
     finally:
-        gate.stop()
         cleanup = [f"DROP USER IF EXISTS '{user}'@'%'"]
         if not was_on:
             cleanup.append("SET GLOBAL userstat = 0")
         asyncio.run(_root(settings, *cleanup))
+
+
+# The floods come from one address: the fairness document's limit per address is off.
+COUNTED_ENV = {"GATE_ROOM_FAIRNESS_LIMIT": "off"}
+
+
+@pytest.fixture(scope="module")
+def counted_gate(
+    env: dict[str, str], settings: Settings, prepared: None
+) -> Iterator[tuple[GateProcess, StatementCounter]]:
+    """A one-worker gate without background loops, connected as its own MariaDB user."""
+    with counted_user(settings) as (url, counter):
+        gate = GateProcess({**env, **COUNTED_ENV, "GATE_MYSQL_URL": url}, background=False)
+        try:
+            gate.wait_ready()
+            yield gate, counter
+        finally:
+            gate.stop()
 
 
 @pytest.fixture
@@ -195,26 +211,188 @@ async def test_reservations_on_unknown_deals_stay_off_the_database(
     assert per_request <= BOUND_PER_REQUEST, per_request
 
 
-@pytest.mark.parametrize("method", ["POST", "GET"])
+@pytest.mark.parametrize(("method", "suffix"), [("POST", ""), ("GET", ""), ("GET", "/challenge")])
 async def test_waiting_room_calls_on_unknown_deals_stay_off_the_database(
     client: Client,
     counted_gate: tuple[GateProcess, StatementCounter],
     settings: Settings,
     method: str,
+    suffix: str,
 ) -> None:
-    """Joins (POST) and reads (GET) of a waiting room on random unknown deal ids meet
-    the unknown-deal guard as reservations and deal views do (gate/stock/unknown_deals.py)."""
+    """Joins (POST), reads (GET) and challenges of a waiting room on random unknown deal
+    ids meet the unknown-deal guard as reservations and deal views do
+    (gate/stock/unknown_deals.py)."""
     floor = await _highest_deal_id(settings) + 1_000_000
-    rng = random.Random(56 if method == "POST" else 78)
+    rng = random.Random(f"{method}{suffix}")
     headers = buyer(7004)
 
     async def send(i: int) -> Resp:
         return await client.request(
-            method, f"/v1/deals/{rng.randrange(floor, 2**62)}/queue", headers=headers
+            method, f"/v1/deals/{rng.randrange(floor, 2**62)}/queue{suffix}", headers=headers
         )
 
     per_request = await _per_request(counted_gate[1], send, 404)
     assert per_request <= BOUND_PER_REQUEST, per_request
+
+
+# -- a cold gate under a flood ------------------------------------------------------------
+
+COLD_CONNECTIONS = 256
+KNOWN_DEAL_STATEMENTS_MAX = 16
+
+
+def _raw(method: str, path: str, headers: dict[str, str], body: bytes = b"") -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: gate", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if body or method == "POST":
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def _burst(url: str, requests: list[bytes]) -> list[int]:
+    """Each request on a connection of its own: every connection is opened first, then
+    every request written at once, so all of them reach the gate together."""
+    where = urlsplit(url)
+    conns = await asyncio.gather(
+        *(asyncio.open_connection(where.hostname, where.port) for _ in requests)
+    )
+    for (_, writer), request in zip(conns, requests, strict=True):
+        writer.write(request)
+
+    async def status(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+        try:
+            answer = await asyncio.wait_for(reader.read(), 60)
+        finally:
+            writer.close()
+        return int(answer.split(b" ", 2)[1])
+
+    return list(await asyncio.gather(*(status(r, w) for r, w in conns)))
+
+
+def _cold_requests(floor: int, rng: random.Random) -> list[bytes]:
+    """One request per connection on a random unknown deal id, every route that takes
+    a deal id from an unknown client in turn."""
+    who = buyer(7005)
+    reserve_headers = {**who, "Content-Type": "application/json"}
+    requests = []
+    for i in range(COLD_CONNECTIONS):
+        deal = f"/v1/deals/{rng.randrange(floor, 2**62)}"
+        kind = i % 7
+        if kind == 0:
+            requests.append(_raw("GET", deal, {}))
+        elif kind == 1:
+            headers = {**reserve_headers, "Idempotency-Key": f"cold-start-{i:06d}"}
+            requests.append(_raw("POST", deal + "/reservations", headers, b'{"quantity": 1}'))
+        elif kind == 2:
+            requests.append(_raw("POST", deal + "/queue", who))
+        elif kind == 3:
+            requests.append(_raw("GET", deal + "/queue", who))
+        elif kind == 4:
+            requests.append(_raw("GET", deal + "/queue/challenge", who))
+        elif kind == 5:
+            requests.append(_raw("GET", deal + "/queue/fairness", {}))
+        else:
+            requests.append(_raw("GET", "/room/" + deal.rsplit("/", 1)[1] + "/config", {}))
+    return requests
+
+
+async def _idle_rate(counter: StatementCounter, seconds: float) -> int:
+    before = await counter.count()
+    await asyncio.sleep(seconds)
+    return await counter.count() - before
+
+
+def test_a_cold_gate_flooded_on_unknown_deals_asks_the_database_a_constant_number(
+    env: dict[str, str], settings: Settings, prepared: None
+) -> None:
+    """A gate just started (nothing remembered about unknown deals) takes 256
+    connections at once, each a request for a random unknown deal on any route: the
+    database sees a constant number of statements (the guard's one look-up of the
+    highest deal id, shared), not one deal load per connection."""
+
+    async def flood(gate: GateProcess, counter: StatementCounter) -> float:
+        floor = await _highest_deal_id(settings) + 1_000_000
+        requests = _cold_requests(floor, random.Random(1024))
+        before = await counter.count()
+        started = time.monotonic()
+        statuses = await _burst(gate.url, requests)
+        during = await counter.count() - before
+        idle = await _idle_rate(counter, time.monotonic() - started)
+        assert statuses == [404] * COLD_CONNECTIONS, sorted(set(statuses))
+        print(f"cold start: {during} statements for {COLD_CONNECTIONS} requests, {idle} idle")
+        return max(0, during - idle) / COLD_CONNECTIONS
+
+    with counted_user(settings, "c") as (url, counter):
+        gate = GateProcess({**env, **COUNTED_ENV, "GATE_MYSQL_URL": url}, background=False)
+        try:
+            gate.wait_ready()
+            per_request = asyncio.run(flood(gate, counter))
+        finally:
+            gate.stop()
+    assert per_request <= BOUND_PER_REQUEST, per_request
+
+
+def test_a_cold_gate_flooded_on_one_known_deal_loads_it_once(
+    env: dict[str, str], settings: Settings, prepared: None
+) -> None:
+    """A room deal whose Redis state is gone (a flush), on a gate just started: 256
+    connections at once on every route that reads it cost one load of the deal and
+    one read of its row (each a single flight), not one per connection."""
+
+    async def prepare(gate: GateProcess) -> int:
+        client = Client(gate.url)
+        try:
+            room = {"admit_per_second": 100, "challenge": {"min_bits": 1, "max_bits": 2}}
+            deal_id = await create_deal(client, stock=10, waiting_room=room)
+        finally:
+            await client.close()
+        rds = redis_client(env["GATE_REDIS_URL"])
+        try:
+            tag = f"{{d:{deal_id}}}"
+            lost = [key async for key in rds.scan_iter(match=f"{tag}*", count=1000)]
+            await rds.delete(*lost)
+        finally:
+            await rds.aclose()
+        return deal_id
+
+    async def flood(gate: GateProcess, counter: StatementCounter, deal_id: int) -> int:
+        who = buyer(7006)
+        deal = f"/v1/deals/{deal_id}"
+        routes = [
+            (_raw("GET", deal, {}), 200),
+            (_raw("GET", deal + "/queue", who), 404),
+            (_raw("GET", deal + "/queue/challenge", who), 200),
+            (_raw("GET", deal + "/queue/fairness", {}), 200),
+            (_raw("GET", f"/room/{deal_id}/config", {}), 200),
+        ]
+        chosen = [routes[i % len(routes)] for i in range(COLD_CONNECTIONS)]
+        before = await counter.count()
+        started = time.monotonic()
+        statuses = await _burst(gate.url, [r for r, _ in chosen])
+        during = await counter.count() - before
+        idle = await _idle_rate(counter, time.monotonic() - started)
+        assert statuses == [want for _, want in chosen], statuses
+        print(f"one known deal: {during} statements for {COLD_CONNECTIONS} requests, {idle} idle")
+        return max(0, during - idle)
+
+    with counted_user(settings, "k") as (url, counter):
+        setup = GateProcess({**env, **COUNTED_ENV}, background=False)
+        try:
+            setup.wait_ready()
+            deal_id = asyncio.run(prepare(setup))
+        finally:
+            setup.stop()
+        gate = GateProcess({**env, **COUNTED_ENV, "GATE_MYSQL_URL": url}, background=False)
+        try:
+            gate.wait_ready()
+            statements = asyncio.run(flood(gate, counter, deal_id))
+        finally:
+            gate.stop()
+    # One load (its snapshot, the room's and the codes' rows, the buyers: 8 or 9),
+    # one read of the row for the views, one of the highest deal id, and maybe a
+    # renewal of either if the flood outlasts a second: a constant, whatever the
+    # number of connections (on 1fadcf7: 149).
+    assert statements <= KNOWN_DEAL_STATEMENTS_MAX, statements
 
 
 async def test_a_refused_buyer_re_clicking_stays_off_the_database(

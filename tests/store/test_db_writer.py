@@ -1,6 +1,7 @@
 """Several database hosts: GATE_MYSQL_URL's host list, the writer rule (one node takes
-the writes, the first usable in list order, back only after the hold-down), server
-identity guarding thread ids, migrations and start-up on MariaDB Galera.
+the writes, the first usable in list order, back only after the hold-down; a process
+that starts follows the writer mark), server identity guarding thread ids, migrations
+and start-up on MariaDB Galera.
 
 The Galera tests start a 3-node cluster on loopback (tests/galera.py) at
 GATE_TEST_GALERA_PORT (default 13400), or use one already started there with
@@ -18,6 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from datetime import datetime
 
 import aiomysql
 import pymysql
@@ -32,6 +34,7 @@ from gate.store.dbwriter import NoWriter, WriterSelector, choose, first_usable, 
 from gate.store.keys import owner_keys
 from gate.store.migrate import migrate, read_migrations
 from gate.store.process_lease import parse_thread_field, thread_field
+from gate.store.writer_mark import WriterMark, freshest, marked_node
 from tests.galera import LocalGalera, _pidfile, galera_supported
 from tests.support import ADMIN_TOKEN, GATE_BIN, ROOT, GateProcess, base_env
 
@@ -153,6 +156,29 @@ def test_a_node_is_usable_only_writable_and_synced() -> None:
     single = {"wsrep_on": "OFF", "read_only": "OFF", "hostname": "db", "port": "3306"}
     assert judge(A, single, {"Uptime": "5"}).usable
     assert judge(A, {**single, "read_only": "ON"}, {}).reason == "read-only"
+
+
+def test_a_desynced_or_unready_node_is_not_usable() -> None:
+    galera = {"wsrep_on": "ON", "read_only": "OFF", "server_id": "1", "wsrep_node_name": "n0"}
+    synced = {"wsrep_local_state": "4", "wsrep_cluster_status": "Primary", "wsrep_ready": "ON"}
+    desynced = judge(A, {**galera, "wsrep_desync": "ON"}, synced)
+    assert not desynced.usable and "wsrep_desync = ON" in desynced.reason
+    donor = {**synced, "wsrep_local_state": "2", "wsrep_local_state_comment": "Donor/Desynced"}
+    assert judge(A, galera, donor).reason == "not Synced (Donor/Desynced, wsrep_local_state 2)"
+    assert (
+        judge(A, galera, {**synced, "wsrep_ready": "OFF"}).reason == "not ready (wsrep_ready = OFF)"
+    )
+
+
+def test_the_freshest_mark_names_a_listed_node_by_address_or_server() -> None:
+    older = WriterMark("a:3306", "n0 (server_id 1)", datetime(2030, 1, 1, 0, 0, 0), "h pid 1")
+    newer = WriterMark("b:3306", "n1 (server_id 2)", datetime(2030, 1, 1, 0, 0, 1), "h pid 2")
+    assert freshest([older, None, newer]) == newer and freshest([None]) is None
+    assert marked_node(newer, (A, B, C), {}) == B
+    # The same servers listed under other names: found by who answers there.
+    renamed = (("10.0.0.1", 3306), ("10.0.0.2", 3306))
+    assert marked_node(newer, renamed, {renamed[1]: "n1 (server_id 2)"}) == renamed[1]
+    assert marked_node(newer, renamed, {}) is None and marked_node(None, (A,), {}) is None
 
 
 def test_thread_records_name_their_server_with_several_hosts() -> None:
@@ -319,6 +345,72 @@ def test_every_process_moves_off_a_read_only_writer_and_back_after_the_hold_down
             assert sorted(deals) == [int(r[0]) for r in rows]  # type: ignore[call-overload]
     finally:
         gate.stop()
+
+
+def _writer_of(gate: GateProcess) -> str | None:
+    """The node this one-worker gate's gate_db_writer_info names (None: no answer)."""
+    status, body = _get(f"{gate.metrics_url}/metrics")
+    if status != 200:
+        return None
+    nodes = [n for n, v in _metric_nodes(body.decode()).items() if v == 1]
+    return nodes[0] if len(nodes) == 1 else None
+
+
+def test_a_gate_that_starts_during_a_hold_down_writes_where_the_others_do(
+    writable: LocalGalera,
+) -> None:
+    """Node 0 desynced (SET GLOBAL wsrep_desync = ON): gate A moves to node 1. Node 0
+    resynced, and gate B starts during A's hold-down: B writes to node 1 with A (the
+    writer mark A wrote there), then both go back to node 0 when A's hold-down ends.
+    One writer throughout, read from each process's writer gauge and /readyz. By the
+    rule without the mark, B took node 0 at once (usable since its server started):
+    two writers for the hold-down."""
+    galera = writable
+    _reset(galera)
+    asyncio.run(migrate(MysqlTarget.parse(_url(galera))))
+    first, second = galera.hosts[0], galera.hosts[1]
+    hold_down = 30.0  # the default: room for B to start well within it on a busy host
+    env = _env(galera, GATE_DB_WRITER_HOLD_DOWN_SECONDS=str(hold_down))
+    a, b = GateProcess(env), None
+    try:
+        a.wait_ready(60)
+        _wait_writer(a, first, 10)
+        _sql(galera, 0, "SET GLOBAL wsrep_desync = ON")
+        assert _wait_writer(a, second, 30) <= FAILOVER_SECONDS
+        ready = _get(a.url + "/readyz")[1].decode()
+        assert "wsrep_desync = ON" in ready, ready
+        _sql(galera, 0, "SET GLOBAL wsrep_desync = OFF")
+        _wait_state(galera, 0, synced=True)
+        resynced = time.monotonic()
+        b = GateProcess(env)
+        b.wait_ready(60)
+        b_ready = time.monotonic() - resynced
+        assert b_ready < hold_down - 5, f"B took {b_ready:.1f} s to start: no hold-down left"
+        ready = _get(b.url + "/readyz")[1].decode()
+        assert f'"db_writer":"{second}"' in ready, ready
+        samples: list[tuple[float, str | None, str | None]] = []
+        while time.monotonic() - resynced < hold_down + 20:
+            at = time.monotonic() - resynced
+            samples.append((at, _writer_of(a), _writer_of(b)))
+            if samples[-1][1:] == (first, first) and at > hold_down:
+                break
+            time.sleep(0.2)
+        assert samples[0][1:] == (second, second), samples[:3]
+        assert samples[-1][1:] == (first, first), samples[-5:]
+        a_back = next(at for at, wa, _ in samples if wa == first)
+        # A kept its hold-down (less a probe interval of slack for the clocks) ...
+        assert a_back >= hold_down - 1.5, a_back
+        # ... and B followed it within a probe interval (plus a scrape): no other
+        # moment with two writers.
+        apart = [(at, wa, wb) for at, wa, wb in samples if wa != wb]
+        assert all(a_back <= at <= a_back + 2.5 for at, _, _ in apart), apart
+        assert all(None not in sample for sample in samples), samples
+    finally:
+        _sql(galera, 0, "SET GLOBAL wsrep_desync = OFF")
+        a.stop()
+        if b is not None:
+            b.stop()
+    _wait_state(galera, 0, synced=True)
 
 
 def _failovers(gate: GateProcess) -> float:
@@ -494,6 +586,9 @@ async def test_one_late_probe_keeps_the_writer_two_in_a_row_move_it(
     galera = writable
     if not galera.procs:
         pytest.skip("the cluster was started by hand: its processes are not this run's")
+    # A fresh database: no writer mark left by an earlier test naming another node.
+    _reset(galera)
+    await migrate(MysqlTarget.parse(_url(galera)))
     moves: list[str] = []
 
     async def moved(_old: object, new: tuple[str, int], _report: object) -> None:

@@ -1,13 +1,17 @@
 """Migrations: versioned files applied once each, routines re-applied when their file
-changes; safe to run twice or from several processes at once; a database migrated
-before the routines moved out of the versioned files upgrades cleanly."""
+changes; safe to run twice or from several processes at once, also on every node of a
+Galera cluster at once; a statement refused by a deadlock runs again, once; a database
+migrated before the routines moved out of the versioned files upgrades cleanly."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import shutil
 import subprocess
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,7 @@ import aiomysql
 import pytest
 
 from gate.base.settings import MysqlTarget, Settings
+from gate.store import migrate_lock
 from gate.store.db import connect_kwargs, notes_off
 from gate.store.migrate import (
     DB_DIR,
@@ -27,7 +32,8 @@ from gate.store.migrate import (
     read_superseded,
     split_statements,
 )
-from tests.support import GATE_BIN
+from tests.galera import LocalGalera
+from tests.support import GALERA_RUN, GATE_BIN
 
 
 @pytest.fixture
@@ -52,11 +58,14 @@ def _all_names() -> list[str]:
 
 
 async def _rows(
-    target: MysqlTarget, sql: str, args: tuple[object, ...] = ()
+    target: MysqlTarget, sql: str, args: tuple[object, ...] = (), causal: bool = False
 ) -> list[tuple[Any, ...]]:
     conn = await aiomysql.connect(**connect_kwargs(target, 5))
     try:
         async with conn.cursor() as cur:
+            if causal:
+                # A Galera node answers after applying every write committed anywhere.
+                await cur.execute("SET SESSION wsrep_sync_wait = 1")
             await cur.execute(sql, args)
             return [tuple(r) for r in await cur.fetchall()]
     finally:
@@ -89,6 +98,174 @@ async def test_concurrent_and_repeated_migrations(scratch: MysqlTarget) -> None:
         (r.name, r.checksum) for r in read_routines()
     ]
     assert set(await _server_routines(scratch)) == {r.name for r in read_routines()}
+
+
+async def _drop(target: MysqlTarget) -> None:
+    conn = await aiomysql.connect(**connect_kwargs(target, 5, with_db=False))
+    try:
+        async with conn.cursor() as cur:
+            await notes_off(cur)
+            await cur.execute(f"DROP DATABASE IF EXISTS `{target.database}`")
+    finally:
+        conn.close()
+
+
+async def _gate_migrate(env: dict[str, str], url: str) -> tuple[int | None, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        GATE_BIN,
+        "migrate",
+        env={**env, "GATE_MYSQL_URL": url},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.skipif(
+    not GALERA_RUN,
+    reason="needs the local Galera cluster: GATE_TEST_GALERA=1 (scripts/test's Galera suite)",
+)
+async def test_gate_migrate_started_on_every_galera_node_at_once(
+    galera: LocalGalera | None, scratch: MysqlTarget, env: dict[str, str]
+) -> None:
+    """Two `gate migrate` per node of a 3-node Galera cluster, all started at once, on
+    a fresh database, several rounds: every run exits 0, each migration and routine is
+    applied by exactly one of them, and every node has each recorded once. (With the
+    lock a row held FOR UPDATE, runs on two nodes both applied 001: "Table 'deals'
+    already exists"; on one node, another run's CREATE TABLE of the lock table aborted
+    the lock row's insert: errno 1213.)"""
+    assert galera is not None
+    runs_per_node, rounds = 2, 4
+    names = _all_names()
+    nodes = [MysqlTarget.parse(f"mysql://root@{host}/{scratch.database}") for host in galera.hosts]
+    for round_no in range(rounds):
+        await _drop(nodes[round_no % len(nodes)])
+        results = await asyncio.gather(
+            *(
+                _gate_migrate(env, f"mysql://root@{host}/{scratch.database}")
+                for host in galera.hosts
+                for _ in range(runs_per_node)
+            )
+        )
+        for returncode, out, err in results:
+            assert returncode == 0, (round_no, out, err)
+            assert "Traceback" not in err, err
+        applied: Counter[str] = Counter()
+        for _, out, _ in results:
+            for line in out.splitlines():
+                if line.startswith("applied: "):
+                    applied.update(line.removeprefix("applied: ").split(", "))
+        assert applied == Counter(names), round_no
+        for node in nodes:
+            assert await _rows(
+                node, "SELECT version, name FROM schema_migrations ORDER BY version", causal=True
+            ) == [(m.version, m.name) for m in read_migrations()]
+            assert await _rows(
+                node, "SELECT name, checksum FROM schema_routines ORDER BY name", causal=True
+            ) == [(r.name, r.checksum) for r in read_routines()]
+            assert set(await _server_routines(node)) == {r.name for r in read_routines()}
+            assert await _rows(node, "SELECT name, holder FROM schema_lock", causal=True) == [
+                ("gate.migrate", None)
+            ]
+        assert await pending(nodes[0]) == []
+
+
+async def test_a_deadlocked_migration_statement_runs_again_once(
+    scratch: MysqlTarget,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A real InnoDB deadlock on a migration's statement: the migration's UPDATE holds
+    row 1 and waits for row 2, which a transaction of this test holds; that
+    transaction (the heavier one: 200 rows written) then asks for row 1. InnoDB rolls
+    the migration's statement back with errno 1213; gate migrate runs it again after
+    a backoff and the data move happens exactly once."""
+    await migrate(scratch)
+    conn = await aiomysql.connect(**connect_kwargs(scratch, 5))
+    async with conn.cursor() as cur:
+        await cur.execute("CREATE TABLE probe (id INT PRIMARY KEY, v INT NOT NULL) ENGINE=InnoDB")
+        await cur.execute("INSERT INTO probe VALUES (1, 0), (2, 0)")
+        await cur.execute("CREATE TABLE ballast (id INT PRIMARY KEY) ENGINE=InnoDB")
+    copy = tmp_path / "db"
+    shutil.copytree(DB_DIR, copy)
+    (copy / "999_probe_move.sql").write_text("-- a data move\nUPDATE probe SET v = v + 1;\n")
+    monkeypatch.setenv("GATE_DB_DIR", str(copy))
+    holder = await aiomysql.connect(**connect_kwargs(scratch, 5))
+    try:
+        async with holder.cursor() as tx, conn.cursor() as cur:
+            await tx.execute("START TRANSACTION")
+            await tx.execute(
+                "INSERT INTO ballast VALUES " + ", ".join(f"({i})" for i in range(200))
+            )
+            await tx.execute("UPDATE probe SET v = v + 10 WHERE id = 2")
+            with caplog.at_level(logging.INFO, logger="gate.migrate"):
+                run = asyncio.create_task(migrate(scratch))
+                deadline = time.monotonic() + 30
+                while True:
+                    await cur.execute(
+                        "SELECT COUNT(*) FROM information_schema.INNODB_TRX"
+                        " WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE 'UPDATE probe%'"
+                    )
+                    row = await cur.fetchone()
+                    if row and int(row[0]):
+                        break
+                    assert not run.done() and time.monotonic() < deadline
+                    # INNODB_TRX is a cache refreshed only when not read for 100 ms.
+                    await asyncio.sleep(0.25)
+                # Closes the cycle: the migration's statement is the victim.
+                await tx.execute("UPDATE probe SET v = v + 100 WHERE id = 1")
+                await tx.execute("COMMIT")
+                assert await asyncio.wait_for(run, 60) == ["999_probe_move"]
+    finally:
+        holder.close()
+        conn.close()
+    retried = [r.getMessage() for r in caplog.records if "errno 1213" in r.getMessage()]
+    assert len(retried) == 1 and "UPDATE probe SET v = v + 1" in retried[0], retried
+    assert await _rows(scratch, "SELECT id, v FROM probe ORDER BY id") == [(1, 101), (2, 11)]
+    assert await _rows(scratch, "SELECT name FROM schema_migrations WHERE version = 999") == [
+        ("probe_move",)
+    ]
+
+
+async def test_a_held_lock_is_waited_for_and_a_dead_holders_lease_runs_out(
+    scratch: MysqlTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await migrate(scratch)
+    conn = await aiomysql.connect(**connect_kwargs(scratch, 5))
+    async with conn.cursor() as cur:
+        # A lock table as it was when the lock was a row held FOR UPDATE: name only.
+        await cur.execute("DROP TABLE schema_lock")
+        await cur.execute(
+            "CREATE TABLE schema_lock (name VARCHAR(64) CHARACTER SET ascii NOT NULL"
+            " PRIMARY KEY) ENGINE=InnoDB"
+        )
+        await cur.execute("INSERT INTO schema_lock VALUES ('gate.migrate')")
+        await cur.execute("DROP PROCEDURE gate_sell_held")
+    assert await migrate(scratch) == ["routine gate_sell_held"]
+    assert await _rows(scratch, "SELECT name, holder, expires_at FROM schema_lock") == [
+        ("gate.migrate", None, None)
+    ]
+    async with conn.cursor() as cur:
+        # Another run holds the lease (for an hour): this one waits, then names it.
+        await cur.execute(
+            "UPDATE schema_lock SET holder = 'host-b pid 7 0a0b0c0d',"
+            " expires_at = NOW(6) + INTERVAL 1 HOUR"
+        )
+        await cur.execute("DROP PROCEDURE gate_sell_held")
+    monkeypatch.setattr(migrate_lock, "LOCK_WAIT_SECONDS", 1.0)
+    started = time.monotonic()
+    with pytest.raises(MigrationError, match="held by host-b pid 7 0a0b0c0d"):
+        await migrate(scratch)
+    assert time.monotonic() - started >= 1.0
+    assert "gate_sell_held" not in await _server_routines(scratch)
+    async with conn.cursor() as cur:
+        # That run died: its lease ran out a second ago.
+        await cur.execute("UPDATE schema_lock SET expires_at = NOW(6) - INTERVAL 1 SECOND")
+    conn.close()
+    assert await migrate(scratch) == ["routine gate_sell_held"]
+    assert await _rows(scratch, "SELECT holder, expires_at FROM schema_lock") == [(None, None)]
 
 
 def test_each_routine_lives_once() -> None:

@@ -6,6 +6,14 @@ sent past its bounds (4,400 digits, 2**63, maximum + 1, minimum - 1, negatives) 
 the answer must be a problem+json 4xx (never a 500, never a reset connection) that
 changed nothing. On main `GET /v1/deals/<4,400 digits>` was a 500 and the same
 `POST …/reservations` a reset connection: int() refuses more than 4,300 digits.
+
+"Changed nothing" is judged on what the requests could change (`Scope`): the rows
+of the test's own deal and of the deal a `POST /v1/admin/deals` would create, the
+rows of the order, payment and event the requests name, and the deal's Redis keys,
+compared row by row and key by key. Not whole tables: the shared gate's background
+loops (an earlier test's hold expiring: a ledger row and an outbox row of another
+deal) write to them meanwhile. A write a bad input could make is caught (shown with
+writes planted on purpose, and one elsewhere that is not).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,6 +32,7 @@ import redis.asyncio as aioredis
 from gate.base.errors import Problem
 from gate.payments.signing import decode_secret, sign_headers
 from gate.store.db import Database
+from gate.store.keys import deal_keys
 from gate.web.http_io import check_json_headers
 from tests.support import (
     ADMIN,
@@ -31,7 +41,7 @@ from tests.support import (
     assert_invariants,
     buyer,
     create_deal,
-    redis_available,
+    reserve,
 )
 
 HUGE_DIGITS = "9" * 4400
@@ -48,6 +58,7 @@ BASE_BODIES: dict[str, dict[str, Any]] = {
     "StockAdjustment": {"delta": 1, "reason": "bounds test"},
     "Rebucket": {"count": 2},
     "WaitingRoom": {"admit_per_second": 10, "admission_ttl_seconds": 60, "prequeue_seconds": 0},
+    "addAccessCodes": {"generate": 1},
     "PaymentEvent": {
         "id": "evt_bounds",
         "type": "payment.succeeded",
@@ -179,14 +190,140 @@ def _assert_problem_4xx(status: int, where: str, problem: dict[str, Any] | None)
     assert problem is not None and problem["status"] == status and problem["code"], where
 
 
-async def _state(db: Database, rds: aioredis.Redis, deal_id: int) -> tuple[Any, ...]:
-    counts = await db.fetchone(
-        "SELECT (SELECT COUNT(*) FROM orders), (SELECT COUNT(*) FROM deals),"
-        " (SELECT COUNT(*) FROM inventory_ledger), (SELECT COUNT(*) FROM outbox),"
-        " (SELECT COUNT(*) FROM payment_events), (SELECT COUNT(*) FROM deal_buckets),"
-        " (SELECT SUM(total) FROM deal_buckets), (SELECT SUM(version) FROM deals)"
-    )
-    return counts, await redis_available(rds, deal_id)
+@dataclass(frozen=True)
+class Scope:
+    """What the sweep's requests can reach: its own deal, the deal a `POST
+    /v1/admin/deals` of the sweep would create (by its title), and the order, payment
+    and provider event the paths and bodies name."""
+
+    deal_id: int
+    title: str
+    order_id: str = PATH_VALUES["order_id"]
+    payment_id: str = BASE_BODIES["PaymentEvent"]["data"]["payment_id"]
+    event_id: str = BASE_BODIES["PaymentEvent"]["id"]
+
+    def bodies(self) -> dict[str, dict[str, Any]]:
+        """BASE_BODIES with this scope's title for a deal to create."""
+        bodies = stdjson.loads(stdjson.dumps(BASE_BODIES))
+        bodies["DealCreate"]["title"] = self.title
+        return bodies  # type: ignore[no-any-return]
+
+
+# Rows of the scope's orders: the named one and every order of the deal.
+_OF_ORDERS = "order_id = %(order)s OR order_id IN (SELECT id FROM orders WHERE deal_id = %(deal)s)"
+# Per table, its rows in the scope (every column a request could write; the outbox
+# row's published_at is the relay's, not a request's).
+SCOPED_ROWS: dict[str, str] = {
+    "deals": "SELECT * FROM deals WHERE id = %(deal)s OR title = %(title)s",
+    "deal_buckets": "SELECT * FROM deal_buckets WHERE deal_id = %(deal)s"
+    " OR deal_id IN (SELECT id FROM deals WHERE title = %(title)s)",
+    "inventory_ledger": "SELECT * FROM inventory_ledger WHERE deal_id = %(deal)s"
+    " OR order_id = %(order)s OR deal_id IN (SELECT id FROM deals WHERE title = %(title)s)",
+    "orders": "SELECT * FROM orders WHERE deal_id = %(deal)s OR id = %(order)s",
+    "user_quota": "SELECT * FROM user_quota WHERE deal_id = %(deal)s",
+    "outbox": "SELECT id, event_id, topic, aggregate_id, payload FROM outbox"
+    " WHERE aggregate_id = %(order)s"
+    " OR aggregate_id IN (SELECT id FROM orders WHERE deal_id = %(deal)s)"
+    " OR JSON_VALUE(payload, '$.deal_id') = %(deal)s",
+    "payments": f"SELECT * FROM payments WHERE payment_id = %(payment)s OR {_OF_ORDERS}",
+    "payment_events": "SELECT * FROM payment_events WHERE event_id = %(event)s"
+    f" OR payment_id = %(payment)s OR {_OF_ORDERS}",
+    "payment_refunds": "SELECT * FROM payment_refunds WHERE payment_id = %(payment)s"
+    f" OR {_OF_ORDERS}",
+    "payment_sessions": f"SELECT * FROM payment_sessions WHERE {_OF_ORDERS}",
+    "queue_dead_letters": "SELECT * FROM queue_dead_letters WHERE deal_id = %(deal)s"
+    " OR order_id = %(order)s OR retried_order_id = %(order)s",
+    "room_access_codes": "SELECT * FROM room_access_codes WHERE deal_id = %(deal)s",
+}
+# Tables no request writes: the migrations' own bookkeeping, the database writer mark.
+UNREACHABLE_TABLES = frozenset(
+    {"schema_lock", "schema_migrations", "schema_routines", "writer_mark"}
+)
+
+
+async def _scoped_state(db: Database, rds: aioredis.Redis, scope: Scope) -> dict[str, Any]:
+    """Every row and Redis key the sweep's requests could change, by table / key."""
+    names = {
+        "deal": scope.deal_id,
+        "title": scope.title,
+        "order": scope.order_id,
+        "payment": scope.payment_id,
+        "event": scope.event_id,
+    }
+    state: dict[str, Any] = {}
+    for table, sql in SCOPED_ROWS.items():
+        # Database.fetchall binds positionally: the named values in order of use.
+        order = re.findall(r"%\((\w+)\)s", sql)
+        rows = await db.fetchall(re.sub(r"%\(\w+\)s", "%s", sql), [names[n] for n in order])
+        state[table] = sorted(map(repr, rows))
+    deals = [scope.deal_id] + [
+        int(r[0])
+        for r in await db.fetchall("SELECT id FROM deals WHERE title = %s", (scope.title,))
+    ]
+    for deal_id in deals:
+        keys = deal_keys(deal_id)
+        found = sorted(
+            [
+                str(k)
+                async for k in rds.scan_iter(match=f"{keys.tag}:*", count=1000)
+                # A resync pass's lock (gate/stock/resync.py): the background loop's own.
+                if str(k) != keys.sync_lock
+            ]
+        )
+        state[f"redis {keys.tag}"] = [(k, await rds.dump(k)) for k in found]
+    return state
+
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+async def _sweep(
+    client: Client,
+    doc: dict[str, Any],
+    scope: Scope,
+    only: set[tuple[str, str]] | None = None,
+) -> set[tuple[str, str, str]]:
+    """Send every integer past its bounds (of the operations `only` names, or all),
+    assert each answer a problem+json 4xx; what was checked."""
+    sender = Sender(client, doc, scope.deal_id)
+    bodies = scope.bodies()
+    checked: set[tuple[str, str, str]] = set()
+    for method, path, op in _operations(doc):
+        if only is not None and (method, path) not in only:
+            continue
+        params = _parameters(doc, op)
+        found = _body_schema(doc, op)
+        base_body = bodies.get(found[0]) if found else None
+        valid_body = stdjson.dumps(base_body).encode() if base_body is not None else None
+        for param in params:
+            if not _is_integer(param["schema"]) or param["in"] not in ("path", "query"):
+                continue
+            for value in _over_values(param["schema"]):
+                if param["in"] == "path":
+                    if value.startswith("-"):
+                        continue  # not digits: another route's (or no route's) path
+                    status, where, problem = await sender.send(
+                        method, path, op, path_values={param["name"]: value}, body=valid_body
+                    )
+                else:
+                    status, where, problem = await sender.send(
+                        method, path, op, query=f"?{param['name']}={value}", body=valid_body
+                    )
+                _assert_problem_4xx(status, where, problem)
+                checked.add((method, path, param["name"]))
+        if found is None or base_body is None:
+            continue
+        for keys, field in _integer_fields(doc, found[1]):
+            for value in _over_values(field):
+                body = stdjson.loads(stdjson.dumps(base_body))
+                _set(body, keys, PLACEHOLDER)
+                # json.dumps cannot write a 4,400-digit int either: splice the literal.
+                text = stdjson.dumps(body).replace(f'"{PLACEHOLDER}"', value).encode()
+                status, where, problem = await sender.send(method, path, op, body=text)
+                _assert_problem_4xx(status, f"{where} {'.'.join(keys)}={value[:24]}", problem)
+                checked.add((method, path, ".".join(keys)))
+    return checked
 
 
 async def test_document_states_the_bounds_of_every_request_integer(client: Client) -> None:
@@ -218,45 +355,93 @@ async def test_every_integer_past_its_bounds_is_a_problem_4xx_and_changes_nothin
 ) -> None:
     doc = (await client.get("/openapi.json")).json()
     deal_id = await create_deal(client, stock=10, buckets=2, max_per_order=2)
-    before = await _state(db, rds, deal_id)
-    sender = Sender(client, doc, deal_id)
-    checked: set[tuple[str, str, str]] = set()
-    for method, path, op in _operations(doc):
-        params = _parameters(doc, op)
-        found = _body_schema(doc, op)
-        base_body = BASE_BODIES.get(found[0]) if found else None
-        valid_body = stdjson.dumps(base_body).encode() if base_body is not None else None
-        for param in params:
-            if not _is_integer(param["schema"]) or param["in"] not in ("path", "query"):
-                continue
-            for value in _over_values(param["schema"]):
-                if param["in"] == "path":
-                    if value.startswith("-"):
-                        continue  # not digits: another route's (or no route's) path
-                    status, where, problem = await sender.send(
-                        method, path, op, path_values={param["name"]: value}, body=valid_body
-                    )
-                else:
-                    status, where, problem = await sender.send(
-                        method, path, op, query=f"?{param['name']}={value}", body=valid_body
-                    )
-                _assert_problem_4xx(status, where, problem)
-                checked.add((method, path, param["name"]))
-        if found is None or base_body is None:
-            continue
-        for keys, field in _integer_fields(doc, found[1]):
-            for value in _over_values(field):
-                body = stdjson.loads(stdjson.dumps(base_body))
-                _set(body, keys, PLACEHOLDER)
-                # json.dumps cannot write a 4,400-digit int either: splice the literal.
-                text = stdjson.dumps(body).replace(f'"{PLACEHOLDER}"', value).encode()
-                status, where, problem = await sender.send(method, path, op, body=text)
-                _assert_problem_4xx(status, f"{where} {'.'.join(keys)}={value[:24]}", problem)
-                checked.add((method, path, ".".join(keys)))
+    scope = Scope(deal_id, f"bounds {deal_id}")
+    tables = {str(r[0]) for r in await db.fetchall("SHOW TABLES")}
+    # Every table is judged or known to be out of any request's reach: a new table
+    # must be added to SCOPED_ROWS (or UNREACHABLE_TABLES) before this passes.
+    assert tables == SCOPED_ROWS.keys() | UNREACHABLE_TABLES, tables ^ (
+        SCOPED_ROWS.keys() | UNREACHABLE_TABLES
+    )
+    before = await _scoped_state(db, rds, scope)
+    assert before["deal_buckets"] and before[f"redis {deal_keys(deal_id).tag}"]
+    checked = await _sweep(client, doc, scope)
     assert ("post", "/v1/deals/{deal_id}/reservations", "deal_id") in checked
     assert ("post", "/v1/payments/{provider}/webhook", "data.amount") in checked
     assert len(checked) >= 15, checked
-    assert await _state(db, rds, deal_id) == before
+    after = await _scoped_state(db, rds, scope)
+    assert _changed(before, after) == [], _changed(before, after)
+    await assert_invariants(db, rds, deal_id)
+
+
+STOCK = ("post", "/v1/admin/deals/{deal_id}/stock")
+CREATE = ("post", "/v1/admin/deals")
+RESERVE = ("post", "/v1/deals/{deal_id}/reservations")
+WEBHOOK = ("post", "/v1/payments/{provider}/webhook")
+
+
+@pytest.mark.parametrize(
+    ("plant", "operation", "caught"),
+    [
+        # What each operation would have done had it taken a bad input for a good one.
+        ("stock adjusted", STOCK, ["deal_buckets", "inventory_ledger", "redis"]),
+        ("deal created", CREATE, ["deal_buckets", "deals", "inventory_ledger", "redis"]),
+        ("reservation taken", RESERVE, ["deal_buckets", "inventory_ledger", "orders", "redis"]),
+        ("named event recorded", WEBHOOK, ["outbox", "payment_events"]),
+        # Nothing, or a write outside the scope (a hold of another deal cancelled: a
+        # ledger and an outbox row, as an earlier test's expiry writes them): unseen.
+        ("nothing", STOCK, []),
+        ("another deal's hold cancelled", RESERVE, []),
+    ],
+)
+async def test_the_check_catches_what_a_bad_input_could_write(
+    client: Client,
+    db: Database,
+    rds: aioredis.Redis,
+    plant: str,
+    operation: tuple[str, str],
+    caught: list[str],
+) -> None:
+    """The sweep of one operation, then the write one of its bad inputs could have made
+    done for real: the check names what changed (or nothing, for a write elsewhere)."""
+    doc = (await client.get("/openapi.json")).json()
+    deal_id = await create_deal(client, stock=10, buckets=2, max_per_order=2)
+    scope = Scope(deal_id, f"bounds {deal_id}")
+    before = await _scoped_state(db, rds, scope)
+    assert await _sweep(client, doc, scope, only={operation})
+    if plant == "stock adjusted":
+        r = await client.post(
+            f"/v1/admin/deals/{deal_id}/stock",
+            json={"delta": 1, "reason": "planted"},
+            headers=ADMIN,
+        )
+        assert r.status_code == 200, r.text
+    elif plant == "deal created":
+        await create_deal(client, title=scope.title, stock=5)
+    elif plant == "reservation taken":
+        assert (
+            await reserve(client, deal_id, 4242, f"bounds-planted-{deal_id}")
+        ).status_code == 201
+    elif plant == "named event recorded":
+        body = stdjson.dumps(scope.bodies()["PaymentEvent"] | {"id": f"evt_{deal_id}"}).encode()
+        # This deal's own event id: the payment id stays the scope's.
+        key = decode_secret(WEBHOOK_SECRET)
+        headers = sign_headers([key], f"msg_planted_{deal_id}", int(time.time()), body)
+        r = await client.post(
+            "/v1/payments/sandbox/webhook",
+            content=body,
+            headers={**headers, "Content-Type": "application/json"},
+        )
+        assert r.status_code < 300, r.text
+    elif plant == "another deal's hold cancelled":
+        other = await create_deal(client, stock=3)
+        held = await reserve(client, other, 4243, f"bounds-elsewhere-{other}")
+        assert held.status_code == 201, held.text
+        order_id = held.json()["order_id"]
+        cancelled = await client.post(f"/v1/orders/{order_id}/cancel", headers=buyer(4243))
+        assert cancelled.status_code == 200, cancelled.text
+    after = await _scoped_state(db, rds, scope)
+    changed = sorted({k.split(" ")[0] for k in _changed(before, after)})
+    assert changed == caught, (plant, _changed(before, after))
     await assert_invariants(db, rds, deal_id)
 
 

@@ -320,7 +320,7 @@ async def test_keys_from_a_file_and_no_hs256_without_its_secret(
 
 
 def test_https_is_required_outside_dev() -> None:
-    env = base_env()
+    env = {**base_env(), "GATE_JWT_ISSUER": ISSUER, "GATE_JWT_AUDIENCE": AUDIENCE}
     env["GATE_JWT_JWKS_URL"] = "http://id.shop.example/jwks.json"
     with pytest.raises(SettingsError, match="https"):
         load_settings(env)

@@ -16,7 +16,8 @@
 --   0 APPLIED      a transition or a recorded fact
 --   1 DUPLICATE    the event was already recorded (or is no longer waiting)
 --   2 IGNORED      recorded, no effect (a failure after a success, a stale fact)
---   3 QUARANTINED  recorded, never applied: wrong amount, currency or order
+--   3 QUARANTINED  recorded, never applied: wrong amount, currency or order, or a type
+--                  `quarantine.<reason>` an adapter gave an event it cannot read
 --   4 LATE         a success after the hold ended: the caller settles it (re-take or refund)
 --   5 WAITING      recorded; it waits for its payment (a refund before its payment)
 
@@ -121,6 +122,12 @@ proc: BEGIN
     END IF;
 
     main: BEGIN
+        IF p_type LIKE 'quarantine.%' THEN
+            -- An adapter that cannot read the event safely (a Stripe event rendered at
+            -- an API version the adapter does not read) records it with its reason.
+            SET v_code = 3, v_outcome = 'quarantined', v_detail = SUBSTRING(p_type, 12);
+            LEAVE main;
+        END IF;
         IF p_type NOT IN ('payment.succeeded', 'payment.authorized', 'payment.failed',
                           'authorization.voided', 'refund.succeeded', 'refund.failed') THEN
             SET v_detail = 'unknown_type';

@@ -13,7 +13,8 @@
 
 The caller makes every retried request carry the same idempotency key (or be a
 read), so a retry of a call that did happen returns the original result. One
-aiohttp session per adapter, opened on first use and closed by `close`.
+aiohttp session per adapter, opened on first use and closed by `close`; with traces
+on, each attempt is a client span and sends `traceparent` (gate/base/tracing.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gate.base import tracing
 from gate.base.backoff import Backoff, parse_retry_after
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import ProviderUnavailable
@@ -78,6 +80,8 @@ class ProviderHttp:
                     total=self.settings.timeout_seconds,
                     sock_connect=self.settings.connect_timeout_seconds,
                 ),
+                # Traced: each call a client span, traceparent sent (gate/base/tracing.py).
+                trace_configs=tracing.client_trace_configs(),
             )
         return self._session
 

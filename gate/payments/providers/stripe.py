@@ -12,6 +12,10 @@
           payment_intent.canceled                 -> authorization.voided
           charge.refunded / refund.updated        -> refund.succeeded | refund.failed
           anything else                           -> recorded as ignored
+        an acted-on event whose api_version is not one the parsing reads the same as
+        API_VERSION -> quarantine.api_version_mismatch (recorded, quarantined, never
+        applied; reconciliation reads the fact from the API at API_VERSION)
+    every API call sends Stripe-Version: API_VERSION (answers in the shape parsed here)
     capture / void / refund --POST, form-encoded, Idempotency-Key--> Stripe
     reconciliation: GET /v1/payment_intents and /v1/refunds, created[gte], paged
 
@@ -52,6 +56,7 @@ from gate.payments.provider import (
     Transaction,
     TransactionPage,
     answer_id,
+    checked_id,
     event_id_of,
     order_id_or_none,
 )
@@ -63,6 +68,23 @@ from gate.web.http_io import json_answer
 log = logging.getLogger("gate.payments.stripe")
 
 NAME = "stripe"
+# The Stripe API version the parsing in this module is written for (docs/payments.md,
+# "API version"). Sent as Stripe-Version on every call, so answers come in this shape
+# whatever the account's default version is; webhook endpoints are created with it.
+API_VERSION = "2024-06-20"
+# Versions whose events render every field read here (a PaymentIntent's id, status,
+# amount, amount_received, amount_capturable, currency, metadata, latest_charge,
+# last_payment_error; a refund's id, payment_intent, amount, currency, status,
+# metadata; a charge's refunds list, absent or not) as API_VERSION does: Stripe's
+# changelog from 2022-11-15 (PaymentIntent.charges replaced by latest_charge, a
+# charge's refunds no longer included) to API_VERSION changes none of them. An event of
+# any other version is quarantined, never read with a guess of its shape.
+COMPATIBLE_API_VERSIONS = frozenset(
+    {"2022-11-15", "2023-08-16", "2023-10-16", "2024-04-10", API_VERSION}
+)
+# The recorded type of such an event: the database quarantines a `quarantine.<reason>`
+# type with <reason> as its detail (gate_payment_event_in_tx).
+VERSION_QUARANTINE = "quarantine.api_version_mismatch"
 API_BASE = "https://api.stripe.com"
 TOLERANCE_SECONDS = 300
 SIGNATURE_HEADER_MAX = 2048
@@ -269,6 +291,10 @@ class StripeWebhook:
         if not isinstance(obj, dict):
             raise EventInvalid("data.object must be an object")
         base = _Envelope(event_id, created, body)
+        version = doc.get("api_version")
+        known = isinstance(version, str) and version in COMPATIBLE_API_VERSIONS
+        if not known and (event_type in PAYMENT_EVENTS or event_type in REFUND_EVENTS):
+            return self._version_quarantined(event_type, version, obj, base)
         if event_type in PAYMENT_EVENTS:
             return self._payment_event(event_type, obj, base)
         if event_type in REFUND_EVENTS:
@@ -278,6 +304,31 @@ class StripeWebhook:
             type=f"stripe.{event_type}"[:64],
             order_id=_order_id(obj),
             payment_id=None,
+            amount=None,
+            currency=None,
+            refund_id=None,
+        )
+
+    def _version_quarantined(
+        self, event_type: str, version: Any, obj: Mapping[str, Any], base: _Envelope
+    ) -> ProviderEvent:
+        """An event the gate acts on, rendered at a version whose shape is not known
+        to match API_VERSION's: recorded and quarantined with the reason, its ids kept
+        only where they read as ids (for the operator and the outbox)."""
+        shown = version if isinstance(version, str) and version.isprintable() else None
+        log.warning(
+            "Stripe event %s (%s) has api_version %r; the adapter reads %s and versions"
+            " known to match it: quarantined (set the webhook endpoint's API version)",
+            base.event_id,
+            event_type,
+            shown[:40] if shown is not None else None,
+            API_VERSION,
+        )
+        payment = obj.get("id") if event_type in PAYMENT_EVENTS else obj.get("payment_intent")
+        return base.event(
+            type=VERSION_QUARANTINE,
+            order_id=_order_id(obj),
+            payment_id=checked_id(payment, STRIPE_ID_RE),
             amount=None,
             currency=None,
             refund_id=None,
@@ -383,6 +434,7 @@ class StripeProvider:
         self._headers = {
             "Authorization": f"Bearer {config.api_key.reveal()}",
             "Content-Type": "application/x-www-form-urlencoded",
+            "Stripe-Version": API_VERSION,
         }
 
     async def close(self) -> None:

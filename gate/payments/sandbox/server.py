@@ -4,6 +4,7 @@ payment platforms offer a test mode.
 Provider API (what the gate calls; changing calls require `Idempotency-Key`):
   POST /v1/sessions                  {order_id, amount, currency, capture_method,
                                       expires_at, description?, notify_url?, return_url?}
+                                     (the session keeps the call's W3C traceparent)
   GET  /v1/sessions?order_id=        sessions of an order (query by order)
   GET  /v1/payments?order_id=        payments of an order
   GET  /v1/payments/{id}
@@ -192,6 +193,11 @@ def _flag(doc: Mapping[str, Any], name: str, default: bool) -> bool:
 # -- provider API ----------------------------------------------------------------------
 
 
+def _traceparent(request: Request) -> str | None:
+    value = request.headers.get("traceparent")
+    return value if value and len(value) <= 128 and value.isprintable() else None
+
+
 async def create_session(request: Request) -> Response:
     sb = _sandbox(request)
     doc = await _body(request)
@@ -223,6 +229,7 @@ async def create_session(request: Request) -> Response:
             return_url,
             description,
             f"{sb.config.public_url}/pay/{sid}",
+            traceparent=_traceparent(request),
         )
         sb.sessions[sid] = s
         sb.sessions_by_order.setdefault(order_id, []).append(sid)

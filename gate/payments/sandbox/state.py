@@ -173,6 +173,9 @@ class SbSession:
     url: str
     status: str = "open"
     created: int = field(default_factory=lambda: int(time.time()))
+    # The W3C traceparent the creating call came with (the gate's client span), shown
+    # as a test mode's request log would.
+    traceparent: str | None = None
 
 
 @dataclass
