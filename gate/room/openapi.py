@@ -100,6 +100,29 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
                 **_problems(*_TICKET_PROBLEMS, "NO_TICKET", "NO_WAITING_ROOM"),
             },
         },
+        (deal + "/queue", "delete"): {
+            "tags": ["buyers"],
+            "summary": "Leave the deal's waiting room: the ticket and its place are given up.",
+            "description": (
+                "204 when the buyer is out of the line: this call removed the ticket (those"
+                " behind move up one place; an admitted buyer's unspent admission is given"
+                " back) or the buyer had left already. A later join is a new ticket at the"
+                " back: never drawn, after every drawn ticket (prequeue and random rooms"
+                " included), no sooner than the left ticket's poll_after_ms, and no access"
+                " code is judged or bound for it (a code bound to the buyer stays theirs)."
+                " NOT_IN_QUEUE: no ticket, or a closed one (its admission spent or lapsed,"
+                " or the sale ended), which stays."
+            ),
+            "operationId": "leaveQueue",
+            "security": BUYER,
+            "parameters": [_param("DealId")],
+            "responses": {
+                "204": {"description": "Out of the line (now, or already)."},
+                **_problems(
+                    "UNAUTHORIZED", "NOT_FOUND", "NOT_IN_QUEUE", "NO_WAITING_ROOM", "OVERLOADED"
+                ),
+            },
+        },
         (deal + "/queue/fairness", "get"): {
             "tags": ["buyers"],
             "summary": "The waiting room's verifiable draw (public, no authentication).",

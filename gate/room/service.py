@@ -115,6 +115,7 @@ def _ticket_keys(deal_id: int) -> tuple[str, ...]:
         k.meta,
         fairness.draw_key(deal_id),
         k.room_codes,
+        k.room_left,
     )
 
 

@@ -287,6 +287,40 @@ async def test_a_sold_out_room_is_shown_as_such(
     assert csp_violations(driver) == []
 
 
+async def test_the_buyer_leaves_the_line_and_joins_again_at_the_back(
+    driver: Any, page_gate: GateProcess, pc: Client, shop: Shop
+) -> None:
+    """The page's "Leave the line" (DELETE …/queue): the ticket is gone, the buyer
+    behind moves up; "Join the line again" makes a new ticket behind them."""
+    deal_id = await create_deal(pc, title="Kite", stock=1, waiting_room=room(shop))
+    # A holds the one unit's admission: the page's buyer C waits first, B behind.
+    await api_join(pc, deal_id, 7_300_301)
+    await ticket_until(pc, deal_id, 7_300_301, "admitted")
+    c, b = 7_300_302, 7_300_303
+    await asyncio.to_thread(driver.get, link(page_gate, deal_id, token(c), f"{shop.origin}/r"))
+    await on_page(driver, lambda s: s["state"] == "waiting" and s["position"] == "1", "waiting")
+    await api_join(pc, deal_id, b)
+    label = await asyncio.to_thread(
+        driver.execute_script,
+        "const e = document.getElementById('leave');"
+        " return [e.textContent, e.offsetParent !== null];",
+    )
+    assert label == ["Leave the line", True], label
+
+    await asyncio.to_thread(driver.execute_script, "document.getElementById('leave').click()")
+    seen = await on_page(driver, lambda s: s["state"] == "left", "left")
+    assert seen["stateText"].startswith("You have left the line"), seen
+    assert seen["position"] is None and seen["error"] is None
+    r = await pc.get(f"/v1/deals/{deal_id}/queue", headers=buyer(c))
+    assert r.status_code == 404 and r.json()["code"] == "NO_TICKET", r.text
+    assert (await ticket_until(pc, deal_id, b, "waiting"))["position"] == 1
+
+    await asyncio.to_thread(driver.execute_script, "document.getElementById('rejoin').click()")
+    await on_page(driver, lambda s: s["state"] == "waiting" and s["position"] == "2", "rejoined")
+    assert (await ticket_until(pc, deal_id, c, "waiting"))["position"] == 2
+    assert csp_violations(driver) == []
+
+
 async def test_the_page_speaks_simplified_chinese_to_a_zh_cn_browser(
     page_gate: GateProcess, pc: Client, shop: Shop
 ) -> None:
@@ -313,6 +347,10 @@ async def test_the_page_speaks_simplified_chinese_to_a_zh_cn_browser(
         seen = await on_page(zh, lambda s: s["state"] == "waiting", "排队中")
         assert seen["stateText"] == "您已在队列中。" and seen["position"] == "1", seen
         assert seen["eta"].endswith("秒") or "分钟" in seen["eta"], seen
+        leave = await asyncio.to_thread(
+            zh.execute_script, "return document.getElementById('leave').textContent"
+        )
+        assert leave == "离开队列"
         # A refused return address, in Chinese too.
         url = link(page_gate, open_deal, token(7_300_204), "https://evil.example/")
         await asyncio.to_thread(zh.get, "about:blank")

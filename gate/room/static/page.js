@@ -39,6 +39,9 @@
       err_insecure: "This browser cannot compute the entry check here (it needs a secure connection).",
       err_other: "Something went wrong. Go back to the shop and open the waiting room again.",
       keep_open: "Keep this page open: you move forward automatically.",
+      leave: "Leave the line",
+      left: "You have left the line. Your place went to the buyers behind you.",
+      rejoin: "Join the line again (at the back)",
     },
     "zh-CN": {
       heading: "排队等候",
@@ -68,6 +71,9 @@
       err_insecure: "此浏览器无法在此完成入场校验（需要安全连接）。",
       err_other: "出现问题。请返回商店，重新进入排队页面。",
       keep_open: "请保持本页面打开：轮到您时会自动跳转。",
+      leave: "离开队列",
+      left: "您已离开队列，您的排位已让给后面的买家。",
+      rejoin: "重新排队（排到队尾）",
     },
   };
 
@@ -108,6 +114,11 @@
   let failures = 0;
   let challengeTries = 0;
   let stopped = false;
+  // Left the line (DELETE …/queue): answers still in flight are not shown.
+  let hasLeft = false;
+  let rejoining = false;
+  // The states in which the buyer is in line and may leave it.
+  const IN_LINE = ["waiting", "sold_out", "unlikely"];
 
   function applyLanguage() {
     document.documentElement.lang = lang;
@@ -139,6 +150,7 @@
     stopped = true;
     $("numbers").hidden = true;
     $("progress").hidden = true;
+    $("leave-row").hidden = true;
     showState("closed");
     $("state").hidden = true;
     showError(key);
@@ -177,6 +189,7 @@
       $("progress").value = 100;
     }
     showMessage(ticket.message);
+    $("leave-row").hidden = !IN_LINE.includes(ticket.state);
   }
 
   // The return address if its origin is one the room lists, exactly; else null.
@@ -267,6 +280,7 @@
   }
 
   function onTicket(ticket) {
+    if (hasLeft) return;
     showError(null);
     $("code-form").hidden = true;
     showTicket(ticket);
@@ -291,7 +305,8 @@
   async function join() {
     const body = {};
     if (accessCode) body.access_code = accessCode;
-    else if (config.access === "codes") return askCode("code_required");
+    // A buyer who left joins again without a code (theirs stays bound to them).
+    else if (config.access === "codes" && !rejoining) return askCode("code_required");
     const c = await call("GET", queuePath + "/challenge");
     if (c.status === 200) {
       showState("solving");
@@ -323,6 +338,47 @@
     return onProblem(r, join);
   }
 
+  function showLeft() {
+    hasLeft = true;
+    stopped = true;
+    $("numbers").hidden = true;
+    $("progress").hidden = true;
+    $("leave-row").hidden = true;
+    $("message").hidden = true;
+    showError(null);
+    showState("left");
+    $("rejoin-row").hidden = false;
+    $("rejoin").focus();
+  }
+
+  // Leave the line: the ticket and its place are given up (204, also when already
+  // left). Anything else: back to reading the ticket, which shows what holds.
+  async function leaveLine() {
+    stopped = true;
+    $("leave").disabled = true;
+    let r = null;
+    try {
+      r = await call("DELETE", queuePath);
+    } catch (_) {
+      r = null;
+    }
+    $("leave").disabled = false;
+    if (r && r.status === 204) return showLeft();
+    stopped = false;
+    if (r && r.status === 401) return fail("err_auth");
+    if (!r || r.status === 429 || r.status >= 500) showError("err_retry");
+    later(read, (r && r.retryMs) || RETRY_MS);
+  }
+
+  function rejoin() {
+    $("rejoin-row").hidden = true;
+    hasLeft = false;
+    stopped = false;
+    rejoining = true;
+    firstPosition = 0;
+    run(join);
+  }
+
   async function start() {
     const r = await call("GET", `/room/${dealId}/config`, undefined, true);
     if (r.status !== 200) return onProblem(r, start);
@@ -342,6 +398,10 @@
     showError(null);
     run(join);
   });
+  $("leave").addEventListener("click", () => {
+    leaveLine();
+  });
+  $("rejoin").addEventListener("click", rejoin);
   if (!dealId) fail("err_not_found");
   else if (!token) fail("err_token");
   else run(start);
