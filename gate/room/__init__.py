@@ -28,7 +28,7 @@ from gate.room.routes import DealGuard, DealRoutes
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
-from gate.stock.room_config import load_room_settings
+from gate.stock.room_config import ROOM_BODY_MAX_BYTES, load_room_settings
 from gate.store.scripts import Script, ScriptMissing, lua_dir
 from gate.store.work_lease import WorkLease
 from gate.web import openapi
@@ -133,7 +133,8 @@ def install(gate: Gate) -> Extension:
 
     async def configure(request: Request, deal_id: int) -> Response:
         gate.admin_auth.check(request.headers.get("authorization"))
-        body = await read_json(request, gate.settings.body_max_bytes)
+        # A room's page may carry a logo of 32 KiB: a larger bound than other bodies.
+        body = await read_json(request, max(gate.settings.body_max_bytes, ROOM_BODY_MAX_BYTES))
         await room.configure(deal_id, body)
         if isinstance(body, dict) and body.get("access") == "codes":
             # The codes may have been retired from Redis with an earlier room.
@@ -162,7 +163,7 @@ def install(gate: Gate) -> Extension:
     deals.add("/v1/admin/deals/{deal_id:id}/waiting-room", configure, ["PUT"])
     deals.add(deal + "/queue/challenge", challenge, ["GET"])
     deals.add("/v1/admin/deals/{deal_id:id}/access-codes", access_codes, ["POST"])
-    page = BuyerPage(gate.deals)
+    page = BuyerPage(gate.deals, gate.db)
     page.add_routes(deals)
     return Extension(
         name="room",

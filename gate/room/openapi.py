@@ -195,7 +195,8 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
             "parameters": [_param("DealId")],
             "requestBody": {
                 "required": True,
-                "description": "The room, or null. At most 4 KiB, application/json.",
+                "description": "The room, or null. At most 64 KiB (room for the page's"
+                " logo), application/json.",
                 "content": {JSON: {"schema": {"oneOf": [_ref("WaitingRoom"), {"type": "null"}]}}},
             },
             "responses": {
@@ -303,6 +304,23 @@ _PAGE_HEADERS_NOTE = (
 )
 
 
+_NULLABLE_TEXT = {"type": ["string", "null"]}
+_BUYER_PAGE = {
+    "type": "object",
+    "properties": {
+        "shop_name": _NULLABLE_TEXT,
+        "accent_color": _NULLABLE_TEXT,
+        "accent_text": {
+            **_NULLABLE_TEXT,
+            "description": "The colour of a button's text on the accent.",
+        },
+        "logo": {**_NULLABLE_TEXT, "description": "A data: URL (image/png, webp or svg+xml)."},
+        "help_url": _NULLABLE_TEXT,
+    },
+    "required": ["shop_name", "accent_color", "accent_text", "logo", "help_url"],
+}
+
+
 def _page_operations() -> dict[tuple[str, str], dict[str, Any]]:
     """The buyer page (gate/room/page.py): HTML and its files, and the room's
     settings it reads. Public: the buyer's token stays in the page's fragment."""
@@ -350,8 +368,12 @@ def _page_operations() -> dict[tuple[str, str], dict[str, Any]]:
                                 " (empty: nowhere, the page refuses every return address).",
                             },
                             "access": {"type": "string", "enum": ["open", "codes"]},
+                            "page": {
+                                "oneOf": [_BUYER_PAGE, {"type": "null"}],
+                                "description": "The shop's look (null: the gate's own).",
+                            },
                         },
-                        "required": ["deal_id", "title", "return_origins", "access"],
+                        "required": ["deal_id", "title", "return_origins", "access", "page"],
                     },
                     "The room's settings for its page.",
                 ),

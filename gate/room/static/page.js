@@ -42,6 +42,8 @@
       leave: "Leave the line",
       left: "You have left the line. Your place went to the buyers behind you.",
       rejoin: "Join the line again (at the back)",
+      help: "Help",
+      logo_alt: "The shop's logo",
     },
     "zh-CN": {
       heading: "排队等候",
@@ -74,6 +76,8 @@
       leave: "离开队列",
       left: "您已离开队列，您的排位已让给后面的买家。",
       rejoin: "重新排队（排到队尾）",
+      help: "帮助",
+      logo_alt: "商店标志",
     },
   };
 
@@ -379,11 +383,46 @@
     run(join);
   }
 
+  // The shop's look (the room's page): its name as text, its accent colour (checked
+  // by the gate for contrast against this page's light background, which a branded
+  // page keeps), its logo as an image from a data: URL (the CSP's img-src), a help
+  // link. Each shown only when it has the expected shape.
+  const COLOR = /^#[0-9a-f]{6}$/;
+  const LOGO = /^data:image\/(png|webp|svg\+xml);base64,[A-Za-z0-9+/]+={0,2}$/;
+  function applyBrand(page) {
+    if (!page) return;
+    const root = document.documentElement;
+    if (typeof page.accent_color === "string" && COLOR.test(page.accent_color)) {
+      root.dataset.brand = "1";
+      root.style.setProperty("--accent", page.accent_color);
+      const onAccent = COLOR.test(String(page.accent_text)) ? page.accent_text : "#ffffff";
+      root.style.setProperty("--accent-text", onAccent);
+    }
+    if (typeof page.shop_name === "string" && page.shop_name) {
+      setText("shop-name", page.shop_name);
+      $("shop-name").hidden = false;
+      $("brand").hidden = false;
+    }
+    if (typeof page.logo === "string" && LOGO.test(page.logo)) {
+      const img = $("logo");
+      // The name is shown beside it; alone, the logo says whose page this is.
+      img.alt = page.shop_name ? "" : text("logo_alt");
+      img.src = page.logo;
+      img.hidden = false;
+      $("brand").hidden = false;
+    }
+    if (typeof page.help_url === "string" && page.help_url.startsWith("https://")) {
+      $("help").href = page.help_url;
+      $("help-row").hidden = false;
+    }
+  }
+
   async function start() {
     const r = await call("GET", `/room/${dealId}/config`, undefined, true);
     if (r.status !== 200) return onProblem(r, start);
     config = r.data;
     setText("deal-title", String(config.title || ""));
+    applyBrand(config.page);
     returnUrl = allowedReturn(returnTo, config.return_origins);
     if (!returnUrl) return fail("err_return");
     return read();
