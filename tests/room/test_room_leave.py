@@ -266,3 +266,24 @@ async def test_a_leaver_keeps_their_code_and_binds_no_other(
     assert await rds.hgetall(deal_keys(deal_id).room_codes) == bound
     # ... and left for whoever it was sent to.
     assert (await join(lc, deal_id, other, {"access_code": codes[1]})).status_code == 201
+
+
+async def test_who_left_is_deleted_with_the_rooms_tickets(lc: Client, rds: aioredis.Redis) -> None:
+    """The record of who left (one entry per buyer) goes with a removed room's keys
+    (lua/room_retire.lua, within the retire loop's 5 s)."""
+    deal_id = await create_deal(lc, stock=5, waiting_room=ROOM)
+    assert (await join(lc, deal_id, 68_001)).status_code == 201
+    assert (await leave(lc, deal_id, 68_001)).status_code == 204
+    left = deal_keys(deal_id).room_left
+    assert await rds.hgetall(left)
+    r = await lc.put(
+        f"/v1/admin/deals/{deal_id}/waiting-room",
+        content=b"null",
+        headers={**ADMIN, "Content-Type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    for _ in range(100):
+        if not await rds.exists(left):
+            break
+        await asyncio.sleep(0.2)
+    assert not await rds.exists(left)
