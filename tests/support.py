@@ -441,6 +441,9 @@ class Client:
     async def put(self, path: str, **kw: Any) -> Resp:
         return await self.request("PUT", path, **kw)
 
+    async def delete(self, path: str, **kw: Any) -> Resp:
+        return await self.request("DELETE", path, **kw)
+
     async def metrics(self) -> str:
         """The text exposition of this client's gate, from its metrics listener
         (outside GATE_ENV=dev /metrics is not served on the public port)."""

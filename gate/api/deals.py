@@ -9,6 +9,7 @@ from gate.api.common import MAX_ID, _deal_id, _gate
 from gate.base import validate
 from gate.base.errors import Encoded, RawResponse, invalid, not_found, overloaded
 from gate.runtime import Gate
+from gate.stock.room_config import ROOM_BODY_MAX_BYTES
 from gate.store.db import DbUnavailable
 from gate.web.edge import EdgeRequest, EdgeRoute
 from gate.web.http_io import (
@@ -59,7 +60,8 @@ def _admin(request: Request) -> Gate:
 
 async def admin_create_deal(request: Request) -> Response:
     gate = _admin(request)
-    body = await read_json(request, gate.settings.body_max_bytes)
+    # A deal's waiting room may carry its page's logo (32 KiB): a larger bound.
+    body = await read_json(request, max(gate.settings.body_max_bytes, ROOM_BODY_MAX_BYTES))
     return json_response(await gate.deals.create(body), 201)
 
 

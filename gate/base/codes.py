@@ -50,6 +50,9 @@ class RoomCode(IntEnum):
     NO_CHALLENGE = 15
     # A join with a code from a buyer or an address that failed too many lately
     CODE_ATTEMPTS_LIMITED = 16
+    # lua/room_leave.lua: the buyer holds no ticket in the line (never joined, or the
+    # ticket is closed: its admission spent or lapsed, or the sale ended)
+    NOT_IN_QUEUE = 17
 
 
 class LimitCode(IntEnum):

@@ -25,6 +25,7 @@ _PROBLEMS: dict[str, tuple[int, str]] = {
     "CHALLENGE_REQUIRED": (403, "Challenge required"),
     "CHALLENGE_INVALID": (403, "Challenge invalid"),
     "NO_TICKET": (404, "No ticket"),
+    "NOT_IN_QUEUE": (404, "Not in the queue"),
     "METHOD_NOT_ALLOWED": (405, "Method not allowed"),
     "REQUEST_TIMEOUT": (408, "Request timeout"),
     "SOLD_OUT": (409, "Sold out"),
@@ -201,6 +202,8 @@ def from_room(code: RoomCode, detail: str = "") -> Problem:
         return Problem("NO_WAITING_ROOM", "This deal has no waiting room.", cacheable=True)
     if code == RoomCode.NO_TICKET:
         return Problem("NO_TICKET", "You hold no ticket for this deal's waiting room.")
+    if code == RoomCode.NOT_IN_QUEUE:
+        return Problem("NOT_IN_QUEUE", "You are not in this deal's waiting room's line.")
     if code == RoomCode.EARLY:
         return Problem("NOT_ACTIVE", "The waiting room is not open yet.", cacheable=True)
     if code == RoomCode.ENDED:

@@ -36,6 +36,8 @@
   KEYS[5] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
   KEYS[6] draw       list   {d:ID}:room:draw  ticket ids drawn, in join order
   KEYS[7] codes      hash   {d:ID}:rcodes  code HMAC -> "" (unbound) | user id
+  KEYS[8] left       hash   {d:ID}:rleft   user -> next_poll_ms of the ticket they left
+                                         (lua/room_leave.lua)
   (and, in the deal's slot, strings named after KEYS[1] with a TTL: the challenges
   spent, KEYS[1] .. ":pow:" .. id, and the failed code attempts' cells,
   KEYS[1] .. ":ca:u:" .. user id and KEYS[1] .. ":ca:i:" .. client address)
@@ -65,6 +67,8 @@
     7 EARLY          join: before starts_at - prequeue
     8 ENDED          join: the sale has ended (an existing ticket reads closed)
     9 POLL_TOO_SOON  read: sooner than the last answer advised; {9, wait ms}
+                     (also a join of a buyer who left, sooner than the left
+                     ticket's next poll)
    10 ACCESS_CODE_REQUIRED  join, room "codes": no code     11 ACCESS_CODE_INVALID
    12 ACCESS_CODE_USED      the code is bound to another buyer
    13 CHALLENGE_REQUIRED    join, room with a challenge: none  14 CHALLENGE_INVALID (spent)
@@ -79,6 +83,11 @@
   spends the challenge, so each guess costs a proof of work; a refusal before the
   code is judged writes nothing. The code is bound to the buyer and the challenge
   spent when the join is answered with a new ticket.
+  A buyer who left the room (KEYS[8]) and joins again gets a new ticket at the back:
+  never drawn (2^50 + a sequence number, whatever the method or the prequeue: behind
+  every drawn ticket, so leaving cannot draw again), no sooner than the left ticket's
+  next poll ({9, wait ms}), with the challenge judged as for anyone but no access code
+  judged or bound (the buyer was let in once; a code bound to them stays theirs).
   A read (or a repeated join) records when the next one is welcome: polling
   faster than poll_after_ms advises (less 20 % for jitter) is refused.
 ]]
@@ -146,13 +155,13 @@ local function spend(pow)
 end
 
 -- A new ticket's gates: nil when the buyer may go on, else the refusal.
-local function gates(user, code, pow, address)
+local function gates(user, code, pow, address, rejoin)
   if need_pow then
     if pow == '' then return {13} end
     local id = string.match(pow, '^(%x+)|%d+$')
     if not id or redis.call('EXISTS', KEYS[1] .. ':pow:' .. id) == 1 then return {14} end
   end
-  if need_code then
+  if need_code and not rejoin then
     if code == '' then return {10} end
     local ukey, akey = cell('u', user), cell('i', address)
     local utat, atat = arrival(ukey), arrival(akey)
@@ -172,8 +181,8 @@ end
 
 -- The join got its new ticket: the code is the buyer's, the challenge spent (kept a
 -- minute past its expiry, against gates whose clocks run behind).
-local function pass(user, code, pow)
-  if need_code then
+local function pass(user, code, pow, rejoin)
+  if need_code and not rejoin then
     redis.call('HSET', KEYS[7], code, user)
   end
   if need_pow then spend(pow) end
@@ -186,6 +195,7 @@ local function ticket(user, drawn, ticket_id, access, proof, address)
   local record = redis.call('HGET', KEYS[3], user)
   local created = 0
   local joined_ms, id
+  local rejoin, drawn_now = false, false
   -- The ticket's state: CLOSED unless found otherwise below.
   local code, position, seq, expires, advice = 3, 0, 0, 0, ceil_ms
   if not record then
@@ -201,10 +211,17 @@ local function ticket(user, drawn, ticket_id, access, proof, address)
     if prequeue and now_ms < start_ms - tonumber(cfg[3] or 0) then
       return {7}
     end
-    local refused = gates(user, access, proof, address)
+    -- leave: a buyer who left queues again at the back (see the header).
+    local left = redis.call('HGET', KEYS[8], user)
+    if left then
+      rejoin = true
+      if tonumber(left) > now_ms then return {9, tonumber(left) - now_ms} end
+    end
+    local refused = gates(user, access, proof, address, rejoin)
     if refused then return refused end
     local score
-    if prequeue or random then
+    drawn_now = (prequeue or random) and not rejoin
+    if drawn_now then
       score = tonumber(drawn)
       redis.call('RPUSH', KEYS[6], ticket_id)
     else
@@ -213,10 +230,10 @@ local function ticket(user, drawn, ticket_id, access, proof, address)
     redis.call('ZADD', KEYS[2], score, user)
     joined_ms, id = now_ms, ticket_id
     created = 1
-    -- A new ticket is waiting (never admitted yet). In join order it is the last one.
+    -- A new ticket is waiting (never admitted yet). Not drawn, it is the last one.
     if avail == 0 then
       code = 2
-    elseif prequeue or random then
+    elseif drawn_now then
       code, position = 0, redis.call('ZRANK', KEYS[2], user) + 1
     else
       code, position = 0, redis.call('ZCARD', KEYS[2])
@@ -260,7 +277,7 @@ local function ticket(user, drawn, ticket_id, access, proof, address)
   end
   -- Sold out: units may come back (a hold expires, a cancel), worth a slow poll.
 
-  if created == 1 then pass(user, access, proof) end
+  if created == 1 then pass(user, access, proof, rejoin) end
   redis.call('HSET', KEYS[3], user,
     joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)) .. '|' .. id)
   return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start,

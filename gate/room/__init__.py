@@ -21,13 +21,14 @@ from gate.room.edge_lane import ClientAddresses, QueueLane, TicketEdge, join_bod
 from gate.room.fairness_doc import FairnessDocs, page_query
 from gate.room.gatekeeper import RoomGates
 from gate.room.gates import CODES_BODY_MAX_BYTES, JoinPasses
+from gate.room.leave import Leaving
 from gate.room.page import BuyerPage
 from gate.room.retire import RoomRetirer
 from gate.room.routes import DealGuard, DealRoutes
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
-from gate.stock.room_config import load_room_settings
+from gate.stock.room_config import ROOM_BODY_MAX_BYTES, load_room_settings
 from gate.store.scripts import Script, ScriptMissing, lua_dir
 from gate.store.work_lease import WorkLease
 from gate.web import openapi
@@ -47,6 +48,7 @@ SCRIPTS = (
     "room_fairness",
     "room_challenge",
     "room_publish",
+    "room_leave",
 )
 
 for (_path, _method), _operation in room_openapi.operations().items():
@@ -110,6 +112,14 @@ def install(gate: Gate) -> Extension:
         _, body = await room.ticket(deal_id, user_id, "read")
         return json_response(body)
 
+    leaving = Leaving(gate.runner)
+
+    async def leave(request: Request, deal_id: int) -> Response:
+        # Leave the line: 204 whether this call or an earlier one left it.
+        user_id = gate.buyer_auth.user_id(request.headers.get("authorization"))
+        await leaving.leave(deal_id, user_id)
+        return Response(status_code=204)
+
     async def fairness(request: Request, deal_id: int) -> Response:
         # Public: the draw's commitment, and once revealed its seed and participants,
         # in pages (gate/room/fairness_doc.py).
@@ -123,7 +133,8 @@ def install(gate: Gate) -> Extension:
 
     async def configure(request: Request, deal_id: int) -> Response:
         gate.admin_auth.check(request.headers.get("authorization"))
-        body = await read_json(request, gate.settings.body_max_bytes)
+        # A room's page may carry a logo of 32 KiB: a larger bound than other bodies.
+        body = await read_json(request, max(gate.settings.body_max_bytes, ROOM_BODY_MAX_BYTES))
         await room.configure(deal_id, body)
         if isinstance(body, dict) and body.get("access") == "codes":
             # The codes may have been retired from Redis with an earlier room.
@@ -147,11 +158,12 @@ def install(gate: Gate) -> Extension:
         deals.add(deal + "/queue", join, ["POST"]),
         deals.add(deal + "/queue", read, ["GET"]),
     ]
+    deals.add(deal + "/queue", leave, ["DELETE"])
     deals.add(deal + "/queue/fairness", fairness, ["GET"])
     deals.add("/v1/admin/deals/{deal_id:id}/waiting-room", configure, ["PUT"])
     deals.add(deal + "/queue/challenge", challenge, ["GET"])
     deals.add("/v1/admin/deals/{deal_id:id}/access-codes", access_codes, ["POST"])
-    page = BuyerPage(gate.deals)
+    page = BuyerPage(gate.deals, gate.db)
     page.add_routes(deals)
     return Extension(
         name="room",

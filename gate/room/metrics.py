@@ -26,6 +26,17 @@ ADMITTED = METRICS.counter(
 LAPSED = METRICS.counter(
     "gate_room_lapsed_total", "Admissions that expired unspent and returned their slot.", ["deal"]
 )
+LEFT = METRICS.counter(
+    "gate_room_left_total",
+    "Tickets given up by their buyers (DELETE .../queue), by the process that answered.",
+    ["deal"],
+)
+GIVEN_BACK = METRICS.counter(
+    "gate_room_left_admitted_total",
+    "Of those, tickets that were admitted: their unspent admission given back (counted"
+    " as lapsed in the room's counters).",
+    ["deal"],
+)
 WAIT = METRICS.histogram(
     "gate_room_wait_seconds",
     "Time from joining the queue to admission.",

@@ -100,6 +100,29 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
                 **_problems(*_TICKET_PROBLEMS, "NO_TICKET", "NO_WAITING_ROOM"),
             },
         },
+        (deal + "/queue", "delete"): {
+            "tags": ["buyers"],
+            "summary": "Leave the deal's waiting room: the ticket and its place are given up.",
+            "description": (
+                "204 when the buyer is out of the line: this call removed the ticket (those"
+                " behind move up one place; an admitted buyer's unspent admission is given"
+                " back) or the buyer had left already. A later join is a new ticket at the"
+                " back: never drawn, after every drawn ticket (prequeue and random rooms"
+                " included), no sooner than the left ticket's poll_after_ms, and no access"
+                " code is judged or bound for it (a code bound to the buyer stays theirs)."
+                " NOT_IN_QUEUE: no ticket, or a closed one (its admission spent or lapsed,"
+                " or the sale ended), which stays."
+            ),
+            "operationId": "leaveQueue",
+            "security": BUYER,
+            "parameters": [_param("DealId")],
+            "responses": {
+                "204": {"description": "Out of the line (now, or already)."},
+                **_problems(
+                    "UNAUTHORIZED", "NOT_FOUND", "NOT_IN_QUEUE", "NO_WAITING_ROOM", "OVERLOADED"
+                ),
+            },
+        },
         (deal + "/queue/fairness", "get"): {
             "tags": ["buyers"],
             "summary": "The waiting room's verifiable draw (public, no authentication).",
@@ -172,7 +195,8 @@ def operations() -> dict[tuple[str, str], dict[str, Any]]:
             "parameters": [_param("DealId")],
             "requestBody": {
                 "required": True,
-                "description": "The room, or null. At most 4 KiB, application/json.",
+                "description": "The room, or null. At most 64 KiB (room for the page's"
+                " logo), application/json.",
                 "content": {JSON: {"schema": {"oneOf": [_ref("WaitingRoom"), {"type": "null"}]}}},
             },
             "responses": {
@@ -280,6 +304,23 @@ _PAGE_HEADERS_NOTE = (
 )
 
 
+_NULLABLE_TEXT = {"type": ["string", "null"]}
+_BUYER_PAGE = {
+    "type": "object",
+    "properties": {
+        "shop_name": _NULLABLE_TEXT,
+        "accent_color": _NULLABLE_TEXT,
+        "accent_text": {
+            **_NULLABLE_TEXT,
+            "description": "The colour of a button's text on the accent.",
+        },
+        "logo": {**_NULLABLE_TEXT, "description": "A data: URL (image/png, webp or svg+xml)."},
+        "help_url": _NULLABLE_TEXT,
+    },
+    "required": ["shop_name", "accent_color", "accent_text", "logo", "help_url"],
+}
+
+
 def _page_operations() -> dict[tuple[str, str], dict[str, Any]]:
     """The buyer page (gate/room/page.py): HTML and its files, and the room's
     settings it reads. Public: the buyer's token stays in the page's fragment."""
@@ -327,8 +368,12 @@ def _page_operations() -> dict[tuple[str, str], dict[str, Any]]:
                                 " (empty: nowhere, the page refuses every return address).",
                             },
                             "access": {"type": "string", "enum": ["open", "codes"]},
+                            "page": {
+                                "oneOf": [_BUYER_PAGE, {"type": "null"}],
+                                "description": "The shop's look (null: the gate's own).",
+                            },
                         },
-                        "required": ["deal_id", "title", "return_origins", "access"],
+                        "required": ["deal_id", "title", "return_origins", "access", "page"],
                     },
                     "The room's settings for its page.",
                 ),

@@ -3,7 +3,9 @@
     shop ── link ──> GET /room/{deal_id}#token=<buyer JWT>&return=<shop URL>
                      (the fragment never leaves the browser)
     page ── GET /room/static/{page.js, pow.js, page.css}   (no other origin)
-         ── GET /room/{deal_id}/config ──> {"return_origins", "access", ...}
+         ── GET /room/{deal_id}/config ──> {"return_origins", "access", "page", ...}
+            the shop's look: name as text, accent colour, logo as an <img> from a
+            data: URL (img-src 'self' data:), help link
             return's origin not among them ──> refused on the page, no token sent
          ── GET  /v1/deals/{id}/queue/challenge ── solved in a Web Worker (pow.js)
          ── POST /v1/deals/{id}/queue {challenge, nonce, access_code?}
@@ -14,12 +16,15 @@ The page is the same bytes for every deal: it reads the deal id from its path an
 the room's return origins from the config read, so every answer here is cached
 bytes but the config (the deal's row, at most a second old, gate/stock/deals.py,
 behind the unknown-deal guard: a random id costs no database statement; concurrent
-reads of a row not held share one look-up). The routes that name a deal are
+reads of a row not held share one look-up; a room's logo, kept apart from the row,
+is read once per logo and process: `Logos`). The routes that name a deal are
 registered through the room's DealRoutes (gate/room/routes.py), as every room route.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.resources
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +33,10 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gate.base.errors import not_found
+from gate.base.singleflight import SingleFlight
 from gate.room.routes import DealRoutes
 from gate.stock.room_config import RoomConfig
+from gate.store.db import Database
 from gate.web.http_io import json_response
 
 if TYPE_CHECKING:
@@ -59,6 +66,41 @@ STATIC_HEADERS = {**SECURITY_HEADERS, "Cache-Control": "public, max-age=300"}
 CONFIG_HEADERS = {**SECURITY_HEADERS, "Cache-Control": "no-store"}
 
 
+# Logos held per process (each at most a 43,718-character data: URL: about 11 MB).
+LOGOS_MAX = 256
+
+
+class Logos:
+    """A room's page logo (deals.room_logo), read once per logo and process: the
+    room's JSON names it by its SHA-256, so a changed logo is read again and an
+    unchanged one never."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        # deal -> (SHA-256 of the logo held, its data: URL or None)
+        self._held: dict[int, tuple[str, str | None]] = {}
+        self._filling: SingleFlight[tuple[int, str], str | None] = SingleFlight()
+
+    async def get(self, deal_id: int, sha256: str) -> str | None:
+        hit = self._held.get(deal_id)
+        if hit is not None and hit[0] == sha256:
+            return hit[1]
+        return await self._filling.run((deal_id, sha256), lambda: self._fill(deal_id))
+
+    async def _fill(self, deal_id: int) -> str | None:
+        row = await self.db.fetchone("SELECT room_logo FROM deals WHERE id = %s", (deal_id,))
+        url = str(row[0]) if row and row[0] else None
+        # Held under the digest of what was read (the row may have changed since the
+        # room's JSON was): the next config read of an older digest reads again.
+        digest = ""
+        if url:
+            digest = hashlib.sha256(base64.b64decode(url.partition(",")[2])).hexdigest()
+        if len(self._held) >= LOGOS_MAX:
+            self._held.clear()
+        self._held[deal_id] = (digest, url)
+        return url
+
+
 def _static(name: str) -> bytes:
     return importlib.resources.files("gate.room").joinpath("static", name).read_bytes()
 
@@ -66,8 +108,9 @@ def _static(name: str) -> bytes:
 class BuyerPage:
     """GET /room/{deal_id}, its config read and its static files."""
 
-    def __init__(self, deals: Deals) -> None:
+    def __init__(self, deals: Deals, db: Database) -> None:
         self.deals = deals
+        self.logos = Logos(db)
         self._page = _static("index.html")
         self._files = {name: _static(name) for name in STATIC_FILES}
 
@@ -91,7 +134,12 @@ class BuyerPage:
             "title": title,
             "return_origins": list(room.return_origins),
             "access": room.access,
+            "page": None,
         }
+        look = room.page
+        if look is not None:
+            logo = await self.logos.get(deal_id, look.logo.sha256) if look.logo else None
+            body["page"] = look.buyer_view(logo)
         return json_response(body, headers=CONFIG_HEADERS)
 
     async def static(self, request: Request) -> Response:

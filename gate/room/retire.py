@@ -78,7 +78,13 @@ class RoomRetirer:
             keys = deal_keys(deal_id)
             deleted, later = await self.runner.call(
                 "room_retire",
-                (*keys.room_state, keys.meta, draw_key(deal_id), keys.room_codes),
+                (
+                    *keys.room_state,
+                    keys.meta,
+                    draw_key(deal_id),
+                    keys.room_codes,
+                    keys.room_left,
+                ),
                 (DRAW_KEEP_MS,),
             )
             if int(deleted):

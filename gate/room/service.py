@@ -115,6 +115,7 @@ def _ticket_keys(deal_id: int) -> tuple[str, ...]:
         k.meta,
         fairness.draw_key(deal_id),
         k.room_codes,
+        k.room_left,
     )
 
 
@@ -363,6 +364,8 @@ class Room:
         """PUT /v1/admin/deals/{id}/waiting-room: the object, or null to remove."""
         room = parse_room(body)
         column = room.to_column() if room else None
+        # The page's logo is kept apart from the room's JSON (gate/db/080_room_logo.sql).
+        logo = room.logo_column() if room else None
 
         async def attempt() -> int | None:
             async with self.db.connection() as conn, conn.cursor() as cur:
@@ -370,9 +373,9 @@ class Room:
                 # A deal of several partitions has no room (docs/scale-out.md): its
                 # admissions live in one partition's slot, its buyers in P.
                 await cur.execute(
-                    "UPDATE deals SET waiting_room = %s, updated_at = NOW(6),"
+                    "UPDATE deals SET waiting_room = %s, room_logo = %s, updated_at = NOW(6),"
                     " version = version + 1 WHERE id = %s AND (partitions = 1 OR %s IS NULL)",
-                    (column, deal_id, column),
+                    (column, logo, deal_id, column),
                 )
                 changed = cur.rowcount == 1
                 # Under the row's lock: the version of this change, not of a later one.

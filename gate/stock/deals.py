@@ -249,8 +249,8 @@ class Deals:
             await cur.execute(
                 "INSERT INTO deals (title, unit_price, currency, bucket_count, hold_seconds,"
                 " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, waiting_room,"
-                " mode, partitions)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                " room_logo, mode, partitions)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     title,
                     unit_price,
@@ -263,6 +263,7 @@ class Deals:
                     starts_at,
                     ends_at,
                     room.to_column() if room else None,
+                    room.logo_column() if room else None,
                     mode,
                     partitions,
                 ),

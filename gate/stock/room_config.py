@@ -4,7 +4,6 @@ and per process (GATE_ROOM_* settings, checked at start-up)."""
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +12,8 @@ from gate.base import validate
 from gate.base.errors import invalid
 from gate.base.limits import LimitError, LimitSpec, parse_limit
 from gate.base.settings import SettingsError, env_float, env_int
+from gate.stock.origins import parse_origin
+from gate.stock.room_page import RoomPage, parse_page
 
 ROOM_FIELDS = {
     "admit_per_second",
@@ -23,6 +24,7 @@ ROOM_FIELDS = {
     "access",
     "challenge",
     "return_origins",
+    "page",
 }
 ADMIT_PER_SECOND_MAX = 100_000
 TTL_SECONDS_MIN, TTL_SECONDS_MAX, TTL_SECONDS_DEFAULT = 10, 3600, 120
@@ -39,14 +41,10 @@ CHALLENGE_MIN_BITS_MAX, CHALLENGE_MAX_BITS_MAX = 24, 28
 # https only (http for the loopback names alone: a developer's shop). Bounded so a
 # room's JSON always fits the deal row's column (4096 ASCII characters).
 RETURN_ORIGINS_MAX = 16
-RETURN_ORIGIN_CHARS_MAX = 100
-_ORIGIN_RE = re.compile(
-    r"(?P<scheme>https?)://(?P<host>[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)*"
-    r"|\[::1\])(?::(?P<port>[0-9]{1,5}))?"
-)
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
-DEFAULT_PORTS = {"https": 443, "http": 80}
 ROOM_COLUMN_MAX = 4096
+# The admin's bodies that carry a room (creating a deal, PUT …/waiting-room): room for a
+# page's logo (a data: URL of up to 43,718 characters) besides the rest.
+ROOM_BODY_MAX_BYTES = 65_536
 
 
 @dataclass(frozen=True)
@@ -73,6 +71,8 @@ class RoomConfig:
     challenge: tuple[int, int] | None = None
     # The buyer page's return addresses (origins as a browser's URL.origin writes them).
     return_origins: tuple[str, ...] = ()
+    # The shop's look on the buyer page (gate/stock/room_page.py), or None.
+    page: RoomPage | None = None
 
     def view(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -83,7 +83,14 @@ class RoomConfig:
             "message": self.message.view() if self.message else None,
         }
         out.update(self.gates_view())
+        if self.page is not None:
+            out["page"] = self.page.view()
         return out
+
+    def logo_column(self) -> str | None:
+        """The page's logo as a data: URL, for deals.room_logo (just parsed only)."""
+        logo = self.page.logo if self.page else None
+        return logo.data_url if logo else None
 
     def gates_view(self) -> dict[str, Any]:
         """access, challenge and return_origins, shown only when set (absent means an
@@ -114,6 +121,7 @@ class RoomConfig:
             str(data.get("method", "fifo")),
             RoomMessage(str(message["text"]), str(message["level"])) if message else None,
             **_gates_from_column(data),
+            page=RoomPage.from_data(data.get("page")),
         )
 
 
@@ -160,28 +168,6 @@ def parse_return_origins(value: Any) -> tuple[str, ...]:
     return tuple(found)
 
 
-def parse_origin(origin: Any, name: str) -> str:
-    shape = (
-        f"'{name}' must be an origin such as \"https://shop.example\" or"
-        ' "https://shop.example:8443": https (http only for localhost, 127.0.0.1'
-        f" and [::1]), no path, at most {RETURN_ORIGIN_CHARS_MAX} characters."
-    )
-    if not isinstance(origin, str) or len(origin) > RETURN_ORIGIN_CHARS_MAX:
-        raise invalid(shape)
-    match = _ORIGIN_RE.fullmatch(origin.lower())
-    if match is None:
-        raise invalid(shape)
-    scheme, host, port = match["scheme"], match["host"], match["port"]
-    if scheme == "http" and host not in LOOPBACK_HOSTS:
-        raise invalid(shape)
-    if port is not None:
-        number = int(port)
-        if not 1 <= number <= 65535:
-            raise invalid(shape)
-        port = None if number == DEFAULT_PORTS[scheme] else str(number)
-    return f"{scheme}://{host}" + (f":{port}" if port else "")
-
-
 def parse_room(value: Any) -> RoomConfig | None:
     """The admin API's `waiting_room` value: null (no room) or the object; every
     failure a 400 naming the field."""
@@ -210,6 +196,7 @@ def parse_room(value: Any) -> RoomConfig | None:
         message=parse_message(value.get("message")),
         **_parse_gates(value),
         return_origins=parse_return_origins(value.get("return_origins")),
+        page=parse_page(value.get("page")),
     )
     return fitting(room)
 
@@ -219,8 +206,12 @@ def fitting(room: RoomConfig) -> RoomConfig:
     (ROOM_COLUMN_MAX ASCII characters). Every change of a room goes through it: the
     admin API's whole room (`parse_room`) and the console's message alone."""
     if len(room.to_column()) > ROOM_COLUMN_MAX:
-        # Only a long message of escaped characters with many long origins gets here.
-        raise invalid("The waiting room is too long: shorten its message or its return_origins.")
+        # Only a long message of escaped characters with many long origins (and a
+        # page's long shop name and help link) gets here; the logo is stored apart.
+        raise invalid(
+            "The waiting room is too long: shorten its message, its return_origins or"
+            " its page's shop_name or help_url."
+        )
     return room
 
 

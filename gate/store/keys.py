@@ -52,6 +52,9 @@ class DealKeys:
     # attempts' cells "{d:ID}:room:ca:u:<user>" and "{d:ID}:room:ca:i:<address>"
     # (room_ticket.lua builds these from `room`: one per buyer, in the deal's slot).
     room_codes: str
+    # hash: user -> the next poll welcome (ms) of the ticket they left (room_leave.lua):
+    # a later join of theirs queues at the back and binds no further access code.
+    room_left: str
 
     def idempotency(self, user_id: int, key: str) -> str:
         return f"{self.tag}:k:{user_id}:{key}"
@@ -149,6 +152,7 @@ def _make_keys(deal_id: int, tag: str) -> DealKeys:
         room_expiry=f"{tag}:rx",
         room_window=f"{tag}:rw",
         room_codes=f"{tag}:rcodes",
+        room_left=f"{tag}:rleft",
     )
 
 

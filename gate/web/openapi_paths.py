@@ -8,6 +8,7 @@ from gate.web.openapi_kit import (
     ADMIN,
     ADMIN_BODY_PROBLEMS,
     BUYER,
+    JSON,
     _body,
     _json,
     _param,
@@ -259,7 +260,12 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "summary": "Create a deal and its stock buckets.",
                 "operationId": "createDeal",
                 "security": ADMIN,
-                "requestBody": _body("DealCreate", "The deal."),
+                "requestBody": {
+                    "required": True,
+                    "description": "The deal. At most 64 KiB (its waiting room's page may"
+                    " carry a logo), `Content-Type: application/json`.",
+                    "content": {JSON: {"schema": _ref("DealCreate")}},
+                },
                 "responses": {
                     "201": _json(_ref("AdminDeal"), "The deal, created."),
                     **_problems(*ADMIN_BODY_PROBLEMS, "OVERLOADED"),

@@ -398,8 +398,65 @@ def _schemas() -> dict[str, Any]:
                     ],
                     "description": "A join's proof of work, priced by demand; null: none.",
                 },
+                "page": {
+                    "oneOf": [_ref("RoomPage"), {"type": "null"}],
+                    "description": "The shop's look on the buyer page; null: the gate's own"
+                    " (shown only when set).",
+                },
             },
             ["admit_per_second"],
+            additionalProperties=False,
+        ),
+        "RoomPage": _object(
+            {
+                "shop_name": {
+                    "type": ["string", "null"],
+                    "minLength": 1,
+                    "maxLength": 80,
+                    "description": "Shown as text; no control characters, not only spaces.",
+                },
+                "accent_color": {
+                    "type": ["string", "null"],
+                    "pattern": "^#[0-9a-fA-F]{6}$",
+                    "description": "Buttons, links, progress. Refused (400) unless its"
+                    " contrast (WCAG 2.x) is at least 4.5:1 as text on the page's #ffffff"
+                    " background and behind a button's text (#ffffff or #111111, the more"
+                    " readable). Kept in lowercase.",
+                },
+                "logo": {
+                    "oneOf": [
+                        {
+                            "type": "string",
+                            "maxLength": 43_718,
+                            "pattern": "^data:image/(png|webp|svg\\+xml);base64,",
+                            "description": "In a request: the image, at most 32 KiB: PNG or"
+                            " WebP (1..4096 pixels a side) or SVG of plain shapes, gradients"
+                            " and text (no script, style, link, reference but url(#id)).",
+                        },
+                        _object(
+                            {
+                                "media_type": {
+                                    "type": "string",
+                                    "enum": ["image/png", "image/webp", "image/svg+xml"],
+                                },
+                                "bytes": {"type": "integer", "minimum": 1, "maximum": 32_768},
+                                "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                            },
+                            ["media_type", "bytes", "sha256"],
+                            additionalProperties=False,
+                            description="In an answer: the stored image's summary (a"
+                            " request must send the image itself).",
+                        ),
+                        {"type": "null"},
+                    ],
+                },
+                "help_url": {
+                    "type": ["string", "null"],
+                    "maxLength": 500,
+                    "pattern": "^https://",
+                    "description": "A help page the buyer page links to (https only).",
+                },
+            },
             additionalProperties=False,
         ),
         "Ticket": _object(

@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from gate.room.gates import solve
 from gate.store.db import Database
 from tests.browser_support import browser, chromium, until
+from tests.png_support import data_url, decode, make
 from tests.support import (
     ADMIN,
     Client,
@@ -284,6 +285,112 @@ async def test_a_sold_out_room_is_shown_as_such(
     assert csp_violations(driver) == []
 
 
+async def test_the_buyer_leaves_the_line_and_joins_again_at_the_back(
+    driver: Any, page_gate: GateProcess, pc: Client, shop: Shop
+) -> None:
+    """The page's "Leave the line" (DELETE …/queue): the ticket is gone, the buyer
+    behind moves up; "Join the line again" makes a new ticket behind them."""
+    deal_id = await create_deal(pc, title="Kite", stock=1, waiting_room=room(shop))
+    # A holds the one unit's admission: the page's buyer C waits first, B behind.
+    await api_join(pc, deal_id, 7_300_301)
+    await ticket_until(pc, deal_id, 7_300_301, "admitted")
+    c, b = 7_300_302, 7_300_303
+    await asyncio.to_thread(driver.get, link(page_gate, deal_id, token(c), f"{shop.origin}/r"))
+    await on_page(driver, lambda s: s["state"] == "waiting" and s["position"] == "1", "waiting")
+    await api_join(pc, deal_id, b)
+    label = await asyncio.to_thread(
+        driver.execute_script,
+        "const e = document.getElementById('leave');"
+        " return [e.textContent, e.offsetParent !== null];",
+    )
+    assert label == ["Leave the line", True], label
+
+    await asyncio.to_thread(driver.execute_script, "document.getElementById('leave').click()")
+    seen = await on_page(driver, lambda s: s["state"] == "left", "left")
+    assert seen["stateText"].startswith("You have left the line"), seen
+    assert seen["position"] is None and seen["error"] is None
+    r = await pc.get(f"/v1/deals/{deal_id}/queue", headers=buyer(c))
+    assert r.status_code == 404 and r.json()["code"] == "NO_TICKET", r.text
+    assert (await ticket_until(pc, deal_id, b, "waiting"))["position"] == 1
+
+    await asyncio.to_thread(driver.execute_script, "document.getElementById('rejoin').click()")
+    await on_page(driver, lambda s: s["state"] == "waiting" and s["position"] == "2", "rejoined")
+    assert (await ticket_until(pc, deal_id, c, "waiting"))["position"] == 2
+    assert csp_violations(driver) == []
+
+
+ACCENT = (138, 28, 28)  # #8a1c1c: 7.9:1 on white
+LOGO_RGB = (20, 90, 200)
+
+
+def _near(pixel: tuple[int, int, int], rgb: tuple[int, int, int]) -> bool:
+    return all(abs(a - b) <= 2 for a, b in zip(pixel, rgb, strict=True))
+
+
+async def test_a_branded_room_shows_the_shops_name_colour_logo_and_help(
+    driver: Any, page_gate: GateProcess, pc: Client, shop: Shop
+) -> None:
+    """The room's page object on the page, read back from the DOM and from the pixels
+    of a screenshot: the accent colour on the button, the logo drawn, the name as text
+    (never markup), within the page's CSP (no violation, nothing from another origin)."""
+    page = {
+        "shop_name": "Lantern <b>& Kite</b>",
+        "accent_color": "#8A1C1C",
+        "logo": data_url(make(96, 48, LOGO_RGB)),
+        "help_url": "https://shop.example/help",
+    }
+    deal_id = await create_deal(pc, title="Kite", stock=0, waiting_room=room(shop, page=page))
+    url = link(page_gate, deal_id, token(7_300_401), f"{shop.origin}/return")
+    await asyncio.to_thread(driver.get, url)
+    await on_page(driver, lambda s: s["state"] == "sold_out", "sold out")
+    dom = await until(
+        lambda: driver.execute_script(
+            """const $ = (id) => document.getElementById(id);
+               const img = $('logo');
+               if (!img.complete || img.naturalWidth === 0) return null;
+               const button = getComputedStyle($('leave'));
+               return {
+                 name: $('shop-name').textContent,
+                 nameElements: $('shop-name').children.length,
+                 brand: document.documentElement.dataset.brand || null,
+                 background: button.backgroundColor, color: button.color,
+                 link: getComputedStyle($('help')).color,
+                 logo: [img.naturalWidth, img.naturalHeight, img.src.slice(0, 22)],
+                 help: $('help').href, helpShown: !$('help-row').hidden,
+                 body: getComputedStyle(document.body).backgroundColor };"""
+        ),
+        "the logo drawn",
+    )
+    assert dom["name"] == "Lantern <b>& Kite</b>" and dom["nameElements"] == 0, dom
+    assert dom["brand"] == "1"
+    assert dom["background"] == "rgb(138, 28, 28)" and dom["color"] == "rgb(255, 255, 255)"
+    assert dom["link"] == "rgb(138, 28, 28)"
+    assert dom["logo"] == [96, 48, "data:image/png;base64,"], dom
+    assert dom["help"] == "https://shop.example/help" and dom["helpShown"]
+    assert dom["body"] == "rgb(255, 255, 255)"
+
+    shot = await asyncio.to_thread(driver.get_screenshot_as_png)
+    width, _, pixels = decode(shot)
+    box = await asyncio.to_thread(
+        driver.execute_script,
+        """const r = document.getElementById('leave').getBoundingClientRect();
+           return [r.left, r.top, r.width, r.height, window.devicePixelRatio];""",
+    )
+    left, top, w, h, ratio = box
+    # The button's own pixels are the accent (its text white), and the page's
+    # background white.
+    inside = [
+        pixels[int(y * ratio) * width + int(x * ratio)]
+        for y in range(int(top) + 2, int(top + h) - 2)
+        for x in range(int(left) + 2, int(left + w) - 2)
+    ]
+    accent_share = sum(_near(p, ACCENT) for p in inside) / len(inside)
+    assert accent_share > 0.6, accent_share
+    assert sum(_near(p, LOGO_RGB) for p in pixels) >= 96 * 48 * 0.9
+    assert _near(pixels[5 * width + 5], (255, 255, 255)), pixels[5 * width + 5]
+    assert csp_violations(driver) == []
+
+
 async def test_the_page_speaks_simplified_chinese_to_a_zh_cn_browser(
     page_gate: GateProcess, pc: Client, shop: Shop
 ) -> None:
@@ -310,6 +417,10 @@ async def test_the_page_speaks_simplified_chinese_to_a_zh_cn_browser(
         seen = await on_page(zh, lambda s: s["state"] == "waiting", "排队中")
         assert seen["stateText"] == "您已在队列中。" and seen["position"] == "1", seen
         assert seen["eta"].endswith("秒") or "分钟" in seen["eta"], seen
+        leave = await asyncio.to_thread(
+            zh.execute_script, "return document.getElementById('leave').textContent"
+        )
+        assert leave == "离开队列"
         # A refused return address, in Chinese too.
         url = link(page_gate, open_deal, token(7_300_204), "https://evil.example/")
         await asyncio.to_thread(zh.get, "about:blank")

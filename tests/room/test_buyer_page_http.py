@@ -120,6 +120,7 @@ async def test_the_config_read_gives_the_rooms_return_origins(client: Client) ->
         "title": "Lantern 灯笼",
         "return_origins": [SHOP, "http://127.0.0.1:8123"],
         "access": "codes",
+        "page": None,
     }
     # A room without return origins: the page is served, and refuses every return.
     bare = await create_deal(client, stock=5, waiting_room={"admit_per_second": 10})

@@ -211,7 +211,9 @@ async def test_reservations_on_unknown_deals_stay_off_the_database(
     assert per_request <= BOUND_PER_REQUEST, per_request
 
 
-@pytest.mark.parametrize(("method", "suffix"), [("POST", ""), ("GET", ""), ("GET", "/challenge")])
+@pytest.mark.parametrize(
+    ("method", "suffix"), [("POST", ""), ("GET", ""), ("DELETE", ""), ("GET", "/challenge")]
+)
 async def test_waiting_room_calls_on_unknown_deals_stay_off_the_database(
     client: Client,
     counted_gate: tuple[GateProcess, StatementCounter],
@@ -219,9 +221,9 @@ async def test_waiting_room_calls_on_unknown_deals_stay_off_the_database(
     method: str,
     suffix: str,
 ) -> None:
-    """Joins (POST), reads (GET) and challenges of a waiting room on random unknown deal
-    ids meet the unknown-deal guard as reservations and deal views do
-    (gate/stock/unknown_deals.py)."""
+    """Joins (POST), reads (GET), leaves (DELETE) and challenges of a waiting room on
+    random unknown deal ids meet the unknown-deal guard as reservations and deal views
+    do (gate/stock/unknown_deals.py)."""
     floor = await _highest_deal_id(settings) + 1_000_000
     rng = random.Random(f"{method}{suffix}")
     headers = buyer(7004)

@@ -39,6 +39,11 @@
       err_insecure: "This browser cannot compute the entry check here (it needs a secure connection).",
       err_other: "Something went wrong. Go back to the shop and open the waiting room again.",
       keep_open: "Keep this page open: you move forward automatically.",
+      leave: "Leave the line",
+      left: "You have left the line. Your place went to the buyers behind you.",
+      rejoin: "Join the line again (at the back)",
+      help: "Help",
+      logo_alt: "The shop's logo",
     },
     "zh-CN": {
       heading: "排队等候",
@@ -68,6 +73,11 @@
       err_insecure: "此浏览器无法在此完成入场校验（需要安全连接）。",
       err_other: "出现问题。请返回商店，重新进入排队页面。",
       keep_open: "请保持本页面打开：轮到您时会自动跳转。",
+      leave: "离开队列",
+      left: "您已离开队列，您的排位已让给后面的买家。",
+      rejoin: "重新排队（排到队尾）",
+      help: "帮助",
+      logo_alt: "商店标志",
     },
   };
 
@@ -108,6 +118,11 @@
   let failures = 0;
   let challengeTries = 0;
   let stopped = false;
+  // Left the line (DELETE …/queue): answers still in flight are not shown.
+  let hasLeft = false;
+  let rejoining = false;
+  // The states in which the buyer is in line and may leave it.
+  const IN_LINE = ["waiting", "sold_out", "unlikely"];
 
   function applyLanguage() {
     document.documentElement.lang = lang;
@@ -139,6 +154,7 @@
     stopped = true;
     $("numbers").hidden = true;
     $("progress").hidden = true;
+    $("leave-row").hidden = true;
     showState("closed");
     $("state").hidden = true;
     showError(key);
@@ -177,6 +193,7 @@
       $("progress").value = 100;
     }
     showMessage(ticket.message);
+    $("leave-row").hidden = !IN_LINE.includes(ticket.state);
   }
 
   // The return address if its origin is one the room lists, exactly; else null.
@@ -267,6 +284,7 @@
   }
 
   function onTicket(ticket) {
+    if (hasLeft) return;
     showError(null);
     $("code-form").hidden = true;
     showTicket(ticket);
@@ -291,7 +309,8 @@
   async function join() {
     const body = {};
     if (accessCode) body.access_code = accessCode;
-    else if (config.access === "codes") return askCode("code_required");
+    // A buyer who left joins again without a code (theirs stays bound to them).
+    else if (config.access === "codes" && !rejoining) return askCode("code_required");
     const c = await call("GET", queuePath + "/challenge");
     if (c.status === 200) {
       showState("solving");
@@ -323,11 +342,87 @@
     return onProblem(r, join);
   }
 
+  function showLeft() {
+    hasLeft = true;
+    stopped = true;
+    $("numbers").hidden = true;
+    $("progress").hidden = true;
+    $("leave-row").hidden = true;
+    $("message").hidden = true;
+    showError(null);
+    showState("left");
+    $("rejoin-row").hidden = false;
+    $("rejoin").focus();
+  }
+
+  // Leave the line: the ticket and its place are given up (204, also when already
+  // left). Anything else: back to reading the ticket, which shows what holds.
+  async function leaveLine() {
+    stopped = true;
+    $("leave").disabled = true;
+    let r = null;
+    try {
+      r = await call("DELETE", queuePath);
+    } catch (_) {
+      r = null;
+    }
+    $("leave").disabled = false;
+    if (r && r.status === 204) return showLeft();
+    stopped = false;
+    if (r && r.status === 401) return fail("err_auth");
+    if (!r || r.status === 429 || r.status >= 500) showError("err_retry");
+    later(read, (r && r.retryMs) || RETRY_MS);
+  }
+
+  function rejoin() {
+    $("rejoin-row").hidden = true;
+    hasLeft = false;
+    stopped = false;
+    rejoining = true;
+    firstPosition = 0;
+    run(join);
+  }
+
+  // The shop's look (the room's page): its name as text, its accent colour (checked
+  // by the gate for contrast against this page's light background, which a branded
+  // page keeps), its logo as an image from a data: URL (the CSP's img-src), a help
+  // link. Each shown only when it has the expected shape.
+  const COLOR = /^#[0-9a-f]{6}$/;
+  const LOGO = /^data:image\/(png|webp|svg\+xml);base64,[A-Za-z0-9+/]+={0,2}$/;
+  function applyBrand(page) {
+    if (!page) return;
+    const root = document.documentElement;
+    if (typeof page.accent_color === "string" && COLOR.test(page.accent_color)) {
+      root.dataset.brand = "1";
+      root.style.setProperty("--accent", page.accent_color);
+      const onAccent = COLOR.test(String(page.accent_text)) ? page.accent_text : "#ffffff";
+      root.style.setProperty("--accent-text", onAccent);
+    }
+    if (typeof page.shop_name === "string" && page.shop_name) {
+      setText("shop-name", page.shop_name);
+      $("shop-name").hidden = false;
+      $("brand").hidden = false;
+    }
+    if (typeof page.logo === "string" && LOGO.test(page.logo)) {
+      const img = $("logo");
+      // The name is shown beside it; alone, the logo says whose page this is.
+      img.alt = page.shop_name ? "" : text("logo_alt");
+      img.src = page.logo;
+      img.hidden = false;
+      $("brand").hidden = false;
+    }
+    if (typeof page.help_url === "string" && page.help_url.startsWith("https://")) {
+      $("help").href = page.help_url;
+      $("help-row").hidden = false;
+    }
+  }
+
   async function start() {
     const r = await call("GET", `/room/${dealId}/config`, undefined, true);
     if (r.status !== 200) return onProblem(r, start);
     config = r.data;
     setText("deal-title", String(config.title || ""));
+    applyBrand(config.page);
     returnUrl = allowedReturn(returnTo, config.return_origins);
     if (!returnUrl) return fail("err_return");
     return read();
@@ -342,6 +437,10 @@
     showError(null);
     run(join);
   });
+  $("leave").addEventListener("click", () => {
+    leaveLine();
+  });
+  $("rejoin").addEventListener("click", rejoin);
   if (!dealId) fail("err_not_found");
   else if (!token) fail("err_token");
   else run(start);
