@@ -60,7 +60,11 @@ BASE_BODIES: dict[str, dict[str, Any]] = {
         },
     },
 }
-PATH_VALUES = {"order_id": "01JD3W9K2XG5W7Q8M4Z6V1R0TB", "provider": "sandbox"}
+PATH_VALUES = {
+    "order_id": "01JD3W9K2XG5W7Q8M4Z6V1R0TB",
+    "provider": "sandbox",
+    "endpoint_id": "01JD3W9K2XG5W7Q8M4Z6V1R0TB",
+}
 
 
 def _resolve(doc: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
