@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from tests.webhooks_support import Receiver, verify, wait_for, webhook_env
 ENV = webhook_env(GATE_WEBHOOK_RETRY_SCHEDULE="0.1,0.1")
 
 
-def gate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _gate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [GATE_BIN, "webhooks", *args],
         env=env or ENV,
@@ -26,8 +27,13 @@ def gate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
-def gate_json(*args: str) -> Any:
-    done = gate(*args, "--json")
+async def gate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The command in a thread: the receiver in this event loop keeps answering."""
+    return await asyncio.to_thread(_gate, *args, env=env)
+
+
+async def gate_json(*args: str) -> Any:
+    done = await gate(*args, "--json")
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -51,51 +57,53 @@ async def test_the_commands_do_what_the_api_does(serving: GateProcess) -> None:
     receiver = Receiver(policy)
     await receiver.start()
     try:
-        made = gate_json("create", "--url", receiver.url, "--events", "*", "--description", "cli")
+        made = await gate_json(
+            "create", "--url", receiver.url, "--events", "*", "--description", "cli"
+        )
         endpoint_id = made["id"]
         assert made["secret"].startswith("whsec_") and made["description"] == "cli"
-        plain = gate("show", endpoint_id)
+        plain = await gate("show", endpoint_id)
         assert plain.returncode == 0 and endpoint_id in plain.stdout
         assert made["secret"] not in plain.stdout
-        listed = gate_json("list")["endpoints"]
+        listed = (await gate_json("list"))["endpoints"]
         assert endpoint_id in {e["id"] for e in listed}
         # A test event sent by the serving gate; it fails until the receiver is fixed.
-        sent = gate_json("test", endpoint_id)
+        sent = await gate_json("test", endpoint_id)
         assert sent["status"] == "pending"
 
-        def failed() -> list[dict[str, Any]]:
-            found: list[dict[str, Any]] = gate_json(
-                "deliveries", endpoint_id, "--status", "failed"
+        async def failed() -> list[dict[str, Any]]:
+            found: list[dict[str, Any]] = (
+                await gate_json("deliveries", endpoint_id, "--status", "failed")
             )["deliveries"]
             return found
 
         (delivery,) = await wait_for(failed, 20, 0.3)
         assert delivery["event_id"] == sent["event_id"] and len(delivery["attempts"]) == 3
-        text = gate("deliveries", endpoint_id, "--limit", "5")
+        text = await gate("deliveries", endpoint_id, "--limit", "5")
         assert text.returncode == 0 and "HTTP 500" in text.stdout
         failing[0] = False
-        again = gate("retry", endpoint_id, str(delivery["id"]))
+        again = await gate("retry", endpoint_id, str(delivery["id"]))
         assert again.returncode == 0, again.stderr
         await wait_for(lambda: receiver.delivered(), 20)
-        rotated = gate_json("rotate", endpoint_id)["secret"]
-        assert gate_json("test", endpoint_id)["status"] == "pending"
+        rotated = (await gate_json("rotate", endpoint_id))["secret"]
+        assert (await gate_json("test", endpoint_id))["status"] == "pending"
         await wait_for(lambda: len(receiver.delivered()) == 2, 20)
         verify(rotated, receiver.received[-1])
         verify(made["secret"], receiver.received[-1])
-        assert gate_json("disable", endpoint_id)["status"] == "disabled"
-        assert gate_json("enable", endpoint_id)["status"] == "enabled"
+        assert (await gate_json("disable", endpoint_id))["status"] == "disabled"
+        assert (await gate_json("enable", endpoint_id))["status"] == "enabled"
         # Refusals: exit 1 with the problem's code; bad arguments: exit 2.
-        missing = gate("show", "01JD3W9K2XG5W7Q8M4Z6V1R0TB")
+        missing = await gate("show", "01JD3W9K2XG5W7Q8M4Z6V1R0TB")
         assert missing.returncode == 1 and "WEBHOOK_ENDPOINT_NOT_FOUND" in missing.stderr
-        refused = gate("create", "--url", "https://169.254.169.254/", "--events", "*")
+        refused = await gate("create", "--url", "https://169.254.169.254/", "--events", "*")
         assert refused.returncode == 1 and "WEBHOOK_URL_REFUSED" in refused.stderr
-        unknown = gate("create", "--url", receiver.url, "--events", "order.nope")
+        unknown = await gate("create", "--url", receiver.url, "--events", "order.nope")
         assert unknown.returncode == 1 and "INVALID_REQUEST" in unknown.stderr
-        assert gate("deliveries", endpoint_id, "--limit", "101").returncode == 2
-        assert gate("retry", endpoint_id, "0").returncode == 2
-        assert gate("frobnicate").returncode == 2
+        assert (await gate("deliveries", endpoint_id, "--limit", "101")).returncode == 2
+        assert (await gate("retry", endpoint_id, "0")).returncode == 2
+        assert (await gate("frobnicate")).returncode == 2
         no_key = {**ENV, "GATE_WEBHOOK_ENCRYPTION_KEY": "short"}
-        assert gate("list", env=no_key).returncode == 2
+        assert (await gate("list", env=no_key)).returncode == 2
     finally:
         await receiver.stop()
 
@@ -108,8 +116,8 @@ async def test_the_console_panel_shows_endpoints_and_retries(serving: GateProces
     await receiver.start()
     client = Client(serving.url)
     try:
-        made = gate_json("create", "--url", receiver.url, "--events", "order.paid")
-        gate_json("test", made["id"])
+        made = await gate_json("create", "--url", receiver.url, "--events", "order.paid")
+        await gate_json("test", made["id"])
         _, session = await sign_in(client)
         assert session is not None
 
