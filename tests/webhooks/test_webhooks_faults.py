@@ -344,3 +344,47 @@ async def test_the_address_connected_to_is_checked_again_on_every_delivery(
         await gate.client.request("DELETE", f"{BASE}/{made['id']}", headers=ADMIN)
     finally:
         await gate.close()
+
+
+async def test_an_orders_events_carry_increasing_sequences(
+    prepared: None, receivers: list[Receiver]
+) -> None:
+    """An order that expires and is then paid late has two events, numbered 1 and 2 in
+    the order they happened, whatever order they arrive in."""
+    import time as clock
+
+    from gate.payments.signing import decode_secret, sign_headers
+    from tests.payments_support import event_body
+    from tests.support import WEBHOOK_SECRET
+
+    receiver = await started(receivers)
+    gate = Running()
+    try:
+        await create_endpoint(
+            gate.client, receiver.url, ["order.expired", "order.paid", "payment.refund_scheduled"]
+        )
+        deal = await create_deal(gate.client, stock=2, hold_seconds=1, unit_price=300)
+        r = await reserve(gate.client, deal, 7300, f"sequence-{deal}-7300")
+        order_id = r.json()["order_id"]
+
+        def events() -> list[dict[str, Any]]:
+            got = [x.event for x in receiver.delivered().values()]
+            return sorted(
+                (e for e in got if e["data"].get("order_id") == order_id),
+                key=lambda e: e["data"]["sequence"],
+            )
+
+        await wait_for(lambda: [e["type"] for e in events()] == ["order.expired"], 20)
+        body = event_body("payment.succeeded", order_id, f"pi_late_{order_id}", 300)
+        key = decode_secret(WEBHOOK_SECRET)
+        headers = sign_headers([key], f"msg_late_{order_id}", int(clock.time()), body)
+        headers["Content-Type"] = "application/json"
+        paid = await gate.client.post("/v1/payments/sandbox/webhook", content=body, headers=headers)
+        assert paid.status_code == 200, paid.text
+        await wait_for(lambda: len(events()) == 2, 20)
+        first, second = events()
+        assert first["type"] == "order.expired" and first["data"]["sequence"] == 1
+        assert second["type"] in ("order.paid", "payment.refund_scheduled")
+        assert second["data"]["sequence"] == 2 and second["data"]["payment"]["amount"] == 300
+    finally:
+        await gate.close()
