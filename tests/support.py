@@ -84,6 +84,9 @@ def base_env() -> dict[str, str]:
             "GATE_ADMIN_TOKEN": ADMIN_TOKEN,
             "GATE_WEBHOOK_SECRET": WEBHOOK_SECRET,
             "GATE_WEBHOOK_ENCRYPTION_KEY": WEBHOOK_ENCRYPTION_KEY,
+            # The suite's gates send no webhooks (they would take deliveries meant for
+            # a webhook test's own gate): tests/webhooks_support.py turns them on.
+            "GATE_WEBHOOK_WORKERS": "0",
             "GATE_ADMISSION_SECRET": ADMISSION_SECRET,
             # Required outside GATE_ENV=dev; the suite's gates take the sandbox's calls.
             "GATE_PAYMENT_PROVIDER": "sandbox",

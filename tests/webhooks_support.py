@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import web
 from standardwebhooks.webhooks import Webhook
 
+from gate.store.db import Database
 from tests.support import ADMIN, Client, base_env, free_port
 
 # (webhook-id, attempt number at this receiver) -> (status, headers, seconds to wait)
@@ -105,6 +107,7 @@ def webhook_env(**extra: str) -> dict[str, str]:
             "GATE_WEBHOOK_INTERVAL_SECONDS": "0.05",
             "GATE_BACKGROUND_LEASE_SECONDS": "1",
             "GATE_SWEEP_INTERVAL_SECONDS": "0.2",
+            "GATE_WEBHOOK_WORKERS": "1",
         }
     )
     env.update(extra)
@@ -153,3 +156,14 @@ async def wait_for(
 
 def problem_of(status: int, body: Mapping[str, Any], code: str) -> None:
     assert body["status"] == status and body["code"] == code, body
+
+
+@pytest.fixture
+async def no_endpoints_left(db: Database) -> AsyncIterator[None]:
+    """Each webhook test starts and ends with no endpoint enabled: a gate of a later
+    test would otherwise keep sending an earlier test's deliveries to its receiver,
+    long gone."""
+    sql = "UPDATE webhook_endpoints SET status = 'deleted' WHERE status <> 'deleted'"
+    await db.execute(sql)
+    yield
+    await db.execute(sql)

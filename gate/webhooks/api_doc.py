@@ -45,7 +45,12 @@ _EVENTS = {
     "items": {"type": "string", "enum": [*ev.TYPES, ev.ALL]},
     "description": 'The event types delivered to the endpoint, or ["*"] for all.',
 }
-_DESCRIPTION = {"type": "string", "maxLength": DESCRIPTION_MAX_CHARS}
+_DESCRIPTION = {
+    "type": "string",
+    "maxLength": DESCRIPTION_MAX_CHARS,
+    "pattern": "^[^\\x00-\\x1f\\x7f]*$",
+    "description": "A note for people; no control characters.",
+}
 _SECRET = {
     "type": "string",
     "pattern": "^whsec_[A-Za-z0-9+/]+=*$",

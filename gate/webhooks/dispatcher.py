@@ -85,6 +85,8 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._unsigned_logged: set[str] = set()
+        # Endpoints whose last claim came back full: more is likely waiting.
+        self._full: set[str] = set()
 
     def kick(self) -> None:
         self._wake.set()
@@ -150,6 +152,10 @@ class Dispatcher:
             return 0
         token = secrets.token_hex(8)
         claimed, lapsed = await self.store.claim(wants, self.settings.claim_seconds, token)
+        got: dict[str, int] = {}
+        for c in claimed:
+            got[c.endpoint_id] = got.get(c.endpoint_id, 0) + 1
+        self._full = {e for e, n in wants.items() if got.get(e, 0) >= n}
         if lapsed:
             log.info("webhooks: %d deliveries sent again after their sender stopped", len(lapsed))
         for c in claimed:
@@ -162,14 +168,22 @@ class Dispatcher:
         return len(claimed)
 
     def _free_slots(self, endpoint_ids: list[str]) -> dict[str, int]:
+        """Slots to claim per endpoint. The total is shared evenly among the endpoints
+        with work (in flight here, or whose last claim came back full), so a dead
+        endpoint cannot take every slot and a busy one is not held to a share of
+        endpoints that have nothing to send; each of those is asked for one."""
         total_free = self.settings.concurrency - self.busy
         if total_free <= 0:
             return {}
-        share = max(1, self.settings.concurrency // len(endpoint_ids))
+        busy = [e for e in endpoint_ids if e in self.in_flight or e in self._full]
+        share = max(1, self.settings.concurrency // max(1, len(busy)))
         cap = min(self.settings.endpoint_concurrency, share)
         wants: dict[str, int] = {}
         for endpoint_id in endpoint_ids:
-            free = min(cap - self.in_flight.get(endpoint_id, 0), total_free)
+            # One slot for an endpoint that had nothing last time: found full, it
+            # counts among the busy ones from the next pass on.
+            room = cap - self.in_flight.get(endpoint_id, 0) if endpoint_id in busy else 1
+            free = min(room, total_free)
             if free > 0:
                 wants[endpoint_id] = free
                 total_free -= free

@@ -10,10 +10,18 @@ import pytest
 
 from gate.store.db import Database
 from tests.support import ADMIN, Client, GateProcess
-from tests.webhooks_support import Receiver, create_endpoint, wait_for, webhook_env
+from tests.webhooks_support import (
+    Receiver,
+    create_endpoint,
+    no_endpoints_left,
+    wait_for,
+    webhook_env,
+)
 
 BASE = "/v1/admin/webhook-endpoints"
 MISSING = "01JD3W9K2XG5W7Q8M4Z6V1R0TB"
+pytestmark = pytest.mark.usefixtures("no_endpoints_left")
+__all__ = ["no_endpoints_left"]
 
 
 @pytest.fixture(scope="module")

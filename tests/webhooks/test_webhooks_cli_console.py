@@ -12,9 +12,11 @@ import pytest
 
 from tests.console_support import console_env, sign_in
 from tests.support import GATE_BIN, Client, GateProcess
-from tests.webhooks_support import Receiver, verify, wait_for, webhook_env
+from tests.webhooks_support import Receiver, no_endpoints_left, verify, wait_for, webhook_env
 
 ENV = webhook_env(GATE_WEBHOOK_RETRY_SCHEDULE="0.1,0.1")
+pytestmark = pytest.mark.usefixtures("no_endpoints_left")
+__all__ = ["no_endpoints_left"]
 
 
 def _gate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -30,11 +30,20 @@ from tests.support import (
     create_deal,
     reserve,
 )
-from tests.webhooks_support import Receiver, create_endpoint, verify, wait_for, webhook_env
+from tests.webhooks_support import (
+    Receiver,
+    create_endpoint,
+    no_endpoints_left,
+    verify,
+    wait_for,
+    webhook_env,
+)
 
 REFUSED_FIRST = 2
 PAID, CANCELLED, EXPIRING = 6, 4, 5
 INBOUND_KEY = decode_secret(WEBHOOK_SECRET)
+pytestmark = pytest.mark.usefixtures("no_endpoints_left")
+__all__ = ["no_endpoints_left"]
 
 
 async def pay(client: Client, order_id: str, amount: int) -> None:

@@ -262,3 +262,20 @@ def test_events_and_subscriptions() -> None:
     )
     assert ipaddress.ip_address("1.1.1.1").is_global
     assert Schedule.parse("5").attempts_max == 2
+
+
+def test_slots_are_shared_among_the_endpoints_with_work() -> None:
+    settings = load_webhook_settings(
+        {"GATE_WEBHOOK_CONCURRENCY": "8", "GATE_WEBHOOK_ENDPOINT_CONCURRENCY": "6"}, dev=False
+    )
+    d: Any = Dispatcher.__new__(Dispatcher)
+    d.settings = settings
+    d.in_flight, d._full = {}, set()
+    # Nothing known yet: one slot each, to find out.
+    assert d._free_slots(["A", "B", "C"]) == {"A": 1, "B": 1, "C": 1}
+    # A is busy alone: it may take its own cap; the idle ones still get one each.
+    d._full = {"A"}
+    assert d._free_slots(["A", "B", "C"]) == {"A": 6, "B": 1, "C": 1}
+    # A hangs with its 4 slots of an even share (8 // 2); B busy too: B gets its share.
+    d.in_flight, d._full = {"A": 4}, {"B"}
+    assert d._free_slots(["A", "B", "C"]) == {"B": 4}
