@@ -35,6 +35,7 @@ AREAS = (
     "gate.expiry",
     "gate.room",
     "gate.queuemode",
+    "gate.webhooks",
     "gate.console",
 )
 
@@ -61,6 +62,31 @@ class ConsolePanel(Protocol):
         into its snapshot entry; a deal the area has nothing for is left out. Called
         once per snapshot (at most once a second per process): bounded reads, one
         round trip per store for all the deals, never one per deal."""
+        ...
+
+
+class ConsoleGateAction(Protocol):
+    """An area's gate-wide console action, POST /console/api/panels/{panel}/{name}:
+    called after the console checked the session and CSRF token, with the JSON body
+    and the actor ("console:<session prefix>"). Bad input raises its Problem."""
+
+    async def __call__(self, body: Any, actor: str) -> dict[str, Any]: ...
+
+
+class ConsoleGatePanel(Protocol):
+    """An area's part of the live console that belongs to the whole gate rather than
+    to one deal (the webhooks' endpoints): its fields appear in the snapshot's
+    "panels" under `name`."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def actions(self) -> Mapping[str, ConsoleGateAction]: ...
+
+    async def gate_fields(self) -> dict[str, Any]:
+        """The panel's fields: bounded reads, called once per snapshot (at most once
+        a second per process)."""
         ...
 
 
@@ -95,6 +121,7 @@ class Extension:
     # The console's panels and actions of the area (gate/console/ reads them from
     # every installed extension when it builds a snapshot or runs an action).
     console_panels: list[ConsolePanel] = field(default_factory=list)
+    console_gate_panels: list[ConsoleGatePanel] = field(default_factory=list)
 
 
 def area_modules() -> list[ModuleType]:

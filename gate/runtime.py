@@ -9,8 +9,8 @@ from typing import Any
 
 from gate.base.settings import Settings
 from gate.extensions import Extension, area_modules
+from gate.reserve.path import ReservationPath
 from gate.reserve.ports import QueuedOrders
-from gate.reserve.reservations import Reservations
 from gate.reserve.soldout import SoldOutCache
 from gate.stock.deals import Deals
 from gate.stock.janitor import Janitor
@@ -108,7 +108,7 @@ class Gate:
             self.mirror.before_sync.extend(ext.before_sync)
         # An order waiting in queue mode's queue, for the order view and cancel.
         self.queue: QueuedOrders | None = _plug(self.extensions, "queued_orders")
-        self.reservations = Reservations(
+        self.reservations = ReservationPath(
             settings,
             self.db,
             self.mirror,
@@ -151,7 +151,7 @@ class Gate:
                 await hook()
         # Every serving process gives back its own admissions that will never commit.
         self._spawn(self.reservations.givebacks.run(self._stop))
-        self._spawn(self.reservations.probe_breakers(self._stop))
+        self._spawn(self.reservations.breakers.probe(self._stop))
         run_background = self.settings.run_background if background is None else background
         if run_background:
             self._spawn(self.janitor.run(self._stop))

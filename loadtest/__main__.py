@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-partitions": ("loadtest.bench_partitions", "one hot deal in 1 against 3 partitions"),
     "bench-queue": ("loadtest.bench_queue", "the queue mode benchmark"),
     "bench-room": ("loadtest.bench_room", "the waiting room's benchmark"),
+    "bench-webhooks": (
+        "loadtest.bench_webhooks",
+        "events delivered to a local receiver during a sale; the sale with and without",
+    ),
     "bench-challenge": (
         "loadtest.bench_challenge",
         "the room's proof of work: client cost by demand, verification's share",

@@ -36,18 +36,18 @@ VARIANTS = ("today", "task", "before")
 async def measure(rounds: int, n: int, concurrency: int) -> dict[str, Any]:
     from gate.api.app import build_app
     from gate.queuemode.service import QueueService
-    from gate.reserve.reservations import Reservations
+    from gate.reserve.path import ReservationPath
     from loadtest.tokens import TokenMint
 
     settings = await hp.prepared_settings()
     app = build_app(settings, background=False)
     mint = TokenMint(settings.jwt_secret.reveal())
     probe = hp.Probe(app, settings.admin_token.reveal(), mint, edge=True)
-    start_queued = Reservations.start_queued
+    start_queued = ReservationPath.start_queued
     index_in_admission = QueueService.index_in_admission
 
     def variant(name: str) -> None:
-        Reservations.start_queued = start_queued  # type: ignore[method-assign]
+        ReservationPath.start_queued = start_queued  # type: ignore[method-assign]
         QueueService.index_in_admission = index_in_admission  # type: ignore[method-assign]
         if name in ("task", "before"):
             hp.switch_off("queue-callback")

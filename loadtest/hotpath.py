@@ -347,10 +347,10 @@ def switch_off(lever: str) -> None:
 
         edge_lane.TicketEdge.handle = in_a_task  # type: ignore[method-assign]
     elif lever == "queue-callback":
-        from gate.reserve.reservations import Reservations
+        from gate.reserve.path import ReservationPath
 
         # Every queue-mode reservation in a task of its own (`reserve`), as before.
-        Reservations.start_queued = lambda self, req: None  # type: ignore[method-assign]
+        ReservationPath.start_queued = lambda self, req: None  # type: ignore[method-assign]
     elif lever == "queue-index":
         from gate.queuemode.service import QueueService
 

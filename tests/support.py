@@ -39,6 +39,8 @@ JWT_SECRET = "test-jwt-secret-0123456789abcdef0123456789"
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef012345"
 ADMISSION_SECRET = "test-admission-secret-0123456789abcdef012345"
 WEBHOOK_SECRET = "whsec_dGVzdC13ZWJob29rLXNlY3JldC0wMTIzNDU2Nzg5"
+# Seals the outbound webhook endpoints' signing secrets (gate/webhooks/vault.py).
+WEBHOOK_ENCRYPTION_KEY = "test-webhook-encryption-key-0123456789abcdef"
 
 
 # GATE_TEST_REDIS_CLUSTER=1: the suite runs against a local Redis Cluster started for
@@ -81,6 +83,10 @@ def base_env() -> dict[str, str]:
             "GATE_JWT_SECRET": JWT_SECRET,
             "GATE_ADMIN_TOKEN": ADMIN_TOKEN,
             "GATE_WEBHOOK_SECRET": WEBHOOK_SECRET,
+            "GATE_WEBHOOK_ENCRYPTION_KEY": WEBHOOK_ENCRYPTION_KEY,
+            # The suite's gates send no webhooks (they would take deliveries meant for
+            # a webhook test's own gate): tests/webhooks_support.py turns them on.
+            "GATE_WEBHOOK_WORKERS": "0",
             "GATE_ADMISSION_SECRET": ADMISSION_SECRET,
             # Required outside GATE_ENV=dev; the suite's gates take the sandbox's calls.
             "GATE_PAYMENT_PROVIDER": "sandbox",

@@ -106,7 +106,7 @@ async def readyz(request: Request) -> Response:
     checks["database"] = await probe.verdict()
     pool = gate.db.pool_stats()
     details: dict[str, Any] = {
-        "redis_circuit": gate.reservations.circuit_state,
+        "redis_circuit": gate.reservations.breakers.state,
         "db_pool": pool,
         # The node this process writes to (gate/store/dbwriter.py), and each node's
         # verdict when GATE_MYSQL_URL names several.
@@ -115,7 +115,7 @@ async def readyz(request: Request) -> Response:
         if gate.settings.mysql.clustered and gate.db.selector is not None
         else {},
     }
-    degraded = gate.reservations.circuit_state != "closed" or (
+    degraded = gate.reservations.breakers.state != "closed" or (
         pool["reservation_in_use"] >= pool["reservation_max"]
     )
     if all(v == "ok" for v in checks.values()):

@@ -16,9 +16,10 @@ from starlette.types import Receive, Scope, Send
 from gate.api.common import MAX_ID
 from gate.base import validate
 from gate.base.errors import Encoded, Problem, not_found, overloaded
-from gate.base.limits import client_ip, device_id
+from gate.base.limits import device_id
 from gate.base.metrics import METRICS, CounterTally
-from gate.reserve.request import MAX_QUANTITY, QueuedCall, Reserved, ReserveRequest
+from gate.reserve.path import Taken
+from gate.reserve.request import MAX_QUANTITY, QueuedCall, Reserved
 from gate.runtime import Gate
 from gate.store.db import DbUnavailable
 from gate.web.edge import INTERNAL, EdgeRequest, EdgeRoute
@@ -62,6 +63,10 @@ _LATENCY = METRICS.histogram_tally(METRICS.reservation_latency)
 _REPLAYED = {"Idempotent-Replayed": "true"}
 
 
+# The near-caches answer with a kept encoding of one of these (ReservationPath.take).
+_NEAR_CACHE_OUTCOMES = {409: "SOLD_OUT", 429: "RATE_LIMITED"}
+
+
 def _count(outcome: str) -> None:
     counter = _OUTCOMES.get(outcome)
     if counter is None:
@@ -71,55 +76,54 @@ def _count(outcome: str) -> None:
 
 def _checked_headers(
     gate: Gate, headers: dict[bytes, str], deal_id: int
-) -> tuple[int, str, str | None]:
-    """A reservation's buyer, Idempotency-Key and device, checked in the order every
-    answer depends on (an unauthenticated request learns nothing about the deal)."""
+) -> tuple[int, str, str | None, str | None]:
+    """A reservation's buyer, Idempotency-Key, device and Admission-Token, checked in
+    the order every answer depends on (an unauthenticated request learns nothing
+    about the deal)."""
     user_id = gate.buyer_auth.user_id(headers.get(b"authorization"))
     if not 1 <= deal_id <= MAX_ID:
         raise not_found("deal")
     key = validate.idempotency_key(headers.get(b"idempotency-key"))
-    validate.admission_token(headers.get(b"admission-token"))
-    return user_id, key, device_id(headers.get(b"x-device-id"))
+    admission_token = headers.get(b"admission-token")
+    validate.admission_token(admission_token)
+    return user_id, key, device_id(headers.get(b"x-device-id")), admission_token
 
 
-def _prepared(
+def _taken(
     gate: Gate,
     headers: dict[bytes, str],
     deal_id: int,
-    checked: tuple[int, str, str | None],
+    checked: tuple[int, str, str | None, str | None],
     body: dict[str, Any],
     path: str,
     client: tuple[str, int] | None,
-) -> Encoded | ReserveRequest:
-    """A valid reservation's request for the gate, or the near-caches' answer to it
-    (most of a sale's requests end here, without an exception or a coroutine)."""
-    user_id, key, device = checked
+    on_reply: bool,
+) -> Taken:
+    """A valid reservation handed to the reservation path, in one call: the
+    near-caches' kept answer (most of a sale's requests end there, without an
+    exception or a coroutine), or the way to the answer (`ReservationPath.take`)."""
+    user_id, key, device, admission_token = checked
     if len(body) != 1:
         # The body is {"quantity": n} and nothing else (the OpenAPI schema's
         # additionalProperties: false): a field the fingerprint would not cover must
         # not ride along with an idempotency key.
         validate.no_unknown(body, RESERVATION_FIELDS)
     quantity = validate.integer(body, "quantity", 1, MAX_QUANTITY)
-    early = gate.reservations.sold_out_answer(deal_id, user_id, quantity, path)
-    if early is not None:
-        _count("SOLD_OUT")
-        return early
-    ip = client_ip(
-        client[0] if client else None,
+    return gate.reservations.take(
+        deal_id,
+        user_id,
+        quantity,
+        key,
+        device,
+        admission_token,
+        client,
         headers.get(b"x-forwarded-for"),
-        gate.settings.trusted_proxies,
-        gate.settings.limit_ip_v6_prefix,
-    )
-    early = gate.reservations.limited_answer(deal_id, user_id, ip, device, path)
-    if early is not None:
-        _count("RATE_LIMITED")
-        return early
-    return ReserveRequest(
-        deal_id, user_id, quantity, key, ip, device, headers.get(b"admission-token")
+        path,
+        on_reply=on_reply,
     )
 
 
-async def _reserved(gate: Gate, req: ReserveRequest, path: str, started: float) -> Encoded:
+async def _answered(work: Awaitable[Reserved], path: str, started: float) -> Encoded:
     """The answer to a reservation the near-caches let through.
 
     Answers made before the admission (invalid requests, the near-caches' "sold out"
@@ -127,10 +131,6 @@ async def _reserved(gate: Gate, req: ReserveRequest, path: str, started: float) 
     histogram: they take microseconds, the request histogram of the route has them,
     and under a sold-out flood they would bury the latency of the reservations that
     did reach Redis and the database, which is what the latency alert watches."""
-    return await _answered(gate.reservations.reserve(req), path, started)
-
-
-async def _answered(work: Awaitable[Reserved], path: str, started: float) -> Encoded:
     try:
         result = await work
     except Problem as problem:
@@ -181,17 +181,26 @@ class Reserve:
                 headers.get(b"content-type", ""),
                 headers.get(b"content-length"),
             )
-            prepared = _prepared(
-                gate, headers, deal_id, checked, validate.obj(body), path, scope.get("client")
+            taken = _taken(
+                gate,
+                headers,
+                deal_id,
+                checked,
+                validate.obj(body),
+                path,
+                scope.get("client"),
+                on_reply=False,
             )
         except Problem as problem:
             _count(problem.code)
             await send_answer(send, problem.encoded(path))
             return
-        if type(prepared) is ReserveRequest:
-            await send_answer(send, await _reserved(gate, prepared, path, started))
+        if isinstance(taken, tuple):
+            _count(_NEAR_CACHE_OUTCOMES[taken[0]])
+            await send_answer(send, taken)
         else:
-            await send_answer(send, prepared)  # type: ignore[arg-type]
+            assert not isinstance(taken, QueuedCall), "asked without on_reply"
+            await send_answer(send, await _answered(taken, path, started))
 
 
 class ReserveEdge(EdgeRoute):
@@ -216,37 +225,40 @@ class ReserveEdge(EdgeRoute):
                 headers.get(b"content-type", ""),
                 headers.get(b"content-length"),
             )
-            prepared = _prepared(
-                gate, headers, req.id, checked, validate.obj(body), req.path, req.client
+            taken = _taken(
+                gate,
+                headers,
+                req.id,
+                checked,
+                validate.obj(body),
+                req.path,
+                req.client,
+                on_reply=True,
             )
         except Problem as problem:
             _count(problem.code)
             req.answer(problem.encoded(req.path))
             return
-        if type(prepared) is not ReserveRequest:
-            req.answer(prepared)  # type: ignore[arg-type]
-            return
-        call = gate.reservations.start_queued(prepared)
-        if call is None:
-            req.run(_reserved(gate, prepared, req.path, req.started))
-            return
-        call.admit.add_done_callback(
-            partial(self._settled, req, prepared, call), context=req.context
-        )
+        if isinstance(taken, tuple):
+            _count(_NEAR_CACHE_OUTCOMES[taken[0]])
+            req.answer(taken)
+        elif isinstance(taken, QueuedCall):
+            taken.admit.add_done_callback(partial(_settled, req, taken), context=req.context)
+        else:
+            req.run(_answered(taken, req.path, req.started))
 
-    def _settled(
-        self, req: EdgeRequest, prepared: ReserveRequest, call: QueuedCall, _: object
-    ) -> None:
-        """A queue-mode admission's reply is in (`Reservations.settle_queued`): the 202
-        written now, or the rest of the way in a task."""
-        try:
-            outcome = self.gate.reservations.settle_queued(prepared, call)
-            if type(outcome) is Reserved:
-                req.answer(_reserved_answer(outcome, req.started))
-            else:
-                req.run(_answered(outcome, req.path, req.started))  # type: ignore[arg-type]
-        except Problem as problem:
-            req.answer(_refused(problem, req.path, req.started))
-        except Exception:
-            log.exception("unhandled error on %s %s", req.method, req.path)
-            req.answer(INTERNAL.encoded(req.path))
+
+def _settled(req: EdgeRequest, call: QueuedCall, _: object) -> None:
+    """A queue-mode admission's reply is in (`QueuedCall.settle`): the 202 written now,
+    or the rest of the way in a task."""
+    try:
+        outcome = call.settle()
+        if isinstance(outcome, Reserved):
+            req.answer(_reserved_answer(outcome, req.started))
+        else:
+            req.run(_answered(outcome, req.path, req.started))
+    except Problem as problem:
+        req.answer(_refused(problem, req.path, req.started))
+    except Exception:
+        log.exception("unhandled error on %s %s", req.method, req.path)
+        req.answer(INTERNAL.encoded(req.path))

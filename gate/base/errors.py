@@ -17,6 +17,8 @@ _PROBLEMS: dict[str, tuple[int, str]] = {
     "UNAUTHORIZED": (401, "Unauthorized"),
     "FORBIDDEN": (403, "Forbidden"),
     "NOT_FOUND": (404, "Not found"),
+    "WEBHOOK_URL_REFUSED": (400, "Webhook URL refused"),
+    "WEBHOOK_ENDPOINT_NOT_FOUND": (404, "Webhook endpoint not found"),
     "ADMISSION_REQUIRED": (403, "Admission required"),
     "ADMISSION_INVALID": (403, "Admission invalid"),
     "ACCESS_CODE_REQUIRED": (403, "Access code required"),

@@ -43,6 +43,8 @@ REQUEST_ID_MAX_CHARS = 128
 _SANE_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,%d}" % REQUEST_ID_MAX_CHARS)
 _JWT = re.compile(r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]*")
 _BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"',;]+")
+# Standard Webhooks secrets, configured or made (each outbound webhook endpoint's).
+_WHSEC = re.compile(r"whsec_[A-Za-z0-9+/=_-]{8,}")
 
 
 class RequestContext:
@@ -119,6 +121,8 @@ class _Redactor:
             line = _JWT.sub(REDACTED, line)
         if "earer" in line:
             line = _BEARER.sub(r"\1" + REDACTED, line)
+        if "whsec_" in line:
+            line = _WHSEC.sub(REDACTED, line)
         return line
 
 

@@ -139,6 +139,18 @@ AGREED_NAMES: dict[str, tuple[str, ...]] = {
         "gate_reconcile_last_run_timestamp_seconds",
     ),
     "ops": ("gate_http_requests_total", "gate_http_request_seconds"),
+    # Outbound webhooks (gate/webhooks/, docs/webhooks.md).
+    "webhooks": (
+        "gate_webhook_attempts_total",
+        "gate_webhook_attempt_seconds",
+        "gate_webhook_deliveries_failed_total",
+        "gate_webhook_events_total",
+        "gate_webhook_delivery_lag_seconds",
+        "gate_webhook_pending",
+        "gate_webhook_overdue_seconds",
+        "gate_webhook_endpoints_failing",
+        "gate_webhook_endpoints_disabled_total",
+    ),
 }
 
 # How a gauge's per-process values combine in a scrape under several workers:

@@ -107,6 +107,7 @@ SECRET_NAMES = (
     "GATE_WECHATPAY_APIV3_KEY",
     "GATE_SANDBOX_API_KEY",
     "GATE_SANDBOX_WEBHOOK_SECRET",
+    "GATE_WEBHOOK_ENCRYPTION_KEY",
 )
 FILE_SUFFIX = "_FILE"
 # A secret is short; a bigger file is a wrong path (and is not read whole).

@@ -11,6 +11,8 @@
     POST /console/api/deals/{id}/{action} buckets | stock | window, and the actions of
                                           the areas' console panels (room_message,
                                           retry_dead_letters)
+    POST /console/api/panels/{panel}/{action}  the actions of the areas' gate-wide
+                                          panels (webhooks/retry)
 
 Off unless GATE_CONSOLE=1 (on by default with GATE_ENV=dev): then no route exists
 and /console is the usual 404. Every /console/api call but sign-in needs the signed
@@ -379,6 +381,22 @@ class Console:
         )
         return json_response(view)
 
+    async def panel_act(self, request: Request) -> Response:
+        """An area's gate-wide panel's action (gate/extensions.py ConsoleGatePanel)."""
+        session = await self.changing(request)
+        panel_name, name = request.path_params["panel"], request.path_params["action"]
+        action = None
+        for ext in self.gate.extensions:
+            for panel in ext.console_gate_panels:
+                if panel.name == panel_name:
+                    action = panel.actions.get(name)
+        if action is None:
+            raise not_found("console action")
+        body = await read_json(request, self.gate.settings.body_max_bytes)
+        view = await action(body, session.actor)
+        log.warning("console: %s did %s/%s: %s", session.actor, panel_name, name, body)
+        return json_response(view)
+
     def routes(self) -> list[BaseRoute]:
         deal = "/console/api/deals/{deal_id:id}"
         return [
@@ -391,6 +409,7 @@ class Console:
             Route(deal + "/ledger", self.ledger, methods=["GET"]),
             Route(deal + "/advice", self.advice, methods=["GET"]),
             Route(deal + "/{action:str}", self.act, methods=["POST"]),
+            Route("/console/api/panels/{panel:str}/{action:str}", self.panel_act, methods=["POST"]),
         ]
 
 

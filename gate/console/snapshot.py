@@ -173,6 +173,7 @@ class Snapshots:
         timings["deals"] = round((time.monotonic() - now) * 1000, 2)
         mark = time.monotonic()
         await self._panels(deals)
+        gate_panels = await self._gate_panels()
         timings["panels"] = round((time.monotonic() - mark) * 1000, 2)
         mark = time.monotonic()
         samples = _samples()
@@ -199,6 +200,7 @@ class Snapshots:
             "refresh_seconds": self.refresh_seconds,
             "deals": list(deals.values()),
             "gate": rates,
+            "panels": gate_panels,
         }
 
     async def _redis_buckets(self, deals: dict[int, dict[str, Any]]) -> None:
@@ -241,6 +243,21 @@ class Snapshots:
             for deal_id, fields in answer.items():
                 if deal_id in deals:
                     deals[deal_id].update(fields)
+
+    async def _gate_panels(self) -> dict[str, Any]:
+        """The areas' gate-wide panels (gate/extensions.py ConsoleGatePanel), by name; a
+        panel that fails is left out of this snapshot."""
+        panels = [p for ext in self.gate.extensions for p in ext.console_gate_panels]
+        if not panels:
+            return {}
+        answers = await asyncio.gather(*(p.gate_fields() for p in panels), return_exceptions=True)
+        out: dict[str, Any] = {}
+        for panel, answer in zip(panels, answers, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning("console: the %s panel failed: %r", panel.name, answer)
+                continue
+            out[panel.name] = answer
+        return out
 
     async def _db_status(self) -> dict[str, float]:
         try:

@@ -6,7 +6,7 @@
   (spending the buyer's admission), then the transaction was not sent because the
   process's lease was found lapsed (Redis flushed or failed over), the units were
   given back (compensate.lua) and the request is tried again under a fresh lease
-  (gate/reserve/reservations.py). Without this the retry would find the admission spent
+  (gate/reserve/path.py `_after_lapse`). Without this the retry would find the admission spent
   and answer ADMISSION_INVALID to a buyer who bought nothing. The admission's
   sequence number and expiry come from the buyer's verified Admission-Token.
 

@@ -11,7 +11,8 @@ set does not name: it may have lost it), takes at most GATE_QUEUE_BATCH_MAX entr
     + new entries (XREADGROUP >)
         ──> queue_take.lua, one call for the batch: "Q"/"C" -> "C" (attempt n;
             cancel now refused)
-            "X|…" (rejected or cancelled) ──> compensate (acts once) ──> ack
+            "X|…" (rejected or cancelled) ──> order.rejected outbox row (once)
+                ──> compensate (acts once) ──> ack
         ──> a retried or claimed entry whose order the database already holds
             (an earlier attempt committed, the answer was lost) ──> confirm ──> ack
         ──> CALL gate_reserve_group for the rest (one transaction, gate/reserve/groups.py's
@@ -23,6 +24,12 @@ set does not name: it may have lost it), takes at most GATE_QUEUE_BATCH_MAX entr
                first) ──> stays unacknowledged, retried after a backoff; at the
                GATE_QUEUE_ATTEMPTS_MAX-th failure ──> queue_dead_letters row,
                status "X|DEAD_LETTER", compensate ──> ack
+
+A rejection (a refusal, a buyer's cancel while queued, a dead letter) is also written
+to the outbox as `order.rejected` (event id: the order id, INSERT IGNORE), after its
+final status is fenced and before its entry is acknowledged, so the event stream and
+the shop's webhooks learn of it durably; a consumer killed in between leaves the
+entry to the next, which writes it.
 
 Exactly once: an order id is the primary key of `orders`, so a second commit of one
 request can only fail (DUPLICATE, then the order is found and confirmed); units go
@@ -435,6 +442,7 @@ class QueueConsumer:
                     await self._dead_letter_row(
                         deal_id, entry, self.settings.attempts_max, "(recorded by a later pass)"
                     )
+                await self._rejection_row(deal_id, entry, str(detail)[2:])
                 await self._give_back(deal_id, entry)
                 await self._ack(qk.stream, entry.entry_id)
                 settled += 1
@@ -631,6 +639,7 @@ class QueueConsumer:
         entry acknowledged."""
         if not await self._fence(deal_id, e, reason):
             return False
+        await self._rejection_row(deal_id, e, reason)
         await self._give_back(deal_id, e)
         await self._ack(queue_keys(deal_id).stream, e.entry_id)
         REJECTED.labels(str(deal_id), reason).inc()
@@ -666,6 +675,7 @@ class QueueConsumer:
         if not await self._fence(deal_id, e, "DEAD_LETTER"):
             return 0
         await self._dead_letter_row(deal_id, e, e.attempts, repr(exc)[:LAST_ERROR_MAX_CHARS])
+        await self._rejection_row(deal_id, e, "DEAD_LETTER")
         await self._give_back(deal_id, e)
         await self._ack(queue_keys(deal_id).stream, e.entry_id)
         REJECTED.labels(str(deal_id), "DEAD_LETTER").inc()
@@ -684,4 +694,28 @@ class QueueConsumer:
             "INSERT IGNORE INTO queue_dead_letters (order_id, deal_id, user_id, quantity,"
             " idempotency_key, attempts, last_error) VALUES (%s, %s, %s, %s, %s, %s, %s)",
             (e.token, deal_id, e.user_id, e.quantity, e.idempotency_key, attempts, error),
+        )
+
+    async def _rejection_row(self, deal_id: int, e: Entry, reason: str) -> None:
+        """The rejected order's `order.rejected` outbox row, written once (its event id
+        is the order id, which no other outbox row uses: a rejected order never
+        reaches `orders`)."""
+        await self.gate.db.execute(
+            "INSERT IGNORE INTO outbox (event_id, topic, aggregate_id, payload, created_at)"
+            " SELECT %s, 'order.rejected', %s, JSON_OBJECT('order_id', %s, 'deal_id', %s + 0,"
+            " 'user_id', %s + 0, 'quantity', %s + 0, 'status', 'REJECTED', 'reason', %s,"
+            " 'order_amount', d.unit_price * %s, 'order_currency', d.currency,"
+            " 'at', DATE_FORMAT(NOW(6), '%%Y-%%m-%%dT%%H:%%i:%%s.%%fZ')), NOW(6)"
+            " FROM (SELECT 1) AS one LEFT JOIN deals d ON d.id = %s",
+            (
+                e.token,
+                e.token,
+                e.token,
+                deal_id,
+                e.user_id,
+                e.quantity,
+                reason[:64],
+                e.quantity,
+                deal_id,
+            ),
         )

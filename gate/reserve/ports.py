@@ -1,8 +1,8 @@
 """The reservation path's plugs: what an area hands over (through its Extension) to
 take part in a reservation, so that the core never names an area's types.
 
-    waiting room (gate/room/) ──AdmissionPort──> Reservations: the Admission-Token check
-    queue mode (gate/queuemode/) ──QueuePort──> Reservations: a queue-mode deal's
+    waiting room (gate/room/) ──AdmissionPort──> Admitter: the Admission-Token check
+    queue mode (gate/queuemode/) ──QueuePort──> QueueDispatch: a queue-mode deal's
                                                 admission queued instead of committed
                                ──QueuedOrders──> order view and cancel (gate/api/)
 
@@ -31,6 +31,10 @@ class AdmissionPort(Protocol):
 class ModeView(Protocol):
     def known(self, deal_id: int) -> bool | None:
         """True: the deal is in queue mode; False: sync; None: not known yet."""
+
+    async def is_queue(self, deal_id: int) -> bool:
+        """Whether the deal is in queue mode, the database asked for a deal `known`
+        does not know yet."""
 
 
 class QueuePort(Protocol):

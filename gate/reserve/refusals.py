@@ -1,4 +1,11 @@
-"""The limiters' near-cache (`Refusals`) and the limiter arguments lua/admit.lua is sent."""
+"""The rate limiters at the reservation path (`RateLimits`): the arguments
+lua/admit.lua is sent, the answers of their refusals, and their near-cache
+(`Refusals`).
+
+    a request ──> RateLimits.answer: a refusal remembered here? ──> the kept 429
+              └─> admit.lua (the scoped limiters) beside limit.lua (the global one)
+                    └─ refused ──> RateLimits.refused: remembered, and its 429
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,10 @@ import math
 import time
 from typing import Any
 
-from gate.base.limits import LimitSpec
+from gate.base.errors import Encoded, Problem
+from gate.base.limits import LimitSpec, rate_limited
 from gate.base.metrics import METRICS, CounterTally
+from gate.base.settings import Settings
 from gate.reserve.request import ReserveRequest
 
 RATE_LIMITED = METRICS.rate_limited
@@ -116,3 +125,72 @@ def _limiter_args(specs: tuple[LimitSpec | None, ...]) -> list[int]:
     for spec in specs:
         args.extend((spec.emission_ms, spec.burst) if spec else (0, 0))
     return args
+
+
+class RateLimits:
+    """The limiters as the reservation path sees them."""
+
+    def __init__(self, settings: Settings) -> None:
+        scoped = (
+            settings.limit_deal,
+            settings.limit_user,
+            settings.limit_ip,
+            settings.limit_device,
+        )
+        # lua/admit.lua's limiter arguments: a request without a device id has the
+        # device limiter off.
+        self.args = _limiter_args(scoped)
+        self.args_no_device = _limiter_args(
+            tuple(None if i == DEVICE_INDEX else spec for i, spec in enumerate(scoped))
+        )
+        self.global_spec = settings.limit_global
+        self.on = any(scoped) or self.global_spec is not None
+        self.refusals = Refusals(scoped, self.global_spec is not None)
+        self._specs = dict(zip(SCOPED_LIMITS, scoped, strict=True))
+        self._specs["global"] = self.global_spec
+        self._answers: dict[tuple[str, int], Problem] = {}
+
+    def answer(
+        self, deal_id: int, user_id: int, ip: str, device: str | None, instance: str
+    ) -> Encoded | None:
+        """The kept answer of a refusal this process remembers, ready for the wire."""
+        if self.on:
+            refused = self.refusals.check(deal_id, user_id, ip, device)
+            if refused is not None:
+                return self._made(*refused).encoded(instance)
+        return None
+
+    def refused(self, req: ReserveRequest, scope: str, wait_ms: int, sent: float) -> Problem:
+        """Redis refused `req` (`scope`'s limiter, for `wait_ms` from `sent`): the
+        refusal remembered, and the problem to raise."""
+        self.refusals.remember(req, scope, wait_ms, sent)
+        made = self._made(scope, wait_ms)
+        # A copy to raise: raising the kept one again and again would chain tracebacks.
+        return Problem(
+            made.code,
+            made.detail,
+            retry_after_seconds=made.retry_after_seconds,
+            headers=made.headers,
+            extra=made.extra,
+            cacheable=True,
+        )
+
+    def _made(self, scope: str, wait_ms: int) -> Problem:
+        """The refusal counted, and its answer: one per scope and whole second of wait,
+        made once and only ever encoded (`refused` copies it to raise)."""
+        counter = _LIMITED_TALLIES.get(scope)
+        if counter is None:
+            counter = _LIMITED_TALLIES[scope] = METRICS.counter_tally(RATE_LIMITED.labels(scope))
+        counter.inc()
+        key = (scope, math.ceil(wait_ms / 1000))
+        made = self._answers.get(key)
+        if made is None:
+            if len(self._answers) >= LIMITED_ANSWERS_MAX:
+                self._answers.clear()
+            spec = self._specs[scope]
+            assert spec is not None, f"limiter {scope} refused while off"
+            # Its body and headers follow from the detail (scope, limit, wait): cacheable.
+            made = rate_limited(scope, spec, wait_ms)
+            made.cacheable = True
+            self._answers[key] = made
+        return made

@@ -1,17 +1,26 @@
-"""A reservation request and its answers: what the edge and the ASGI app hand the
-reservation path, and what comes back.
+"""A reservation request, its way through the path and its answers: what the edge
+and the ASGI app hand the reservation path, what travels between the path's parts,
+and what comes back.
+
+    ReserveRequest ──> Attempt (one per admission: the request, its keys, token and
+                       mode) ──> Admission (Redis's answer) ──> Reserved (201, 200, 202)
+                                                           └──> Problem (raised)
+    QueuedCall: an Attempt whose admission's reply the edge settles in a callback
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gate.base.codes import AdmitCode
 from gate.base.errors import Problem
+from gate.stock.mirror import QueueArgs
 from gate.store.keys import DealKeys
 
 MAX_QUANTITY = 1_000_000
@@ -42,13 +51,37 @@ class ReserveRequest:
     operator_retry: bool = False
 
 
-# lua/admit.lua ARGV[17] for `ReserveRequest.operator_retry` (a header never maps to it).
-OPERATOR_ADMISSION = "*"
+class Mode(enum.Enum):
+    """How a reservation's admission is followed up."""
+
+    SYNC = "sync"  # committed in the database by this request (201)
+    QUEUED = "queued"  # queue mode: the admission also queued it (202)
+    # A deal newer than this process's view of the modes: admitted as sync, then
+    # queued by a second call if it is in queue mode after all.
+    UNSURE = "unsure"
 
 
-def _no_admission(header: str | None) -> str:
-    """Without the waiting room installed no token is ever valid."""
-    return "" if header is None else "-"
+SYNC, QUEUED, UNSURE = Mode.SYNC, Mode.QUEUED, Mode.UNSURE
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One reservation from its admission on: what every part of the path after the
+    near-caches needs. Made once per admission (a partitioned deal: once per
+    partition asked) and never changed; slots, not frozen: it is made on every
+    committed reservation, and a frozen dataclass costs five times as much to make."""
+
+    req: ReserveRequest
+    keys: DealKeys  # the deal's keys (of the partition admitted from)
+    fp: str  # `fingerprint`
+    token: str  # the order id, and the admission's in-flight token
+    start: int  # the bucket lua/admit.lua starts from
+    sent: float  # time.monotonic() before the admission: a limiter's wait counts from it
+    owner: str  # the process lease its token names; the transaction runs under it
+    mode: Mode = SYNC
+    queue_args: QueueArgs | None = None  # QUEUED: what admit.lua needs to queue it
+    index: asyncio.Future[Any] | None = None  # QUEUED: the call writing the order's index
+    parts: int = 1  # the deal's partitions
 
 
 @dataclass(frozen=True)
@@ -86,24 +119,27 @@ def admission_of(reply: list[Any], global_retry_ms: int | None = None) -> Admiss
     )
 
 
-def _consumed(fut: asyncio.Future[Any]) -> None:
+def consumed(fut: asyncio.Future[Any]) -> None:
     """A call whose outcome no longer matters: its failure retrieved, not logged."""
     if not fut.cancelled():
         fut.exception()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class QueuedCall:
-    """An admission of a deal in queue mode started at the edge (`start_queued`):
-    what settles it once its reply is in (`settle_queued`)."""
+    """An admission of a deal in queue mode, sent by `ReservationPath.take` for the
+    edge to settle in a callback on its reply (`admit`), with no task: `settle()`
+    gives the 202, or the coroutine that answers from there."""
 
-    keys: DealKeys
-    fp: str
-    token: str
-    sent: float
-    owner: str
-    index: asyncio.Future[Any] | None  # None: the admission writes the order's index
+    attempt: Attempt
     admit: asyncio.Future[Any]
+    # The path's settling, a bound method it keeps (nothing made per request).
+    settled_by: Callable[[QueuedCall], Reserved | Awaitable[Reserved]]
+
+    def settle(self) -> Reserved | Awaitable[Reserved]:
+        """Once `admit` is done: the 202, else the rest of the way as a coroutine. A
+        failed admission raises its 503."""
+        return self.settled_by(self)
 
 
 @functools.lru_cache(maxsize=4096)

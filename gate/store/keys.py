@@ -62,7 +62,7 @@ class DealKeys:
     def limiters(self, user_id: int, ip: str, device: str | None) -> tuple[str, str, str, str]:
         """The deal-slot limiter keys, in the KEYS order of admit.lua (deal, user,
         ip, device). Without a device id the device slot is a placeholder that is never
-        touched: `Reservations` turns the device limiter off for such a request."""
+        touched: `RateLimits` turns the device limiter off for such a request."""
         return (
             f"{self.tag}:rl:d",
             f"{self.tag}:rl:u:{user_id}",

@@ -359,7 +359,7 @@ class ScriptRunner:
         task.add_done_callback(self._tasks.discard)
 
     async def probe(self, name: str) -> bool:
-        """A breaker's probe with no call to make it (`Reservations.probe_breakers`):
+        """A breaker's probe with no call to make it (`Breakers.probe`, gate/reserve/breaker.py):
         does the node named as `node_of` names it answer, and, on Redis Cluster, say
         its cluster is ok (a node answers PING while it refuses every key, CLUSTERDOWN,
         during a failover)? Redis's own reply deadline bounds it."""

@@ -26,12 +26,18 @@ from gate.web.openapi_paths import _paths
 from gate.web.openapi_schemas import _schemas
 
 _extra_operations: dict[tuple[str, str], dict[str, Any]] = {}
+_extra_schemas: dict[str, dict[str, Any]] = {}
 
 
 def add_operation(path: str, method: str, operation: dict[str, Any]) -> None:
     """Describe an endpoint an area adds (path as the route's template without
     converters, e.g. "/v1/orders/{order_id}/refunds")."""
     _extra_operations[(path, method.lower())] = deepcopy(operation)
+
+
+def add_schema(name: str, schema: dict[str, Any]) -> None:
+    """A component schema of an area's own (referenced as #/components/schemas/NAME)."""
+    _extra_schemas[name] = deepcopy(schema)
 
 
 def document() -> dict[str, Any]:
@@ -109,7 +115,7 @@ def document() -> dict[str, Any]:
                     "schema": {"type": "integer", "minimum": 1},
                 }
             },
-            "schemas": _schemas(),
+            "schemas": {**_schemas(), **deepcopy(_extra_schemas)},
         },
     }
 

@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runtime",),
     ("api",),
     ("cli",),
-    ("expiry", "payments", "room", "queuemode", "console"),
+    ("expiry", "payments", "room", "queuemode", "webhooks", "console"),
 )
 # gate/__init__.py holds the version only: any module may read it.
 ROOT_MODULE = "gate"

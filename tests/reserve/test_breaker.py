@@ -69,7 +69,7 @@ def _open_gauge(name: str) -> float:
 
 def test_a_retired_breaker_reports_no_open_circuit_and_stays_closed() -> None:
     """A Redis Cluster primary that failed over serves no slot: its breaker, open
-    when the node died, is retired (gate/reserve/reservations.py _retire_breakers)."""
+    when the node died, is retired (gate/reserve/breaker.py `Breakers.retire`)."""
     name = "redis 127.0.0.1:1"
     breaker, _ = half_open(name)
     assert _open_gauge(name) == 1
@@ -84,7 +84,7 @@ async def test_a_cancelled_reservation_probe_does_not_wedge_the_gate(local_gate:
     """The reservation path itself: its probe (the admission in Redis) cancelled
     mid-call. An unknown deal: the admission answers "not loaded" and changes nothing."""
     breaker, _ = half_open("test_reservation_probe")
-    local_gate.reservations.breaker = breaker
+    local_gate.reservations.breakers.standalone = breaker
     request = ReserveRequest(2**62, 4711, 1, "breaker-probe-0001", "127.0.0.1", None)
     task = asyncio.create_task(local_gate.reservations.reserve(request))
     await asyncio.sleep(0)  # the task runs until it waits on Redis
@@ -103,12 +103,12 @@ async def test_an_open_breaker_no_call_reaches_is_probed_and_closes(local_gate: 
     itself, one Redis call, and closes it."""
     clock = Clock()
     breaker = Breaker("test_idle_probe", failures_max=1, open_seconds=1.0, clock=clock)
-    local_gate.reservations.breaker = breaker
+    local_gate.reservations.breakers.standalone = breaker
     breaker.failure()
-    assert local_gate.reservations.circuit_state == "open"
-    assert await local_gate.reservations.probe_breakers_once() == 0  # its time is not up
+    assert local_gate.reservations.breakers.state == "open"
+    assert await local_gate.reservations.breakers.probe_once() == 0  # its time is not up
     assert breaker.state == OPEN
     clock.now += 2
-    assert await local_gate.reservations.probe_breakers_once() == 1
-    assert breaker.state == CLOSED and local_gate.reservations.circuit_state == "closed"
+    assert await local_gate.reservations.breakers.probe_once() == 1
+    assert breaker.state == CLOSED and local_gate.reservations.breakers.state == "closed"
     assert _open_gauge("test_idle_probe") == 0

@@ -71,7 +71,11 @@ BASE_BODIES: dict[str, dict[str, Any]] = {
         },
     },
 }
-PATH_VALUES = {"order_id": "01JD3W9K2XG5W7Q8M4Z6V1R0TB", "provider": "sandbox"}
+PATH_VALUES = {
+    "order_id": "01JD3W9K2XG5W7Q8M4Z6V1R0TB",
+    "provider": "sandbox",
+    "endpoint_id": "01JD3W9K2XG5W7Q8M4Z6V1R0TB",
+}
 
 
 def _resolve(doc: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
@@ -234,10 +238,30 @@ SCOPED_ROWS: dict[str, str] = {
     "queue_dead_letters": "SELECT * FROM queue_dead_letters WHERE deal_id = %(deal)s"
     " OR order_id = %(order)s OR retried_order_id = %(order)s",
     "room_access_codes": "SELECT * FROM room_access_codes WHERE deal_id = %(deal)s",
+    # The webhook endpoint the paths name (none exists: a write there would be new).
+    "webhook_endpoints": "SELECT * FROM webhook_endpoints WHERE id = %(endpoint)s",
+    "webhook_deliveries": "SELECT * FROM webhook_deliveries WHERE endpoint_id = %(endpoint)s",
+    "webhook_attempts": "SELECT * FROM webhook_attempts WHERE delivery_id IN"
+    " (SELECT id FROM webhook_deliveries WHERE endpoint_id = %(endpoint)s)",
+    "webhook_endpoint_stats": "SELECT * FROM webhook_endpoint_stats"
+    " WHERE endpoint_id = %(endpoint)s",
+    "webhook_events": "SELECT id, event_id, type, aggregate_id, body, endpoint_id"
+    " FROM webhook_events WHERE endpoint_id = %(endpoint)s",
 }
-# Tables no request writes: the migrations' own bookkeeping, the database writer mark.
+# Tables no request writes: the migrations' own bookkeeping, the database writer mark,
+# the webhook loops' own state (their fan-out cursor and leases, the per-order and
+# per-deal sequences they number events with).
 UNREACHABLE_TABLES = frozenset(
-    {"schema_lock", "schema_migrations", "schema_routines", "writer_mark"}
+    {
+        "schema_lock",
+        "schema_migrations",
+        "schema_routines",
+        "writer_mark",
+        "webhook_cursor",
+        "webhook_locks",
+        "webhook_sequences",
+        "webhook_deal_state",
+    }
 )
 
 
@@ -249,6 +273,7 @@ async def _scoped_state(db: Database, rds: aioredis.Redis, scope: Scope) -> dict
         "order": scope.order_id,
         "payment": scope.payment_id,
         "event": scope.event_id,
+        "endpoint": PATH_VALUES["endpoint_id"],
     }
     state: dict[str, Any] = {}
     for table, sql in SCOPED_ROWS.items():

@@ -690,14 +690,14 @@ async def test_an_unexpected_error_at_the_edge_is_a_500_problem(
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
 
-            def boom(*args: object) -> None:
+            def boom(*args: object, **kwargs: object) -> None:
                 raise RuntimeError("edge test")
 
             async def boom_later(*args: object) -> None:
                 raise RuntimeError("edge test, later")
 
             body = b'{"quantity": 1}'
-            for name, replacement in (("sold_out_answer", boom), ("reserve", boom_later)):
+            for name, replacement in (("take", boom), ("reserve", boom_later)):
                 with monkeypatch.context() as patch:
                     patch.setattr(gate.reservations, name, replacement)
                     head, _ = request(
@@ -891,7 +891,7 @@ async def test_a_ticket_at_the_edge_when_redis_lost_the_deal_or_its_scripts_or_i
 async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task_path(
     settings: Settings, prepared: None, rds: aioredis.Redis
 ) -> None:
-    """Queue mode at the edge (gate/reserve/reservations.py `start_queued` / `settle_queued`):
+    """Queue mode at the edge (gate/reserve/path.py `start_queued` / `QueuedCall.settle`):
     the 202 is written from the admission's callback and its order is found by id
     (the admission wrote the index); a deal's first request (its price not read yet),
     a replay, a refusal, a deal Redis lost and a script Redis lost go on in a task
@@ -976,7 +976,7 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
             # cluster's are per node, tests/store/test_cluster.py kills a primary instead.)
             avail = await rds.hget(deal_keys(deal_id).meta, "avail")
             assert avail == "2", avail
-            runner = gate.reservations.mirror.runner
+            runner = gate.runner
             if not CLUSTER_RUN:
                 conns = runner._conns
                 runner._conns = [RespConnection("redis://127.0.0.1:1/0", 0.5)]
@@ -1001,6 +1001,6 @@ async def test_a_queued_reservation_at_the_edge_settled_by_its_reply_or_the_task
                 assert view.json()["status"] in ("QUEUED", "PENDING_PAYMENT"), view
             healthz = await ask("GET", "/healthz", {}, b"")
             assert healthz.status == 200
-            assert gate.reservations._inflight == 0
+            assert gate.reservations.in_flight == 0
         finally:
             writer.close()

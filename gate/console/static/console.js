@@ -104,6 +104,51 @@
     for (const gone of rows.values()) gone.remove();
     shown.forEach((tr, i) => { if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null); });
     if (selected !== null) renderDetail(snap);
+    renderWebhooks((snap.panels || {}).webhooks);
+  }
+
+  // The webhooks panel (gate/webhooks/console_panel.py): redrawn only when it changed,
+  // so a focused Retry button keeps its focus.
+  let lastWebhooks = "";
+  function renderWebhooks(w) {
+    const panel = $("webhooks-panel");
+    panel.hidden = !w || w.endpoints.length === 0;
+    const drawn = JSON.stringify(w || null);
+    if (!w || drawn === lastWebhooks) return;
+    lastWebhooks = drawn;
+    const body = document.querySelector("#webhooks tbody");
+    body.replaceChildren();
+    for (const e of w.endpoints) {
+      const tr = document.createElement("tr");
+      const rate = e.success_rate_24h === null ? "–" : (e.success_rate_24h * 100).toFixed(1) + " % of " + e.attempts_24h;
+      const status = e.status + (e.disabled_reason ? " (" + e.disabled_reason + ")" : "")
+        + (e.failing_since ? ", failing since " + e.failing_since : "");
+      for (const value of [e.url + (e.description ? " — " + e.description : ""), status, rate, e.pending, e.failed]) {
+        const td = document.createElement("td");
+        td.textContent = String(value);
+        tr.append(td);
+      }
+      body.append(tr);
+    }
+    const list = $("webhooks-failed");
+    list.replaceChildren();
+    for (const f of w.failed) {
+      const li = document.createElement("li");
+      li.textContent = "#" + f.id + " " + f.type + " (" + f.event_id + "): " + (f.last_error || ("HTTP " + f.last_status)) + " ";
+      const button = document.createElement("button");
+      button.type = "button";
+      button.textContent = "Retry";
+      button.setAttribute("aria-label", "Retry delivery " + f.id);
+      button.addEventListener("click", async () => {
+        const r = await api("POST", "panels/webhooks/retry", { endpoint_id: f.endpoint_id, delivery_id: f.id });
+        $("webhooks-result").textContent = r.status === 200
+          ? "Delivery #" + f.id + " will be sent again now."
+          : "Refused (" + r.status + "): " + ((r.data && r.data.detail) || "error");
+        $("webhooks-result").className = r.status === 200 ? "ok" : "error";
+      });
+      li.append(button);
+      list.append(li);
+    }
   }
 
   function queueSummary(q) {
