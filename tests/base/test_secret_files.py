@@ -38,6 +38,7 @@ from gate.payments.providers.wechatpay import load_wechatpay_settings
 from gate.payments.sandbox.server import load_config
 from gate.payments.signing import decode_secret
 from gate.store.migrate import load_app_user
+from gate.webhooks.config import load_webhook_settings
 from tests.support import (
     ADMIN,
     ADMIN_TOKEN,
@@ -177,6 +178,16 @@ USES: dict[str, Use] = {
         "webhook secrets (GATE_WEBHOOK_SECRET, GATE_SANDBOX_WEBHOOK_SECRET) must look like",
         extra={"GATE_ENV": "dev"},
         expect=decode_secret(SANDBOX_SECRET),
+    ),
+    "GATE_WEBHOOK_ENCRYPTION_KEY": Use(
+        "webhook-encryption-key-from-a-file-0123456789",
+        lambda env: (
+            load_webhook_settings(_settings(env).environ, _settings(env).is_dev)
+            .encryption_keys[0]
+            .reveal()
+        ),
+        "short-webhook-key",
+        "GATE_WEBHOOK_ENCRYPTION_KEY: each key must be at least 32 characters",
     ),
 }
 
