@@ -101,9 +101,13 @@ def render(document: dict[str, Any]) -> str:
     # Keys sorted, as /openapi.json serves them: the page does not depend on the order
     # the document was built in.
     doc: dict[str, Any] = orjson.loads(orjson.dumps(document, option=orjson.OPT_SORT_KEYS))
-    out: list[str] = []
-    schemes = doc["components"].get("securitySchemes", {})
-    out += ["## Endpoints", ""]
+    out = _endpoints(doc) + _problem_table(doc) + _headers(doc) + _schemas(doc)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _endpoints(doc: dict[str, Any]) -> list[str]:
+    """The table of every endpoint, then a section for each."""
+    out = ["## Endpoints", ""]
     out += ["| method | path | summary |", "| --- | --- | --- |"]
     for method, path, op in _operations(doc):
         out.append(f"| {method.upper()} | `{path}` | {_cell(op.get('summary', ''))} |")
@@ -112,55 +116,82 @@ def render(document: dict[str, Any]) -> str:
         out += [f"### {method.upper()} `{path}`", "", _cell(op.get("summary", "")), ""]
         if op.get("description"):
             out += [_cell(op["description"]), ""]
-        security = [name for req in op.get("security", []) for name in req]
-        if security:
-            auth = "; ".join(
-                f"`{name}`: {_cell(schemes.get(name, {}).get('description', ''))}"
-                for name in security
-            )
-            out += [f"Authentication: `Authorization: Bearer …` ({auth})", ""]
-        else:
-            out += ["Authentication: none.", ""]
-        params = [_resolve(doc, p) for p in op.get("parameters", [])]
-        if params:
-            out += [
-                "| parameter | in | required | type | meaning |",
-                "| --- | --- | --- | --- | --- |",
-            ]
-            for p in params:
-                out.append(
-                    f"| `{p['name']}` | {p['in']} | {'yes' if p.get('required') else 'no'} |"
-                    f" {_cell(_type(p.get('schema', {})))} | {_cell(p.get('description', ''))} |"
-                )
-            out.append("")
-        body = op.get("requestBody")
-        if body:
-            types = ", ".join(
-                f"{_type(c.get('schema', {}))} (`{ct}`)"
-                for ct, c in body.get("content", {}).items()
-            )
-            required = "required" if body.get("required") else "optional"
-            out += [f"Request body ({required}): {types}. {_cell(body.get('description', ''))}", ""]
-        out += ["| status | meaning | body | headers |", "| --- | --- | --- | --- |"]
-        for status, response in op["responses"].items():
-            codes = _problem_codes(response)
-            content = response.get("content", {})
-            if codes:
-                shape = "problem: " + ", ".join(f"`{c}`" for c in codes)
-            elif content:
-                shape = ", ".join(
-                    f"{_type(c.get('schema', {}))} (`{ct}`)" for ct, c in content.items()
-                )
-            else:
-                shape = "none"
-            headers = ", ".join(f"`{h}`" for h in response.get("headers", {})) or "—"
-            out.append(
-                f"| {status} | {_cell(response.get('description', ''))} | {_cell(shape)} |"
-                f" {headers} |"
-            )
-        out.append("")
+        out += _authentication(doc, op)
+        out += _parameters(doc, op)
+        out += _request_body(op)
+        out += _responses(op)
+    return out
 
-    out += ["## Problem codes", ""]
+
+def _authentication(doc: dict[str, Any], op: dict[str, Any]) -> list[str]:
+    """The operation's security schemes, or none."""
+    security = [name for req in op.get("security", []) for name in req]
+    if not security:
+        return ["Authentication: none.", ""]
+    schemes = doc["components"].get("securitySchemes", {})
+    auth = "; ".join(
+        f"`{name}`: {_cell(schemes.get(name, {}).get('description', ''))}" for name in security
+    )
+    return [f"Authentication: `Authorization: Bearer …` ({auth})", ""]
+
+
+def _parameters(doc: dict[str, Any], op: dict[str, Any]) -> list[str]:
+    """The operation's parameters as a table (nothing when it has none)."""
+    params = [_resolve(doc, p) for p in op.get("parameters", [])]
+    if not params:
+        return []
+    out = [
+        "| parameter | in | required | type | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for p in params:
+        out.append(
+            f"| `{p['name']}` | {p['in']} | {'yes' if p.get('required') else 'no'} |"
+            f" {_cell(_type(p.get('schema', {})))} | {_cell(p.get('description', ''))} |"
+        )
+    out.append("")
+    return out
+
+
+def _request_body(op: dict[str, Any]) -> list[str]:
+    """The operation's request body in one line (nothing when it takes none)."""
+    body = op.get("requestBody")
+    if not body:
+        return []
+    types = ", ".join(
+        f"{_type(c.get('schema', {}))} (`{ct}`)" for ct, c in body.get("content", {}).items()
+    )
+    required = "required" if body.get("required") else "optional"
+    return [f"Request body ({required}): {types}. {_cell(body.get('description', ''))}", ""]
+
+
+def _responses(op: dict[str, Any]) -> list[str]:
+    """The operation's statuses as a table: meaning, body (or problem codes), headers."""
+    out = ["| status | meaning | body | headers |", "| --- | --- | --- | --- |"]
+    for status, response in op["responses"].items():
+        headers = ", ".join(f"`{h}`" for h in response.get("headers", {})) or "—"
+        out.append(
+            f"| {status} | {_cell(response.get('description', ''))} |"
+            f" {_cell(_response_shape(response))} | {headers} |"
+        )
+    out.append("")
+    return out
+
+
+def _response_shape(response: dict[str, Any]) -> str:
+    """What a response's body is: its problem codes, its types, or none."""
+    codes = _problem_codes(response)
+    if codes:
+        return "problem: " + ", ".join(f"`{c}`" for c in codes)
+    content = response.get("content", {})
+    if content:
+        return ", ".join(f"{_type(c.get('schema', {}))} (`{ct}`)" for ct, c in content.items())
+    return "none"
+
+
+def _problem_table(doc: dict[str, Any]) -> list[str]:
+    """Every problem code with the status and the endpoints that answer it."""
+    out = ["## Problem codes", ""]
     out += [
         "Every error answer is `application/problem+json` with these fields (schema"
         " `Problem`); `code` is one of:",
@@ -179,8 +210,12 @@ def render(document: dict[str, Any]) -> str:
         answered = ", ".join(ops) if ops else "any endpoint (the catch-all answer)"
         out.append(f"| `{code}` | {status} | {_cell(answered)} |")
     out.append("")
+    return out
 
-    out += [
+
+def _headers(doc: dict[str, Any]) -> list[str]:
+    """Every request and response header with the endpoints that use it."""
+    out = [
         "## Headers",
         "",
         "| header | direction | where | meaning |",
@@ -202,8 +237,12 @@ def render(document: dict[str, Any]) -> str:
     for (name, direction), (ops, meaning) in sorted(uses.items()):
         out.append(f"| `{name}` | {direction} | {_cell(', '.join(ops))} | {_cell(meaning)} |")
     out.append("")
+    return out
 
-    out += ["## Schemas", ""]
+
+def _schemas(doc: dict[str, Any]) -> list[str]:
+    """Every schema: its description and its fields as a table (or its type)."""
+    out = ["## Schemas", ""]
     for name, schema in doc["components"]["schemas"].items():
         out += [f"### `{name}`", ""]
         if schema.get("description"):
@@ -220,7 +259,7 @@ def render(document: dict[str, Any]) -> str:
                 f" {_cell(sub.get('description', ''))} |"
             )
         out.append("")
-    return "\n".join(out).rstrip() + "\n"
+    return out
 
 
 def splice(text: str, generated: str) -> str:

@@ -302,63 +302,82 @@ class QueueConsumer:
             return 0
 
     async def _drain(self, deal_id: int, slot: int) -> int:
-        redis = self.gate.redis
+        """One bounded batch of the deal's queue picked, parsed and settled."""
         stream = queue_keys(deal_id).stream
         await self._ensure_group(stream, deal_id)
         owner, name = self.consumer_name(slot)
+        picked = await self._pick(deal_id, stream, owner, name)
+        if not picked:
+            return 0
+        entries = await self._parse_picked(stream, picked)
+        return await self._settle(deal_id, entries, owner)
+
+    async def _pick(self, deal_id: int, stream: str, owner: str, name: str) -> list[Any]:
+        """At most GATE_QUEUE_BATCH_MAX (entry id, fields) pairs: its own pending entries
+        whose backoff has passed, what other consumers left (now and then), new ones."""
         room = self.settings.batch_max
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        picked: list[tuple[Any, Any]] = []
-        # Its own pending entries (failed attempts waiting for their backoff, a pass
-        # that failed half-way): read while retries wait, else now and then.
-        if self._next_try or now - self._own_read.get((deal_id, name), -1e9) >= RECHECK_SECONDS:
-            if len(self._own_read) >= TRACKED_MAX:
-                self._own_read.clear()
-            self._own_read[(deal_id, name)] = now
-            own: Any = await redis.xreadgroup(GROUP, name, {stream: "0"}, count=room)
-            for _, delivered in own or []:
-                for entry_id, fields in delivered:
-                    if self._next_try.get(text(entry_id), 0.0) <= now:
-                        picked.append((entry_id, fields))
+        now = asyncio.get_running_loop().time()
+        picked = await self._own_due(deal_id, stream, name, room, now)
         if now - self._checked.get(deal_id, -1e9) >= RECHECK_SECONDS:
             # Now and then, per deal: what dead consumers left, and the gauges.
             if len(self._checked) >= TRACKED_MAX:
                 self._checked.clear()
             self._checked[deal_id] = now
-            if len(picked) < room:
-                picked.extend(await self._claim_dead(stream, owner, name, room - len(picked)))
-            if len(picked) < room:
-                # Any consumer idle past GATE_QUEUE_CLAIM_IDLE_SECONDS (one whose lease
-                # could not be proven gone, a name from before leases named them).
-                claimed: Any = await redis.xautoclaim(
-                    stream,
-                    GROUP,
-                    name,
-                    self.claim_idle_ms,
-                    start_id="0-0",
-                    count=room - len(picked),
-                )
-                picked.extend(claimed[1] if claimed else [])
+            picked.extend(await self._left_by_others(stream, owner, name, room - len(picked)))
             await self._observe(deal_id, stream)
         if len(picked) < room:
-            new: Any = await redis.xreadgroup(GROUP, name, {stream: ">"}, count=room - len(picked))
+            new: Any = await self.gate.redis.xreadgroup(
+                GROUP, name, {stream: ">"}, count=room - len(picked)
+            )
             for _, delivered in new or []:
                 picked.extend(delivered)
-        if not picked:
-            return 0
+        return picked
+
+    async def _own_due(
+        self, deal_id: int, stream: str, name: str, room: int, now: float
+    ) -> list[Any]:
+        """Its own pending entries whose retry backoff has passed (failed attempts, a
+        pass that failed half-way): read while retries wait, else now and then."""
+        due: list[Any] = []
+        if self._next_try or now - self._own_read.get((deal_id, name), -1e9) >= RECHECK_SECONDS:
+            if len(self._own_read) >= TRACKED_MAX:
+                self._own_read.clear()
+            self._own_read[(deal_id, name)] = now
+            own: Any = await self.gate.redis.xreadgroup(GROUP, name, {stream: "0"}, count=room)
+            for _, delivered in own or []:
+                for entry_id, fields in delivered:
+                    if self._next_try.get(text(entry_id), 0.0) <= now:
+                        due.append((entry_id, fields))
+        return due
+
+    async def _left_by_others(self, stream: str, owner: str, name: str, room: int) -> list[Any]:
+        """At most `room` entries other consumers left pending: those of dead gates at
+        once, then any idle past GATE_QUEUE_CLAIM_IDLE_SECONDS (one whose lease could not
+        be proven gone, a name from before leases named them)."""
+        taken: list[Any] = []
+        if room > 0:
+            taken.extend(await self._claim_dead(stream, owner, name, room))
+        if len(taken) < room:
+            claimed: Any = await self.gate.redis.xautoclaim(
+                stream, GROUP, name, self.claim_idle_ms, start_id="0-0", count=room - len(taken)
+            )
+            taken.extend(claimed[1] if claimed else [])
+        return taken
+
+    async def _parse_picked(self, stream: str, picked: list[Any]) -> list[Entry]:
+        """The picked entries parsed, each once; one with nothing left to settle (trimmed
+        while pending, or not ours to read) is acknowledged."""
         entries: list[Entry] = []
         seen: set[str] = set()
         for entry_id, fields in picked:
             entry = Entry.parse(entry_id, fields) if fields else None
             if entry is None:
-                # Trimmed while pending, or not ours to read: nothing left to settle.
                 await self._ack(stream, text(entry_id))
                 continue
             if entry.entry_id not in seen:
                 seen.add(entry.entry_id)
                 entries.append(entry)
-        return await self._settle(deal_id, entries, owner)
+        return entries
 
     async def _claim_dead(self, stream: str, owner: str, name: str, room: int) -> list[Any]:
         """The pending entries of consumers whose process is gone (its lease lapsed and

@@ -16,6 +16,7 @@ equal to its buckets' units in the database.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -113,19 +114,103 @@ async def check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) 
 
 
 async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int) -> dict[str, Any]:
-    before = None
+    """One pass: Redis read before, the database snapshot, its breaches, Redis read
+    after and compared (see check_deal)."""
     parts = 1
+    before = None
     if client is not None:
-        try:
-            row = await db.fetchone("SELECT partitions FROM deals WHERE id = %s", (deal_id,))
-            parts = int(row[0]) if row else 1
-        except Exception:
-            parts = 1
-        try:
-            before = await _redis_state(client, deal_id, parts)
-        except Exception:
-            before = None
-    breaches: list[str] = []
+        parts = await _partitions_of(db, deal_id)
+        before = await _redis_state_or_none(client, deal_id, parts)
+    snap = await _read_snapshot(db, deal_id)
+    if snap is None:
+        return {
+            "deal_id": deal_id,
+            "invariant": {"ok": False, "breaches": ["no such deal"]},
+        }
+    breaches = [
+        f"order allocation {alloc!r} does not add up to quantity {quantity}"
+        for alloc, quantity in snap.mismatched
+    ]
+    buckets, totals, bucket_breaches = _bucket_report(snap)
+    breaches += bucket_breaches
+    breaches += _deal_breaches(snap, totals)
+    redis_report: dict[str, Any] = {"loaded": False, "compared": False}
+    if client is not None:
+        redis_report, redis_breaches = await _compare_redis(
+            client, deal_id, Reading(parts, before), snap, buckets, totals
+        )
+        breaches += redis_breaches
+    return {
+        "deal_id": deal_id,
+        "bucket_count": snap.bucket_count,
+        "totals": totals,
+        "orders": {"held": snap.held_total, "sold": snap.sold_total},
+        "bucket_rows": buckets,
+        "redis": redis_report,
+        "invariant": {"ok": not breaches, "breaches": breaches},
+    }
+
+
+async def _partitions_of(db: Database, deal_id: int) -> int:
+    """The deal's partition count P (docs/scale-out.md); 1 when it cannot be read."""
+    try:
+        row = await db.fetchone("SELECT partitions FROM deals WHERE id = %s", (deal_id,))
+        return int(row[0]) if row else 1
+    except Exception:
+        return 1
+
+
+async def _redis_state_or_none(
+    client: aioredis.Redis, deal_id: int, parts: int
+) -> tuple[Any, ...] | None:
+    """The Redis state before the snapshot; None when it cannot be read (the state
+    after then differs from it, and nothing is compared)."""
+    try:
+        return await _redis_state(client, deal_id, parts)
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True)
+class BucketRow:
+    """One `deal_buckets` row of the snapshot."""
+
+    epoch: int
+    total: int
+    available: int
+    held: int
+    sold: int
+
+    @property
+    def counters(self) -> tuple[int, int, int, int]:
+        """(total, available, held, sold), the order the ledger sums come in."""
+        return (self.total, self.available, self.held, self.sold)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one consistent read of the database says about a deal."""
+
+    bucket_count: int
+    epoch: int
+    rows: dict[int, BucketRow]
+    # Per bucket: the ledger's (total, available, held, sold) deltas summed.
+    ledger: dict[int, tuple[int, ...]]
+    # Units of holding (unpaid) and paid orders, per bucket of the current layout.
+    held_by_orders: dict[int, int]
+    sold_by_orders: dict[int, int]
+    held_total: int
+    sold_total: int
+    # (alloc, quantity) of orders whose allocation does not add up, at most
+    # MISMATCHES_SHOWN_MAX.
+    mismatched: list[tuple[Any, Any]]
+    # Units in user_quota; None when the deal has no per-user limit.
+    quota_units: int | None
+
+
+async def _read_snapshot(db: Database, deal_id: int) -> Snapshot | None:
+    """The deal as one consistent snapshot of the database; None when there is no
+    such deal."""
     async with db.snapshot() as cur:
         await cur.execute(
             "SELECT bucket_count, layout_epoch, per_user_limit FROM deals WHERE id = %s",
@@ -133,17 +218,14 @@ async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int)
         )
         deal = await cur.fetchone()
         if deal is None:
-            return {
-                "deal_id": deal_id,
-                "invariant": {"ok": False, "breaches": ["no such deal"]},
-            }
+            return None
         nb, epoch, limit = int(deal[0]), int(deal[1]), deal[2]
         await cur.execute(
             "SELECT bucket, epoch, total, available, held, sold FROM deal_buckets"
             " WHERE deal_id = %s ORDER BY bucket",
             (deal_id,),
         )
-        rows = {int(r[0]): tuple(int(x) for x in r[1:]) for r in await cur.fetchall()}
+        rows = {int(r[0]): BucketRow(*(int(x) for x in r[1:])) for r in await cur.fetchall()}
         await cur.execute(
             "SELECT bucket, SUM(d_total), SUM(d_available), SUM(d_held), SUM(d_sold)"
             # The deal's own rows through their index: for a deal with a large share of
@@ -162,13 +244,13 @@ async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int)
             f" WHERE o.deal_id = %s AND o.status IN {_HOLDING} GROUP BY 1, 2",
             (nb, deal_id),
         )
-        by_bucket = await cur.fetchall()
+        held_by_orders, sold_by_orders = _units_by_bucket(await cur.fetchall())
         await cur.execute(
             f"SELECT status = 'PAID', COALESCE(SUM(quantity), 0) FROM orders"
             f" WHERE deal_id = %s AND status IN {_HOLDING} GROUP BY 1",
             (deal_id,),
         )
-        by_status = await cur.fetchall()
+        held_total, sold_total = _units_by_status(await cur.fetchall())
         await cur.execute(
             f"SELECT o.alloc, o.quantity FROM orders AS o, {_PARTS}"
             f" WHERE o.deal_id = %s AND o.status IN {_HOLDING}"
@@ -176,7 +258,7 @@ async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int)
             f" LIMIT {MISMATCHES_SHOWN_MAX}",
             (deal_id,),
         )
-        mismatched = await cur.fetchall()
+        mismatched = [(alloc, quantity) for alloc, quantity in await cur.fetchall()]
         quota_units = None
         if limit is not None:
             await cur.execute(
@@ -184,125 +266,206 @@ async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int)
             )
             q = await cur.fetchone()
             quota_units = int(q[0]) if q else 0
+    return Snapshot(
+        nb,
+        epoch,
+        rows,
+        ledger,
+        held_by_orders,
+        sold_by_orders,
+        held_total,
+        sold_total,
+        mismatched,
+        quota_units,
+    )
 
+
+def _units_by_bucket(rows: list[tuple[Any, ...]]) -> tuple[dict[int, int], dict[int, int]]:
+    """(held, sold) units per bucket from (bucket, paid, units) rows."""
     held_by_orders: dict[int, int] = defaultdict(int)
     sold_by_orders: dict[int, int] = defaultdict(int)
-    for bucket, paid, units in by_bucket:
+    for bucket, paid, units in rows:
         if bucket is None:
-            continue  # an allocation with no parts: reported as a mismatch below
+            continue  # an allocation with no parts: reported as a mismatch
         (sold_by_orders if int(paid) else held_by_orders)[int(bucket)] += int(units or 0)
+    return held_by_orders, sold_by_orders
+
+
+def _units_by_status(rows: list[tuple[Any, ...]]) -> tuple[int, int]:
+    """(held, sold) units of the deal's orders from (paid, units) rows."""
     held_total = sold_total = 0
-    for paid, units in by_status:
+    for paid, units in rows:
         if int(paid):
             sold_total += int(units)
         else:
             held_total += int(units)
-    for alloc, quantity in mismatched:
-        breaches.append(f"order allocation {alloc!r} does not add up to quantity {quantity}")
+    return held_total, sold_total
 
+
+def _bucket_report(snap: Snapshot) -> tuple[list[dict[str, Any]], dict[str, int], list[str]]:
+    """(bucket rows, deal totals, breaches) of the snapshot, bucket by bucket."""
+    breaches: list[str] = []
     buckets = []
     totals = {"total": 0, "available": 0, "held": 0, "sold": 0}
-    for b in sorted(set(rows) | set(range(nb)) | set(ledger)):
-        row = rows.get(b)
+    nb = snap.bucket_count
+    for b in sorted(set(snap.rows) | set(range(nb)) | set(snap.ledger)):
+        row = snap.rows.get(b)
         if row is None:
-            if b < nb:
-                breaches.append(f"bucket {b}: row missing")
-            led = ledger.get(b, (0, 0, 0, 0))
-            if b >= nb and any(led):
-                breaches.append(f"bucket {b}: removed bucket's ledger does not sum to zero {led}")
+            breaches += _absent_bucket_breaches(snap, b)
             continue
-        b_epoch, total, avail, held, sold = row
-        if b >= nb:
-            breaches.append(f"bucket {b}: row outside the layout of {nb} bucket(s)")
-        if b_epoch != epoch:
-            breaches.append(f"bucket {b}: epoch {b_epoch}, deal layout epoch {epoch}")
-        if total != avail + held + sold:
-            breaches.append(
-                f"bucket {b}: total {total} != available {avail} + held {held} + sold {sold}"
-            )
-        if held != held_by_orders.get(b, 0):
-            breaches.append(f"bucket {b}: held {held} but orders hold {held_by_orders.get(b, 0)}")
-        if sold != sold_by_orders.get(b, 0):
-            breaches.append(f"bucket {b}: sold {sold} but orders sold {sold_by_orders.get(b, 0)}")
-        led = ledger.get(b, (0, 0, 0, 0))
-        if led != (total, avail, held, sold):
-            breaches.append(
-                f"bucket {b}: ledger sums (total, available, held, sold) {led}"
-                f" != counters {(total, avail, held, sold)}"
-            )
-        totals["total"] += total
-        totals["available"] += avail
-        totals["held"] += held
-        totals["sold"] += sold
+        breaches += _bucket_breaches(snap, b, row)
+        totals["total"] += row.total
+        totals["available"] += row.available
+        totals["held"] += row.held
+        totals["sold"] += row.sold
         buckets.append(
-            {"bucket": b, "total": total, "available": avail, "held": held, "sold": sold}
+            {
+                "bucket": b,
+                "total": row.total,
+                "available": row.available,
+                "held": row.held,
+                "sold": row.sold,
+            }
         )
+    return buckets, totals, breaches
+
+
+def _absent_bucket_breaches(snap: Snapshot, b: int) -> list[str]:
+    """Bucket `b` has no row: a breach inside the layout; outside it (a removed
+    bucket), only when its ledger does not sum to zero."""
+    if b < snap.bucket_count:
+        return [f"bucket {b}: row missing"]
+    led = snap.ledger.get(b, (0, 0, 0, 0))
+    if any(led):
+        return [f"bucket {b}: removed bucket's ledger does not sum to zero {led}"]
+    return []
+
+
+def _bucket_breaches(snap: Snapshot, b: int, row: BucketRow) -> list[str]:
+    """Bucket `b`'s row against the layout, its own balance, the orders and the ledger."""
+    breaches = []
+    nb = snap.bucket_count
+    total, avail, held, sold = row.counters
+    if b >= nb:
+        breaches.append(f"bucket {b}: row outside the layout of {nb} bucket(s)")
+    if row.epoch != snap.epoch:
+        breaches.append(f"bucket {b}: epoch {row.epoch}, deal layout epoch {snap.epoch}")
+    if total != avail + held + sold:
+        breaches.append(
+            f"bucket {b}: total {total} != available {avail} + held {held} + sold {sold}"
+        )
+    if held != snap.held_by_orders.get(b, 0):
+        breaches.append(f"bucket {b}: held {held} but orders hold {snap.held_by_orders.get(b, 0)}")
+    if sold != snap.sold_by_orders.get(b, 0):
+        breaches.append(f"bucket {b}: sold {sold} but orders sold {snap.sold_by_orders.get(b, 0)}")
+    led = snap.ledger.get(b, (0, 0, 0, 0))
+    if led != row.counters:
+        breaches.append(
+            f"bucket {b}: ledger sums (total, available, held, sold) {led}"
+            f" != counters {row.counters}"
+        )
+    return breaches
+
+
+def _deal_breaches(snap: Snapshot, totals: dict[str, int]) -> list[str]:
+    """The buckets' totals against the orders, and the per-user quota against them."""
+    breaches = []
+    held_total, sold_total = snap.held_total, snap.sold_total
     if totals["held"] != held_total:
         breaches.append(f"deal: held {totals['held']} but holding orders total {held_total}")
     if totals["sold"] != sold_total:
         breaches.append(f"deal: sold {totals['sold']} but paid orders total {sold_total}")
-    if quota_units is not None and quota_units != held_total + sold_total:
+    if snap.quota_units is not None and snap.quota_units != held_total + sold_total:
         breaches.append(
-            f"deal: per-user quota units {quota_units} != held + sold {held_total + sold_total}"
+            f"deal: per-user quota units {snap.quota_units} != held + sold"
+            f" {held_total + sold_total}"
         )
+    return breaches
 
+
+@dataclass(frozen=True)
+class Reading:
+    """The deal's partition count and the Redis state read before the snapshot."""
+
+    parts: int
+    before: tuple[Any, ...] | None
+
+
+async def _compare_redis(
+    client: aioredis.Redis,
+    deal_id: int,
+    reading: Reading,
+    snap: Snapshot,
+    buckets: list[dict[str, Any]],
+    totals: dict[str, int],
+) -> tuple[dict[str, Any], list[str]]:
+    """(the report's `redis` part, breaches): Redis read after the snapshot, each
+    bucket row given its `redis_available`, and compared with the snapshot when
+    nothing was in flight and the state did not move. The breaches: Redis's
+    mismatches, then the room's."""
     redis_report: dict[str, Any] = {"loaded": False, "compared": False}
-    if client is not None:
-        try:
-            after = await _redis_state(client, deal_id, parts)
-        except Exception as exc:
-            after = None
-            redis_report["error"] = type(exc).__name__
-        if after is not None:
-            r_nb, r_avail, r_buckets, inflight, drift = after[:5]
-            redis_report.update(
-                {"loaded": True, "available": r_avail, "in_flight": inflight, "drift": drift}
-            )
-            for entry in buckets:
-                entry["redis_available"] = r_buckets.get(entry["bucket"])
-            if inflight == 0 and before == after:
-                redis_report["compared"] = True
-                mismatches: list[str] = []
-                if r_nb != nb:
-                    mismatches.append(f"redis: {r_nb} bucket(s), database {nb}")
-                for entry in buckets:
-                    # An absent bucket field is 0 to the scripts (tonumber(nil) or 0).
-                    held = entry["redis_available"] or 0
-                    if entry["bucket"] < nb and held != entry["available"]:
-                        mismatches.append(
-                            f"redis: bucket {entry['bucket']} has {entry['redis_available']},"
-                            f" database {entry['available']}"
-                        )
-                if r_avail != totals["available"]:
-                    mismatches.append(f"redis: total {r_avail}, database {totals['available']}")
-                if parts > 1:
-                    per_total, foreign = after[5], after[6]
-                    mismatches.extend(foreign)
-                    for k, have in enumerate(per_total):
-                        want = sum(e["available"] for e in buckets if e["bucket"] % parts == k)
-                        if have != want:
-                            mismatches.append(f"redis: partition {k} total {have}, database {want}")
-                redis_report["mismatches"] = mismatches
-                breaches.extend(mismatches)
-            else:
-                redis_report["reason"] = "requests in flight; compared by the resync loop instead"
-            try:
-                room = await room_report(client, deal_id, r_avail)
-            except Exception as exc:
-                room = {"on": None, "ok": True, "error": type(exc).__name__}
-            if room["on"]:
-                redis_report["room"] = room
-                breaches.extend(f"room: {b}" for b in room["breaches"])
+    try:
+        after = await _redis_state(client, deal_id, reading.parts)
+    except Exception as exc:
+        after = None
+        redis_report["error"] = type(exc).__name__
+    if after is None:
+        return redis_report, []
+    breaches: list[str] = []
+    r_avail, inflight, drift = after[1], after[3], after[4]
+    redis_report.update(
+        {"loaded": True, "available": r_avail, "in_flight": inflight, "drift": drift}
+    )
+    for entry in buckets:
+        entry["redis_available"] = after[2].get(entry["bucket"])
+    if inflight == 0 and reading.before == after:
+        redis_report["compared"] = True
+        mismatches = _redis_mismatches(after, snap.bucket_count, buckets, totals, reading.parts)
+        redis_report["mismatches"] = mismatches
+        breaches.extend(mismatches)
+    else:
+        redis_report["reason"] = "requests in flight; compared by the resync loop instead"
+    try:
+        room = await room_report(client, deal_id, r_avail)
+    except Exception as exc:
+        room = {"on": None, "ok": True, "error": type(exc).__name__}
+    if room["on"]:
+        redis_report["room"] = room
+        breaches.extend(f"room: {b}" for b in room["breaches"])
+    return redis_report, breaches
 
-    return {
-        "deal_id": deal_id,
-        "bucket_count": nb,
-        "totals": totals,
-        "orders": {"held": held_total, "sold": sold_total},
-        "bucket_rows": buckets,
-        "redis": redis_report,
-        "invariant": {"ok": not breaches, "breaches": breaches},
-    }
+
+def _redis_mismatches(
+    after: tuple[Any, ...],
+    nb: int,
+    buckets: list[dict[str, Any]],
+    totals: dict[str, int],
+    parts: int,
+) -> list[str]:
+    """Where the Redis state `after` (see _redis_state) differs from the snapshot's
+    buckets and totals."""
+    r_nb, r_avail = after[0], after[1]
+    mismatches: list[str] = []
+    if r_nb != nb:
+        mismatches.append(f"redis: {r_nb} bucket(s), database {nb}")
+    for entry in buckets:
+        # An absent bucket field is 0 to the scripts (tonumber(nil) or 0).
+        held = entry["redis_available"] or 0
+        if entry["bucket"] < nb and held != entry["available"]:
+            mismatches.append(
+                f"redis: bucket {entry['bucket']} has {entry['redis_available']},"
+                f" database {entry['available']}"
+            )
+    if r_avail != totals["available"]:
+        mismatches.append(f"redis: total {r_avail}, database {totals['available']}")
+    if parts > 1:
+        per_total, foreign = after[5], after[6]
+        mismatches.extend(foreign)
+        for k, have in enumerate(per_total):
+            want = sum(e["available"] for e in buckets if e["bucket"] % parts == k)
+            if have != want:
+                mismatches.append(f"redis: partition {k} total {have}, database {want}")
+    return mismatches
 
 
 async def check_all(

@@ -30,7 +30,7 @@ import ipaddress
 import re
 import socket
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
@@ -70,13 +70,7 @@ class Target:
 def _public_reason(address: Address) -> str | None:
     """Why `address` is not a public unicast address (None when it is)."""
     if isinstance(address, ipaddress.IPv6Address):
-        embedded: ipaddress.IPv4Address | None = address.ipv4_mapped
-        if embedded is None and address.sixtofour is not None:
-            embedded = address.sixtofour
-        if embedded is None and address.teredo is not None:
-            embedded = address.teredo[1]
-        if embedded is None and address in _NAT64:
-            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        embedded = _embedded_ipv4(address)
         if embedded is None and int(address) >> 32 == 0 and int(address) > 1:
             # IPv4-compatible (::a.b.c.d), deprecated: no public host has one.
             return "an IPv4-compatible IPv6 address"
@@ -85,6 +79,25 @@ def _public_reason(address: Address) -> str | None:
         if embedded is not None:
             reason = _public_reason(embedded)
             return f"{reason} (inside an IPv6 address)" if reason else None
+    return _special_reason(address)
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address `address` wraps (IPv4-mapped, 6to4, Teredo's client, NAT64),
+    or None."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return address.teredo[1]
+    if address in _NAT64:
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return None
+
+
+def _special_reason(address: Address) -> str | None:
+    """The special-purpose range `address` is in, as a phrase (None: public unicast)."""
     if address.is_unspecified:
         return "an unspecified address"
     if address.is_loopback:
@@ -119,53 +132,16 @@ def address_reason(
 
 def check_url(url: str, allowed: AllowedHosts, dev: bool) -> Target:
     """The URL's form (see the module's docstring); UrlRefused saying why."""
-    if not isinstance(url, str) or not url:
-        raise UrlRefused("the URL is empty")
-    if len(url) > URL_MAX_CHARS:
-        raise UrlRefused(f"the URL is longer than {URL_MAX_CHARS} characters")
-    if not _PRINTABLE_RE.fullmatch(url):
-        raise UrlRefused(
-            "the URL must be printable ASCII without spaces (write an international host"
-            " name in its xn-- form and percent-encode the path)"
-        )
-    try:
-        parts = urlsplit(url)
-        port_given = parts.port
-    except ValueError:
-        raise UrlRefused("the URL is malformed (its host or port)") from None
+    _check_text(url)
+    parts, port_given = _split(url)
     scheme = parts.scheme.lower()
-    if scheme not in ("http", "https"):
-        raise UrlRefused("the URL must be https:// (or http:// to a listed internal host)")
-    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
-        raise UrlRefused("credentials in the URL are refused")
-    if parts.fragment or "#" in url:
-        raise UrlRefused("the URL must not have a fragment")
-    raw_host = parts.hostname or ""
-    if not raw_host:
-        raise UrlRefused("the URL has no host")
-    if port_given == 0:
-        raise UrlRefused("port 0 is not a port")
+    _check_parts(url, parts, scheme, port_given)
     port = port_given or (443 if scheme == "https" else 80)
-    host = raw_host.lower()
-    literal: Address | None = None
+    host = (parts.hostname or "").lower()
     if parts.netloc.split("@")[-1].startswith("["):
-        if "%" in host:
-            raise UrlRefused("an IPv6 zone id is refused")
-        try:
-            literal = ipaddress.IPv6Address(host)
-        except ValueError:
-            raise UrlRefused("the URL's IPv6 address is malformed") from None
+        literal: Address | None = _ipv6_literal(host)
     else:
-        try:
-            literal = ipaddress.IPv4Address(host)
-        except ValueError:
-            last = host.rstrip(".").rsplit(".", 1)[-1]
-            if _NUMERIC_LABEL_RE.fullmatch(last):
-                raise UrlRefused(
-                    "a numeric host must be a dotted-quad IPv4 address (a.b.c.d, no leading zeros)"
-                ) from None
-            if len(host) > 253 or not _HOST_RE.fullmatch(host):
-                raise UrlRefused("the URL's host is not a valid host name") from None
+        literal = _ipv4_literal_or_name(host)
     listed = literal is None and allowed.name_listed(host)
     target = Target(url, scheme, host, port, literal, listed)
     if scheme == "http" and not dev:
@@ -179,6 +155,69 @@ def check_url(url: str, allowed: AllowedHosts, dev: bool) -> Target:
         if reason:
             raise UrlRefused(f"{literal} is {reason}")
     return target
+
+
+def _check_text(url: str) -> None:
+    """The URL as text: not empty, not too long, printable ASCII."""
+    if not isinstance(url, str) or not url:
+        raise UrlRefused("the URL is empty")
+    if len(url) > URL_MAX_CHARS:
+        raise UrlRefused(f"the URL is longer than {URL_MAX_CHARS} characters")
+    if not _PRINTABLE_RE.fullmatch(url):
+        raise UrlRefused(
+            "the URL must be printable ASCII without spaces (write an international host"
+            " name in its xn-- form and percent-encode the path)"
+        )
+
+
+def _split(url: str) -> tuple[SplitResult, int | None]:
+    """(the URL's parts, its port if given); UrlRefused when the host or port is
+    malformed."""
+    try:
+        parts = urlsplit(url)
+        return parts, parts.port
+    except ValueError:
+        raise UrlRefused("the URL is malformed (its host or port)") from None
+
+
+def _check_parts(url: str, parts: SplitResult, scheme: str, port_given: int | None) -> None:
+    """The scheme is http(s), no credentials, no fragment, a host, not port 0."""
+    if scheme not in ("http", "https"):
+        raise UrlRefused("the URL must be https:// (or http:// to a listed internal host)")
+    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
+        raise UrlRefused("credentials in the URL are refused")
+    if parts.fragment or "#" in url:
+        raise UrlRefused("the URL must not have a fragment")
+    if not parts.hostname:
+        raise UrlRefused("the URL has no host")
+    if port_given == 0:
+        raise UrlRefused("port 0 is not a port")
+
+
+def _ipv6_literal(host: str) -> ipaddress.IPv6Address:
+    """A bracketed host: an IPv6 address, with no zone id."""
+    if "%" in host:
+        raise UrlRefused("an IPv6 zone id is refused")
+    try:
+        return ipaddress.IPv6Address(host)
+    except ValueError:
+        raise UrlRefused("the URL's IPv6 address is malformed") from None
+
+
+def _ipv4_literal_or_name(host: str) -> ipaddress.IPv4Address | None:
+    """A host without brackets: a dotted-quad IPv4 address, or (None) a valid host name;
+    any other numeric form is refused."""
+    try:
+        return ipaddress.IPv4Address(host)
+    except ValueError:
+        last = host.rstrip(".").rsplit(".", 1)[-1]
+        if _NUMERIC_LABEL_RE.fullmatch(last):
+            raise UrlRefused(
+                "a numeric host must be a dotted-quad IPv4 address (a.b.c.d, no leading zeros)"
+            ) from None
+        if len(host) > 253 or not _HOST_RE.fullmatch(host):
+            raise UrlRefused("the URL's host is not a valid host name") from None
+    return None
 
 
 async def resolve(host: str, port: int) -> list[Address]:
