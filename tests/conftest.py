@@ -181,11 +181,8 @@ async def local_gate(settings: Settings, gate: GateProcess) -> AsyncIterator[Gat
 
 @pytest.fixture
 async def client(gate: GateProcess) -> AsyncIterator[Client]:
-    c = Client(gate.url, peers=gate.peers)
-    try:
+    async with Client(gate.url, peers=gate.peers) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture(scope="session")

@@ -30,16 +30,13 @@ redeliver, trades.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import orjson
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -53,7 +50,7 @@ from gate.payments.providers.rsa_http import (
     verify_sha256_rsa,
     yuan_to_fen,
 )
-from tests.fake_support import Deliveries, Delivery, serve
+from tests.fake_support import Deliveries, Delivery, control_app, serve
 
 APP_ID = os.environ.get("FAKE_ALIPAY_APP_ID", "2021000000000001")
 APP_PUBLIC_KEY = read_public_key(
@@ -359,22 +356,9 @@ async def pay(request: Request) -> Response:
 
 async def configure(request: Request) -> Response:
     doc = orjson.loads(await request.body())
-    STATE.notes.drop = int(doc.get("drop_notifications", STATE.notes.drop))
-    STATE.notes.drop_refunds = int(doc.get("drop_refund_notifications", STATE.notes.drop_refunds))
+    STATE.notes.configure(doc)
     STATE.unavailable = int(doc.get("unavailable_calls", STATE.unavailable))
     return JSONResponse({"drop": STATE.notes.drop, "unavailable": STATE.unavailable})
-
-
-async def notifications(request: Request) -> Response:
-    subject = request.query_params.get("out_trade_no")
-    return JSONResponse(
-        [d.as_dict() for d in STATE.notes.items.values() if subject in (None, d.subject)]
-    )
-
-
-async def redeliver(request: Request) -> Response:
-    ok = STATE.notes.redeliver(request.path_params["id"])
-    return JSONResponse({"redelivered": ok}, 200 if ok else 404)
 
 
 async def trades(request: Request) -> Response:
@@ -384,27 +368,14 @@ async def trades(request: Request) -> Response:
     return JSONResponse({k: v for k, v in trade.items()})
 
 
-async def healthz(request: Request) -> Response:
-    return JSONResponse({"ok": True})
-
-
-@contextlib.asynccontextmanager
-async def _lifespan(app: Starlette) -> AsyncIterator[None]:
-    yield
-    await STATE.notes.close()
-
-
-app = Starlette(
-    routes=[
+app = control_app(
+    [
         Route("/gateway.do", gateway, methods=["POST"]),
         Route("/_fake/pay", pay, methods=["POST"]),
         Route("/_fake/configure", configure, methods=["POST"]),
-        Route("/_fake/notifications", notifications),
-        Route("/_fake/notifications/{id}/redeliver", redeliver, methods=["POST"]),
         Route("/_fake/trades/{out_trade_no}", trades),
-        Route("/healthz", healthz),
     ],
-    lifespan=_lifespan,
+    STATE.notes,
 )
 
 if __name__ == "__main__":

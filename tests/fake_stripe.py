@@ -15,7 +15,9 @@ https://docs.stripe.com/webhooks#verify-manually documents:
 endpoint secret>`, retried with backoff until a 2xx.
 
 Test controls under /fake/* (the buyer's pay step, holding or dropping deliveries,
-delivering by id, settling a pending refund). Run: python -m tests.fake_stripe
+delivering by id, settling a pending refund, throttling the API with 429/503 and
+Retry-After, the API requests' arrival times, the api_version events are rendered
+at, the Stripe-Versions requests came with). Run: python -m tests.fake_stripe
 --port N with FAKE_STRIPE_API_KEY, FAKE_STRIPE_WEBHOOK_SECRET, FAKE_STRIPE_WEBHOOK_URL.
 """
 
@@ -104,9 +106,14 @@ class FakeStripe:
             "drop": False,
             "refund_mode": "succeed",
             "sign_with": None,
+            # Answers given before any API request is looked at, one a request:
+            # [[status, Retry-After or null], …] (a throttled or unavailable API).
+            "throttle": [],
             # The api_version events are rendered at (an endpoint set to another one).
             "event_api_version": API_VERSION,
         }
+        # (path, monotonic seconds, status) of the latest API requests.
+        self.arrivals: list[tuple[str, float, int]] = []
         # How many API requests came with each Stripe-Version ("" for none).
         self.versions: collections.Counter[str] = collections.Counter()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -115,6 +122,19 @@ class FakeStripe:
     # -- plumbing -------------------------------------------------------------------
 
     async def api(self, request: Request) -> Response:
+        resp = await self._api(request)
+        self.arrivals = [
+            *self.arrivals[-999:],
+            (request.url.path, time.monotonic(), resp.status_code),
+        ]
+        return resp
+
+    async def _api(self, request: Request) -> Response:
+        if self.config["throttle"]:
+            status, retry_after = self.config["throttle"].pop(0)
+            headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+            kind = "rate_limit_error" if status == 429 else "api_error"
+            return answer({"error": {"type": kind, "message": "Try again later."}}, status, headers)
         if request.headers.get("authorization") != f"Bearer {self.api_key}":
             return error(401, "invalid_request_error", "Invalid API Key provided.")
         version = request.headers.get("stripe-version")
@@ -475,6 +495,15 @@ class FakeStripe:
             self.emit("charge.refunded", self.charge_of(self.intents[refund["payment_intent"]]))
         return answer(refund)
 
+    async def list_arrivals(self, request: Request) -> Response:
+        path = request.query_params.get("path")
+        found = [
+            {"path": p, "at": at, "status": status}
+            for p, at, status in self.arrivals
+            if path is None or p == path
+        ]
+        return answer({"data": found})
+
     async def list_versions(self, request: Request) -> Response:
         return answer({"versions": dict(self.versions)})
 
@@ -502,6 +531,7 @@ class FakeStripe:
                 Route("/fake/checkout/{id}", self.pay, methods=["POST"]),
                 Route("/fake/config", self.set_config, methods=["POST"]),
                 Route("/fake/events", self.list_events, methods=["GET"]),
+                Route("/fake/arrivals", self.list_arrivals, methods=["GET"]),
                 Route("/fake/deliver", self.deliver_now, methods=["POST"]),
                 Route("/fake/versions", self.list_versions, methods=["GET"]),
                 Route("/fake/refunds/{id}/settle", self.settle_refund, methods=["POST"]),

@@ -17,13 +17,16 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import uvicorn
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 DELIVERIES_MAX = 10_000
 
@@ -71,6 +74,11 @@ class Deliveries:
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self._http: aiohttp.ClientSession | None = None
+
+    def configure(self, doc: dict[str, Any]) -> None:
+        """The drop switches of a /_fake/configure body (absent: unchanged)."""
+        self.drop = int(doc.get("drop_notifications", self.drop))
+        self.drop_refunds = int(doc.get("drop_refund_notifications", self.drop_refunds))
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}{next(self._ids):012d}"
@@ -129,6 +137,40 @@ class Deliveries:
                 await task
         if self._http is not None:
             await self._http.close()
+
+
+def control_app(routes: list[Route], notes: Deliveries) -> Starlette:
+    """A fake's app: its own routes, then what both fakes answer alike: the
+    notifications (GET /_fake/notifications?out_trade_no=…, POST
+    /_fake/notifications/{id}/redeliver) and /healthz; deliveries stop with the app."""
+
+    async def notifications(request: Request) -> Response:
+        subject = request.query_params.get("out_trade_no")
+        return JSONResponse(
+            [d.as_dict() for d in notes.items.values() if subject in (None, d.subject)]
+        )
+
+    async def redeliver(request: Request) -> Response:
+        ok = notes.redeliver(request.path_params["id"])
+        return JSONResponse({"redelivered": ok}, 200 if ok else 404)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await notes.close()
+
+    return Starlette(
+        routes=[
+            *routes,
+            Route("/_fake/notifications", notifications),
+            Route("/_fake/notifications/{id}/redeliver", redeliver, methods=["POST"]),
+            Route("/healthz", healthz),
+        ],
+        lifespan=lifespan,
+    )
 
 
 def serve(app: Starlette, description: str) -> None:

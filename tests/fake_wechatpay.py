@@ -24,23 +24,20 @@ the gate uses:
 
 Test controls under /_fake/: pay, configure (drop notifications, fail calls with
 500, refund outcome, which platform key signs: a rotation), notifications,
-redeliver.
+redeliver, trades (an order, its refunded total and refunds).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
 import orjson
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -58,7 +55,7 @@ from gate.payments.providers.wechatpay import (
     parse_authorization,
     request_message,
 )
-from tests.fake_support import Deliveries, Delivery, serve
+from tests.fake_support import Deliveries, Delivery, control_app, serve
 
 MCHID = os.environ.get("FAKE_WECHATPAY_MCHID", "1900000001")
 APPID = os.environ.get("FAKE_WECHATPAY_APPID", "wxd678efh567hg6787")
@@ -441,8 +438,7 @@ async def pay(request: Request) -> Response:
 
 async def configure(request: Request) -> Response:
     doc = orjson.loads(await request.body())
-    STATE.notes.drop = int(doc.get("drop_notifications", STATE.notes.drop))
-    STATE.notes.drop_refunds = int(doc.get("drop_refund_notifications", STATE.notes.drop_refunds))
+    STATE.notes.configure(doc)
     STATE.failing = int(doc.get("failing_calls", STATE.failing))
     STATE.refund_outcome = str(doc.get("refund_outcome", STATE.refund_outcome))
     platform = str(doc.get("platform_key", STATE.platform))
@@ -452,30 +448,18 @@ async def configure(request: Request) -> Response:
     return JSONResponse({"drop": STATE.notes.drop, "failing": STATE.failing})
 
 
-async def notifications(request: Request) -> Response:
-    subject = request.query_params.get("out_trade_no")
-    return JSONResponse(
-        [d.as_dict() for d in STATE.notes.items.values() if subject in (None, d.subject)]
-    )
+async def trades(request: Request) -> Response:
+    """An order as the fake holds it, with its refunded total and its refunds."""
+    no = request.path_params["out_trade_no"]
+    order = STATE.orders.get(no)
+    if order is None:
+        return JSONResponse({"error": "no such order"}, 404)
+    refunds = [r["out_refund_no"] for r in STATE.refunds.values() if r["out_trade_no"] == no]
+    return JSONResponse({**order, "refunded_fen": order["refunded"], "refunds": refunds})
 
 
-async def redeliver(request: Request) -> Response:
-    ok = STATE.notes.redeliver(request.path_params["id"])
-    return JSONResponse({"redelivered": ok}, 200 if ok else 404)
-
-
-async def healthz(request: Request) -> Response:
-    return JSONResponse({"ok": True})
-
-
-@contextlib.asynccontextmanager
-async def _lifespan(app: Starlette) -> AsyncIterator[None]:
-    yield
-    await STATE.notes.close()
-
-
-app = Starlette(
-    routes=[
+app = control_app(
+    [
         Route("/v3/pay/transactions/native", native, methods=["POST"]),
         Route("/v3/pay/transactions/out-trade-no/{no}", query_by_order),
         Route("/v3/pay/transactions/out-trade-no/{no}/close", close_order, methods=["POST"]),
@@ -484,11 +468,9 @@ app = Starlette(
         Route("/v3/refund/domestic/refunds/{no}", get_refund),
         Route("/_fake/pay", pay, methods=["POST"]),
         Route("/_fake/configure", configure, methods=["POST"]),
-        Route("/_fake/notifications", notifications),
-        Route("/_fake/notifications/{id}/redeliver", redeliver, methods=["POST"]),
-        Route("/healthz", healthz),
+        Route("/_fake/trades/{out_trade_no}", trades),
     ],
-    lifespan=_lifespan,
+    STATE.notes,
 )
 
 if __name__ == "__main__":

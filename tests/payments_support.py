@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,11 +25,11 @@ from gate.stock import orders
 from gate.store.db import Database
 from tests.support import (
     GATE_BIN,
-    ROOT,
     WEBHOOK_SECRET,
     Client,
     GateProcess,
     Resp,
+    ServerProcess,
     base_env,
     buyer,
     free_port,
@@ -82,66 +78,31 @@ def pay_env(sandbox_url: str) -> dict[str, str]:
     return env
 
 
-class SandboxProcess:
+def sandbox_process(
+    port: int, webhook_url: str, extra_env: dict[str, str] | None = None
+) -> ServerProcess:
     """A real `gate sandbox` process: GATE_ENV=dev (it refuses anything else), its own
     webhook secret (NEW_SECRET, which the gate's GATE_WEBHOOK_SECRET lists) and an API
     key on every route."""
-
-    def __init__(self, port: int, webhook_url: str, extra_env: dict[str, str] | None = None):
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        env = base_env()
-        env.update(
-            {
-                "GATE_ENV": "dev",
-                "GATE_SANDBOX_API_KEY": SANDBOX_API_KEY,
-                "GATE_SANDBOX_WEBHOOK_SECRET": NEW_SECRET,
-                "GATE_SANDBOX_WEBHOOK_URL": webhook_url,
-                "GATE_SANDBOX_BACKOFF_BASE_SECONDS": "0.1",
-                "GATE_SANDBOX_BACKOFF_MAX_SECONDS": "0.5",
-                **(extra_env or {}),
-            }
-        )
-        self.log_path = ROOT / ".local" / f"test-sandbox-{port}.log"
-        self.log_path.parent.mkdir(exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [GATE_BIN, "sandbox", "--port", str(port)],
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_seconds: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sandbox exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"sandbox not ready: {self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+    env = base_env()
+    env.update(
+        {
+            "GATE_ENV": "dev",
+            "GATE_SANDBOX_API_KEY": SANDBOX_API_KEY,
+            "GATE_SANDBOX_WEBHOOK_SECRET": NEW_SECRET,
+            "GATE_SANDBOX_WEBHOOK_URL": webhook_url,
+            "GATE_SANDBOX_BACKOFF_BASE_SECONDS": "0.1",
+            "GATE_SANDBOX_BACKOFF_MAX_SECONDS": "0.5",
+            **(extra_env or {}),
+        }
+    )
+    return ServerProcess("sandbox", [GATE_BIN, "sandbox", "--port", str(port)], env, port)
 
 
 @dataclass
 class PayStack:
     gate: GateProcess
-    sandbox: SandboxProcess
+    sandbox: ServerProcess
     env: dict[str, str]
 
 
@@ -152,15 +113,12 @@ def running_pay_stack(
     """A gate (`workers` processes) and a sandbox delivering to it, both stopped after."""
     sandbox_port = free_port()
     env = {**pay_env(f"http://127.0.0.1:{sandbox_port}"), **(extra_env or {})}
-    gate = GateProcess(env, workers=workers)
-    sandbox = SandboxProcess(sandbox_port, gate.url + f"/v1/payments/{provider}/webhook")
-    try:
-        sandbox.wait_ready()
-        gate.wait_ready()
+    webhook = f"/v1/payments/{provider}/webhook"
+    with (
+        GateProcess(env, workers=workers) as gate,
+        sandbox_process(sandbox_port, gate.url + webhook) as sandbox,
+    ):
         yield PayStack(gate, sandbox, env)
-    finally:
-        gate.stop()
-        sandbox.stop()
 
 
 # Per module: no payment gate idles in the background while other suites run.
@@ -172,11 +130,8 @@ def pay_stack(prepared: None) -> Iterator[PayStack]:
 
 @pytest.fixture
 async def pay_client(pay_stack: PayStack) -> AsyncIterator[Client]:
-    c = Client(pay_stack.gate.url)
-    try:
+    async with Client(pay_stack.gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 class KeyedClient(Client):
@@ -336,6 +291,24 @@ async def wait_until(predicate: Any, timeout_seconds: float = 15.0) -> Any:
         if value or time.monotonic() > deadline:
             return value
         await asyncio.sleep(0.05)
+
+
+async def reconcile(env: Mapping[str, str], *args: str) -> tuple[int, dict[str, Any]]:
+    """`gate reconcile --json ARGS…` as an operator runs it; its exit status and report."""
+    proc = await asyncio.create_subprocess_exec(
+        GATE_BIN,
+        "reconcile",
+        "--json",
+        *args,
+        env=dict(env),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    assert out, err.decode()[-3000:]
+    report: dict[str, Any] = orjson.loads(out)
+    return proc.returncode, report
 
 
 async def expire(core: Gate, order_id: str) -> None:

@@ -14,11 +14,11 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import aiomysql
@@ -187,22 +187,44 @@ def buyer(user_id: int) -> dict[str, str]:
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-class GateCommand:
-    """A real `gate <command>` process (e.g. `gate sweep`) in its own process group,
-    with its own environment and its output in a log file under .local/."""
+class LoggedProcess:
+    """A real process in its own process group, with its own environment and its
+    output in .local/test-<log_name>.log. `with LoggedProcess(…) as p:` waits until it
+    is ready (`wait_ready`: at once here, a server's answer in the classes below) and
+    stops it on the way out, also when it never got ready."""
 
-    def __init__(self, env: Mapping[str, str], *args: str, log_name: str | None = None) -> None:
-        name = log_name or "-".join(args)
-        self.log_path = ROOT / ".local" / f"test-{name}-{os.getpid()}-{time.monotonic_ns()}.log"
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_name: str,
+        cwd: Path | None = None,
+    ) -> None:
+        self.log_path = ROOT / ".local" / f"test-{log_name}.log"
         self.log_path.parent.mkdir(exist_ok=True)
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(
-            [GATE_BIN, *args],
+            list(argv),
             env=dict(env),
+            cwd=cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+    def __enter__(self) -> Self:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_ready(self) -> None:
+        """Nothing to wait for: a command is ready once started."""
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -227,6 +249,14 @@ class GateCommand:
                 self.kill()
         self._log.close()
         return int(self.proc.returncode)
+
+
+class GateCommand(LoggedProcess):
+    """A real `gate <command>` process (e.g. `gate sweep`)."""
+
+    def __init__(self, env: Mapping[str, str], *args: str, log_name: str | None = None) -> None:
+        name = log_name or "-".join(args)
+        super().__init__([GATE_BIN, *args], env, f"{name}-{os.getpid()}-{time.monotonic_ns()}")
 
 
 class GateProcess(GateCommand):
@@ -306,17 +336,50 @@ class GateProcess(GateCommand):
         raise RuntimeError(f"gate not ready: {self.log_path.read_text()[-3000:]}")
 
 
-@contextmanager
-def running_gate(
-    env: Mapping[str, str], workers: int = 2, background: bool = True
-) -> Iterator[GateProcess]:
-    """A GateProcess that answers on every worker, stopped on the way out."""
-    proc = GateProcess(env, workers=workers, background=background)
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+class ServerProcess(LoggedProcess):
+    """A test server as a real process on 127.0.0.1 (a provider's fake, `python -m
+    tests.fake_…`; the sandbox, `gate sandbox`), its output in
+    .local/test-<name>-<port>.log, ready once GET /healthz answers 200."""
+
+    def __init__(self, name: str, args: Sequence[str], env: Mapping[str, str], port: int) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(args, env, f"{name}-{port}", cwd=ROOT)
+
+    def wait_ready(self, timeout_seconds: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not ready: {self.log_path.read_text()[-3000:]}")
+
+
+def serve_once(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`gate serve --port 1 ARGS…` run to its end, its output captured: for a
+    configuration that must stop start-up (were it accepted, binding port 1 would
+    fail loudly instead)."""
+    return subprocess.run(
+        [GATE_BIN, "serve", "--port", "1", *args],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def running_gate(env: Mapping[str, str], workers: int = 2, background: bool = True) -> GateProcess:
+    """`with running_gate(env) as gate:` a GateProcess that answers on every worker,
+    stopped on the way out."""
+    return GateProcess(env, workers=workers, background=background)
 
 
 @dataclass
@@ -397,6 +460,13 @@ class Client:
 
     async def close(self) -> None:
         await self.session.close()
+
+    async def __aenter__(self) -> Self:
+        """`async with Client(url) as client:` closed on the way out."""
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 async def create_deal(client: Client, **fields: Any) -> int:

@@ -23,10 +23,8 @@ for the janitor.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
-import random
 import socket
 import time
 from collections import defaultdict
@@ -37,11 +35,15 @@ import orjson
 import pymysql
 
 from gate.base import tracing
+from gate.base.backoff import Backoff
 from gate.base.drain import mark_draining
+from gate.base.ids import new_ids
 from gate.base.metrics import METRICS
 from gate.stock.mirror import Intent, Mirror
 from gate.store.db import (
+    DEADLOCK_BACKOFF,
     Database,
+    OutcomeUnknown,
     errno_of,
     is_connection_error,
     is_retryable,
@@ -143,36 +145,6 @@ class Batch:
         return dict(groups)
 
 
-class Unknown(Exception):
-    """The batch's COMMIT outcome is not known (connection lost or deadline passed)."""
-
-    def __init__(
-        self,
-        thread_id: int | None,
-        connected_at: float | None,
-        cause: BaseException,
-        node: str | None = None,
-    ):
-        super().__init__(f"outcome unknown (thread {thread_id} on {node}): {cause!r}")
-        self.thread_id = thread_id
-        self.connected_at = connected_at
-        self.cause = cause
-        self.node = node  # the server that issued thread_id (Database.node_of)
-
-
-_CROCKFORD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", "0123456789ABCDEFGHJKMNPQRSTVWXYZ")
-
-
-def new_ids(n: int) -> list[str]:
-    """`n` ULIDs (timestamp now, 80 random bits each) for intent ids, made in bulk:
-    `gate.stock.orders.new_id` costs about 16 µs an id, which is 16 ms a 1,000-hold batch."""
-    ms = time.time_ns() // 1_000_000
-    stamp = "".join("0123456789ABCDEFGHJKMNPQRSTVWXYZ"[(ms >> s) & 31] for s in range(45, -5, -5))
-    # 10 random bytes are exactly 16 base-32 digits, so the encoding needs no padding.
-    digits = base64.b32encode(os.urandom(10 * n)).decode().translate(_CROCKFORD)
-    return [stamp + digits[i : i + 16] for i in range(0, 16 * n, 16)]
-
-
 def default_actor() -> str:
     return f"sweeper:{socket.gethostname()[:40]}:{os.getpid()}"
 
@@ -194,6 +166,11 @@ class Sweeper:
         # when the scan last started from the beginning (see _take).
         self._after: dict[str, tuple[str, str]] = {}
         self._scan_started = 0.0
+        # After a failed batch: twice the interval, doubling, at most
+        # FAILURE_PAUSE_MAX_SECONDS (or the interval, when that is longer).
+        interval = config.interval_seconds
+        cap = max(interval, FAILURE_PAUSE_MAX_SECONDS)
+        self._failure_backoff = Backoff(min(2 * interval, cap), cap, jitter=0.0)
 
     # -- loops -----------------------------------------------------------------------
 
@@ -214,7 +191,7 @@ class Sweeper:
                 # The database or Redis may be down: back off a little, but never so
                 # far that a hold would wait long once they are back.
                 failures = min(failures + 1, 8)
-                pause = min(pause * 2**failures, max(pause, FAILURE_PAUSE_MAX_SECONDS))
+                pause = self._failure_backoff.delay_seconds(failures)
             if released >= self.config.batch_max:
                 mark_draining()
             else:
@@ -278,16 +255,14 @@ class Sweeper:
                     raise
                 STATS.retries += 1
                 METRICS.db_retries.labels(str(errno_of(exc))).inc()
-                await asyncio.sleep(random.uniform(0.002, 0.02) * (2**attempt))
+                await asyncio.sleep(DEADLOCK_BACKOFF.delay_seconds(attempt + 1))
         raise AssertionError("unreachable")
 
     async def _batch(self, *, last_attempt: bool) -> int:
         batch: Batch | None = None
-        thread: list[Any] = []
         cursor: dict[str, tuple[str, str] | None] = {}
         try:
             async with self.db.connection() as conn:
-                thread[:] = [conn.thread_id(), conn.connected_time, self.db.node_of(conn)]
                 async with conn.cursor() as cur:
                     orders = await self._take(cur, cursor)
                     if not orders:
@@ -295,7 +270,7 @@ class Sweeper:
                         return 0
                     batch = Batch(orders)
                     await self._intend(batch)
-                    row = await self._release(cur, batch, thread)
+                    row = await self._release(conn, cur, batch)
         except asyncio.CancelledError:
             if batch is not None:
                 # Stopping mid-batch: the server may still commit it. The janitor
@@ -304,7 +279,7 @@ class Sweeper:
                     "expiry batch of %d interrupted; left to the janitor", len(batch.orders)
                 )
             raise
-        except Unknown as exc:
+        except OutcomeUnknown as exc:
             assert batch is not None
             log.warning("expiry batch of %d: outcome unknown (%r)", len(batch.orders), exc.cause)
             committed = await self._resolve(exc, batch)
@@ -438,7 +413,7 @@ class Sweeper:
                 # brings it to the database once the release has committed.
                 log.warning("deal %s: release intents not recorded in Redis: %r", deal_id, result)
 
-    async def _release(self, cur: Any, batch: Batch, thread: list[Any]) -> tuple[Any, ...]:
+    async def _release(self, conn: Any, cur: Any, batch: Batch) -> tuple[Any, ...]:
         payload = orjson.dumps(
             [
                 (due.order_id, intent.id)
@@ -454,25 +429,22 @@ class Sweeper:
             return tuple(row) if row is not None else None
 
         try:
-            with tracing.span(*procedure_span("CALL gate_expire_batch", thread[2])):
+            with tracing.span(*procedure_span("CALL gate_expire_batch", self.db.node_of(conn))):
                 row = await asyncio.wait_for(call(), self.config.batch_timeout_seconds)
         except Exception as exc:
             if is_connection_error(exc) or isinstance(exc, TimeoutError):
-                raise Unknown(thread[0], thread[1], exc, thread[2]) from exc
+                raise self.db.outcome_unknown(conn, exc) from exc
             raise
         assert row is not None, "gate_expire_batch returned no row"
         return row
 
     # -- deciding the intents --------------------------------------------------------
 
-    async def _resolve(self, exc: Unknown, batch: Batch) -> bool | None:
+    async def _resolve(self, exc: OutcomeUnknown, batch: Batch) -> bool | None:
         """The connection broke mid-batch: wait until the server thread is gone (its
         transaction is then over), then ask the ledger. None: cannot tell yet."""
         try:
-            if exc.thread_id is not None and exc.connected_at is not None:
-                age = asyncio.get_running_loop().time() - exc.connected_at
-                if not await self.db.wait_thread_gone(exc.thread_id, age, node=exc.node):
-                    raise TimeoutError("the server thread did not end in time")
+            await self.db.end_thread_of(exc)
         except Exception as lookup_exc:
             log.warning("expiry batch left to the janitor: %r", lookup_exc)
             return None

@@ -18,8 +18,8 @@ import orjson
 
 from gate.base.alloc import format_alloc, parse_alloc
 from gate.base.codes import OrderStatus
+from gate.base.ids import new_id
 from gate.stock.mirror import Intent, Mirror
-from gate.stock.orders import new_id
 from gate.store.db import Database, is_connection_error
 
 log = logging.getLogger("gate.payments.late")

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gate.base import tracing
+from gate.base.ids import new_id
 from gate.payments.codes import EventCode
 from gate.payments.late import settle_late
 from gate.payments.metrics import QUARANTINED
 from gate.payments.provider import ProviderEvent
 from gate.stock.mirror import Mirror
-from gate.stock.orders import new_id
 from gate.store.db import Database
 
 if TYPE_CHECKING:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gate.base.backoff import Backoff
 from gate.payments.config import PaymentSettings
 from gate.payments.late import settle_late
 from gate.payments.machine import PaymentMachine
@@ -37,6 +38,10 @@ from gate.stock.mirror import Mirror
 from gate.store.db import Database
 
 log = logging.getLogger("gate.payments.worker")
+
+# A claimed action's next attempt: 2^attempts seconds (at most 2^20), at least the
+# action lease, at most GATE_PAYMENT_BACKOFF_MAX_SECONDS (`PaymentWorker._backoff`).
+ACTION_BACKOFF = Backoff(base_seconds=1.0, cap_seconds=2.0**20, jitter=0.0)
 
 
 def refund_key(provider: str, payment_id: str, generation: int) -> str:
@@ -138,7 +143,7 @@ class PaymentWorker:
     def _backoff(self, attempts: int) -> float:
         return min(
             self.settings.backoff_max_seconds,
-            max(self.settings.action_lease_seconds, 2.0 ** min(attempts, 20)),
+            max(self.settings.action_lease_seconds, ACTION_BACKOFF.delay_seconds(attempts + 1)),
         )
 
     async def refunds(self, provider: Provider) -> int:

@@ -51,6 +51,7 @@ import orjson
 import pymysql
 from redis.exceptions import ResponseError
 
+from gate.base.backoff import Backoff
 from gate.base.codes import DbCode
 from gate.base.errors import from_db
 from gate.base.metrics import METRICS
@@ -184,6 +185,12 @@ class QueueConsumer:
         self._groups: set[int] = set()
         # Entry id -> loop time before which its retry waits (this process's own).
         self._next_try: dict[str, float] = {}
+        # retry_base · 2^(n-1) before attempt n + 1, at most RETRY_BACKOFF_MAX_SECONDS.
+        self._retry_backoff = Backoff(
+            min(settings.retry_base_seconds, RETRY_BACKOFF_MAX_SECONDS),
+            RETRY_BACKOFF_MAX_SECONDS,
+            jitter=0.0,
+        )
         # (deal, consumer) -> loop time its own pending entries were last read; deal ->
         # loop time dead consumers were last looked for.
         self._own_read: dict[tuple[int, str], float] = {}
@@ -600,11 +607,8 @@ class QueueConsumer:
     async def _thread_gone(self, exc: OutcomeUnknown) -> None:
         """A lost connection's server thread is ended before the entry is retried or
         given up, so the database's answer afterwards is final."""
-        if exc.thread_id is None or exc.connected_at is None:
-            return
-        age = asyncio.get_running_loop().time() - exc.connected_at
         try:
-            await self.gate.db.wait_thread_gone(exc.thread_id, age, node=exc.node)
+            await self.gate.db.end_thread_of(exc)
         except Exception as wait_exc:
             log.warning("queue: thread %s not seen gone: %r", exc.thread_id, wait_exc)
 
@@ -671,9 +675,7 @@ class QueueConsumer:
         """A transient failure: retried after a backoff, or a dead letter."""
         if e.attempts < self.settings.attempts_max:
             RETRIES.labels(str(deal_id)).inc()
-            backoff = min(
-                RETRY_BACKOFF_MAX_SECONDS, self.settings.retry_base_seconds * 2 ** (e.attempts - 1)
-            )
+            backoff = self._retry_backoff.delay_seconds(e.attempts)
             if len(self._next_try) >= TRACKED_MAX:
                 self._next_try.clear()
             self._next_try[e.entry_id] = asyncio.get_running_loop().time() + backoff

@@ -12,7 +12,7 @@ Here
 - the buyers of one deal and mode who ask in one event-loop turn share one call
   (`Batch`, at most `batch_max` buyers; the script handles them in turn, exactly as
   separate calls), and the calls of one turn go out in one write, as the script
-  runner's do (gate/store/scripts.py), on a connection of the room's own
+  runner's do (both through gate/store/batcher.py), on a connection of the room's own
   (gate/store/resp.py RespConnection);
 - each buyer still waits on a future of its own (a cancelled request cancels only
   its own), handed its part of the reply by the batch;
@@ -35,6 +35,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from gate.store.batcher import TurnBatcher
 from gate.store.resp import RespConnection
 from gate.store.scripts import script_seconds
 
@@ -62,16 +63,20 @@ class Command:
         return b"*%d\r\n%s%s" % (count, self.packed, b"".join(members))
 
 
+# One buyer's part of a call: its arguments in RESP, and its future.
+Part = tuple[bytes, "asyncio.Future[Any]"]
+
+
 class Batch:
     """One script call's buyers: waits for the call's reply (gate/store/resp.py's Waiter)
     and hands each buyer its part, or every buyer the error."""
 
     __slots__ = ("callers", "command", "finished", "members")
 
-    def __init__(self, command: Command) -> None:
+    def __init__(self, command: Command, parts: list[Part]) -> None:
         self.command = command
-        self.members: list[bytes] = []
-        self.callers: list[asyncio.Future[Any]] = []
+        self.members = [member for member, _ in parts]
+        self.callers = [fut for _, fut in parts]
         self.finished = False
 
     def done(self) -> bool:
@@ -112,10 +117,9 @@ class Wire:
         # Written before the loop turn ends once this many buyers wait (0: at the
         # end of the turn only), as the script runner's (GATE_REDIS_FLUSH_EVERY).
         self.flush_every = flush_every if flush_every > 0 else self.batch_max
-        self._open: dict[Command, Batch] = {}
-        self._full: list[Batch] = []
-        self._waiting = 0
-        self._scheduled = False
+        self._calls: TurnBatcher[Command, Part] = TurnBatcher(
+            self._write, self.batch_max, self.flush_every
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self.seconds = script_seconds("room_ticket")
 
@@ -123,33 +127,12 @@ class Wire:
         """One buyer's part of `command` (its arguments in RESP); the future resolves to
         the buyer's reply (an error reply to the exception object) or fails when the
         connection does."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        batch = self._open.get(command)
-        if batch is None:
-            batch = self._open[command] = Batch(command)
-        batch.members.append(member)
-        batch.callers.append(fut)
-        if len(batch.callers) >= self.batch_max:
-            del self._open[command]
-            self._full.append(batch)
-        self._waiting += 1
-        if self._waiting >= self.flush_every:
-            self._write()
-        elif not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls.add(command, (member, fut))
         return fut
 
-    def _flush(self) -> None:
-        self._scheduled = False
-        if self._waiting:
-            self._write()
-
-    def _write(self) -> None:
-        batches = self._full
-        batches.extend(self._open.values())
-        self._full, self._open, self._waiting = [], {}, 0
+    def _write(self, groups: list[tuple[Command, list[Part]]]) -> None:
+        batches = [Batch(command, parts) for command, parts in groups]
         if not self.conn.connected:
             task = asyncio.get_running_loop().create_task(self._connect_then_send(batches))
             self._tasks.add(task)

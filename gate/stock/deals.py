@@ -21,10 +21,10 @@ from gate.base.alloc import parse_alloc
 from gate.base.clock import iso
 from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, invalid, not_found
+from gate.base.ids import new_id
 from gate.base.singleflight import SingleFlight
 from gate.stock.check import check_deal
 from gate.stock.mirror import Intent, Mirror
-from gate.stock.orders import new_id
 from gate.stock.room_config import parse_room, room_view
 from gate.stock.unknown_deals import UnknownDeals
 from gate.store.db import Database

@@ -36,6 +36,7 @@ from gate.base.clock import epoch_ms
 from gate.base.codes import SyncCode
 from gate.base.settings import Settings
 from gate.base.singleflight import SingleFlight
+from gate.store.batcher import TurnBatcher
 from gate.store.db import Database
 from gate.store.keys import ACTIVE_DEALS, DealKeys, deal_keys, partition_keys
 from gate.store.redis_mode import redis_ms
@@ -55,9 +56,9 @@ CONFIRM_BATCH_MAX = 256
 # Deals whose partition count a process remembers (a deal's P never changes).
 PARTS_CACHE_MAX = 100_000
 
-# A confirmation waiting for its batch: idempotency key, token, fingerprint, the
-# allocation the database committed, and the caller's future.
-_Confirm = tuple[str, str, str, str, "asyncio.Future[Any]"]
+# A confirmation waiting for its batch: the deal's keys, the idempotency key, token,
+# fingerprint, the allocation the database committed, and the caller's future.
+_Confirm = tuple[DealKeys, str, str, str, str, "asyncio.Future[Any]"]
 
 
 def _deliver_confirms(chunk: list[_Confirm], sent: asyncio.Future[Any]) -> None:
@@ -65,20 +66,33 @@ def _deliver_confirms(chunk: list[_Confirm], sent: asyncio.Future[Any]) -> None:
     exc = sent.exception() if not sent.cancelled() else asyncio.CancelledError()
     if exc is not None:
         for c in chunk:
-            if not c[4].done():
-                c[4].set_exception(exc)
+            if not c[5].done():
+                c[5].set_exception(exc)
         return
     result = sent.result()
     codes = result if isinstance(result, list) else [result]
     if len(codes) != len(chunk):
         wrong = RuntimeError(f"confirm answered {len(codes)} codes for {len(chunk)} tokens")
         for c in chunk:
-            if not c[4].done():
-                c[4].set_exception(wrong)
+            if not c[5].done():
+                c[5].set_exception(wrong)
         return
     for c, code in zip(chunk, codes, strict=True):
-        if not c[4].done():
-            c[4].set_result(code)
+        if not c[5].done():
+            c[5].set_result(code)
+
+
+def _confirm_keys(keys: DealKeys, idempotency: list[str]) -> tuple[str, ...]:
+    """lua/confirm.lua's and lua/confirm_many.lua's KEYS: the deal's state, then each
+    reservation's idempotency record."""
+    return (
+        keys.meta,
+        keys.buckets,
+        keys.inflight,
+        keys.inflight_times,
+        keys.resolved,
+        *idempotency,
+    )
 
 
 @dataclass(frozen=True)
@@ -168,9 +182,11 @@ class Mirror:
         # (`partitions_hint`). Absent: not known yet.
         self.parts: dict[int, int] = {}
         self._nbs: dict[int, int] = {}  # bucket count of partitioned deals (fixed)
-        # Confirmations asked in this event-loop turn, per deal (`confirm`).
-        self._confirms: dict[str, tuple[DealKeys, list[_Confirm]]] = {}
-        self._confirm_scheduled = False
+        # Confirmations asked in this event-loop turn, per deal partition's hash tag
+        # (`confirm`), CONFIRM_BATCH_MAX a script call at most.
+        self._confirms: TurnBatcher[str, _Confirm] = TurnBatcher(
+            self._write_confirms, CONFIRM_BATCH_MAX
+        )
         # Run before every sync pass of a deal with the deal and the pass's mode
         # ("load", "layout", "resync"): the waiting room (gate/room/) puts its
         # configuration in Redis before the deal's state.
@@ -236,73 +252,43 @@ class Mirror:
         deal asked in the same event-loop turn (a reservation group's items resume
         together) go to Redis as one lua/confirm_many.lua call: one script run and one
         reply for the lot, with each caller's own answer."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # Per hash tag: a partitioned deal's partitions are separate states (slots).
-        pending = self._confirms.get(keys.tag)
-        if pending is None:
-            pending = self._confirms[keys.tag] = (keys, [])
-            if not self._confirm_scheduled:
-                self._confirm_scheduled = True
-                loop.call_soon(self._flush_confirms)
-        pending[1].append((keys.idempotency(user_id, idempotency_key), token, fp, alloc, fut))
+        self._confirms.add(
+            keys.tag, (keys, keys.idempotency(user_id, idempotency_key), token, fp, alloc, fut)
+        )
         return int(await fut) == 1
 
-    def _flush_confirms(self) -> None:
-        self._confirm_scheduled = False
-        batches, self._confirms = self._confirms, {}
-        ttl = self.settings.idempotency_ttl_seconds
-        for keys, items in batches.values():
-            for i in range(0, len(items), CONFIRM_BATCH_MAX):
-                chunk = items[i : i + CONFIRM_BATCH_MAX]
-                if len(chunk) == 1:
-                    key, token, fp, alloc, _ = chunk[0]
-                    sent = self.runner.call(
-                        "confirm",
-                        (
-                            keys.meta,
-                            keys.buckets,
-                            keys.inflight,
-                            keys.inflight_times,
-                            keys.resolved,
-                            key,
-                        ),
-                        (token, fp, ttl, alloc, RESOLVED_RETENTION_MS),
-                    )
-                else:
-                    args: list[Any] = [ttl, RESOLVED_RETENTION_MS]
-                    for _, token, fp, alloc, _ in chunk:
-                        args += (token, fp, alloc)
-                    sent = self.runner.call(
-                        "confirm_many",
-                        (
-                            keys.meta,
-                            keys.buckets,
-                            keys.inflight,
-                            keys.inflight_times,
-                            keys.resolved,
-                            *(c[0] for c in chunk),
-                        ),
-                        args,
-                    )
-                sent.add_done_callback(functools.partial(_deliver_confirms, chunk))
+    def _write_confirms(self, groups: list[tuple[str, list[_Confirm]]]) -> None:
+        for _, chunk in groups:
+            keys = chunk[0][0]
+            if len(chunk) == 1:
+                _, key, token, fp, alloc, _ = chunk[0]
+                sent = self._confirm_one(keys, key, token, fp, alloc)
+            else:
+                args: list[Any] = [self.settings.idempotency_ttl_seconds, RESOLVED_RETENTION_MS]
+                for _, _, token, fp, alloc, _ in chunk:
+                    args += (token, fp, alloc)
+                sent = self.runner.call(
+                    "confirm_many", _confirm_keys(keys, [c[1] for c in chunk]), args
+                )
+            sent.add_done_callback(functools.partial(_deliver_confirms, chunk))
 
     def confirm_call(
         self, keys: DealKeys, user_id: int, idempotency_key: str, token: str, fp: str, alloc: str
     ) -> asyncio.Future[Any]:
         """`confirm`'s script call, queued now (a batch's calls share a pipeline
         without a task each); the future resolves to its raw reply."""
+        return self._confirm_one(keys, keys.idempotency(user_id, idempotency_key), token, fp, alloc)
+
+    def _confirm_one(
+        self, keys: DealKeys, idempotency: str, token: str, fp: str, alloc: str
+    ) -> asyncio.Future[Any]:
+        ttl = self.settings.idempotency_ttl_seconds
         return self.runner.call(
             "confirm",
-            (
-                keys.meta,
-                keys.buckets,
-                keys.inflight,
-                keys.inflight_times,
-                keys.resolved,
-                keys.idempotency(user_id, idempotency_key),
-            ),
-            (token, fp, self.settings.idempotency_ttl_seconds, alloc, RESOLVED_RETENTION_MS),
+            _confirm_keys(keys, [idempotency]),
+            (token, fp, ttl, alloc, RESOLVED_RETENTION_MS),
         )
 
     async def compensate(

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import base64
 import logging
-import os
 import re
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -14,6 +11,9 @@ from typing import Any
 from gate.base.clock import iso
 from gate.base.codes import DbCode
 from gate.base.errors import Problem, not_found, overloaded
+
+# The reservation path names the id generator `orders.new_id`.
+from gate.base.ids import new_id as new_id
 from gate.stock.mirror import Intent, Mirror
 from gate.store.db import Database, DbUnavailable, is_connection_error
 
@@ -110,44 +110,6 @@ class Order:
 
 def valid_order_id(order_id: str) -> bool:
     return bool(ORDER_ID_RE.fullmatch(order_id))
-
-
-_DIGITS = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-# RFC 4648 base 32 to Crockford's: the same 5-bit groups, other digits.
-_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _DIGITS.encode())
-_IDS_PER_REFILL = 256
-_random_parts: list[str] = []
-_stamp_ms = -1
-_stamp = ""
-
-
-def _forget_random_parts() -> None:
-    # A forked worker must not hand out the ids its parent had drawn.
-    _random_parts.clear()
-
-
-os.register_at_fork(after_in_child=_forget_random_parts)
-
-
-def new_id() -> str:
-    """A ULID: 48 bits of milliseconds then 80 random bits, 26 Crockford digits.
-
-    Made here rather than with python-ulid (≈ 17 µs an id, on every reservation):
-    the timestamp digits are computed once per millisecond and the random part is
-    drawn and encoded 256 ids at a time (10 random bytes are exactly 16 digits, so
-    base64's base-32 encoder does the work without padding); about 1 µs an id.
-    Ids of one millisecond are not ordered among themselves.
-    """
-    global _stamp_ms, _stamp
-    ms = time.time_ns() // 1_000_000
-    if ms != _stamp_ms:
-        _stamp = "".join(_DIGITS[(ms >> s) & 31] for s in range(45, -5, -5))
-        _stamp_ms = ms
-    if not _random_parts:
-        raw = base64.b32encode(os.urandom(10 * _IDS_PER_REFILL)).translate(_TO_CROCKFORD)
-        text = raw.decode("ascii")
-        _random_parts.extend(text[i : i + 16] for i in range(0, len(text), 16))
-    return _stamp + _random_parts.pop()
 
 
 async def get(db: Database, order_id: str) -> Order | None:

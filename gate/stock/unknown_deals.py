@@ -41,8 +41,8 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from gate.base.ids import new_id
 from gate.base.singleflight import FreshRead, SingleFlight
-from gate.stock.orders import new_id
 from gate.store.db import Database
 from gate.store.keys import DEALS_GENERATION
 from gate.store.resp import text

@@ -10,7 +10,7 @@ node ("host:port", `node_of`), and `servers` who answered there (wsrep_node_name
 hostname:port, and server_id). A server thread id is only ever acted on where it was
 issued:
 
-    wait_thread_gone(id, age, node)
+    end_thread_of(OutcomeUnknown) ──> wait_thread_gone(id, age, node)
       node = the writer ──> KILL it here, wait until the processlist shows it gone
       node = a former writer
         answers, same server ──> KILL it there (a node cut off from the primary
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -36,6 +35,7 @@ import aiomysql
 import pymysql
 
 from gate.base import tracing
+from gate.base.backoff import Backoff
 from gate.base.metrics import METRICS
 from gate.base.settings import MysqlNode, MysqlTarget, Settings, node_name
 from gate.base.timeouts import deadline_in
@@ -62,6 +62,9 @@ ER_WSREP_NOT_READY = 1047
 # The node refuses writes (read-only) or is out of the primary component: the writer
 # is probed again at once rather than at the next interval.
 WRITER_LOST_ERRNOS = frozenset({1290, ER_WSREP_NOT_READY})
+# Between attempts after a deadlock or lock-wait timeout: 2 to 20 ms, doubling each
+# attempt (such a conflict is over in milliseconds), at most a second.
+DEADLOCK_BACKOFF = Backoff(base_seconds=0.02, cap_seconds=1.0, jitter=0.9)
 # A read meets at most this many dead pooled connections before it fails (each one
 # met is closed, never handed out again).
 READ_TRIES = 4
@@ -72,7 +75,10 @@ class DbUnavailable(Exception):
 
 
 class OutcomeUnknown(Exception):
-    """The connection broke while a transaction was committing; it may have committed."""
+    """The connection broke (or the deadline passed) while a transaction was
+    committing: it may have committed. It names the server thread, so that the
+    caller can make sure the thread has ended (`Database.end_thread_of`) before it
+    looks the outcome up."""
 
     def __init__(
         self,
@@ -448,8 +454,26 @@ class Database:
                     raise
                 log.info("retrying after errno %s (attempt %d)", errno_of(exc), i + 1)
                 METRICS.db_retries.labels(str(errno_of(exc))).inc()
-                await asyncio.sleep(random.uniform(0.002, 0.02) * (2**i))
+                await asyncio.sleep(DEADLOCK_BACKOFF.delay_seconds(i + 1))
         raise AssertionError("unreachable")
+
+    def outcome_unknown(self, conn: Any, cause: BaseException) -> OutcomeUnknown:
+        """`cause` broke `conn` while its transaction was committing: the
+        OutcomeUnknown naming the connection's server thread and node."""
+        return OutcomeUnknown(conn.thread_id(), conn.connected_time, cause, self.node_of(conn))
+
+    async def end_thread_of(self, unknown: OutcomeUnknown, timeout_seconds: float = 5.0) -> None:
+        """Make sure the server thread of an unknown outcome has ended (`wait_thread_gone`),
+        so that a lookup afterwards tells whether it committed. Returns at once when
+        the connection never had a thread; TimeoutError when the thread did not end
+        within `timeout_seconds`, or whatever the database raised."""
+        if unknown.thread_id is None or unknown.connected_at is None:
+            return
+        age = asyncio.get_running_loop().time() - unknown.connected_at
+        if not await self.wait_thread_gone(
+            unknown.thread_id, age, timeout_seconds, node=unknown.node
+        ):
+            raise TimeoutError("the server thread did not end in time")
 
     async def wait_thread_gone(
         self,

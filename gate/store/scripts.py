@@ -30,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gate.base import tracing
 from gate.base.metrics import METRICS, HistogramTally
 from gate.base.redis_url import parse_redis_url
+from gate.store.batcher import TurnBatcher
 from gate.store.resp import RespConnection
 
 log = logging.getLogger("gate.scripts")
@@ -258,8 +259,10 @@ class ScriptRunner:
             if self.cluster
             else [RespConnection(url, timeout_seconds) for _ in range(self._per_node)]
         )
-        self._pending: list[_Call] = []
-        self._scheduled = False
+        # Every call of one loop turn, one group (in chunks of batch_max).
+        self._calls: TurnBatcher[None, _Call] = TurnBatcher(
+            self._write, batch_max, self.flush_every
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         # Cluster mode: slot -> primary address, connections per node, every node
         # seen (primaries and replicas: where to ask for the map after a failover).
@@ -439,28 +442,14 @@ class ScriptRunner:
                 )
 
     def call(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        pending = self._pending
-        pending.append((self.scripts[name], keys, args, fut, time.perf_counter()))
-        if len(pending) >= self.flush_every:
-            self._write()
-        elif not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls.add(None, (self.scripts[name], keys, args, fut, time.perf_counter()))
         if tracing.ENABLED:
             _trace(name, fut)
         return fut
 
-    def _flush(self) -> None:
-        self._scheduled = False
-        if self._pending:
-            self._write()
-
-    def _write(self) -> None:
-        pending, self._pending = self._pending, []
-        for i in range(0, len(pending), self.batch_max):
-            batch = pending[i : i + self.batch_max]
+    def _write(self, groups: list[tuple[None, list[_Call]]]) -> None:
+        for _, batch in groups:
             if not self.cluster and self._write_now(batch):
                 continue
             task = asyncio.get_running_loop().create_task(self._send(batch))

@@ -18,8 +18,8 @@ from typing import Any
 
 from gate.base.clock import iso
 from gate.base.errors import Problem, invalid
+from gate.base.ids import new_id
 from gate.base.validate import MAX_ID, digits
-from gate.stock.orders import new_id
 from gate.webhooks import events as ev
 from gate.webhooks.config import WebhookSettings
 from gate.webhooks.model import Endpoint, TooManyEndpoints

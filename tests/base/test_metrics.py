@@ -130,11 +130,8 @@ def mp_gate(env: dict[str, str], prepared: None, metrics_dir: Path) -> Iterator[
 
 @pytest.fixture
 async def mp_client(mp_gate: GateProcess) -> AsyncIterator[Client]:
-    c = Client(mp_gate.url)
-    try:
+    async with Client(mp_gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def test_sold_out_rejections_are_counted_across_workers(

@@ -18,21 +18,9 @@ from gate.base.settings import (
     load_settings,
 )
 from gate.payments.config import load_payment_settings
-from tests.support import GATE_BIN, WEBHOOK_SECRET
+from tests.support import GATE_BIN, WEBHOOK_SECRET, serve_once
 
 API_KEY = "test-provider-api-key-0123456789"
-
-
-def serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    # Port 1: were the configuration accepted, binding would fail loudly instead.
-    return subprocess.run(
-        [GATE_BIN, "serve", "--port", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize("gate_env", ["production", "test"])
@@ -55,7 +43,7 @@ def test_the_built_in_dev_secrets_are_refused_outside_dev(
         given = {**env, "GATE_ENV": gate_env, name: value}
         with pytest.raises(SettingsError, match=f"{name} is the public development value"):
             load_settings(given)
-        out = serve(given)
+        out = serve_once(given)
         assert out.returncode == 2, (name, out.stderr)
         assert f"{name} is the public development value" in out.stderr
         assert "Traceback" not in out.stderr
@@ -82,7 +70,7 @@ def test_the_values_published_in_the_dev_compose_file_are_refused_outside_dev(
         else:
             with pytest.raises(SettingsError, match=f"{name} \\(its password\\) is the public"):
                 load_settings(given)
-        out = serve(given)
+        out = serve_once(given)
         assert out.returncode == 2, (name, out.stderr)
         assert f"{name}" in out.stderr and "public development value" in out.stderr
         assert "Traceback" not in out.stderr
@@ -145,7 +133,7 @@ def test_the_payment_provider_needs_https_and_a_key_outside_dev(
         given = {**base, "GATE_PAYMENT_PROVIDER_URL": url, "GATE_PAYMENT_API_KEY": key}
         with pytest.raises(SettingsError, match=message):
             load_payment_settings(given)
-        out = serve(given)
+        out = serve_once(given)
         assert out.returncode == 2, (url, out.stderr)
         assert message in out.stderr and "Traceback" not in out.stderr
         assert not key or key not in out.stdout + out.stderr
@@ -177,7 +165,7 @@ def test_a_key_set_needs_an_issuer_and_an_audience_outside_dev(
             given = {**env, "GATE_ENV": "production", **source, **claims}
             with pytest.raises(SettingsError, match="GATE_JWT_ISSUER and GATE_JWT_AUDIENCE"):
                 load_settings(given)
-            out = serve(given)
+            out = serve_once(given)
             assert out.returncode == 2, out.stderr
             assert "need GATE_JWT_ISSUER and GATE_JWT_AUDIENCE" in out.stderr, out.stderr
         both = {"GATE_JWT_ISSUER": issuer, "GATE_JWT_AUDIENCE": audience}
@@ -193,7 +181,7 @@ def test_the_admin_token_is_at_least_32_characters_outside_dev(env: dict[str, st
     given = {**env, "GATE_ENV": "production", "GATE_ADMIN_TOKEN": short}
     with pytest.raises(SettingsError, match="GATE_ADMIN_TOKEN must be at least 32 characters"):
         load_settings(given)
-    out = serve(given)
+    out = serve_once(given)
     assert out.returncode == 2 and "GATE_ADMIN_TOKEN must be at least 32" in out.stderr
     assert short not in out.stdout + out.stderr
     assert load_settings({**given, "GATE_ADMIN_TOKEN": short + "4"}).admin_token.reveal()

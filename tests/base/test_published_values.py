@@ -7,7 +7,6 @@ gate/base/published.py refuses it too."""
 from __future__ import annotations
 
 import re
-import subprocess
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import yaml
 
 from gate.base.published import EXAMPLE_VALUES, published_reason
 from gate.base.settings import SECRET_NAMES, SettingsError, load_settings
-from tests.support import GATE_BIN, ROOT
+from tests.support import ROOT, serve_once
 
 EXAMPLE_SECRETS = ROOT / "deploy" / "kubernetes" / "overlays" / "example" / "secrets.example.yaml"
 # The secrets that are URLs: their password is the secret part.
@@ -121,18 +120,6 @@ def test_the_scan_catches_a_newly_added_example_value(tmp_path: Path) -> None:
     assert [published_reason(f.value) for f in found] == [None, None]
 
 
-def serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    # Port 1: were the configuration accepted, binding would fail loudly instead.
-    return subprocess.run(
-        [GATE_BIN, "serve", "--port", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def example_secrets() -> list[tuple[str, str]]:
     """(name, value) of every secret of the Kubernetes example, both Secrets."""
     return [
@@ -156,14 +143,14 @@ def test_the_kubernetes_example_secrets_stop_start_up(env: dict[str, str], gate_
         with pytest.raises(SettingsError, match=f"^{name}.* is a placeholder") as refused:
             load_settings(given)
         assert "CHANGE-ME" not in str(refused.value)
-        out = serve(given)
+        out = serve_once(given)
         assert out.returncode == 2, (name, out.stderr)
         assert name in out.stderr and "placeholder" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
         secret = urlsplit(value).password if name in URL_SECRETS else value
         assert secret and secret not in out.stdout + out.stderr
     # All of them at once, as the overlay runs them.
-    out = serve({**env, "GATE_ENV": gate_env, **dict(pairs)})
+    out = serve_once({**env, "GATE_ENV": gate_env, **dict(pairs)})
     assert out.returncode == 2 and "placeholder" in out.stderr, out.stderr
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +38,11 @@ from gate.payments.providers.wechatpay import load_wechatpay_settings
 from gate.payments.sandbox.server import load_config
 from gate.payments.signing import decode_secret
 from gate.store.migrate import load_app_user
+from gate.webhooks.config import load_webhook_settings
 from tests.support import (
     ADMIN,
     ADMIN_TOKEN,
     ADMISSION_SECRET,
-    GATE_BIN,
     JWT_SECRET,
     ROOT,
     WEBHOOK_SECRET,
@@ -51,6 +50,7 @@ from tests.support import (
     GateProcess,
     create_deal,
     reserve,
+    serve_once,
 )
 
 SANDBOX_SECRET = "whsec_c2FuZGJveC13ZWJob29rLXNlY3JldC0wMTIzNDU2"
@@ -179,6 +179,16 @@ USES: dict[str, Use] = {
         extra={"GATE_ENV": "dev"},
         expect=decode_secret(SANDBOX_SECRET),
     ),
+    "GATE_WEBHOOK_ENCRYPTION_KEY": Use(
+        "webhook-encryption-key-from-a-file-0123456789",
+        lambda env: (
+            load_webhook_settings(_settings(env).environ, _settings(env).is_dev)
+            .encryption_keys[0]
+            .reveal()
+        ),
+        "short-webhook-key",
+        "GATE_WEBHOOK_ENCRYPTION_KEY: each key must be at least 32 characters",
+    ),
 }
 
 
@@ -260,18 +270,6 @@ def test_a_secret_from_a_file_is_redacted_from_the_logs(
     assert USES[name].good in _secrets(load_settings(given))
 
 
-def _serve(env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
-    # Port 1: were the configuration accepted, binding would fail loudly instead.
-    return subprocess.run(
-        [GATE_BIN, "serve", "--port", "1"],
-        env=dict(env),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize("name", SECRET_NAMES)
 def test_a_secret_set_both_ways_stops_start_up(
     env: dict[str, str], tmp_path: Path, name: str
@@ -279,7 +277,7 @@ def test_a_secret_set_both_ways_stops_start_up(
     given = _env_for(env, name)
     given[name] = USES[name].good
     given[name + "_FILE"] = str(_write(tmp_path, name, "other-value-in-the-file-0123456789"))
-    out = _serve(given)
+    out = serve_once(given)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"{name} and {name}_FILE are both set" in out.stderr
     assert "Traceback" not in out.stderr
@@ -292,7 +290,7 @@ def test_an_unreadable_secret_file_stops_start_up_naming_the_variable(
 ) -> None:
     given = _env_for(env, name)
     given[name + "_FILE"] = str(tmp_path / "missing")
-    out = _serve(given)
+    out = serve_once(given)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"{name}_FILE: cannot read" in out.stderr
     assert "Traceback" not in out.stderr

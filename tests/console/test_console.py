@@ -38,21 +38,14 @@ from tests.support import (
 @pytest.fixture(scope="module")
 def console_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
     """One worker, so that every request of a test meets the same snapshot cache."""
-    proc = GateProcess(console_env(env), workers=1)
-    try:
-        proc.wait_ready()
+    with GateProcess(console_env(env), workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def cc(console_gate: GateProcess) -> AsyncIterator[Client]:
-    c = Client(console_gate.url)
-    try:
+    async with Client(console_gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture

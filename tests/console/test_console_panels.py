@@ -41,24 +41,17 @@ RETRY_BASE_SECONDS = "3"
 def panel_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
     """One worker, so that every snapshot of a test is computed by the same process
     (admitted/s is a difference against that process's previous snapshot)."""
-    proc = GateProcess(
+    with GateProcess(
         console_env(env, **PANEL_ENV, GATE_QUEUE_RETRY_BASE_SECONDS=RETRY_BASE_SECONDS),
         workers=1,
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def pc(panel_gate: GateProcess) -> AsyncIterator[Client]:
-    c = Client(panel_gate.url)
-    try:
+    async with Client(panel_gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture

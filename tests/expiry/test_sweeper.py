@@ -9,13 +9,13 @@ import pymysql
 import pytest
 import redis.asyncio as aioredis
 
+from gate.base.ids import new_id
 from gate.base.metrics import METRICS, sample_values, value_of
 from gate.base.settings import Settings, SettingsError, load_settings
 from gate.expiry import ExpirySettings, make_sweeper
 from gate.expiry.sweeper import NEXT_DUE_PAUSE_MIN_SECONDS, STATS, SweepConfig
 from gate.runtime import Gate
-from gate.stock.orders import new_id
-from gate.store.db import Database
+from gate.store.db import Database, OutcomeUnknown
 from gate.store.keys import deal_keys
 from tests.expiry_support import holding, make_holds, run_gate, statuses, wait_until
 from tests.support import (
@@ -316,6 +316,52 @@ async def test_a_batch_stuck_behind_a_long_transaction_counts_as_failed(
         return await holding(db, deal_id) == 0
 
     await wait_until(done, 20, "the holds to expire once the lock is gone")
+    await assert_invariants(db, rds, deal_id)
+
+
+async def test_a_batch_past_its_deadline_is_resolved_by_ending_its_thread(
+    client: Client,
+    db: Database,
+    rds: aioredis.Redis,
+    local_gate: Gate,
+    settings: Settings,
+) -> None:
+    """A batch whose CALL outlives batch_timeout_seconds has an unknown outcome: the
+    sweeper ends its server thread (Database.end_thread_of) and asks the ledger, so
+    the batch is decided (rolled back) here instead of being left to the janitor."""
+    deal_id = await create_deal(client, stock=2, buckets=1)
+    orders = await make_holds(client, deal_id, 2, user_base=842_000, concurrency=2)
+    sweeper = make_sweeper(
+        local_gate, SweepConfig(batch_max=100, interval_seconds=0.05, batch_timeout_seconds=0.5)
+    )
+    unresolved_before = STATS.unresolved
+    async with locked_buckets(settings, deal_id):
+        await db.execute("UPDATE orders SET expires_at = NOW(6) WHERE deal_id = %s", (deal_id,))
+        # The shared gate's sweepers meet the lock too; keep trying until this one
+        # has taken the holds and timed out on the bucket row.
+        for _ in range(200):
+            try:
+                await sweeper.run_once()
+            except OutcomeUnknown as exc:
+                assert isinstance(exc.cause, TimeoutError), repr(exc)
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the sweeper's batch never timed out behind the lock")
+        # Decided here (rolled back): nothing left unresolved for the janitor.
+        assert STATS.unresolved == unresolved_before
+        assert set((await statuses(db, orders)).values()) == {"PENDING_PAYMENT"}
+
+    async def done() -> bool:
+        return await holding(db, deal_id) == 0
+
+    await wait_until(done, 20, "the holds to expire once the lock is gone")
+    row = await db.fetchone(
+        "SELECT COUNT(*), COUNT(DISTINCT order_id) FROM inventory_ledger"
+        " WHERE deal_id = %s AND reason = 'expire'",
+        (deal_id,),
+    )
+    assert row is not None and (int(row[0]), int(row[1])) == (2, 2), row
     await assert_invariants(db, rds, deal_id)
 
 

@@ -42,11 +42,8 @@ def baseline(benv: dict[str, str]) -> Iterator[Server]:
 
 @pytest.fixture
 async def bclient(baseline: Server) -> AsyncIterator[Client]:
-    c = Client(baseline.url)
-    try:
+    async with Client(baseline.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture

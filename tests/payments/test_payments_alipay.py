@@ -1,33 +1,24 @@
 """The Alipay adapter: RSA2 signing as documented, exact yuan amounts, start-up
-settings, notification verification (forged, tampered, stale, another app's), and
-the async client against a real fake-Alipay process on loopback (sessions, payment
-and failure notifications with retries, refunds by out_request_no, per-order
-queries for reconciliation)."""
+settings, notification verification (forged, tampered, stale, another app's, one
+Alipay really signed), ids checked, and what only Alipay does against its fake
+(refund_fee is the trade's refunded total). The contract Alipay and WeChat Pay both
+keep against their fakes is tests/payments/test_payments_cn_contract.py."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 import pytest
 from ulid import ULID
 
 from gate.base.settings import SettingsError
-from gate.payments.config import PaymentSettings
-from gate.payments.provider import (
-    EventInvalid,
-    ProviderRejected,
-    ProviderUnavailable,
-    SessionRequest,
-)
+from gate.payments.provider import EventInvalid
 from gate.payments.providers.alipay import (
     CST,
     TIME_FORMAT,
-    AlipayProvider,
     AlipaySettings,
     AlipayWebhook,
     load_alipay_settings,
@@ -37,89 +28,21 @@ from gate.payments.providers.alipay import (
 from gate.payments.providers.rsa_http import fen_to_yuan, sign_sha256_rsa, yuan_to_fen
 from gate.payments.signing import WebhookRejected
 from tests.cn_support import (
-    FakeControl,
-    FakeProcess,
+    ALIPAY_APP_ID,
+    CnStack,
     KeyPair,
-    Sink,
-    StaticWindow,
+    alipay_env,
     eventually,
-    make_key_pair,
+    session_request,
 )
 
-APP_ID = "2021000000000001"
+APP_ID = ALIPAY_APP_ID
+env_for = alipay_env
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KeyPair]:
-    d = tmp_path_factory.mktemp("alipay-keys")
-    return {name: make_key_pair(d, name) for name in ("app", "alipay", "other")}
-
-
-@pytest.fixture(scope="module")
-def fake(keys: dict[str, KeyPair]) -> Iterator[FakeProcess]:
-    proc = FakeProcess(
-        "tests.fake_alipay",
-        {
-            "FAKE_ALIPAY_APP_ID": APP_ID,
-            "FAKE_ALIPAY_APP_PUBLIC_KEY_FILE": keys["app"].public_file,
-            "FAKE_ALIPAY_PRIVATE_KEY_FILE": keys["alipay"].private_file,
-            "FAKE_NOTIFY_SCHEDULE": "0.2,0.4,0.8",
-        },
-    )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
-
-
-def env_for(keys: dict[str, KeyPair], url: str, **over: str) -> dict[str, str]:
-    return {
-        "GATE_ENV": "dev",
-        "GATE_ALIPAY_APP_ID": APP_ID,
-        "GATE_ALIPAY_PRIVATE_KEY_FILE": keys["app"].private_file,
-        "GATE_ALIPAY_PUBLIC_KEY_FILE": keys["alipay"].public_file,
-        "GATE_ALIPAY_GATEWAY_URL": url + "/gateway.do",
-        **over,
-    }
-
-
-def pay_settings() -> PaymentSettings:
-    return PaymentSettings(
-        provider="alipay", timeout_seconds=2.0, connect_timeout_seconds=0.5, retry_max=3
-    )
-
-
-@pytest.fixture
-async def stack(
-    keys: dict[str, KeyPair], fake: FakeProcess
-) -> AsyncIterator[tuple[AlipayProvider, Sink, FakeControl]]:
-    alipay = load_alipay_settings(env_for(keys, fake.url))
-    provider = AlipayProvider(pay_settings(), alipay)
-    sink = Sink(AlipayWebhook(alipay, provider))
-    await sink.start()
-    control = FakeControl(fake.url)
-    await control.post("/_fake/configure", {"drop_notifications": 0, "unavailable_calls": 0})
-    try:
-        yield provider, sink, control
-    finally:
-        await provider.close()
-        await sink.stop()
-        await control.close()
-
-
-def session_request(sink: Sink, amount: int = 8888, **over: Any) -> SessionRequest:
-    fields: dict[str, Any] = {
-        "order_id": str(ULID()),
-        "amount": amount,
-        "currency": "CNY",
-        "capture_mode": "automatic",
-        "expires_at": int(time.time()) + 600,
-        "description": "flash sale",
-        "notify_url": sink.url,
-    }
-    fields.update(over)
-    return SessionRequest(**fields)
+def keys(cn_keys: dict[str, dict[str, KeyPair]]) -> dict[str, KeyPair]:
+    return cn_keys["alipay"]
 
 
 # -- signing, amounts, settings -------------------------------------------------------
@@ -294,157 +217,6 @@ def test_notification_refused(keys: dict[str, KeyPair], change: str) -> None:
         parse_notification(settings_of(keys), body, now)
 
 
-# -- the client against the fake --------------------------------------------------------
-
-
-async def test_session_payment_notification_and_query(
-    stack: tuple[AlipayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    request = session_request(sink, amount=12345)
-    session = await provider.create_session(request, f"session-{request.order_id}")
-    assert session.order_id == request.order_id
-    assert session.redirect_url.startswith("https://qr.alipay.com/")
-    # precreate again (a retry that opens the payment session anew): the same QR code.
-    again = await provider.create_session(request, f"session-{request.order_id}")
-    assert again.redirect_url == session.redirect_url
-    # Nothing to find before the buyer scanned.
-    assert await provider.payments_for_order(request.order_id) == []
-
-    status, trade = await control.post(
-        "/_fake/pay", {"out_trade_no": request.order_id, "outcome": "succeed"}
-    )
-    assert status == 200
-    events = await eventually(lambda: sink.of_type("payment.succeeded", request.order_id))
-    assert (events[0].amount, events[0].payment_id) == (12345, trade["trade_no"])
-    notes = await control.get(f"/_fake/notifications?out_trade_no={request.order_id}")
-    assert notes[0]["acknowledged"] and notes[0]["attempts"] == 1
-
-    [payment] = await provider.payments_for_order(request.order_id)
-    assert (payment.status, payment.amount, payment.payment_id) == (
-        "succeeded",
-        12345,
-        trade["trade_no"],
-    )
-    assert await provider.get_payment(trade["trade_no"]) == payment
-    # A paid order cannot get another QR code.
-    with pytest.raises(ProviderRejected) as refused:
-        await provider.create_session(request, "k")
-    assert refused.value.code == "ACQ.TRADE_HAS_SUCCESS"
-
-
-async def test_failed_payment_is_notified_and_queried(
-    stack: tuple[AlipayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    request = session_request(sink)
-    await provider.create_session(request, "k")
-    await control.post("/_fake/pay", {"out_trade_no": request.order_id, "outcome": "fail"})
-    await eventually(lambda: sink.of_type("payment.failed", request.order_id))
-    [payment] = await provider.payments_for_order(request.order_id)
-    assert payment.status == "failed"
-
-
-async def test_notification_retried_until_success(
-    stack: tuple[AlipayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    sink.fail_next = 2
-    request = session_request(sink)
-    await provider.create_session(request, "k")
-    await control.post("/_fake/pay", {"out_trade_no": request.order_id})
-    await eventually(lambda: sink.of_type("payment.succeeded", request.order_id))
-    notes = await control.get(f"/_fake/notifications?out_trade_no={request.order_id}")
-    assert notes[0]["attempts"] == 3 and notes[0]["acknowledged"]
-    # A redelivery of the acknowledged notification is the same event.
-    await control.post(f"/_fake/notifications/{notes[0]['id']}/redeliver", {})
-    await eventually(lambda: sink.received == 4)
-    assert len(sink.of_type("payment.succeeded", request.order_id)) == 1
-
-
-async def test_refund_by_out_request_no_and_its_notification(
-    stack: tuple[AlipayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    request = session_request(sink, amount=500)
-    await provider.create_session(request, "k")
-    _, trade = await control.post("/_fake/pay", {"out_trade_no": request.order_id})
-    key = f"refund-alipay-{trade['trade_no']}-0"
-    refund = await provider.refund(trade["trade_no"], 500, key)
-    assert (refund.status, refund.amount, refund.refund_id) == ("succeeded", 500, key)
-    # The same key again (a retry after a timeout): the same refund, no second one.
-    assert await provider.refund(trade["trade_no"], 500, key) == refund
-    doc = await control.get(f"/_fake/trades/{request.order_id}")
-    assert doc["refunded_fen"] == 500 and len(doc["refunds"]) == 1
-    events = await eventually(lambda: sink.of_type("refund.succeeded", request.order_id))
-    assert (events[0].refund_id, events[0].amount, events[0].payment_id) == (
-        key,
-        500,
-        trade["trade_no"],
-    )
-    # More than was paid: Alipay refuses.
-    with pytest.raises(ProviderRejected) as refused:
-        await provider.refund(trade["trade_no"], 1, f"refund-alipay-{trade['trade_no']}-1")
-    assert refused.value.code == "ACQ.TRADE_STATUS_ERROR"
-
-
-async def test_no_authorize_capture(stack: tuple[AlipayProvider, Sink, FakeControl]) -> None:
-    provider, sink, _ = stack
-    with pytest.raises(ProviderRejected) as refused:
-        await provider.create_session(session_request(sink, capture_mode="manual"), "k")
-    assert refused.value.code == "capture_unsupported"
-    with pytest.raises(ProviderRejected):
-        await provider.capture("2013112011001004330000121536", 1, "k")
-
-
-async def test_service_unavailable_is_retried(
-    stack: tuple[AlipayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    await control.post("/_fake/configure", {"unavailable_calls": 2})
-    request = session_request(sink)
-    session = await provider.create_session(request, "k")
-    assert session.order_id == request.order_id
-    await control.post("/_fake/configure", {"unavailable_calls": 3})
-    with pytest.raises(ProviderUnavailable):
-        await provider.create_session(request, "k")
-
-
-async def test_answers_not_signed_by_alipay_are_not_believed(
-    keys: dict[str, KeyPair], fake: FakeProcess
-) -> None:
-    # The gate holding another "Alipay public key": every answer fails verification.
-    alipay = load_alipay_settings(
-        env_for(keys, fake.url, GATE_ALIPAY_PUBLIC_KEY_FILE=keys["other"].public_file)
-    )
-    provider = AlipayProvider(pay_settings(), alipay)
-    try:
-        with pytest.raises(ProviderUnavailable, match="signature"):
-            await provider.payments_for_order(str(ULID()))
-    finally:
-        await provider.close()
-
-
-async def test_dropped_notification_found_by_per_order_query(
-    stack: tuple[AlipayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    requests = [session_request(sink, amount=100 + i) for i in range(3)]
-    for r in requests:
-        await provider.create_session(r, "k")
-    await control.post("/_fake/configure", {"drop_notifications": 1})
-    await control.post("/_fake/pay", {"out_trade_no": requests[1].order_id})
-    notes = await control.get(f"/_fake/notifications?out_trade_no={requests[1].order_id}")
-    assert notes[0]["dropped"] and notes[0]["attempts"] == 0
-    provider.window = StaticWindow([r.order_id for r in requests])
-    page = await provider.transactions(None, 2, since=0)
-    assert [t.order_id for t in page.items] == [requests[1].order_id]
-    assert page.items[0].amount == 101 and page.items[0].status == "succeeded"
-    assert page.next_cursor == requests[1].order_id
-    rest = await provider.transactions(page.next_cursor, 2, since=0)
-    assert rest.items == [] and rest.next_cursor is None
-
-
 # A notification Alipay really sent and signed (trade_status_sync, 2019-08-15), with
 # Alipay's notification public key, as published in Alipay's own SDK tests
 # (github.com/alipay/alipay-sdk-nodejs-all, test/alipay.test.ts, "checkNotifySign":
@@ -521,7 +293,7 @@ def test_a_notification_alipay_really_signed_verifies(
         parse_notification(settings, body, sent + 301)
 
 
-# -- ids checked, refund_fee cumulative ---------------------------------------------------
+# -- ids checked; against the fake: refund_fee cumulative -----------------------------------
 
 
 @pytest.mark.parametrize(
@@ -556,13 +328,14 @@ def test_an_order_id_that_only_starts_like_one_names_no_order(keys: dict[str, Ke
     assert parse_notification(settings_of(keys), body, now).order_id is None
 
 
+@pytest.mark.parametrize("cn", ["alipay"], indirect=True)
 async def test_two_partial_refunds_record_their_own_amounts(
-    stack: tuple[AlipayProvider, Sink, FakeControl],
+    cn: CnStack,
 ) -> None:
     # Alipay's refund_fee is the trade's refunded total: refunds of 30 and 20 on a
     # 100 trade are notified with 30.00 then 50.00; each event is that refund's own
     # amount (asked of the refund query), and a redelivery is the same event.
-    provider, sink, control = stack
+    provider, sink, control = cn.provider, cn.sink, cn.control
     request = session_request(sink, amount=10_000)
     await provider.create_session(request, "k")
     _, trade = await control.post("/_fake/pay", {"out_trade_no": request.order_id})
@@ -592,12 +365,13 @@ async def test_two_partial_refunds_record_their_own_amounts(
     assert len(sink.of_type("refund.succeeded", request.order_id)) == 2
 
 
+@pytest.mark.parametrize("cn", ["alipay"], indirect=True)
 async def test_a_refund_alipay_does_not_know_is_recorded_without_an_amount(
-    keys: dict[str, KeyPair], stack: tuple[AlipayProvider, Sink, FakeControl]
+    keys: dict[str, KeyPair], cn: CnStack
 ) -> None:
     # Genuine (signed) but naming a refund the refund query does not find: no amount
     # to apply (the gate quarantines it as a mismatch), never the cumulative fee.
-    provider, sink, control = stack
+    provider, sink, control = cn.provider, cn.sink, cn.control
     request = session_request(sink, amount=500)
     await provider.create_session(request, "k")
     _, trade = await control.post("/_fake/pay", {"out_trade_no": request.order_id})
@@ -616,19 +390,3 @@ async def test_a_refund_alipay_does_not_know_is_recorded_without_an_amount(
     assert event.amount == 500  # the refunded total, before completion
     completed = await AlipayWebhook(provider.alipay, provider).complete(event)
     assert completed.amount is None and completed.refund_id == "refund-nobody-0"
-
-
-@pytest.mark.parametrize("trade_no", ["2026120122001000000000000001\n", "9" * 65, "2026x"])
-async def test_a_trade_no_alipay_never_issues_is_refused(
-    stack: tuple[AlipayProvider, Sink, FakeControl], trade_no: str
-) -> None:
-    # The notification is a 400 (nothing recorded); the query's answer a failed call.
-    provider, sink, control = stack
-    request = session_request(sink)
-    await provider.create_session(request, "k")
-    await control.post("/_fake/pay", {"out_trade_no": request.order_id, "trade_no": trade_no})
-    await eventually(lambda: sink.refused)
-    assert all("trade_no" in r for r in sink.refused)
-    assert sink.events == []
-    with pytest.raises(ProviderUnavailable, match="trade_no"):
-        await provider.payments_for_order(request.order_id)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gate.payments.config import PaymentSettings
 from gate.payments.providers.alipay import (
     CST,
     TIME_FORMAT,
@@ -37,28 +35,37 @@ from gate.payments.providers.rsa_http import fen_to_yuan, sign_sha256_rsa
 from gate.payments.providers.wechatpay import answer_message, encrypt_resource
 from gate.runtime import Gate
 from gate.store.db import Database
+from tests import cn_support as cn
 from tests import payments_support as ps
-from tests.cn_support import FakeControl, FakeProcess, KeyPair, make_key_pair
+from tests.cn_support import FakeControl, KeyPair
 from tests.payments_support import counts, expire, new_order, order_row, start_payment, wait_status
-from tests.support import GATE_BIN, Client, GateProcess, assert_invariants, create_deal, reserve
+from tests.support import (
+    Client,
+    GateProcess,
+    ServerProcess,
+    assert_invariants,
+    create_deal,
+    reserve,
+    serve_once,
+)
 
 core = ps.core
 
-ALIPAY_APP_ID = "2021000000000001"
-MCHID = "1900009191"
-APPID = "wxd678efh567hg6787"
-APIV3_KEY = "a7cde1ZJB1kG2e7VfTs3jQzaWizur8Gb"
-SERIAL = "1DDE55AD98ED71D6EDD4A4A16996DE7B47773A8C"
-PLATFORM_SERIAL = "5157F09EFDC096DE15EBE81A47057A72"  # the fake's default
+ALIPAY_APP_ID = cn.ALIPAY_APP_ID
+MCHID = cn.WECHATPAY_MCHID
+APPID = cn.WECHATPAY_APPID
+APIV3_KEY = cn.WECHATPAY_APIV3_KEY
+PLATFORM_SERIAL = cn.WECHATPAY_SERIAL_A  # the fake's default platform key
 
 
 @dataclass
 class Stack:
     provider: str
     gate: GateProcess
-    fake: FakeProcess
+    fake: ServerProcess
     env: dict[str, str]
     keys: dict[str, KeyPair]
+    case: cn.CnCase
 
     @property
     def webhook_path(self) -> str:
@@ -66,96 +73,54 @@ class Stack:
 
 
 def _stack_env(
-    provider: str, keys: dict[str, KeyPair], fake_url: str, gate_url: str
+    case: cn.CnCase, keys: dict[str, KeyPair], fake_url: str, gate_url: str
 ) -> dict[str, str]:
     env = ps.pay_env("http://127.0.0.1:1")
     del env["GATE_PAYMENT_PROVIDER_URL"], env["GATE_PAYMENT_API_KEY"]
     env.update(
         {
-            "GATE_PAYMENT_PROVIDER": provider,
-            "GATE_PAYMENT_CALLBACK_URL": f"{gate_url}/v1/payments/{provider}/webhook",
+            "GATE_PAYMENT_PROVIDER": case.name,
+            "GATE_PAYMENT_CALLBACK_URL": f"{gate_url}/v1/payments/{case.name}/webhook",
         }
     )
-    if provider == "alipay":
-        env.update(
-            {
-                "GATE_ALIPAY_APP_ID": ALIPAY_APP_ID,
-                "GATE_ALIPAY_PRIVATE_KEY_FILE": keys["merchant"].private_file,
-                "GATE_ALIPAY_PUBLIC_KEY_FILE": keys["provider"].public_file,
-                "GATE_ALIPAY_GATEWAY_URL": fake_url + "/gateway.do",
-            }
+    provider = {k: v for k, v in case.env(keys, fake_url).items() if k != "GATE_ENV"}
+    if case is cn.WECHATPAY:
+        # The platform key under its id (the fake names it in Wechatpay-Serial): an
+        # unknown serial is refused.
+        del provider["GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE"]
+        provider["GATE_WECHATPAY_PLATFORM_KEY_FILES"] = (
+            f"{PLATFORM_SERIAL}={keys[case.provider_pair].public_file}"
         )
-    else:
-        env.update(
-            {
-                "GATE_WECHATPAY_MCHID": MCHID,
-                "GATE_WECHATPAY_APPID": APPID,
-                "GATE_WECHATPAY_APIV3_KEY": APIV3_KEY,
-                "GATE_WECHATPAY_PRIVATE_KEY_FILE": keys["merchant"].private_file,
-                "GATE_WECHATPAY_CERT_SERIAL": SERIAL,
-                # The platform key under its id (the fake names it in
-                # Wechatpay-Serial): an unknown serial is refused.
-                "GATE_WECHATPAY_PLATFORM_KEY_FILES": (
-                    f"{PLATFORM_SERIAL}={keys['provider'].public_file}"
-                ),
-                "GATE_WECHATPAY_API_BASE": fake_url,
-            }
-        )
+    env.update(provider)
     return env
 
 
-def _fake_env(provider: str, keys: dict[str, KeyPair]) -> dict[str, str]:
-    if provider == "alipay":
-        return {
-            "FAKE_ALIPAY_APP_ID": ALIPAY_APP_ID,
-            "FAKE_ALIPAY_APP_PUBLIC_KEY_FILE": keys["merchant"].public_file,
-            "FAKE_ALIPAY_PRIVATE_KEY_FILE": keys["provider"].private_file,
-            "FAKE_NOTIFY_SCHEDULE": "0.2,0.4,0.8",
-        }
-    return {
-        "FAKE_WECHATPAY_MCHID": MCHID,
-        "FAKE_WECHATPAY_APPID": APPID,
-        "FAKE_WECHATPAY_APIV3_KEY": APIV3_KEY,
-        "FAKE_WECHATPAY_MERCHANT_SERIAL": SERIAL,
-        "FAKE_WECHATPAY_MERCHANT_PUBLIC_KEY_FILE": keys["merchant"].public_file,
-        "FAKE_WECHATPAY_PLATFORM_PRIVATE_KEY_FILE": keys["provider"].private_file,
-        "FAKE_NOTIFY_SCHEDULE": "0.2,0.4,0.8",
-    }
-
-
-@pytest.fixture(scope="module", params=["alipay", "wechatpay"])
+@pytest.fixture(scope="module", params=list(cn.CASES))
 def stack(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, prepared: None
+    request: pytest.FixtureRequest,
+    prepared: None,
+    cn_keys: dict[str, dict[str, KeyPair]],
+    cn_fakes: dict[str, ServerProcess],
 ) -> Iterator[Stack]:
-    provider: str = request.param
-    d = tmp_path_factory.mktemp(f"{provider}-keys")
-    keys = {n: make_key_pair(d, n) for n in ("merchant", "provider", "other")}
-    fake = FakeProcess(f"tests.fake_{provider}", _fake_env(provider, keys))
+    case = cn.CASES[request.param]
+    keys, fake = cn_keys[case.name], cn_fakes[case.name]
     port = ps.free_port()
-    env = _stack_env(provider, keys, fake.url, f"http://127.0.0.1:{port}")
-    gate = GateProcess(env, workers=1, port=port)
-    try:
-        fake.wait_ready()
-        gate.wait_ready()
-        yield Stack(provider, gate, fake, env, keys)
-    finally:
-        gate.stop()
-        fake.stop()
+    env = _stack_env(case, keys, fake.url, f"http://127.0.0.1:{port}")
+    with GateProcess(env, workers=1, port=port) as gate:
+        yield Stack(case.name, gate, fake, env, keys, case)
 
 
 @pytest.fixture
 async def client(stack: Stack) -> AsyncIterator[Client]:
-    c = Client(stack.gate.url)
-    try:
+    async with Client(stack.gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture
 async def fake(stack: Stack) -> AsyncIterator[FakeControl]:
     c = FakeControl(stack.fake.url)
-    await c.post("/_fake/configure", {"drop_notifications": 0, "drop_refund_notifications": 0})
+    # The fakes serve the whole session: whatever another test configured is undone.
+    await c.post("/_fake/configure", dict(stack.case.reset))
     try:
         yield c
     finally:
@@ -193,6 +158,12 @@ async def test_reserve_session_pay_notification_paid_and_duplicate_once(
 
     row = await wait_status(db, order_id, "PAID")
     assert (row["paid_amount"], row["payment_id"]) == (1999, payment_id)
+
+    async def acknowledged() -> bool:
+        # The fake reads the gate's answer after the gate committed: a moment later.
+        return any(n["acknowledged"] for n in await notes(fake, order_id))
+
+    await ps.wait_until(acknowledged)
     [note] = await notes(fake, order_id)
     # Acknowledged by the provider's own rule (Alipay: body "success"; WeChat: 2xx).
     assert note["acknowledged"] and note["attempts"] == 1, note
@@ -292,7 +263,7 @@ def _forged(
 ) -> tuple[bytes, dict[str, str]]:
     now = time.time()
     when = now - 301 if change == "stale" else now
-    signer = stack.keys["other" if change == "forged" else "provider"].private
+    signer = stack.keys["other" if change == "forged" else stack.case.provider_pair].private
     if stack.provider == "alipay":
         stamp = datetime.fromtimestamp(when, CST).strftime(TIME_FORMAT)
         params = {
@@ -386,18 +357,7 @@ async def test_reconcile_repairs_a_dropped_notification(
     assert note["dropped"] and note["attempts"] == 0
     assert (await order_row(db, order_id))["status"] == "PENDING_PAYMENT"
 
-    env = {**stack.env, "GATE_RECONCILE_GRACE_SECONDS": "0"}
-    proc = await asyncio.create_subprocess_exec(
-        GATE_BIN,
-        "reconcile",
-        "--json",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert out, err.decode()[-3000:]
-    report = orjson.loads(out)
+    report = await _reconcile(stack)
     assert report["provider"] == stack.provider and report["scanned"]["transactions"] >= 1, report
     kinds = {f["kind"] for f in report["findings"] if f["payment_id"] == payment_id}
     assert kinds, report
@@ -432,14 +392,7 @@ def test_start_up_refuses_incomplete_settings_naming_the_variable(stack: Stack) 
     for name in required:
         env = {k: v for k, v in stack.env.items() if k != name}
         # Port 1: were the configuration accepted, binding would fail loudly instead.
-        out = subprocess.run(
-            [GATE_BIN, "serve", "--port", "1"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        out = serve_once(env)
         assert out.returncode == 2, out.stderr
         assert name in out.stderr and "Traceback" not in out.stderr
 
@@ -582,18 +535,7 @@ async def test_reconcile_flags_paid_without_a_payment_at_the_provider(
 
 
 async def _reconcile(stack: Stack) -> dict[str, Any]:
-    env = {**stack.env, "GATE_RECONCILE_GRACE_SECONDS": "0"}
-    proc = await asyncio.create_subprocess_exec(
-        GATE_BIN,
-        "reconcile",
-        "--json",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert out, err.decode()[-3000:]
-    report: dict[str, Any] = orjson.loads(out)
+    _, report = await ps.reconcile({**stack.env, "GATE_RECONCILE_GRACE_SECONDS": "0"})
     assert report["provider"] == stack.provider, report
     return report
 
@@ -642,6 +584,24 @@ async def _refund_amounts(db: Database, order_id: str) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
+async def _paid_order(
+    client: Client, fake: FakeControl, db: Database, user: int
+) -> tuple[str, str]:
+    """An order of 100 CNY paid at the provider (its id there) and PAID at the gate."""
+    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
+    order_id = await new_order(client, deal, user)
+    await start_payment(client, order_id, user)
+    payment_id = await pay(fake, order_id)
+    await wait_status(db, order_id, "PAID")
+    return order_id, payment_id
+
+
+def _alipay(stack: Stack) -> AlipayProvider:
+    """The gate's Alipay adapter as an operator's console would act: refunds made at
+    Alipay, outside the gate's own refund worker."""
+    return AlipayProvider(cn.cn_pay_settings("alipay"), load_alipay_settings(stack.env))
+
+
 async def test_two_partial_alipay_refunds_record_two_right_amounts(
     stack: Stack, client: Client, fake: FakeControl, db: Database
 ) -> None:
@@ -650,15 +610,8 @@ async def test_two_partial_alipay_refunds_record_two_right_amounts(
     # records 30 and 20, and a redelivery records nothing new.
     if stack.provider != "alipay":
         pytest.skip("refund_fee is Alipay's")
-    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
-    order_id = await new_order(client, deal, 7192)
-    await start_payment(client, order_id, 7192)
-    trade_no = await pay(fake, order_id)
-    await wait_status(db, order_id, "PAID")
-    alipay = AlipayProvider(
-        PaymentSettings(provider="alipay", timeout_seconds=2.0, retry_max=3),
-        load_alipay_settings(stack.env),
-    )
+    order_id, trade_no = await _paid_order(client, fake, db, 7192)
+    alipay = _alipay(stack)
     try:
         await alipay.refund(trade_no, 3000, "console-refund-1")
         assert await ps.wait_until(lambda: _has_event(db, order_id, "refund.succeeded"))
@@ -701,16 +654,9 @@ async def test_an_alipay_refund_notification_waits_for_alipays_answer(
     # answer, the notification is a 503 and nothing is recorded; the redelivery is.
     if stack.provider != "alipay":
         pytest.skip("refund_fee is Alipay's")
-    deal = await create_deal(client, currency="CNY", unit_price=10_000, stock=5)
-    order_id = await new_order(client, deal, 7193)
-    await start_payment(client, order_id, 7193)
-    trade_no = await pay(fake, order_id)
-    await wait_status(db, order_id, "PAID")
+    order_id, trade_no = await _paid_order(client, fake, db, 7193)
     await fake.post("/_fake/configure", {"drop_refund_notifications": 1})
-    alipay = AlipayProvider(
-        PaymentSettings(provider="alipay", timeout_seconds=2.0, retry_max=3),
-        load_alipay_settings(stack.env),
-    )
+    alipay = _alipay(stack)
     try:
         await alipay.refund(trade_no, 4000, "console-refund-3")
     finally:

@@ -5,8 +5,6 @@ problem+json that records nothing."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from gate.base.settings import SettingsError, load_settings
@@ -15,19 +13,7 @@ from gate.payments.config import PROVIDER_NAMES, load_payment_settings
 from gate.payments.providers.sandbox import StandardWebhook
 from gate.store.db import Database
 from tests.payments_support import event_body, signed
-from tests.support import GATE_BIN, Client
-
-
-def serve(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    # Port 1: were the configuration accepted, binding would fail loudly instead.
-    return subprocess.run(
-        [GATE_BIN, "serve", "--port", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+from tests.support import Client, serve_once
 
 
 @pytest.mark.parametrize("gate_env", ["production", "test"])
@@ -36,7 +22,7 @@ def test_the_provider_is_required_outside_dev(env: dict[str, str], gate_env: str
     given["GATE_ENV"] = gate_env
     with pytest.raises(SettingsError, match="GATE_PAYMENT_PROVIDER is required"):
         load_payment_settings(given)
-    out = serve(given)
+    out = serve_once(given)
     assert out.returncode == 2, out.stderr
     assert "GATE_PAYMENT_PROVIDER is required" in out.stderr
     assert "Traceback" not in out.stderr
@@ -53,7 +39,7 @@ def test_an_unknown_provider_is_refused_at_start_up(env: dict[str, str], name: s
         return
     with pytest.raises(SettingsError, match="GATE_PAYMENT_PROVIDER must be one of"):
         load_payment_settings(given)
-    out = serve(given)
+    out = serve_once(given)
     assert out.returncode == 2, out.stderr
     assert "GATE_PAYMENT_PROVIDER must be one of sandbox, stripe, alipay, wechatpay" in out.stderr
 

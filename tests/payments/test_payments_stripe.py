@@ -10,12 +10,8 @@ import asyncio
 import hashlib
 import hmac
 import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +24,8 @@ import stripe
 from gate.base.settings import Secret, load_settings
 from gate.payments.adapters import load_adapter
 from gate.payments.config import load_payment_settings
-from gate.payments.provider import ProviderRejected, SessionRequest
+from gate.payments.provider import ProviderRejected, ProviderUnavailable, SessionRequest
+from gate.payments.providers.provider_http import RETRY_AFTER_MAX_SECONDS
 from gate.payments.providers.stripe import (
     API_VERSION,
     COMPATIBLE_API_VERSIONS,
@@ -49,16 +46,17 @@ from tests.payments_support import (
     wait_until,
 )
 from tests.support import (
-    GATE_BIN,
     ROOT,
     Client,
     GateProcess,
     Resp,
+    ServerProcess,
     assert_invariants,
     buyer,
     create_deal,
     free_port,
     reserve,
+    serve_once,
 )
 
 core = ps.core
@@ -69,50 +67,15 @@ OTHER_SECRET = "whsec_someoneElsesEndpointSecret012345678"
 WEBHOOK = "/v1/payments/stripe/webhook"
 
 
-class FakeStripeProcess:
-    def __init__(self, port: int, webhook_url: str) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GATE_")}
-        env.update(
-            FAKE_STRIPE_API_KEY=STRIPE_KEY,
-            FAKE_STRIPE_WEBHOOK_SECRET=STRIPE_SECRET,
-            FAKE_STRIPE_WEBHOOK_URL=webhook_url,
-        )
-        self.log_path = ROOT / ".local" / f"test-fake-stripe-{port}.log"
-        self.log_path.parent.mkdir(exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.fake_stripe", "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_seconds: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake Stripe exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"fake Stripe not ready: {self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
+def fake_stripe_process(port: int, webhook_url: str) -> ServerProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATE_")}
+    env.update(
+        FAKE_STRIPE_API_KEY=STRIPE_KEY,
+        FAKE_STRIPE_WEBHOOK_SECRET=STRIPE_SECRET,
+        FAKE_STRIPE_WEBHOOK_URL=webhook_url,
+    )
+    args = [sys.executable, "-m", "tests.fake_stripe", "--port", str(port)]
+    return ServerProcess("fake-stripe", args, env, port)
 
 
 def stripe_env(api_base: str) -> dict[str, str]:
@@ -134,7 +97,7 @@ def stripe_env(api_base: str) -> dict[str, str]:
 @dataclass
 class StripeStack:
     gate: GateProcess
-    fake: FakeStripeProcess
+    fake: ServerProcess
     env: dict[str, str]
 
 
@@ -142,15 +105,11 @@ class StripeStack:
 def stack(prepared: None) -> Iterator[StripeStack]:
     port = free_port()
     env = stripe_env(f"http://127.0.0.1:{port}")
-    gate = GateProcess(env, workers=1)
-    fake = FakeStripeProcess(port, gate.url + WEBHOOK)
-    try:
-        fake.wait_ready()
-        gate.wait_ready()
+    with (
+        GateProcess(env, workers=1) as gate,
+        fake_stripe_process(port, gate.url + WEBHOOK) as fake,
+    ):
         yield StripeStack(gate, fake, env)
-    finally:
-        gate.stop()
-        fake.stop()
 
 
 class FakeClient:
@@ -180,6 +139,9 @@ class FakeClient:
         doc = await self._ok("POST", "/fake/deliver", {"event_ids": event_ids, "copies": copies})
         return list(doc["statuses"])
 
+    async def arrivals(self, path: str) -> list[dict[str, Any]]:
+        return list((await self._ok("GET", f"/fake/arrivals?path={path}"))["data"])
+
     async def intent(self, payment_id: str) -> dict[str, Any]:
         r = await self.http.get(f"/v1/payment_intents/{payment_id}", headers=self.api)
         assert r.status_code == 200, r.text
@@ -194,11 +156,8 @@ class FakeClient:
 
 @pytest.fixture
 async def gate_client(stack: StripeStack) -> AsyncIterator[Client]:
-    c = Client(stack.gate.url)
-    try:
+    async with Client(stack.gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture
@@ -530,19 +489,8 @@ async def test_reconcile_repairs_a_dropped_notification(
     assert event["deliveries"] == [] and (await order_row(db, order_id))["status"] == (
         "PENDING_PAYMENT"
     )
-    proc = await asyncio.create_subprocess_exec(
-        GATE_BIN,
-        "reconcile",
-        "--json",
-        "--window-seconds",
-        "600",
-        env=stack.env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode in (0, 1), err.decode()[-3000:]
-    report = orjson.loads(out)
+    code, report = await ps.reconcile(stack.env, "--window-seconds", "600")
+    assert code in (0, 1), report
     assert report["scanned"]["complete"] and report["provider"] == "stripe", report
     [finding] = [f for f in report["findings"] if f["payment_id"] == payment_id]
     assert finding["kind"] == "paid_not_applied" and finding["order_id"] == order_id, finding
@@ -613,6 +561,47 @@ async def test_api_calls_are_idempotent_and_errors_are_read(
         await provider.close()
 
 
+async def test_a_throttled_api_is_retried_as_its_retry_after_asks(
+    stack: StripeStack, fake: FakeClient
+) -> None:
+    """429 and 503 with Retry-After (tests/fake_stripe.py's throttle, over a real
+    socket): the next attempt waits as long as asked, up to the bound; asked to wait
+    longer, the call gives up at once; without the header the backoff's own waits
+    apply, and the attempts stay within GATE_PAYMENT_RETRY_MAX."""
+    settings = load_settings(stack.env)
+    payment = load_payment_settings(stack.env)
+    adapter = load_adapter(
+        stack.env, payment, is_dev=False, webhook_secrets=settings.webhook_secrets
+    )
+    provider = adapter.provider
+    assert isinstance(provider, StripeProvider)
+    path = "/v1/payment_intents/pi_throttled"
+    try:
+        # Asked to wait one second (the bound): the retry comes no sooner, and the
+        # call answers with what the API said then (no such PaymentIntent).
+        await fake.configure(throttle=[[429, "1"]])
+        assert await provider.get_payment("pi_throttled") is None
+        first, second = await fake.arrivals(path)
+        assert (first["status"], second["status"]) == (429, 404)
+        assert second["at"] - first["at"] >= RETRY_AFTER_MAX_SECONDS * 0.95
+
+        # Asked to wait longer than the bound: no second attempt now.
+        await fake.configure(throttle=[[503, "30"], [503, None]])
+        with pytest.raises(ProviderUnavailable, match="asked to retry after 30 s"):
+            await provider.get_payment("pi_throttled")
+        assert [a["status"] for a in await fake.arrivals(path)][2:] == [503]
+
+        # No Retry-After: every attempt GATE_PAYMENT_RETRY_MAX allows, then unavailable.
+        await fake.configure(throttle=[[429, None]] * payment.retry_max)
+        with pytest.raises(ProviderUnavailable, match=f"after {payment.retry_max} attempt"):
+            await provider.get_payment("pi_throttled")
+        statuses = [a["status"] for a in await fake.arrivals(path)][3:]
+        assert statuses == [429] * payment.retry_max
+    finally:
+        await fake.configure(throttle=[])
+        await provider.close()
+
+
 def test_the_signature_the_fake_sends_is_the_one_stripe_documents() -> None:
     # Stripe's documented scheme, computed by hand, verifies with the official library.
     body = b'{"id":"evt_1","object":"event"}'
@@ -637,14 +626,7 @@ def test_the_signature_the_fake_sends_is_the_one_stripe_documents() -> None:
 def test_start_up_refuses_incomplete_stripe_settings(change: dict[str, str], message: str) -> None:
     # Production rules (stripe_env is a dev env, for the plain-http sandbox).
     env = {**stripe_env("http://127.0.0.1:9"), "GATE_ENV": "test", **change}
-    out = subprocess.run(
-        [GATE_BIN, "serve", "--port", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = serve_once(env)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
     assert STRIPE_KEY not in out.stdout + out.stderr

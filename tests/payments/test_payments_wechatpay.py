@@ -1,14 +1,14 @@
 """The WeChat Pay v3 adapter: request signatures and the Authorization header as
 documented, answer and notification signatures (±300 s), AEAD_AES_256_GCM
-resources, start-up settings, and the async client against a real fake-WeChat-Pay
-process on loopback (Native orders, payment and refund notifications with retries,
-refunds by out_refund_no, per-order queries for reconciliation)."""
+resources, start-up settings, several platform keys, ids checked, and what only
+WeChat Pay does against its fake (refunds settled after the answer, requests signed
+with another key refused, a platform key rotation). The contract WeChat Pay and
+Alipay both keep against their fakes is tests/payments/test_payments_cn_contract.py."""
 
 from __future__ import annotations
 
 import base64
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,6 @@ from gate.payments.provider import (
     EventInvalid,
     ProviderRejected,
     ProviderUnavailable,
-    SessionRequest,
 )
 from gate.payments.providers.rsa_http import sign_sha256_rsa
 from gate.payments.providers.wechatpay import (
@@ -42,122 +41,45 @@ from gate.payments.providers.wechatpay import (
 )
 from gate.payments.signing import WebhookRejected
 from tests.cn_support import (
+    WECHATPAY_APIV3_KEY,
+    WECHATPAY_APPID,
+    WECHATPAY_MCHID,
+    WECHATPAY_SERIAL,
+    WECHATPAY_SERIAL_A,
+    WECHATPAY_SERIAL_B,
+    CnStack,
     FakeControl,
-    FakeProcess,
     KeyPair,
     Sink,
-    StaticWindow,
+    cn_pay_settings,
     eventually,
     make_certificate,
-    make_key_pair,
+    session_request,
+    wechatpay_env,
 )
+from tests.support import ServerProcess
 
-MCHID = "1900009191"
-APPID = "wxd678efh567hg6787"
-APIV3_KEY = "a7cde1ZJB1kG2e7VfTs3jQzaWizur8Gb"  # 32 characters, test only
-SERIAL = "1DDE55AD98ED71D6EDD4A4A16996DE7B47773A8C"
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KeyPair]:
-    d = tmp_path_factory.mktemp("wechatpay-keys")
-    return {
-        name: make_key_pair(d, name) for name in ("merchant", "platform", "platform_b", "other")
-    }
-
-
-# The fake's two platform keys: A behind a platform certificate (its serial is the
-# id), B in WeChat's public-key mode (PUB_KEY_ID_…).
-SERIAL_A = "5157F09EFDC096DE15EBE81A47057A72"
-SERIAL_B = "PUB_KEY_ID_0114232134912410000000000000"
-
-
-@pytest.fixture(scope="module")
-def fake(keys: dict[str, KeyPair]) -> Iterator[FakeProcess]:
-    proc = FakeProcess(
-        "tests.fake_wechatpay",
-        {
-            "FAKE_WECHATPAY_MCHID": MCHID,
-            "FAKE_WECHATPAY_APPID": APPID,
-            "FAKE_WECHATPAY_APIV3_KEY": APIV3_KEY,
-            "FAKE_WECHATPAY_MERCHANT_SERIAL": SERIAL,
-            "FAKE_WECHATPAY_MERCHANT_PUBLIC_KEY_FILE": keys["merchant"].public_file,
-            "FAKE_WECHATPAY_PLATFORM_PRIVATE_KEY_FILE": keys["platform"].private_file,
-            "FAKE_WECHATPAY_PLATFORM_SERIAL": SERIAL_A,
-            "FAKE_WECHATPAY_PLATFORM_B_PRIVATE_KEY_FILE": keys["platform_b"].private_file,
-            "FAKE_WECHATPAY_PLATFORM_B_SERIAL": SERIAL_B,
-            "FAKE_NOTIFY_SCHEDULE": "0.2,0.4,0.8",
-        },
-    )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
-
-
-def env_for(keys: dict[str, KeyPair], url: str, **over: str) -> dict[str, str]:
-    return {
-        "GATE_ENV": "dev",
-        "GATE_WECHATPAY_MCHID": MCHID,
-        "GATE_WECHATPAY_APPID": APPID,
-        "GATE_WECHATPAY_APIV3_KEY": APIV3_KEY,
-        "GATE_WECHATPAY_PRIVATE_KEY_FILE": keys["merchant"].private_file,
-        "GATE_WECHATPAY_CERT_SERIAL": SERIAL,
-        "GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE": keys["platform"].public_file,
-        "GATE_WECHATPAY_API_BASE": url,
-        **over,
-    }
+MCHID = WECHATPAY_MCHID
+APPID = WECHATPAY_APPID
+APIV3_KEY = WECHATPAY_APIV3_KEY
+SERIAL = WECHATPAY_SERIAL
+SERIAL_A = WECHATPAY_SERIAL_A
+SERIAL_B = WECHATPAY_SERIAL_B
+env_for = wechatpay_env
 
 
 def pay_settings(callback_url: str | None = None) -> PaymentSettings:
-    return PaymentSettings(
-        provider="wechatpay",
-        timeout_seconds=2.0,
-        connect_timeout_seconds=0.5,
-        retry_max=3,
-        callback_url=callback_url,
-    )
+    return cn_pay_settings("wechatpay", callback_url)
 
 
-@pytest.fixture
-async def stack(
-    keys: dict[str, KeyPair], fake: FakeProcess
-) -> AsyncIterator[tuple[WechatPayProvider, Sink, FakeControl]]:
-    wechat = load_wechatpay_settings(env_for(keys, fake.url))
-    sink = Sink(WechatPayWebhook(wechat))
-    await sink.start()
-    provider = WechatPayProvider(pay_settings(sink.url), wechat)
-    control = FakeControl(fake.url)
-    await control.post(
-        "/_fake/configure",
-        {
-            "drop_notifications": 0,
-            "failing_calls": 0,
-            "refund_outcome": "SUCCESS",
-            "platform_key": "a",
-        },
-    )
-    try:
-        yield provider, sink, control
-    finally:
-        await provider.close()
-        await sink.stop()
-        await control.close()
+@pytest.fixture(scope="module")
+def keys(cn_keys: dict[str, dict[str, KeyPair]]) -> dict[str, KeyPair]:
+    return cn_keys["wechatpay"]
 
 
-def session_request(sink: Sink, amount: int = 8888, **over: Any) -> SessionRequest:
-    fields: dict[str, Any] = {
-        "order_id": str(ULID()),
-        "amount": amount,
-        "currency": "CNY",
-        "capture_mode": "automatic",
-        "expires_at": int(time.time()) + 600,
-        "description": "flash sale",
-        "notify_url": sink.url,
-    }
-    fields.update(over)
-    return SessionRequest(**fields)
+@pytest.fixture(scope="module")
+def fake(cn_fakes: dict[str, ServerProcess]) -> ServerProcess:
+    return cn_fakes["wechatpay"]
 
 
 # -- signatures, resources, settings ----------------------------------------------------
@@ -330,85 +252,14 @@ def test_genuine_but_unreadable_is_400(keys: dict[str, KeyPair]) -> None:
         parse_notification(settings_of(keys), headers, body, now)
 
 
-# -- the client against the fake --------------------------------------------------------
+# -- against the fake: what only WeChat Pay does ----------------------------------------
 
 
-async def test_native_order_payment_notification_and_query(
-    stack: tuple[WechatPayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    request = session_request(sink, amount=12345)
-    session = await provider.create_session(request, "k")
-    assert session.redirect_url.startswith("weixin://wxpay/bizpayurl?pr=")
-    assert (await provider.create_session(request, "k")).redirect_url == session.redirect_url
-    assert await provider.payments_for_order(request.order_id) == []  # NOTPAY
-
-    _, tx = await control.post("/_fake/pay", {"out_trade_no": request.order_id})
-    events = await eventually(lambda: sink.of_type("payment.succeeded", request.order_id))
-    assert (events[0].amount, events[0].payment_id) == (12345, tx["transaction_id"])
-    [payment] = await provider.payments_for_order(request.order_id)
-    assert (payment.status, payment.amount) == ("succeeded", 12345)
-    assert await provider.get_payment(tx["transaction_id"]) == payment
-    with pytest.raises(ProviderRejected) as refused:
-        await provider.create_session(request, "k")
-    assert refused.value.code == "ORDERPAID"
-
-
-async def test_failed_payment_learnt_by_query(
-    stack: tuple[WechatPayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    request = session_request(sink)
-    await provider.create_session(request, "k")
-    await control.post("/_fake/pay", {"out_trade_no": request.order_id, "outcome": "fail"})
-    [payment] = await provider.payments_for_order(request.order_id)
-    assert payment.status == "failed"
-    assert sink.events == []  # WeChat notifies no failure
-
-
-async def test_notification_retried_until_acknowledged(
-    stack: tuple[WechatPayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    sink.fail_next = 2
-    request = session_request(sink)
-    await provider.create_session(request, "k")
-    await control.post("/_fake/pay", {"out_trade_no": request.order_id})
-    await eventually(lambda: sink.of_type("payment.succeeded", request.order_id))
-    notes = await control.get(f"/_fake/notifications?out_trade_no={request.order_id}")
-    assert notes[0]["attempts"] == 3 and notes[0]["acknowledged"]
-    await control.post(f"/_fake/notifications/{notes[0]['id']}/redeliver", {})
-    await eventually(lambda: sink.received == 4)
-    assert len(sink.of_type("payment.succeeded", request.order_id)) == 1
-
-
-async def test_refund_by_out_refund_no_and_its_notification(
-    stack: tuple[WechatPayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    request = session_request(sink, amount=700)
-    await provider.create_session(request, "k")
-    _, tx = await control.post("/_fake/pay", {"out_trade_no": request.order_id})
-    key = f"refund-wechatpay-{tx['transaction_id']}-0"
-    refund = await provider.refund(tx["transaction_id"], 700, key)
-    assert (refund.refund_id, refund.amount, refund.order_id) == (key, 700, request.order_id)
-    again = await provider.refund(tx["transaction_id"], 700, key)
-    assert again.refund_id == key and again.status == "succeeded"
-    events = await eventually(lambda: sink.of_type("refund.succeeded", request.order_id))
-    assert (events[0].refund_id, events[0].amount, events[0].payment_id) == (
-        key,
-        700,
-        tx["transaction_id"],
-    )
-    with pytest.raises(ProviderRejected) as refused:
-        await provider.refund(tx["transaction_id"], 1, key + "x")
-    assert refused.value.code == "NOT_ENOUGH"
-
-
+@pytest.mark.parametrize("cn", ["wechatpay"], indirect=True)
 async def test_abnormal_refund_is_a_failed_refund(
-    stack: tuple[WechatPayProvider, Sink, FakeControl],
+    cn: CnStack,
 ) -> None:
-    provider, sink, control = stack
+    provider, sink, control = cn.provider, cn.sink, cn.control
     await control.post("/_fake/configure", {"refund_outcome": "ABNORMAL"})
     request = session_request(sink, amount=300)
     await provider.create_session(request, "k")
@@ -421,23 +272,8 @@ async def test_abnormal_refund_is_a_failed_refund(
     await eventually(lambda: sink.of_type("refund.failed", request.order_id))
 
 
-async def test_no_authorize_capture_and_retries(
-    stack: tuple[WechatPayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    with pytest.raises(ProviderRejected) as refused:
-        await provider.create_session(session_request(sink, capture_mode="manual"), "k")
-    assert refused.value.code == "capture_unsupported"
-    await control.post("/_fake/configure", {"failing_calls": 2})
-    request = session_request(sink)
-    assert (await provider.create_session(request, "k")).order_id == request.order_id
-    await control.post("/_fake/configure", {"failing_calls": 3})
-    with pytest.raises(ProviderUnavailable):
-        await provider.payments_for_order(request.order_id)
-
-
 async def test_requests_signed_with_another_key_are_refused(
-    keys: dict[str, KeyPair], fake: FakeProcess
+    keys: dict[str, KeyPair], fake: ServerProcess
 ) -> None:
     wechat = load_wechatpay_settings(
         env_for(keys, fake.url, GATE_WECHATPAY_PRIVATE_KEY_FILE=keys["other"].private_file)
@@ -449,36 +285,6 @@ async def test_requests_signed_with_another_key_are_refused(
         assert (refused.value.status, refused.value.code) == (401, "SIGN_ERROR")
     finally:
         await provider.close()
-    # And answers not signed by the platform key are not believed.
-    wechat = load_wechatpay_settings(
-        env_for(keys, fake.url, GATE_WECHATPAY_PLATFORM_PUBLIC_KEY_FILE=keys["other"].public_file)
-    )
-    provider = WechatPayProvider(pay_settings("http://127.0.0.1:1/n"), wechat)
-    try:
-        with pytest.raises(ProviderUnavailable, match="Signature"):
-            await provider.payments_for_order(str(ULID()))
-    finally:
-        await provider.close()
-
-
-async def test_dropped_notification_found_by_per_order_query(
-    stack: tuple[WechatPayProvider, Sink, FakeControl],
-) -> None:
-    provider, sink, control = stack
-    requests = [session_request(sink, amount=200 + i) for i in range(3)]
-    for r in requests:
-        await provider.create_session(r, "k")
-    await control.post("/_fake/configure", {"drop_notifications": 1})
-    await control.post("/_fake/pay", {"out_trade_no": requests[2].order_id})
-    notes = await control.get(f"/_fake/notifications?out_trade_no={requests[2].order_id}")
-    assert notes[0]["dropped"] and notes[0]["attempts"] == 0
-    provider.window = StaticWindow([r.order_id for r in requests])
-    first = await provider.transactions(None, 2, since=0)
-    assert first.items == [] and first.next_cursor == requests[1].order_id
-    rest = await provider.transactions(first.next_cursor, 2, since=0)
-    assert [(t.order_id, t.amount, t.status) for t in rest.items] == [
-        (requests[2].order_id, 202, "succeeded")
-    ]
 
 
 def test_wechat_pays_own_aes_gcm_vector() -> None:
@@ -621,7 +427,7 @@ def test_bad_platform_key_lists_name_the_variable(
 
 
 async def test_a_key_rotation_verifies_with_both_keys_and_only_with_both(
-    keys: dict[str, KeyPair], fake: FakeProcess, cert_a: str
+    keys: dict[str, KeyPair], fake: ServerProcess, cert_a: str
 ) -> None:
     both = load_wechatpay_settings(
         keyset_env(keys, fake.url, GATE_WECHATPAY_PLATFORM_KEY_FILES=both_keys(keys, cert_a))
@@ -675,25 +481,6 @@ async def test_a_key_rotation_verifies_with_both_keys_and_only_with_both(
 
 
 # -- ids checked whole ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "tx", ["4200000000202612010000000001\n", "4" * 33, "42000000002026120100000000x1", "４２"]
-)
-async def test_a_transaction_id_wechat_never_issues_is_refused(
-    stack: tuple[WechatPayProvider, Sink, FakeControl], tx: str
-) -> None:
-    # The notification is a 400 (EventInvalid: nothing recorded, counted as
-    # rejected by the gate); the query's answer a failed call, never a stored id.
-    provider, sink, control = stack
-    request = session_request(sink)
-    await provider.create_session(request, "k")
-    await control.post("/_fake/pay", {"out_trade_no": request.order_id, "transaction_id": tx})
-    await eventually(lambda: sink.refused)
-    assert all("transaction_id" in r for r in sink.refused)
-    assert sink.events == []
-    with pytest.raises(ProviderUnavailable, match="transaction_id"):
-        await provider.payments_for_order(request.order_id)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ periodic pass in `gate serve` repairs a dropped callback on its own."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +29,6 @@ from tests.payments_support import (
     wait_until,
 )
 from tests.support import (
-    GATE_BIN,
     Client,
     GateProcess,
     assert_invariants,
@@ -65,24 +63,6 @@ REC_ENV = {
 def pay_stack(prepared: None) -> Iterator[PayStack]:
     with ps.running_pay_stack(REC_ENV, PROVIDER, workers=1) as stack:
         yield stack
-
-
-async def reconcile(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any]]:
-    """`gate reconcile --json` as an operator runs it; its exit status and report."""
-    proc = await asyncio.create_subprocess_exec(
-        GATE_BIN,
-        "reconcile",
-        "--json",
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    assert out, err.decode()[-3000:]
-    report: dict[str, Any] = orjson.loads(out)
-    return proc.returncode, report
 
 
 async def quiet(sb: SandboxClient) -> None:
@@ -286,7 +266,7 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
     assert (await order_row(db, order_c))["status"] == "CANCELLED"
 
     # -- the first run -------------------------------------------------------------------
-    code, report = await reconcile(pay_stack.env)
+    code, report = await ps.reconcile(pay_stack.env)
     assert code == 1, report
     assert report["result"] == "flagged"
     found = by_payment(report)
@@ -399,7 +379,7 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
     # -- the second run: nothing new, no new rows ----------------------------------------
     await quiet(sb)
     before = await totals(db, sb)
-    code, second = await reconcile(pay_stack.env)
+    code, second = await ps.reconcile(pay_stack.env)
     assert code == 1, second  # the flagged cases still need an operator
     assert second["new"] == 0, second["findings"]
     assert all(not f["new"] for f in second["findings"])
@@ -418,7 +398,7 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
     # -- the stuck refund settles at the provider, its callback lost: repaired ---------
     refund_e = str((await sb.refunds_of(pay_e))[0]["id"])
     await settle_silently(sb, refund_e, "succeed")
-    code, third = await reconcile(pay_stack.env)
+    code, third = await ps.reconcile(pay_stack.env)
     assert code == 1
     assert [(f["kind"], f["outcome"], f["payment_id"]) for f in third["findings"] if f["new"]] == [
         ("missing_event", "repaired", pay_e)
@@ -431,7 +411,7 @@ async def test_one_run_repairs_or_flags_each_kind_and_a_second_run_is_a_no_op(
 
 async def test_provider_unreachable_exits_2(pay_stack: PayStack) -> None:
     env = {**pay_stack.env, "GATE_PAYMENT_PROVIDER_URL": f"http://127.0.0.1:{free_port()}"}
-    code, report = await reconcile(env)
+    code, report = await ps.reconcile(env)
     assert code == 2
     assert report["result"] == "unavailable" and "transaction listing" in report["error"]
 
@@ -487,13 +467,13 @@ async def test_a_pass_over_its_action_budget_defers_the_rest_and_exits_2(
     await quiet(sb)
     # One repair allowed: the other dropped callbacks wait for the next pass, which
     # the report and the exit status must say (exit 0 would read "all repaired").
-    code, report = await reconcile({**pay_stack.env, "GATE_RECONCILE_ACTIONS_MAX": "1"})
+    code, report = await ps.reconcile({**pay_stack.env, "GATE_RECONCILE_ACTIONS_MAX": "1"})
     assert code == 2, report
     assert report["result"] == "incomplete"
     mine = [f for f in report["findings"] if f["order_id"] in {o for o, _ in orders}]
     assert sorted(f["outcome"] for f in mine) == ["deferred", "deferred", "repaired"], mine
     # The next pass, with room, repairs what was deferred.
-    code, report = await reconcile(pay_stack.env)
+    code, report = await ps.reconcile(pay_stack.env)
     assert report["result"] != "incomplete", report
     for order_id, payment_id in orders:
         row = await order_row(db, order_id)

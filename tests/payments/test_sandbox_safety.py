@@ -20,8 +20,8 @@ from aiohttp import web
 from gate.base.settings import DEV_WEBHOOK_SECRET
 from gate.payments.sandbox.server import build_sandbox_app, load_config
 from gate.payments.signing import WebhookRejected, decode_secret, verify
-from tests.payments_support import OTHER_SECRET, SandboxProcess
-from tests.support import GATE_BIN, Client, base_env, free_port
+from tests.payments_support import OTHER_SECRET, sandbox_process
+from tests.support import GATE_BIN, Client, ServerProcess, base_env, free_port
 
 KEY = "test-sandbox-key-for-safety-0123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -100,24 +100,17 @@ async def receiver() -> AsyncIterator[Receiver]:
 
 
 @pytest.fixture
-def keyed_sandbox(receiver: Receiver) -> Iterator[SandboxProcess]:
+def keyed_sandbox(receiver: Receiver) -> Iterator[ServerProcess]:
     # The gate's GATE_WEBHOOK_SECRET is set (OTHER_SECRET) and must not be used;
     # GATE_SANDBOX_WEBHOOK_SECRET is unset: the built-in dev secret signs.
-    proc = SandboxProcess(
-        free_port(),
-        receiver.url,
-        {
-            "GATE_SANDBOX_API_KEY": KEY,
-            "GATE_WEBHOOK_SECRET": OTHER_SECRET,
-            "GATE_SANDBOX_WEBHOOK_SECRET": "",
-            "GATE_SANDBOX_NOTIFY_ALLOW": "127.0.0.1",
-        },
-    )
-    try:
-        proc.wait_ready()
+    env = {
+        "GATE_SANDBOX_API_KEY": KEY,
+        "GATE_WEBHOOK_SECRET": OTHER_SECRET,
+        "GATE_SANDBOX_WEBHOOK_SECRET": "",
+        "GATE_SANDBOX_NOTIFY_ALLOW": "127.0.0.1",
+    }
+    with sandbox_process(free_port(), receiver.url, env) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 async def wait_hits(receiver: Receiver, n: int) -> None:
@@ -143,7 +136,7 @@ def route_probes() -> list[tuple[str, str]]:
 
 
 async def test_with_an_api_key_every_route_but_health_needs_it(
-    keyed_sandbox: SandboxProcess, receiver: Receiver
+    keyed_sandbox: ServerProcess, receiver: Receiver
 ) -> None:
     client = Client(keyed_sandbox.url)
     try:
@@ -191,7 +184,7 @@ async def test_with_an_api_key_every_route_but_health_needs_it(
 
 
 async def test_callbacks_go_only_to_allowed_hosts_and_redirects_are_not_followed(
-    keyed_sandbox: SandboxProcess, receiver: Receiver
+    keyed_sandbox: ServerProcess, receiver: Receiver
 ) -> None:
     elsewhere = Receiver("127.0.0.2")  # loopback, but not on this sandbox's allow-list
     await elsewhere.start()
@@ -250,7 +243,7 @@ async def test_callbacks_go_only_to_allowed_hosts_and_redirects_are_not_followed
 
 
 async def test_controls_of_the_wrong_type_are_refused_and_change_nothing(
-    keyed_sandbox: SandboxProcess,
+    keyed_sandbox: ServerProcess,
 ) -> None:
     client = Client(keyed_sandbox.url)
     try:
@@ -317,7 +310,7 @@ async def test_controls_of_the_wrong_type_are_refused_and_change_nothing(
 
 
 async def test_a_path_with_a_trailing_newline_matches_no_sandbox_route(
-    keyed_sandbox: SandboxProcess,
+    keyed_sandbox: ServerProcess,
 ) -> None:
     """The sandbox's paths match exactly, as the gate's do: "$" also matched before a
     final newline, so "/sandbox/stats%0A" (percent-decoded) was /sandbox/stats."""

@@ -101,11 +101,8 @@ def driver() -> Iterator[Any]:
 
 @pytest.fixture
 async def pc(page_gate: GateProcess) -> AsyncIterator[Client]:
-    client = Client(page_gate.url)
-    try:
+    async with Client(page_gate.url) as client:
         yield client
-    finally:
-        await client.close()
 
 
 def room(shop: Shop, **more: Any) -> dict[str, Any]:

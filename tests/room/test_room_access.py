@@ -21,7 +21,7 @@ ROOM = {"admit_per_second": 1000, "access": "codes"}
 
 @pytest.fixture(scope="module")
 def access_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
-    proc = GateProcess(
+    with GateProcess(
         {
             **env,
             "GATE_ROOM_POLL_MIN_MS": "100",
@@ -30,21 +30,14 @@ def access_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
             "GATE_TRUSTED_PROXIES": "127.0.0.1/32",
         },
         workers=1,
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def ac(access_gate: GateProcess) -> AsyncIterator[Client]:
-    client = Client(access_gate.url)
-    try:
+    async with Client(access_gate.url) as client:
         yield client
-    finally:
-        await client.close()
 
 
 async def add_codes(client: Client, deal_id: int, codes: Any) -> Resp:

@@ -39,23 +39,16 @@ def quiet_room(low: int, high: int, **more: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pow_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
-    proc = GateProcess(
+    with GateProcess(
         {**env, "GATE_ROOM_POLL_MIN_MS": "100", "GATE_ROOM_POLL_MAX_MS": "100"}, workers=1
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def pc(pow_gate: GateProcess) -> AsyncIterator[Client]:
-    client = Client(pow_gate.url)
-    try:
+    async with Client(pow_gate.url) as client:
         yield client
-    finally:
-        await client.close()
 
 
 def problem(r: Resp, status: int, code: str) -> None:

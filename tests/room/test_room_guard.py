@@ -47,24 +47,14 @@ def guard_gates(env: dict[str, str], prepared: None) -> Iterator[list[GateProces
         "GATE_ROOM_CODE_ATTEMPTS_PER_MINUTE": str(ATTEMPTS),
         "GATE_TRUSTED_PROXIES": "127.0.0.1/32",
     }
-    procs = [GateProcess(guard_env, workers=1), GateProcess(guard_env, workers=1)]
-    try:
-        for p in procs:
-            p.wait_ready()
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    with GateProcess(guard_env, workers=1) as first, GateProcess(guard_env, workers=1) as second:
+        yield [first, second]
 
 
 @pytest.fixture
 async def gc(guard_gates: list[GateProcess]) -> AsyncIterator[list[Client]]:
-    clients = [Client(p.url) for p in guard_gates]
-    try:
-        yield clients
-    finally:
-        for c in clients:
-            await c.close()
+    async with Client(guard_gates[0].url) as first, Client(guard_gates[1].url) as second:
+        yield [first, second]
 
 
 def problem(r: Resp, status: int, code: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ ROOM = {"admit_per_second": 1000}
 def leave_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
     """A gate advising fast polls (tests read every ticket again after a tenth of a
     second) and advancing rooms every 50 ms."""
-    proc = GateProcess(
+    with GateProcess(
         {
             **env,
             "GATE_ROOM_POLL_MIN_MS": "100",
@@ -32,21 +32,14 @@ def leave_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
             "GATE_ROOM_INTERVAL_MS": "50",
         },
         workers=1,
-    )
-    try:
-        proc.wait_ready()
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def lc(leave_gate: GateProcess) -> AsyncIterator[Client]:
-    client = Client(leave_gate.url)
-    try:
+    async with Client(leave_gate.url) as client:
         yield client
-    finally:
-        await client.close()
 
 
 def _at(seconds: float) -> str:

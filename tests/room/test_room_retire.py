@@ -46,11 +46,8 @@ def quiet_gate(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
 
 @pytest.fixture
 async def quiet(quiet_gate: GateProcess) -> AsyncIterator[Client]:
-    c = Client(quiet_gate.url)
-    try:
+    async with Client(quiet_gate.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture

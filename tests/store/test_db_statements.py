@@ -131,11 +131,8 @@ def counted_gate(
 
 @pytest.fixture
 async def client(counted_gate: tuple[GateProcess, StatementCounter]) -> AsyncIterator[Client]:
-    c = Client(counted_gate[0].url)
-    try:
+    async with Client(counted_gate[0].url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def _flood(send: Callable[[int], Awaitable[Resp]], n: int) -> list[Resp]:

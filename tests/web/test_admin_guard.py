@@ -22,27 +22,17 @@ WRONG = "Bearer wrong-admin-token-0123456789abcdef0123"
 def two_gates(env: dict[str, str], prepared: None) -> Iterator[list[GateProcess]]:
     """Two processes; 127.0.0.1 is a trusted proxy, so each request names its client
     address in X-Forwarded-For. The first serves the console too."""
-    procs = [
-        GateProcess(console_env(env), workers=1),
-        GateProcess({**env, "GATE_TRUSTED_PROXIES": "127.0.0.1"}, workers=1),
-    ]
-    try:
-        for proc in procs:
-            proc.wait_ready()
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    with (
+        GateProcess(console_env(env), workers=1) as first,
+        GateProcess({**env, "GATE_TRUSTED_PROXIES": "127.0.0.1"}, workers=1) as second,
+    ):
+        yield [first, second]
 
 
 @pytest.fixture
 async def clients(two_gates: list[GateProcess]) -> AsyncIterator[list[Client]]:
-    made = [Client(proc.url) for proc in two_gates]
-    try:
-        yield made
-    finally:
-        for c in made:
-            await c.close()
+    async with Client(two_gates[0].url) as first, Client(two_gates[1].url) as second:
+        yield [first, second]
 
 
 async def admin_get(client: Client, deal_id: int, address: str, authorization: str) -> Resp:

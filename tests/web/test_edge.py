@@ -54,12 +54,8 @@ def edge_gate(prepared: None) -> Iterator[GateProcess]:
     # synchronous ones.
     env["GATE_SOLD_OUT_CACHE_MS"] = "1000"
     env["GATE_BODY_TIMEOUT_SECONDS"] = str(BODY_TIMEOUT_SECONDS)
-    proc = GateProcess(env, workers=1)
-    try:
-        proc.wait_ready()
+    with GateProcess(env, workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def request(

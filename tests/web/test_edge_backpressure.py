@@ -36,12 +36,8 @@ STALLED_SECONDS = 2.0
 
 @pytest.fixture(scope="module")
 def edge_gate(prepared: None) -> Iterator[GateProcess]:
-    proc = GateProcess(base_env(), workers=1)
-    try:
-        proc.wait_ready()
+    with GateProcess(base_env(), workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def rss_bytes(pid: int) -> int:

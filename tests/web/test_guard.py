@@ -33,12 +33,8 @@ def guarded(prepared: None) -> Iterator[GateProcess]:
     env = base_env()
     env["GATE_BODY_TIMEOUT_SECONDS"] = str(BODY_TIMEOUT_SECONDS)
     env["GATE_HTTP_CONCURRENCY_MAX"] = "1"
-    proc = GateProcess(env, workers=1, background=False)
-    try:
-        proc.wait_ready()
+    with GateProcess(env, workers=1, background=False) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def connect(port: int) -> socket.socket:

@@ -34,6 +34,7 @@ import pytest
 from starlette.routing import Route
 
 from gate.api.app import build_app
+from gate.base.ids import new_id
 from gate.base.limits import client_ip, parse_networks
 from gate.base.settings import Secret, load_settings
 from gate.payments.providers.alipay import AlipayWebhook
@@ -42,7 +43,6 @@ from gate.payments.providers.stripe import StripeWebhook
 from gate.payments.providers.wechatpay import WechatPayWebhook, answer_message
 from gate.payments.signing import decode_secret, sign_headers
 from gate.room.tokens import AdmissionTokens
-from gate.stock.orders import new_id
 from tests.cn_support import KeyPair, make_key_pair
 from tests.fake_stripe import signature as stripe_signature
 from tests.raw_http import Answer, Reader, connect

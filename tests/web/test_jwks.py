@@ -154,21 +154,14 @@ def jwks_server() -> Iterator[JwksServer]:
 @pytest.fixture(scope="module")
 def idp_gate(prepared: None, jwks_server: JwksServer) -> Iterator[GateProcess]:
     # GATE_JWT_SECRET stays set (base_env): HS256 and the provider's tokens together.
-    proc = GateProcess(idp_env(GATE_JWT_JWKS_URL=jwks_server.url), workers=1)
-    try:
-        proc.wait_ready()
+    with GateProcess(idp_env(GATE_JWT_JWKS_URL=jwks_server.url), workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def idp_client(idp_gate: GateProcess) -> AsyncIterator[Client]:
-    client = Client(idp_gate.url)
-    try:
+    async with Client(idp_gate.url) as client:
         yield client
-    finally:
-        await client.close()
 
 
 _keys_used = iter(range(1_000_000))

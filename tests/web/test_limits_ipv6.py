@@ -89,11 +89,8 @@ def v6_gate(prepared: None) -> Iterator[V6Gate]:
 
 @pytest.fixture
 async def v6_client(v6_gate: V6Gate) -> AsyncIterator[Client]:
-    client = Client(v6_gate.url)
-    try:
+    async with Client(v6_gate.url) as client:
         yield client
-    finally:
-        await client.close()
 
 
 async def test_two_ipv6_clients_in_one_64_share_the_ip_limit(

@@ -86,31 +86,20 @@ def group_pids(proc: GateProcess) -> list[int]:
 
 @pytest.fixture(scope="module")
 def one_worker(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
-    proc = GateProcess(env, workers=1)
-    try:
-        proc.wait_ready()
+    with GateProcess(env, workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def two_workers(env: dict[str, str], prepared: None) -> Iterator[GateProcess]:
-    proc = GateProcess(env, workers=2)
-    try:
-        proc.wait_ready()
+    with GateProcess(env, workers=2) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def fresh(two_workers: GateProcess) -> AsyncIterator[FreshConnectionClient]:
-    c = FreshConnectionClient(two_workers.url)
-    try:
+    async with FreshConnectionClient(two_workers.url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def test_one_worker_serves_metrics_on_its_listener_only(one_worker: GateProcess) -> None:

@@ -26,23 +26,18 @@ __all__ = ["no_endpoints_left"]
 
 @pytest.fixture(scope="module")
 def hook_gate(prepared: None) -> Iterator[GateProcess]:
-    proc = GateProcess(webhook_env(GATE_WEBHOOK_MAX_ENDPOINTS="4"), workers=1)
-    try:
-        proc.wait_ready()
+    with GateProcess(webhook_env(GATE_WEBHOOK_MAX_ENDPOINTS="4"), workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def admin(hook_gate: GateProcess) -> AsyncIterator[Client]:
-    c = Client(hook_gate.url)
-    try:
-        yield c
-    finally:
-        for e in (await c.get(BASE, headers=ADMIN)).json()["endpoints"]:
-            await c.request("DELETE", f"{BASE}/{e['id']}", headers=ADMIN)
-        await c.close()
+    async with Client(hook_gate.url) as c:
+        try:
+            yield c
+        finally:
+            for e in (await c.get(BASE, headers=ADMIN)).json()["endpoints"]:
+                await c.request("DELETE", f"{BASE}/{e['id']}", headers=ADMIN)
 
 
 async def _rows(db: Database) -> tuple[Any, ...]:

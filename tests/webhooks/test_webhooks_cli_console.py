@@ -42,12 +42,8 @@ async def gate_json(*args: str) -> Any:
 
 @pytest.fixture(scope="module")
 def serving(prepared: None) -> Iterator[GateProcess]:
-    proc = GateProcess(console_env(ENV), workers=1)
-    try:
-        proc.wait_ready()
+    with GateProcess(console_env(ENV), workers=1) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 async def test_the_commands_do_what_the_api_does(serving: GateProcess) -> None:

@@ -58,8 +58,8 @@ from gate.payments.provider import (
     event_id_of,
     order_id_or_none,
 )
+from gate.payments.providers.provider_http import ProviderHttp
 from gate.payments.providers.rsa_http import (
-    Exchange,
     fen_to_yuan,
     provider_key,
     read_private_key,
@@ -201,10 +201,10 @@ class AlipayProvider:
         self.settings = settings
         self.alipay = alipay
         self.window = window
-        self.exchange = Exchange(settings)
+        self.http = ProviderHttp(settings, NAME)
 
     async def close(self) -> None:
-        await self.exchange.close()
+        await self.http.close()
 
     # -- requests -----------------------------------------------------------------
 
@@ -234,13 +234,15 @@ class AlipayProvider:
         def transient(status: int, raw: bytes) -> bool:
             return status == 200 and f'"code":"{UNAVAILABLE_CODE}"'.encode() in raw
 
-        status, _, raw = await self.exchange.request(
+        answer = await self.http.request(
             "POST",
             self.alipay.gateway_url,
             body,
-            lambda: {"Content-Type": "application/x-www-form-urlencoded;charset=utf-8"},
-            retry_statuses=transient,
+            {"Content-Type": "application/x-www-form-urlencoded;charset=utf-8"},
+            transient=transient,
+            what=method,
         )
+        status, raw = answer.status, answer.raw
         if status != 200:
             raise ProviderUnavailable(f"alipay {method}: HTTP {status}")
         try:

@@ -1,23 +1,19 @@
 """The sandbox provider's HTTP API as seen by the gate (gate.payments.sandbox serves it).
 
-Bounded everywhere: a connect timeout and a total timeout per attempt, at most
-`retry_max` attempts with jittered backoff, and only for answers that may be
-transient (no answer, 429, 5xx). Every changing call sends `Idempotency-Key`, so a
+The exchange is gate/payments/providers/provider_http.py's (`ProviderHttp`: timeouts,
+bounded attempts with backoff and Retry-After, only for answers that may be
+transient: no answer, 429, 5xx). Every changing call sends `Idempotency-Key`, so a
 retry of a call that did happen returns the original result.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
 import orjson
 
-from gate.base import tracing
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import (
     PROVIDER_ID_RE,
@@ -32,11 +28,9 @@ from gate.payments.provider import (
     answer_id,
     order_id_or_none,
 )
+from gate.payments.providers.provider_http import ProviderHttp
 
 log = logging.getLogger("gate.payments.provider")
-
-CONNECTIONS_MAX = 64
-RESPONSE_MAX_BYTES = 1_048_576
 
 
 def _payment(doc: dict[str, Any]) -> Payment:
@@ -78,28 +72,13 @@ class SandboxProvider:
         self.base_url = settings.provider_url
         self.settings = settings
         self.webhook_keys = tuple(webhook_keys)
-        self._session: aiohttp.ClientSession | None = None
+        self.http = ProviderHttp(settings, "provider")
         self._headers = {"Content-Type": "application/json"}
         if settings.provider_api_key is not None:
             self._headers["Authorization"] = f"Bearer {settings.provider_api_key.reveal()}"
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=CONNECTIONS_MAX),
-                timeout=aiohttp.ClientTimeout(
-                    total=self.settings.timeout_seconds,
-                    sock_connect=self.settings.connect_timeout_seconds,
-                ),
-                # Traced: each call a client span, traceparent sent (gate/base/tracing.py).
-                trace_configs=tracing.client_trace_configs(),
-            )
-        return self._session
-
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.http.close()
 
     async def _call(
         self,
@@ -114,37 +93,15 @@ class SandboxProvider:
         if key is not None:
             headers["Idempotency-Key"] = key
         data = orjson.dumps(body) if body is not None else None
-        tries = attempts or self.settings.retry_max
-        last: str = ""
-        for i in range(tries):
-            if i:
-                await asyncio.sleep(min(1.0, 0.1 * 2**i) * random.uniform(0.5, 1.0))
-            try:
-                async with self._client().request(
-                    method, self.base_url + path, data=data, headers=headers
-                ) as resp:
-                    raw = await resp.content.read(RESPONSE_MAX_BYTES + 1)
-                    status = resp.status
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if status == 429 or status >= 500:
-                last = f"HTTP {status}"
-                continue
-            if len(raw) > RESPONSE_MAX_BYTES:
-                raise ProviderUnavailable("provider answer too large")
-            try:
-                doc = orjson.loads(raw) if raw else {}
-            except orjson.JSONDecodeError:
-                raise ProviderUnavailable(f"provider answered {status} with non-JSON") from None
-            if not isinstance(doc, dict):
-                raise ProviderUnavailable("provider answer is not an object")
-            if status >= 400 and status != 404:
-                raise ProviderRejected(
-                    status, str(doc.get("code", "error")), str(doc.get("detail", "")), doc
-                )
-            return status, doc
-        raise ProviderUnavailable(f"{method} {path}: no answer after {tries} attempt(s): {last}")
+        answer = await self.http.request(
+            method, self.base_url + path, data, headers, attempts=attempts, what=f"{method} {path}"
+        )
+        doc = self.http.json_object(answer, f"{method} {path}")
+        if answer.status >= 400 and answer.status != 404:
+            raise ProviderRejected(
+                answer.status, str(doc.get("code", "error")), str(doc.get("detail", "")), doc
+            )
+        return answer.status, doc
 
     async def create_session(self, request: SessionRequest, key: str) -> Session:
         body = {

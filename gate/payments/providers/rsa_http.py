@@ -1,10 +1,7 @@
-"""What the Alipay and WeChat Pay v3 adapters share: RSA keys read once from files,
+"""What the Alipay and WeChat Pay v3 adapters share besides the HTTP exchange
+(gate/payments/providers/provider_http.py): RSA keys read once from files,
 SHA256withRSA (PKCS#1 v1.5) signing and verification with `cryptography`, exact
-yuan <-> fen conversion, and one bounded HTTP exchange with retries.
-
-    adapter ──request(method, url, body, headers())──> retry loop (retry_max attempts,
-        connect + total timeout each, jittered backoff; only no-answer/429/5xx retried)
-        └─> (status, headers, raw bytes) ──> the adapter verifies and parses
+yuan <-> fen conversion, and the providers' idempotency keys.
 
 Why `cryptography` directly and not `python-alipay-sdk` / `wechatpayv3`: both SDKs
 make blocking `requests` calls from inside their API methods (the gate's provider
@@ -16,27 +13,19 @@ which they use underneath as well.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hashlib
-import random
-from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-import aiohttp
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
-from gate.base import tracing
 from gate.base.settings import SettingsError
-from gate.payments.config import PaymentSettings
-from gate.payments.provider import AMOUNT_MAX, ProviderUnavailable
+from gate.payments.provider import AMOUNT_MAX
 
-CONNECTIONS_MAX = 64
-RESPONSE_MAX_BYTES = 1_048_576
 KEY_FILE_MAX_BYTES = 65_536
 SIGNATURE_B64_MAX = 2048
 # Both providers take idempotency keys (out_request_no, out_refund_no) of at most 64
@@ -150,67 +139,3 @@ def provider_key(key: str) -> str:
     if len(key) <= PROVIDER_KEY_MAX and all(c.isalnum() or c in "_-" for c in key):
         return key
     return "k-" + hashlib.sha256(key.encode()).hexdigest()[:48]
-
-
-class Exchange:
-    """One aiohttp session and the gate's bounds: per-attempt connect and total
-    timeouts, `retry_max` attempts, retried only when no answer may have meant
-    anything (no answer, 429, 5xx). The caller makes every retried request carry the
-    same idempotency key (or be a read)."""
-
-    def __init__(self, settings: PaymentSettings) -> None:
-        self.settings = settings
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=CONNECTIONS_MAX),
-                timeout=aiohttp.ClientTimeout(
-                    total=self.settings.timeout_seconds,
-                    sock_connect=self.settings.connect_timeout_seconds,
-                ),
-                # Traced: each call a client span, traceparent sent (gate/base/tracing.py).
-                trace_configs=tracing.client_trace_configs(),
-            )
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def request(
-        self,
-        method: str,
-        url: str,
-        body: bytes | None,
-        headers: Callable[[], Mapping[str, str]],
-        *,
-        retry_statuses: Callable[[int, bytes], bool] | None = None,
-    ) -> tuple[int, dict[str, str], bytes]:
-        """`headers` is called per attempt (WeChat's signature carries a fresh
-        timestamp and nonce). `retry_statuses(status, body)` may mark more answers as
-        transient (Alipay's code 20000 comes with HTTP 200)."""
-        last = ""
-        tries = self.settings.retry_max
-        for i in range(tries):
-            if i:
-                await asyncio.sleep(min(1.0, 0.1 * 2**i) * random.uniform(0.5, 1.0))
-            try:
-                async with self._client().request(
-                    method, url, data=body, headers=dict(headers())
-                ) as resp:
-                    raw = await resp.content.read(RESPONSE_MAX_BYTES + 1)
-                    status = resp.status
-                    got = {k.lower(): v for k, v in resp.headers.items()}
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if len(raw) > RESPONSE_MAX_BYTES:
-                raise ProviderUnavailable("provider answer too large")
-            if status == 429 or status >= 500 or (retry_statuses and retry_statuses(status, raw)):
-                last = f"HTTP {status}"
-                continue
-            return status, got, raw
-        raise ProviderUnavailable(f"{method} {url}: no answer after {tries} attempt(s): {last}")

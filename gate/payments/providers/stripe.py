@@ -28,19 +28,15 @@ where getting it wrong is dangerous: the signature check.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
-import aiohttp
 import orjson
 import stripe
 
-from gate.base import tracing
 from gate.base.errors import Encoded
 from gate.base.settings import Secret, SettingsError
 from gate.payments.adapters import Adapter, AdapterContext, require
@@ -64,6 +60,7 @@ from gate.payments.provider import (
     event_id_of,
     order_id_or_none,
 )
+from gate.payments.providers.provider_http import ProviderHttp
 from gate.payments.providers.sandbox import json_acknowledgements
 from gate.payments.signing import WebhookRejected
 from gate.web.http_io import json_answer
@@ -92,8 +89,6 @@ API_BASE = "https://api.stripe.com"
 TOLERANCE_SECONDS = 300
 SIGNATURE_HEADER_MAX = 2048
 SECRETS_MAX = 4
-CONNECTIONS_MAX = 64
-RESPONSE_MAX_BYTES = 1_048_576
 # Stripe's list endpoints return at most 100 objects a page.
 PAGE_MAX = 100
 # Stripe's object ids: a type prefix, an underscore, letters and digits (`evt_…`,
@@ -433,30 +428,17 @@ class StripeProvider:
         self.name = name
         self.config = config
         self.settings = context.payment
-        self._session: aiohttp.ClientSession | None = None
+        # Stripe: 409 is an idempotent request still being processed; 429 and 5xx
+        # may pass. The same key makes the retry safe.
+        self.http = ProviderHttp(self.settings, NAME, frozenset({409, 429}))
         self._headers = {
             "Authorization": f"Bearer {config.api_key.reveal()}",
             "Content-Type": "application/x-www-form-urlencoded",
             "Stripe-Version": API_VERSION,
         }
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=CONNECTIONS_MAX),
-                timeout=aiohttp.ClientTimeout(
-                    total=self.settings.timeout_seconds,
-                    sock_connect=self.settings.connect_timeout_seconds,
-                ),
-                # Traced: each call a client span, traceparent sent (gate/base/tracing.py).
-                trace_configs=tracing.client_trace_configs(),
-            )
-        return self._session
-
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.http.close()
 
     async def _call(
         self,
@@ -475,40 +457,16 @@ class StripeProvider:
             url += ("&" if "?" in path else "?") + encoded if encoded else ""
         else:
             data = encoded
-        tries = self.settings.retry_max
-        last = ""
-        for i in range(tries):
-            if i:
-                await asyncio.sleep(min(1.0, 0.1 * 2**i) * random.uniform(0.5, 1.0))
-            try:
-                async with self._client().request(method, url, data=data, headers=headers) as r:
-                    raw = await r.content.read(RESPONSE_MAX_BYTES + 1)
-                    status = r.status
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            # Stripe: 409 is an idempotent request still being processed; 429 and 5xx
-            # may pass. The same key makes the retry safe.
-            if status in (409, 429) or status >= 500:
-                last = f"HTTP {status}"
-                continue
-            if len(raw) > RESPONSE_MAX_BYTES:
-                raise ProviderUnavailable("Stripe answer too large")
-            try:
-                doc = orjson.loads(raw) if raw else {}
-            except orjson.JSONDecodeError:
-                raise ProviderUnavailable(f"Stripe answered {status} with non-JSON") from None
-            if not isinstance(doc, dict):
-                raise ProviderUnavailable("Stripe answer is not an object")
-            if status >= 400:
-                found = doc.get("error")
-                error: dict[str, Any] = found if isinstance(found, dict) else {}
-                code = str(error.get("code") or error.get("type") or "error")
-                if status == 404 and code == "resource_missing":
-                    return status, doc
-                raise ProviderRejected(status, code, str(error.get("message", "")), doc)
-            return status, doc
-        raise ProviderUnavailable(f"{method} {path}: no answer after {tries} attempt(s): {last}")
+        answer = await self.http.request(method, url, data, headers, what=f"{method} {path}")
+        doc = self.http.json_object(answer, f"{method} {path}")
+        if answer.status >= 400:
+            found = doc.get("error")
+            error: dict[str, Any] = found if isinstance(found, dict) else {}
+            code = str(error.get("code") or error.get("type") or "error")
+            if answer.status == 404 and code == "resource_missing":
+                return answer.status, doc
+            raise ProviderRejected(answer.status, code, str(error.get("message", "")), doc)
+        return answer.status, doc
 
     async def create_session(self, request: SessionRequest, key: str) -> Session:
         # No expires_at: Stripe refuses one sooner than 30 minutes from its clock, so

@@ -61,8 +61,8 @@ from gate.payments.provider import (
     event_id_of,
     order_id_or_none,
 )
+from gate.payments.providers.provider_http import ProviderHttp
 from gate.payments.providers.rsa_http import (
-    Exchange,
     certificate_serial,
     provider_key,
     read_private_key,
@@ -385,10 +385,10 @@ class WechatPayProvider:
         self.settings = settings
         self.wechat = wechat
         self.window = window
-        self.exchange = Exchange(settings)
+        self.http = ProviderHttp(settings, NAME)
 
     async def close(self) -> None:
-        await self.exchange.close()
+        await self.http.close()
 
     async def _call(
         self, method: str, path: str, body: dict[str, Any] | None = None
@@ -413,21 +413,21 @@ class WechatPayProvider:
                 h["Content-Type"] = "application/json"
             return h
 
-        status, got, raw = await self.exchange.request(
-            method, self.wechat.api_base + path, raw_body if body is not None else None, headers
+        answer = await self.http.request(
+            method,
+            self.wechat.api_base + path,
+            raw_body if body is not None else None,
+            headers,
+            what=f"{method} {path}",
         )
+        status = answer.status
         try:
-            verify_signed(self.wechat.platform_keys, got, raw, time.time())
+            verify_signed(self.wechat.platform_keys, answer.headers, answer.raw, time.time())
         except WebhookRejected as exc:
             raise ProviderUnavailable(f"wechatpay {method} {path}: answer {exc}") from None
-        if status == 204 or not raw:
+        if status == 204:
             return status, {}
-        try:
-            doc = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise ProviderUnavailable(f"wechatpay {method} {path}: non-JSON answer") from None
-        if not isinstance(doc, dict):
-            raise ProviderUnavailable(f"wechatpay {method} {path}: answer is not an object")
+        doc = self.http.json_object(answer, f"{method} {path}")
         if status >= 400 and status != 404:
             raise ProviderRejected(
                 status, str(doc.get("code", "error"))[:64], str(doc.get("message", ""))[:255], doc

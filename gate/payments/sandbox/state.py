@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 from starlette.responses import Response
 
+from gate.base.backoff import Backoff
 from gate.base.settings import SettingsError
 from gate.payments.signing import sign_headers
 
@@ -228,6 +229,12 @@ class SbEvent:
 class Sandbox:
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
+        # Between delivery attempts: base · 2^(n-1), at most the max, jittered.
+        self._delivery_backoff = Backoff(
+            min(config.backoff_base_seconds, config.backoff_max_seconds),
+            config.backoff_max_seconds,
+            jitter=0.5,
+        )
         self.controls = DeliveryControls()
         self.sessions: dict[str, SbSession] = {}
         self.sessions_by_order: dict[str, list[str]] = {}
@@ -377,8 +384,7 @@ class Sandbox:
                 status = await self._send(event)
             if 200 <= status < 300:
                 return
-            backoff = min(cfg.backoff_max_seconds, cfg.backoff_base_seconds * 2**attempt)
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            await asyncio.sleep(self._delivery_backoff.delay_seconds(attempt + 1))
         if event.state != "delivered":
             event.state = "failed"
             log.warning("event %s: gave up after %d attempts", event.id, cfg.retry_max)
