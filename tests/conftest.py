@@ -14,9 +14,8 @@ import redis.asyncio as aioredis
 from gate.base.settings import Settings, load_settings
 from gate.runtime import Gate
 from gate.store.db import Database
-from gate.store.migrate import migrate
 from gate.store.redis_mode import detect_mode, make_redis
-from tests.cluster import cluster_clients_used, flush_all_primaries, mark_cluster_clients_used
+from tests.cluster import cluster_clients_used, mark_cluster_clients_used
 from tests.galera import LocalGalera
 from tests.support import (
     CLUSTER_PORT,
@@ -26,6 +25,7 @@ from tests.support import (
     Client,
     GateProcess,
     base_env,
+    reset_stores,
 )
 
 
@@ -121,24 +121,6 @@ def settings(env: dict[str, str]) -> Settings:
     return load_settings(env)
 
 
-async def _reset(settings: Settings) -> None:
-    import aiomysql
-
-    from gate.store.db import connect_kwargs, notes_off
-
-    conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
-    try:
-        async with conn.cursor() as cur:
-            await notes_off(cur)
-            await cur.execute(f"DROP DATABASE IF EXISTS `{settings.mysql.database}`")
-    finally:
-        conn.close()
-    await migrate(settings.mysql)
-    flush_all_primaries(
-        settings.redis_url, detect_mode(settings.redis_url, settings.redis_mode, 2.0)
-    )
-
-
 def _redis(settings: Settings) -> aioredis.Redis:
     """A redis-py client for the suite's Redis, standalone or cluster as it is."""
     mode = detect_mode(settings.redis_url, settings.redis_mode, 2.0)
@@ -148,7 +130,7 @@ def _redis(settings: Settings) -> aioredis.Redis:
 
 @pytest.fixture(scope="session")
 def prepared(settings: Settings) -> None:
-    asyncio.run(_reset(settings))
+    asyncio.run(reset_stores(settings))
 
 
 @pytest.fixture(scope="session")

@@ -159,6 +159,27 @@ PORT_RANGE = (29000, 32700)
 _RECENT_PORTS: deque[int] = deque(maxlen=1024)
 
 
+async def reset_stores(settings: Settings) -> None:
+    """The settings' MariaDB database dropped and migrated anew, their Redis emptied
+    (every primary of a cluster)."""
+    from gate.store.db import notes_off
+    from gate.store.migrate import migrate
+    from gate.store.redis_mode import detect_mode
+    from tests.cluster import flush_all_primaries
+
+    conn = await aiomysql.connect(**connect_kwargs(settings.mysql, 5, with_db=False))
+    try:
+        async with conn.cursor() as cur:
+            await notes_off(cur)
+            await cur.execute(f"DROP DATABASE IF EXISTS `{settings.mysql.database}`")
+    finally:
+        conn.close()
+    await migrate(settings.mysql)
+    flush_all_primaries(
+        settings.redis_url, detect_mode(settings.redis_url, settings.redis_mode, 2.0)
+    )
+
+
 def free_port() -> int:
     for _ in range(1000):
         port = random.randrange(*PORT_RANGE)

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import orjson
 import pytest
 
+from gate.base.settings import load_settings
 from gate.store.db import Database
 from tests.otlp_receiver import OtlpReceiver, Span
 from tests.payments_support import PayStack, SandboxClient, running_pay_stack, wait_status
-from tests.support import Client, buyer, create_deal, reserve
+from tests.support import Client, base_env, buyer, create_deal, reserve, reset_stores
 
 TRACE_ID = os.urandom(16).hex()
 CALLER_SPAN = os.urandom(8).hex()
@@ -34,9 +35,29 @@ def receiver() -> Iterator[OtlpReceiver]:
         yield r
 
 
+def _own_stores() -> dict[str, str]:
+    """A MariaDB database and a Redis logical database of this module's own, migrated
+    and empty: the suite's shared gate runs background loops on the suite's stores, and
+    its sweeper would otherwise release the holds this module expects its traced gate
+    to release."""
+    env = base_env()
+    mysql_url = env["GATE_MYSQL_URL"] + "_otlp"
+    redis_base, _, number = env["GATE_REDIS_URL"].rpartition("/")
+    redis_url = f"{redis_base}/{(int(number) + 15) % 16}"
+    settings = load_settings({**env, "GATE_MYSQL_URL": mysql_url, "GATE_REDIS_URL": redis_url})
+    asyncio.run(reset_stores(settings))
+    return {"GATE_MYSQL_URL": mysql_url, "GATE_REDIS_URL": redis_url}
+
+
 @pytest.fixture(scope="module")
-def traced(prepared: None, receiver: OtlpReceiver) -> Iterator[PayStack]:
+def own_stores(prepared: None) -> dict[str, str]:
+    return _own_stores()
+
+
+@pytest.fixture(scope="module")
+def traced(own_stores: dict[str, str], receiver: OtlpReceiver) -> Iterator[PayStack]:
     extra = {
+        **own_stores,
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
         "OTEL_SERVICE_NAME": "gate-under-test",
         # Spans leave within 100 ms (the SDK's batch processor).
@@ -49,6 +70,15 @@ def traced(prepared: None, receiver: OtlpReceiver) -> Iterator[PayStack]:
     }
     with running_pay_stack(extra) as stack:
         yield stack
+
+
+@pytest.fixture(scope="module")
+async def db(traced: PayStack) -> AsyncIterator[Database]:
+    """The traced gate's database (the module's own stores), for this module's tests."""
+    database = Database(load_settings(traced.env), pool_max=4)
+    await database.start()
+    yield database
+    await database.close()
 
 
 def _log_lines(stack: PayStack) -> list[dict[str, Any]]:
@@ -256,17 +286,7 @@ async def test_sold_out_answers_at_the_edge_are_traced_only_when_the_caller_samp
 async def test_an_expiry_batch_is_a_root_span_with_its_work_under_it(
     traced: PayStack, receiver: OtlpReceiver, db: Database
 ) -> None:
-    client = Client(traced.gate.url)
-    try:
-        deal = await create_deal(client, stock=3, unit_price=730)
-        r = await reserve(client, deal, 7101, "otel-7101")
-        order_id = r.json()["order_id"]
-    finally:
-        await client.close()
-    await db.execute(
-        "UPDATE orders SET expires_at = NOW(6) - INTERVAL 1 SECOND WHERE id = %s", (order_id,)
-    )
-    await wait_status(db, order_id, "EXPIRED")
+    await _expire_one(traced, db)
 
     def swept(spans: list[Span]) -> bool:
         batches = {x.span_id for x in spans if x.name == "expiry batch"}
@@ -281,3 +301,19 @@ async def test_an_expiry_batch_is_a_root_span_with_its_work_under_it(
     assert batch.attributes["gate.expiry.released"] >= 1
     under = {x.name for x in spans if x.parent_span_id == batch.span_id}
     assert {"CALL gate_expire_batch", "EVALSHA intend"} <= under, under
+
+
+async def _expire_one(traced: PayStack, db: Database) -> None:
+    """A hold of the traced gate's, made due now: its sweeper is the only one that
+    sees it (the module's own stores)."""
+    client = Client(traced.gate.url)
+    try:
+        deal = await create_deal(client, stock=3, unit_price=730)
+        r = await reserve(client, deal, 7101, "otel-7101")
+        order_id = r.json()["order_id"]
+    finally:
+        await client.close()
+    await db.execute(
+        "UPDATE orders SET expires_at = NOW(6) - INTERVAL 1 SECOND WHERE id = %s", (order_id,)
+    )
+    await wait_status(db, order_id, "EXPIRED")
