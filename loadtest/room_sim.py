@@ -23,15 +23,15 @@ buyers then get (docs/waiting-room.md, "Your chance" and "Automatic rate").
     prequeue; every 100 ms one advance lapses admissions past their TTL (120 s), then
     admits within the rate (sliding second, smoothed per call) and the bound
         fixed rate   unspent admissions <= ceil(available x ratio)      (ratio 1.0)
-        auto         unspent admissions <= ceil(available x ratio + offset), the
-                     steering's ratio and offset of the last second
+        auto         young unspent admissions <= floor(available x ratio + offset),
+                     the steering's ratio, offset and young cut-off of the last second
     an admitted buyer's reservation meets SOLD_OUT when fewer units are available than
     asked (the admission then stays unspent until its TTL, as admit.lua leaves it)
     every second: chance.measure + chance.build from the two rings the sim keeps
     exactly as the scripts will (chance.Ring), and in auto steering.decide
 
     reported, per seed and in summary:
-      calibration   the p every waiting buyer is shown at --snapshot-s (30 s), against
+      calibration   the p every waiting buyer is shown at --snapshot-s (45 s), against
                     whether they got a unit (a hold) by the sale's end; buyers who
                     never reserve or who left are not counted (p is the chance of one
                     who stays and buys). Per tenth of p with >= 100 buyers: the share
@@ -106,7 +106,7 @@ class Params:
     db_base_ms: float = 4.0
     commit_p99_limit_ms: float = steering.COMMIT_P99_LIMIT_MS
     retry_after_s: float = 1.0
-    snapshot_s: float = 30.0
+    snapshot_s: float = 45.0
 
 
 @dataclass
@@ -375,7 +375,7 @@ class Sale:
             ratio, offset, young_from = self.auto_bound
             first = bisect.bisect_left(self.adm_times, young_from)
             young = self.holding.prefix(len(self.adm_times) - 1) - self.holding.prefix(first - 1)
-            room_for = math.ceil(self.available * ratio + offset) - young
+            room_for = math.floor(self.available * ratio + offset + 1e-9) - young
         else:
             room_for = math.ceil(self.available * p.ratio) - self.unspent
         since = 1.0 if self.last_advance_s is None else min(1.0, max(0.0, t - self.last_advance_s))

@@ -5,7 +5,7 @@
         admission stage gate/room/chance.py measures, the database's health
             ──> decide() ──> Decision(rate, bound, ratio, offset, young_from_ms, reason)
     room_advance.lua, every GATE_ROOM_INTERVAL_MS, admits while
-        unspent admissions given at or after young_from_ms  <  ceil(available x ratio + offset)
+        unspent admissions given at or after young_from_ms  <  floor(available x ratio + offset)
         and within `rate` admissions per second (its sliding second, as for a fixed rate)
 
 Enough in flight, no more: the bound. An unspent admission of age a still becomes a
@@ -17,28 +17,32 @@ EPS_MARGIN, so no admitted buyer risks SOLD_OUT more than that; the chance is ex
 the normal approximation above. Buyers who never reserve so stop holding units back
 once they are old enough to be unlikely to, and a sale is not held back by the
 admission TTL as the fixed room's bound (unspent <= available x ratio) holds it.
-The conversion used is an upper confidence bound of the measured share (Z_CONVERSION
-standard errors over the evidence): little evidence admits fewer, not more. With too
+The conversion used is the measured share raised by Z_CONVERSION posterior standard
+deviations (conversion.Stage.spread): little evidence admits fewer, not more. With too
 little evidence (chance.MIN_EVIDENCE) the bound is the fixed room's at ratio 1.
 
 Why a ratio, an offset and a cut-off, not a count. The decision is a second old when
-the room applies it. Meanwhile each reservation takes units and its admission out
-together: the bound falls by `ratio` (the admissions one unit is worth, 1 / the units
-a fresh admission asks for) per unit taken while the count falls by one, so the room
-does not replace every admission spent since (a plain count would). Admissions are
-young from `young_from_ms` (a slot boundary of the admissions ring, so the room
-counts exactly the admissions the decision counted): those older count only through
-`offset`, by what they are expected to ask, so their lapsing, or growing old between
-two decisions, frees nothing the decision did not mean to free. young_from_ms is
-the decision time less the age by which YOUNG_SHARE of the eventual holds are made.
+the room applies it, and meanwhile each reservation takes units and its admission
+out together: the bound falls by `ratio` (the admissions one unit is worth, 1 / the
+units a fresh admission asks for) per unit taken while the count falls by one, so the
+room does not replace every admission spent since (a plain count would). It is
+rounded down, unlike the fixed bound's ceil: a unit coming back between two
+decisions must not let two buyers in. Admissions are young from `young_from_ms` (a
+slot boundary of the admissions ring, so the room counts exactly the admissions the
+decision counted): those older count only through `offset`, by what they are
+expected to ask, so their lapsing, or growing old between two decisions, frees
+nothing the decision did not mean to free. young_from_ms is the decision time less
+the age by which YOUNG_SHARE of the eventual holds are made.
 
 Never more than the database can commit: the rate. The gate processes' 503s, pool
 waits and commit latency over the last second (summed, and the worst p99, across
-processes) are the database's health. Unhealthy (any 503, any pool wait, or a p99
-above the limit, GATE_ROOM_AUTO_COMMIT_P99_MS, 250 by default): the rate's ceiling
-halves (at most once per CUT_HOLD_SECONDS: reservations follow admissions by seconds,
-so the signal lags); healthy: it grows by INCREASE_SHARE of max_admit_per_second a
-second (AIMD). The ceiling carries from one decision to the next (`Steer`).
+processes) are the database's health. The rate's ceiling starts at START_SHARE of
+max_admit_per_second and doubles each healthy second until the database first shows
+its limit (slow start: the opening is no burst). Unhealthy (any 503, any pool wait,
+or a p99 above the limit, GATE_ROOM_AUTO_COMMIT_P99_MS, 250 by default): it halves
+(at most once per CUT_HOLD_SECONDS: reservations follow admissions by seconds, so the
+signal lags); healthy after that: it grows by INCREASE_SHARE of max_admit_per_second
+a second (AIMD). The ceiling carries from one decision to the next (`Steer`).
 
 Holds not yet paid are not waited for: a unit they hold comes back only if the hold
 lapses, and is then available again, and admitted for, like any other.
@@ -46,12 +50,12 @@ lapses, and is then available again, and admitted for, like any other.
 Reasons (the console's room panel; `detail` has the numbers): "no_units" (nothing
 available), "learning" (too little evidence: ratio 1), "in_flight_full" (enough
 admitted), "filling" (admitting the shortfall), "cap" (max_admit_per_second binds),
-"db_backoff" (the database's ceiling binds, unhealthy), "db_recovering" (it binds and
-grows back).
+and where the database's ceiling binds: "starting" (slow start), "db_backoff"
+(unhealthy), "db_recovering" (growing back).
 
 In Redis (to be wired): the decision is written to the room's hash as "arate",
 "aratio", "aoffset", "ayoung" (young_from_ms) and "aat" (Redis ms), the `Steer` as
-"aceil" and "acut"; room_advance.lua uses them while "aat" is at most STALE_SECONDS
+"aceil", "acut" and "aprobe"; room_advance.lua uses them while "aat" is at most STALE_SECONDS
 old, else the fixed bound at ratio 1 (a stalled decider never widens the room), and
 counts the young unspent with ZCOUNT on the expiry index from young_from_ms + TTL.
 """
@@ -69,7 +73,7 @@ COMMIT_P99_LIMIT_MS = 250.0
 # unit left is at most this (so it is the most any admitted buyer risks meeting
 # SOLD_OUT); exactly up to EXACT_UNITS_MAX units left, by the normal approximation
 # above. The conversion is taken this many standard errors high.
-EPS_MARGIN = 0.05
+EPS_MARGIN = 0.01
 EXACT_UNITS_MAX = 64
 Z_CONVERSION = 1.645
 # Never more than this many admissions per unit from here on (a conversion of 1 in 4).
@@ -79,6 +83,9 @@ STALE_SECONDS = 3.0
 # Young: younger than the age by which this share of the eventual holds are made.
 YOUNG_SHARE = 0.95
 RATE_MIN = 1
+# The ceiling starts at this share of the cap and doubles each healthy second until
+# the database first shows its limit (slow start: no burst at the opening).
+START_SHARE = 0.1
 BACKOFF = 0.5
 INCREASE_SHARE = 0.05
 CUT_HOLD_SECONDS = 2.0
@@ -99,17 +106,18 @@ class Health:
 
 @dataclass(frozen=True, slots=True)
 class Steer:
-    """What one decision hands the next: the database's ceiling (admissions/s) and
-    when it was last cut (seconds, any clock the caller keeps)."""
+    """What one decision hands the next: the database's ceiling (admissions/s), when
+    it was last cut (seconds), and whether it is still probing (doubling: no cut yet)."""
 
     ceiling: float
     cut_at_s: float = -math.inf
+    probing: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     """rate: admissions per second; the room admits while the unspent admissions
-    given at or after `young_from_ms` are fewer than ceil(available x ratio + offset)
+    given at or after `young_from_ms` are fewer than floor(available x ratio + offset)
     (`bound`: that number now)."""
 
     rate: int
@@ -160,16 +168,18 @@ def decide(
     the previous decision's (None: the first); `deadline_s`: the admission TTL."""
     now_s = now_ms / 1000
     cap = max(RATE_MIN, max_admit_per_second)
-    state = steer or Steer(float(cap))
-    # The database's ceiling, AIMD.
+    state = steer or Steer(max(float(RATE_MIN), START_SHARE * cap))
+    # The database's ceiling: slow start, then AIMD.
     healthy = health.healthy(commit_p99_limit_ms)
     if not healthy:
         if now_s - state.cut_at_s >= CUT_HOLD_SECONDS:
             base = min(state.ceiling, max(float(admitted_last_second), float(RATE_MIN)))
-            state = Steer(max(float(RATE_MIN), BACKOFF * base), now_s)
+            state = Steer(max(float(RATE_MIN), BACKOFF * base), now_s, probing=False)
+    elif state.probing:
+        state = Steer(min(float(cap), state.ceiling * 2), state.cut_at_s, probing=True)
     else:
         grown = min(float(cap), state.ceiling + max(1.0, INCREASE_SHARE * cap))
-        state = Steer(grown, state.cut_at_s)
+        state = Steer(grown, state.cut_at_s, probing=False)
     ceiling = max(RATE_MIN, math.floor(state.ceiling))
     units = max(0, available)
     raised = _weights(stage, evidence)
@@ -194,17 +204,18 @@ def decide(
         # a unit is worth, 1 / (units a fresh admission asks for).
         ratio = min(AUTO_RATIO_MAX, 1.0 / max(fresh * m1, 1e-6))
         offset = most - units * ratio
-    bound = max(0, math.ceil(units * ratio + offset))
+    bound = max(0, math.floor(units * ratio + offset + 1e-9))
     rate = max(RATE_MIN, min(cap, ceiling))
+    want = bound - young
     if units <= 0:
         reason = "no_units"
     elif raised is None:
         reason = "learning"
-    elif bound <= young:
+    elif want <= 0:
         reason = "in_flight_full"
-    elif ceiling < cap:
-        reason = "db_backoff" if not healthy else "db_recovering"
-    elif bound - young > cap:
+    elif want > ceiling and ceiling < cap:
+        reason = "starting" if state.probing else ("db_backoff" if not healthy else "db_recovering")
+    elif want > cap:
         reason = "cap"
     else:
         reason = "filling"

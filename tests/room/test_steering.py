@@ -94,10 +94,10 @@ def test_an_admitted_buyer_risks_sold_out_at_most_eps() -> None:
 def test_the_bound_falls_with_every_unit_taken_between_decisions() -> None:
     d = decide(200, ((3.0, 100.0),))
     young = young_of(d, ((3.0, 100.0),))
-    room_now = math.ceil(200 * d.ratio + d.offset) - young
+    room_now = math.floor(200 * d.ratio + d.offset + 1e-9) - young
     # Ten reservations: ten units and ten young admissions gone; nobody replaces them
     # one for one (each unit was worth 1 / 0.75 admissions).
-    room_after = math.ceil(190 * d.ratio + d.offset) - (young - 10)
+    room_after = math.floor(190 * d.ratio + d.offset + 1e-9) - (young - 10)
     assert room_after < room_now
     assert d.ratio == pytest.approx(1 / 0.75)  # a point stage: no spread to add
 
@@ -109,8 +109,22 @@ def test_the_young_cut_sits_on_a_slot_boundary() -> None:
         assert now - d.young_from_ms >= 1000 * MEASURED.horizon(steering.YOUNG_SHARE) - 1000
 
 
+def test_the_ceiling_starts_low_and_doubles_until_the_database_shows_its_limit() -> None:
+    steer = None
+    rates = []
+    for i in range(6):
+        d = decide(5000, steer=steer, now_ms=NOW_MS + 1000 * i)
+        steer = d.steer
+        rates.append(d.rate)
+    assert rates == [200, 400, 800, 1000, 1000, 1000]  # 10 % of the cap, doubled
+    cut = decide(5000, admitted=800, health=SLOW, steer=steer, now_ms=NOW_MS + 7000)
+    assert cut.rate == 400 and not cut.steer.probing
+    after = decide(5000, steer=cut.steer, now_ms=NOW_MS + 8000)
+    assert after.rate == 450  # additive from then on
+
+
 def test_a_slow_database_halves_the_ceiling_and_a_healthy_one_grows_it_back() -> None:
-    first = decide(500, admitted=400, health=SLOW, cap=1000)
+    first = decide(500, admitted=400, health=SLOW, cap=1000, steer=Steer(1000.0))
     assert first.steer.ceiling == 200  # half of the 400 admitted last second
     assert first.rate == 200 and first.reason == "db_backoff"
     # Within CUT_HOLD_SECONDS no second cut: the signal lags the admissions.
@@ -134,11 +148,12 @@ def test_a_slow_database_halves_the_ceiling_and_a_healthy_one_grows_it_back() ->
     [Health(overloaded=1), Health(pool_waits=3), Health(commit_p99_ms=251.0)],
 )
 def test_each_signal_of_a_database_at_its_limit_backs_off(health: Health) -> None:
-    assert decide(500, admitted=300, health=health).steer.ceiling == 150
+    assert decide(500, admitted=300, health=health, steer=Steer(1000.0)).steer.ceiling == 150
 
 
 def test_a_p99_at_the_limit_is_healthy() -> None:
-    assert decide(500, health=Health(commit_p99_ms=250.0)).steer.ceiling == 1000
+    steer = Steer(1000.0, probing=False)
+    assert decide(500, health=Health(commit_p99_ms=250.0), steer=steer).steer.ceiling == 1000
 
 
 def test_reasons() -> None:
@@ -146,8 +161,8 @@ def test_reasons() -> None:
     assert decide(0).bound == 0
     full = decide(10, ((1.0, 40.0),))
     assert full.reason == "in_flight_full" and full.bound <= 40
-    assert decide(5000, cap=100).reason == "cap"
-    assert decide(5000, cap=100).rate == 100
+    assert decide(5000, cap=100, steer=Steer(100.0)).reason == "cap"
+    assert decide(5000, cap=100, steer=Steer(100.0)).rate == 100
 
 
 def test_a_tiny_conversion_is_capped_at_auto_ratio_max() -> None:
