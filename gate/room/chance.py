@@ -47,7 +47,7 @@ corrections (tests/room/test_chance.py measures its error against the exact sum)
 `chance` (per read) interpolates in that table: no fitting, no loops.
 
 In Redis (to be wired): the rings and their writers are in gate/room/conversion.py.
-The room loop reads both rings (HGETALL, at most 2 x 7 x RING_SLOTS fields) and
+The room loop reads both rings (HGETALL, at most 2 x 9 x RING_SLOTS fields) and
 `avail` once per second per deal under a work lease, builds the table and writes it
 to the room's hash ("ch": start, step, the values to 3 places, units_left, in_flight,
 conversion, sure_until, pool; "chat": when), which room_ticket.lua already reads on
