@@ -50,6 +50,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "the reservation procedures alone",
     ),
     "room-memory": ("loadtest.room_memory", "bytes per waiting-room ticket on a real Redis"),
+    "room-sim": (
+        "loadtest.room_sim",
+        "a waiting-room sale simulated in process: the chance and the auto rate",
+    ),
     "shard-sim": ("loadtest.shard_sim", "sharding by deal, simulated and checked"),
     "baseline": ("loadtest.baseline.__main__", "the DB-only peer baseline (serve, migrate, check)"),
 }
