@@ -138,7 +138,12 @@ AGREED_NAMES: dict[str, tuple[str, ...]] = {
         "gate_reconcile_open",
         "gate_reconcile_last_run_timestamp_seconds",
     ),
-    "ops": ("gate_http_requests_total", "gate_http_request_seconds"),
+    "ops": (
+        "gate_http_requests_total",
+        "gate_http_request_seconds",
+        "gate_admin_auth_failures_total",
+        "gate_console_signin_failures_total",
+    ),
     # Outbound webhooks (gate/webhooks/, docs/webhooks.md).
     "webhooks": (
         "gate_webhook_attempts_total",
