@@ -22,7 +22,8 @@ from gate.base.settings import load_settings
 from gate.store.db import Database
 from tests.otlp_receiver import OtlpReceiver, Span
 from tests.payments_support import PayStack, SandboxClient, running_pay_stack, wait_status
-from tests.support import Client, base_env, buyer, create_deal, reserve, reset_stores
+from tests.support import ADMIN, Client, base_env, buyer, create_deal, reserve, reset_stores
+from tests.webhooks_support import Received, Receiver, create_endpoint, wait_for
 
 TRACE_ID = os.urandom(16).hex()
 CALLER_SPAN = os.urandom(8).hex()
@@ -67,6 +68,10 @@ def traced(own_stores: dict[str, str], receiver: OtlpReceiver) -> Iterator[PaySt
         "GATE_LOG_LEVEL": "INFO",
         # The sold-out near-cache on (the suite turns it off), renewed meanwhile.
         "GATE_SOLD_OUT_CACHE_MS": "1000",
+        # Webhook deliveries (a receiver on loopback), always traced (ratio 1).
+        "GATE_WEBHOOK_WORKERS": "1",
+        "GATE_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
+        "GATE_WEBHOOK_INTERVAL_SECONDS": "0.05",
     }
     with running_pay_stack(extra) as stack:
         yield stack
@@ -317,3 +322,39 @@ async def _expire_one(traced: PayStack, db: Database) -> None:
         "UPDATE orders SET expires_at = NOW(6) - INTERVAL 1 SECOND WHERE id = %s", (order_id,)
     )
     await wait_status(db, order_id, "EXPIRED")
+
+
+async def test_a_webhook_delivery_is_a_client_span_whose_traceparent_the_shop_gets(
+    traced: PayStack, receiver: OtlpReceiver
+) -> None:
+    shop = Receiver()
+    await shop.start()
+    client = Client(traced.gate.url)
+    try:
+        made = await create_endpoint(client, shop.url, ["deal.sold_out"])
+        r = await client.post(f"/v1/admin/webhook-endpoints/{made['id']}/test", headers=ADMIN)
+        assert r.status_code in (200, 202), r.text
+
+        def tested() -> list[Received]:
+            got = shop.delivered().values()
+            return [x for x in got if x.event["type"] == "webhook.test"]
+
+        [got] = await wait_for(tested, 20)
+        r = await client.delete(f"/v1/admin/webhook-endpoints/{made['id']}", headers=ADMIN)
+        assert r.status_code in (200, 204), r.text
+    finally:
+        await client.close()
+        await shop.stop()
+    headers = {k.lower(): v for k, v in got.headers.items()}
+    version, trace_id, span_id, flags = headers["traceparent"].split("-")
+    assert (version, flags) == ("00", "01")
+
+    def delivered(spans: list[Span]) -> bool:
+        return any(x.span_id == span_id for x in spans)
+
+    [span] = [x for x in receiver.wait_for(delivered) if x.span_id == span_id]
+    # A trace of its own (the loop serves no request), the POST to the shop's URL.
+    assert span.trace_id == trace_id and span.parent_span_id == ""
+    assert span.kind == "client" and span.name == "POST"
+    assert span.attributes["http.response.status_code"] == 200
+    assert span.attributes["url.full"] == shop.url
