@@ -126,6 +126,7 @@ CONSOLE_ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("GET", "/console/api/deals/{deal_id}/ledger"): ("cookie",),
     ("GET", "/console/api/deals/{deal_id}/advice"): ("cookie",),
     ("POST", "/console/api/deals/{deal_id}/{action}"): ("cookie", "x-csrf-token"),
+    ("POST", "/console/api/panels/{panel}/{action}"): ("cookie", "x-csrf-token"),
 }
 # Routes that read no header of the request's (pages and files).
 NO_HEADERS = {("GET", "/console"), ("GET", "/console/static/{name}")}
@@ -221,6 +222,7 @@ class Stack:
             template.replace("{deal_id}", str(self.deal_id))
             .replace("{order_id}", new_id())
             .replace("{provider}", self.provider)
+            .replace("{panel}", "webhooks")
             .replace("{action}", "no-such-action")
         )
         scheme = next(iter((op or {}).get("security", [{}])[0]), None) if op else None
@@ -259,7 +261,7 @@ def routes_and_headers(
     found: list[tuple[str, str, dict[str, Any] | None, tuple[str, ...]]] = []
     for template, operations in sorted(doc["paths"].items()):
         for method, op in operations.items():
-            if not isinstance(op, dict) or method.upper() not in ("GET", "POST", "PUT", "DELETE"):
+            if not isinstance(op, dict) or method.upper() not in ("GET", "POST", "PUT", "PATCH", "DELETE"):
                 continue
             key = (method.upper(), template)
             names: list[str] = []
