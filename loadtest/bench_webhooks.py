@@ -19,7 +19,12 @@ without an endpoint, then with one subscribed to every event:
   time from the first delivery to the last), and how long after the sale's end the
   last one arrived. Checked: every cancelled order's event arrived, verified with the
   endpoint's secret (one in 100, to keep the receiver cheap), and nothing is left
-  pending.
+  pending. During a sale the deliveries can go no faster than the sale makes events.
+- Backlog: every delivery of that sale made due again at once (what a retry of each
+  does), then the time until the receiver has them all again: the events per second
+  the delivery loop sends when it has a backlog, its capacity.
+- The endpoint deleted, a third sale without one: the sale without an endpoint is
+  reported for the first and the last sale (the tables grow from sale to sale).
 
 Prints one JSON object. The machine is shared with whatever else runs: measure on a
 quiet one, several times.
@@ -67,12 +72,14 @@ class Sink:
         self.first: dict[str, float] = {}
         self.bodies: dict[str, tuple[bytes, dict[str, str]]] = {}
         self.requests = 0
+        self.last = 0.0
         self.port = procs.free_port()
         self._runner: web.AppRunner | None = None
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         self.requests += 1
+        self.last = time.monotonic()
         msg_id = request.headers.get("webhook-id", "")
         if msg_id not in self.first:
             self.first[msg_id] = time.monotonic()
@@ -171,10 +178,6 @@ async def measure(args: argparse.Namespace, base: str, env: dict[str, str]) -> d
         try:
             say(f"sale without an endpoint ({args.orders} orders)")
             plain = await sale(session, base, admin, jwt, args.orders, args.connections)
-            result["without_endpoint"] = {
-                k: plain[k]
-                for k in ("reservations_per_second", "cancels_per_second", "commits_per_second")
-            }
             async with session.post(
                 base + "/v1/admin/webhook-endpoints",
                 json={"url": f"http://127.0.0.1:{sink.port}/hooks", "events": ["*"]},
@@ -206,6 +209,49 @@ async def measure(args: argparse.Namespace, base: str, env: dict[str, str]) -> d
             )
             result["requests"] = sink.requests
             result["signatures_checked"] = len(sink.bodies)
+            say("backlog: every delivery of that sale due again at once")
+            before = sink.requests
+            again = await asyncio.to_thread(_all_due_again, args.mysql_url)
+            started = time.monotonic()
+            deadline = started + args.drain_seconds
+            while time.monotonic() < deadline:
+                if sink.requests - before >= again:
+                    break
+                await asyncio.sleep(0.05)
+            drained = sink.requests - before
+            took = sink.last - started
+            while time.monotonic() < deadline:
+                if await asyncio.to_thread(_all_delivered, args.mysql_url):
+                    break
+                await asyncio.sleep(0.2)
+            result["backlog"] = {
+                "deliveries": again,
+                "delivered": drained,
+                "seconds": round(took, 2),
+                "events_delivered_per_second": round(drained / took, 1) if took > 0 else None,
+            }
+            result["every_cancel_delivered"] = await asyncio.to_thread(
+                _all_delivered, args.mysql_url
+            )
+            async with session.get(
+                base + "/v1/admin/webhook-endpoints", headers={"Authorization": f"Bearer {admin}"}
+            ) as r:
+                listed = (await r.json())["endpoints"]
+            for endpoint in listed:
+                async with session.delete(
+                    f"{base}/v1/admin/webhook-endpoints/{endpoint['id']}",
+                    headers={"Authorization": f"Bearer {admin}"},
+                ) as r:
+                    assert r.status == 204, await r.text()
+            say("the endpoint deleted: a last sale without one")
+            last = await sale(session, base, admin, jwt, args.orders, args.connections)
+            result["without_endpoint"] = [
+                {
+                    k: one[k]
+                    for k in ("reservations_per_second", "cancels_per_second", "commits_per_second")
+                }
+                for one in (plain, last)
+            ]
         finally:
             await sink.stop()
     return result
@@ -247,7 +293,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         gate.wait_ready("/readyz")
         result = asyncio.run(measure(args, gate.url, env))
-        result["every_cancel_delivered"] = _all_delivered(args.mysql_url)
     finally:
         gate.stop()
     result.update(
@@ -261,6 +306,23 @@ def run(args: argparse.Namespace) -> int:
     )
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     return 0 if result["every_cancel_delivered"] else 1
+
+
+def _all_due_again(mysql_url: str) -> int:
+    """Every delivered delivery pending and due now; how many."""
+    from loadtest.bench_callbacks import connect
+
+    conn = connect(mysql_url, with_db=True)
+    try:
+        with conn.cursor() as cur:
+            count = cur.execute(
+                "UPDATE webhook_deliveries SET status = 'pending', attempts = 0,"
+                " next_attempt_at = NOW(6) WHERE status = 'delivered'"
+            )
+        conn.commit()
+    finally:
+        conn.close()
+    return int(count)
 
 
 def _all_delivered(mysql_url: str) -> bool:
