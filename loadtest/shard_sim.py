@@ -18,7 +18,7 @@ primary").
     │           idem_index   (user, key) -> order, deal       (the key is global per buyer)
     ▼
     <base>_0 … <base>_{N-1}: gate/store/migrate.py's migrations and stored procedures, each
-    behind its own gate.db.Database pool; every statement is Gate's own: CALL
+    behind its own gate.store.db.Database pool; every statement is Gate's own: CALL
     gate_reserve / gate_reserve_group / gate_release / gate_payment_event, the
     sweeper's SKIP LOCKED batch + CALL gate_expire_batch
     │

@@ -20,7 +20,7 @@
 -- fingerprint], the bucket as Redis chose it (mapped onto the current layout here,
 -- as gate_reserve does).
 --
--- Result codes (mirrored by gate.codes.DbCode):
+-- Result codes (mirrored by gate.base.codes.DbCode):
 --   0 OK          every item committed, each from the bucket it named (MOD the
 --                 layout's bucket count); the row also carries expires_at, created_at,
 --                 unit_price, currency (one value for the whole group) and bucket_count

@@ -13,8 +13,8 @@
 -- comparing such a value (implicit, ascii_general_ci) with an ascii_bin column of
 -- the same coercibility is done in ascii_bin, MariaDB's rule for mixing a _bin and a
 -- _ci collation of one character set, and the column's index is used (an equality on
--- the key: `const` in EXPLAIN). tests/test_idempotency.py and
--- tests/test_payments_flow.py hold both to it.
+-- the key: `const` in EXPLAIN). tests/reserve/test_idempotency.py and
+-- tests/payments/test_payments_flow.py hold both to it.
 --
 -- Safe to run twice (every MODIFY restates the same definition) and, through
 -- gate.migrate's named lock, concurrently. Each ALTER rebuilds its table.

@@ -6,7 +6,7 @@
 -- retried_outcome is written when the re-submission is answered: the new order's
 -- status (QUEUED, PENDING_PAYMENT) or the refusal's problem code. A claim with
 -- neither an outcome nor an order that is older than a retry can last may be taken
--- over by a later retry (gate/queue/cli.py RETRY_CLAIM_SECONDS).
+-- over by a later retry (gate/queuemode/cli.py RETRY_CLAIM_SECONDS).
 
 ALTER TABLE queue_dead_letters
     ADD COLUMN IF NOT EXISTS retried_outcome VARCHAR(64) CHARACTER SET ascii NULL

@@ -5,7 +5,7 @@
 --       outbox rows with webhooks_at NULL above the floor ──> a webhook_events row
 --       each (its per-order sequence from webhook_sequences, its body made once),
 --       one webhook_deliveries row per subscribed endpoint, webhooks_at set
---   deal watcher (gate/webhooks/deal_watch.py) ──one transaction──> a sold-out edge
+--   deal watcher (gate/webhooks/fanout.py) ──one transaction──> a sold-out edge
 --       of webhook_deal_state and its webhook_events row
 --   sender (gate/webhooks/dispatcher.py) ──claim, POST, one transaction──>
 --       webhook_attempts row, the delivery delivered / retried / failed
@@ -139,8 +139,8 @@ CREATE TABLE IF NOT EXISTS webhook_endpoint_stats (
     PRIMARY KEY (endpoint_id, hour)
 ) ENGINE = InnoDB;
 
--- A deal's last seen sold-out state (gate/webhooks/deal_watch.py): deal.sold_out and
--- deal.available_again are edges of it, numbered per deal.
+-- A deal's last seen sold-out state (gate/webhooks/store.py, WebhookStore.deal_edges):
+-- deal.sold_out and deal.available_again are edges of it, numbered per deal.
 CREATE TABLE IF NOT EXISTS webhook_deal_state (
     deal_id     BIGINT UNSIGNED NOT NULL,
     sold_out    TINYINT(1) NOT NULL,

@@ -2,7 +2,7 @@
 -- `gate migrate` re-applies this file (CREATE OR REPLACE) whenever its checksum
 -- changes; see docs/migrations.md.
 --
--- Result codes (mirrored by gate.codes.DbCode):
+-- Result codes (mirrored by gate.base.codes.DbCode):
 --   0 OK, 1 SOLD_OUT, 2 LIMIT_EXCEEDED, 3 DUPLICATE, 4 NOT_FOUND, 5 NOT_ACTIVE,
 --   6 BAD_QUANTITY, 7 WRONG_STATE.
 -- A bucket row whose epoch no longer matches (the deal was rebucketed mid-flight)

@@ -3,7 +3,7 @@
 -- changes; see docs/migrations.md.
 --
 -- Group commit of admitted reservations of one deal (docs/reservation-groups.md).
--- Result codes (mirrored by gate.codes.DbCode): 0 OK, 4 NOT_FOUND, 5 NOT_ACTIVE,
+-- Result codes (mirrored by gate.base.codes.DbCode): 0 OK, 4 NOT_FOUND, 5 NOT_ACTIVE,
 -- 8 FALL_BACK (nothing written; the caller runs each item through gate_reserve).
 
 DELIMITER $$

@@ -2,14 +2,12 @@
 -- `gate migrate` re-applies this file (CREATE OR REPLACE) whenever its checksum
 -- changes; see docs/migrations.md.
 --
--- Group commit of admitted reservations of one deal (docs/reservation-groups.md).
--- Result codes (mirrored by gate.codes.DbCode): 0 OK, 4 NOT_FOUND, 5 NOT_ACTIVE,
--- 8 FALL_BACK (nothing written; the caller runs each item through gate_reserve).
+-- The session's scratch table gate_rg_items for gate_reserve_group's items (group
+-- commit, docs/reservation-groups.md), created on first use and emptied before each
+-- group. Temporary tables are private to the connection. No result set.
 
 DELIMITER $$
 
--- The session's scratch table for gate_reserve_group, created on first use and
--- emptied before each group. Temporary tables are private to the connection.
 CREATE OR REPLACE PROCEDURE gate_reserve_scratch()
 SQL SECURITY INVOKER
 BEGIN
