@@ -1,7 +1,7 @@
 """Bytes per waiting-room ticket, measured on a real Redis (docs/waiting-room.md).
 
 Fills one scratch deal's room with N tickets through the gate's own join script
-(gate/lua/room_ticket.lua, pipelined), then reads MEMORY USAGE of the room's keys and
+(lua/room_ticket.lua, pipelined), then reads MEMORY USAGE of the room's keys and
 the server's used_memory before and after, and deletes the scratch keys.
 
     python -m loadtest.room_memory --redis-url redis://127.0.0.1:6379/7 --tickets 1000000

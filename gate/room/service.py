@@ -364,7 +364,7 @@ class Room:
         """PUT /v1/admin/deals/{id}/waiting-room: the object, or null to remove."""
         room = parse_room(body)
         column = room.to_column() if room else None
-        # The page's logo is kept apart from the room's JSON (gate/db/080_room_logo.sql).
+        # The page's logo is kept apart from the room's JSON (db/080_room_logo.sql).
         logo = room.logo_column() if room else None
 
         async def attempt() -> int | None:

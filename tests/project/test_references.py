@@ -28,6 +28,7 @@ import ast
 import io
 import re
 import tokenize
+import tomllib
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -37,16 +38,19 @@ from tests.support import ROOT
 TOPS = ("gate", "tests", "docs", "lua", "db", "loadtest", "scripts", "deploy")
 PYTHON_DIRS = ("gate", "tests", "loadtest", "scripts")
 PAGES = (*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "loadtest" / "README.md")
-DB_DIR = ROOT / "gate" / "db"
-# The data directories as the prose names them (the design card's lua/ and db/).
-ALIASES = {"lua": "gate/lua", "db": "gate/db"}
+DB_DIR = ROOT / "db"
+# Packages that live outside gate/ (lua/ as gate.lua, db/ as gate.db).
+PACKAGE_DIRS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["tool"][
+    "setuptools"
+]["package-dir"]
 
 _PATH = re.compile(rf"(?<![\w./@:$~-])((?:{'|'.join(TOPS)})/[\w./*<>-]*)")
 _PATH_NAME = re.compile(
     r"(?<![\w./@:$~-])((?:gate|tests|loadtest|scripts)/[\w/.-]+\.py)(?:'s)?[ `]+"
     r"([A-Z][a-z0-9]+[A-Z]\w*|[A-Z][A-Z0-9]*_[A-Z0-9_]+)\b"
 )
-_BARE_FILE = re.compile(r"(?<![\w./*<>-])([a-z0-9]\w*\.(?:sql|lua))\b")
+# (gate.lua is the package, not a file.)
+_BARE_FILE = re.compile(r"(?<![\w./*<>-])(?!gate\.lua\b)([a-z0-9]\w*\.(?:sql|lua))\b")
 _DOTTED = re.compile(r"(?<![\w./$-])(gate(?:\.[A-Za-z_]\w*)+)")
 _ROUTINE_FILE = re.compile(r"\b(gate_[a-z_]+) \(((?:gate/)?db/[\w/]+\.sql)\)")
 _PLACEHOLDER = re.compile(r"<|NNN")
@@ -88,18 +92,13 @@ def _sql_prose(line: str, column: int) -> bool:
     return "--" in line[:column]
 
 
-def _on_disk(ref: str) -> Path:
-    top, _, rest = ref.partition("/")
-    return ROOT / ALIASES.get(top, top) / rest
-
-
 def path_exists(ref: str) -> bool:
     if ref.rstrip("/") in ALLOWED or f"{ref}/".startswith(GENERATED):
         return True
     ref = ref.rstrip("/")
     if _PLACEHOLDER.search(ref):
-        return _on_disk(_PLACEHOLDER.split(ref)[0].rpartition("/")[0]).is_dir()
-    path = _on_disk(ref)
+        return (ROOT / _PLACEHOLDER.split(ref)[0].rpartition("/")[0]).is_dir()
+    path = ROOT / ref
     if "*" in ref:
         return any(path.parent.glob(path.name))
     if path.exists():
@@ -161,8 +160,17 @@ def name_in_module(path: Path, names: list[str]) -> bool:
     return len(names) == 1 or cls is None or names[1] in _members(cls)
 
 
+def _package_path(parts: list[str]) -> Path:
+    """Where a dotted module or package lives in the checkout."""
+    for cut in range(len(parts), 0, -1):
+        mapped = PACKAGE_DIRS.get(".".join(parts[:cut]))
+        if mapped is not None:
+            return ROOT.joinpath(mapped, *parts[cut:])
+    return ROOT.joinpath(*parts)
+
+
 def _module_file(parts: list[str]) -> Path | None:
-    base = ROOT.joinpath(*parts)
+    base = _package_path(parts)
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
             return candidate
@@ -193,7 +201,7 @@ def dotted_exists(ref: str) -> bool:
         module = _module_file(parts[:cut])
         if module is not None:
             return name_in_module(module, parts[cut:])
-        if ROOT.joinpath(*parts[:cut]).is_dir():  # a data package: the Lua scripts, SQL
+        if _package_path(parts[:cut]).is_dir():  # a package of data files only
             return cut == len(parts)
     # `gate.stop()`: the running Gate, as the code names it too.
     gate = _class(ROOT / "gate" / "runtime.py", "Gate")
@@ -207,11 +215,11 @@ def problems(text: str) -> Iterator[tuple[int, str]]:
         if not path_exists(ref):
             yield match.start(), f"{ref} does not exist"
     for match in _PATH_NAME.finditer(text):
-        path, name = _on_disk(match.group(1)), match.group(2)
+        path, name = ROOT / match.group(1), match.group(2)
         if path.is_file() and name not in _defined(_tree(path).body, imports=False):
             yield match.start(), f"{match.group(1)} does not define {name}"
     for match in _ROUTINE_FILE.finditer(text):
-        routine, path = match.group(1), _on_disk(match.group(2))
+        routine, path = match.group(1), ROOT / match.group(2)
         creates = re.compile(rf"CREATE (OR REPLACE )?(PROCEDURE|FUNCTION) {routine}\b")
         if path.is_file() and not creates.search(path.read_text(encoding="utf-8")):
             yield match.start(), f"{match.group(2)} does not create {routine}"
@@ -258,15 +266,18 @@ def test_the_check_sees_a_stale_name() -> None:
     good = (
         "gate/store/db.py, db/006, lua/<name>.lua, admit.lua, gate.store.db.Database,"
         " gate.base.codes.DbCode, gate.access (a logger), gate.stop() (the running Gate),"
-        " gate/web/recorder.py RequestRecorder, gate_reserve (db/routines/gate_reserve.sql)"
+        " gate/web/recorder.py RequestRecorder, gate_reserve (db/routines/gate_reserve.sql),"
+        " gate.lua, gate.db.routines (the data packages lua/ and db/routines/)"
     )
     assert list(problems(good)) == []
     bad = (
         "gate/store/nowhere.py, gate.codes.DbCode, gate.store.db.Nowhere, nowhere.lua,"
-        " gate/api/ops.py RequestRecorder, gate_expire_batch (db/004_expiry.sql)"
+        " gate/api/ops.py RequestRecorder, gate_expire_batch (db/004_expiry.sql),"
+        " gate/lua/admit.lua"
     )
     assert [what for _, what in problems(bad)] == [
         "gate/store/nowhere.py does not exist",
+        "gate/lua/admit.lua does not exist",
         "gate/api/ops.py does not define RequestRecorder",
         "db/004_expiry.sql does not create gate_expire_batch",
         "nowhere.lua does not exist",
