@@ -24,8 +24,8 @@ import aiomysql
 import orjson
 
 from gate.base.settings import MysqlTarget
+from gate.inventory import orders
 from gate.reserve.request import fingerprint
-from gate.stock import orders
 from gate.store.db import connect_kwargs, session_init_sql
 from gate.store.migrate import migrate
 

@@ -59,9 +59,9 @@ import orjson
 
 from gate.base.codes import DbCode
 from gate.base.settings import Settings, load_settings
+from gate.inventory.check import check_deal
+from gate.inventory.orders import new_id
 from gate.reserve.request import fingerprint
-from gate.stock.check import check_deal
-from gate.stock.orders import new_id
 from gate.store.db import Database, connect_kwargs, notes_off
 from gate.store.migrate import migrate
 
@@ -113,7 +113,7 @@ DIRECTORY_DDL = (
 
 
 def _order_id(rng: random.Random) -> str:
-    # A valid order id (gate.stock.orders.ORDER_ID_RE) drawn from the seed: a recorded
+    # A valid order id (gate.inventory.orders.ORDER_ID_RE) drawn from the seed: a recorded
     # workload replays with the same ids.
     return "".join(rng.choice(_DIGITS) for _ in range(26))
 

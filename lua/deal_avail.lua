@@ -1,7 +1,7 @@
 --[[
   deal_avail: the units a loaded deal (or one partition of it) has left by Redis's
   count, for the buyer's deal view (GET /v1/deals/{id}: `remaining_hint`,
-  gate/stock/mirror.py `available`). Read-only. A script call rather than a plain HGET so
+  gate/inventory/mirror.py `available`). Read-only. A script call rather than a plain HGET so
   that a crowd refreshing the deal's page goes through the gate's script runner (one
   pipelined write per loop turn, raw RESP): a redis-py command cost the gate more
   than the rest of the view (docs/hotpath.md lever 55).

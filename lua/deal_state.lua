@@ -1,6 +1,6 @@
 --[[
   deal_state: one deal's (or one partition's) counters as `gate check` compares them
-  with the database (gate/stock/check.py), read in one step: every script that changes a
+  with the database (gate/inventory/check.py), read in one step: every script that changes a
   bucket changes the in-flight hash in the same call, so the three reads agree.
   A script rather than MULTI: redis-py's asyncio cluster pipeline runs each queued
   command of a transaction through a thread and an event loop of its own, and on a

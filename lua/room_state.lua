@@ -1,6 +1,6 @@
 --[[
   room_state: a deal's waiting-room counters as `gate check` balances them
-  (gate/stock/room_check.py), read in one step: every room script changes them together.
+  (gate/inventory/room_check.py), read in one step: every room script changes them together.
   A script rather than MULTI for the reason lua/deal_state.lua gives.
 
   KEYS[1] room      hash   {d:ID}:room  on, admitted, spent, lapsed, …

@@ -39,7 +39,7 @@ from gate.base.backoff import Backoff
 from gate.base.drain import mark_draining
 from gate.base.ids import new_ids
 from gate.base.metrics import METRICS
-from gate.stock.mirror import Intent, Mirror
+from gate.inventory.mirror import Intent, Mirror
 from gate.store.db import (
     DEADLOCK_BACKOFF,
     Database,

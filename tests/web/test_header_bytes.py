@@ -261,7 +261,13 @@ def routes_and_headers(
     found: list[tuple[str, str, dict[str, Any] | None, tuple[str, ...]]] = []
     for template, operations in sorted(doc["paths"].items()):
         for method, op in operations.items():
-            if not isinstance(op, dict) or method.upper() not in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+            if not isinstance(op, dict) or method.upper() not in (
+                "GET",
+                "POST",
+                "PUT",
+                "PATCH",
+                "DELETE",
+            ):
                 continue
             key = (method.upper(), template)
             names: list[str] = []

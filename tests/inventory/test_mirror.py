@@ -189,8 +189,8 @@ async def test_the_resync_loop_rests_quiet_deals_and_wakes_them_on_any_move(
     """Every deal ever loaded stays active; the loop's passes skip a deal whose Redis
     state has not moved for a minute, but sync it every GATE_RESYNC_QUIET_SECONDS
     (15), at once when its state moves (a lost write), and all deals again on
-    another Redis server (gate/stock/resync.py). A clock of the test's own."""
-    from gate.stock.resync import RESYNC_QUIET_AFTER_SECONDS
+    another Redis server (gate/inventory/resync.py). A clock of the test's own."""
+    from gate.inventory.resync import RESYNC_QUIET_AFTER_SECONDS
 
     deal_id = await create_deal(client, stock=10, buckets=2)
     assert (await reserve(client, deal_id, 730_000, f"quiet-deal-{deal_id}")).status_code == 201
@@ -272,9 +272,9 @@ async def test_the_resync_loop_paces_a_deal_with_many_in_flight_markers(
     """A sync walks every in-flight marker inside one script, so the loop syncs a deal
     with N > RESYNC_MARKERS_PER_SECOND markers (a deep queue) at most every
     N / RESYNC_MARKERS_PER_SECOND seconds, at least every RESYNC_PACE_MAX_SECONDS;
-    fewer markers never pace it (gate/stock/resync.py), on one Redis and on a cluster. The
+    fewer markers never pace it (gate/inventory/resync.py), on one Redis and on a cluster. The
     deal's real look, with the marker count set in it; a clock of the test's own."""
-    from gate.stock.resync import RESYNC_MARKERS_PER_SECOND, RESYNC_PACE_MAX_SECONDS
+    from gate.inventory.resync import RESYNC_MARKERS_PER_SECOND, RESYNC_PACE_MAX_SECONDS
 
     deal_id = await create_deal(client, stock=10, buckets=2)
     assert (await reserve(client, deal_id, 731_000, f"paced-deal-{deal_id}")).status_code == 201

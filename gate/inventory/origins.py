@@ -1,6 +1,6 @@
 """Web origins as the waiting room's settings take them ("https://host[:port]"): the
-buyer page's return origins and the host of its help link (gate/stock/room_config.py,
-gate/stock/room_page.py)."""
+buyer page's return origins and the host of its help link (gate/inventory/room_config.py,
+gate/inventory/room_page.py)."""
 
 from __future__ import annotations
 

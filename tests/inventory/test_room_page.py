@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from gate.base.errors import Problem
-from gate.stock.room_config import ROOM_COLUMN_MAX, RoomConfig, parse_room
-from gate.stock.room_logo import LOGO_BYTES_MAX, parse_logo
-from gate.stock.room_page import button_text, contrast, parse_page
+from gate.inventory.room_config import ROOM_COLUMN_MAX, RoomConfig, parse_room
+from gate.inventory.room_logo import LOGO_BYTES_MAX, parse_logo
+from gate.inventory.room_page import button_text, contrast, parse_page
 from tests.png_support import chunk, data_url, make
 
 SVG_OPEN = b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 10 10">'

@@ -50,7 +50,7 @@ import redis.asyncio as aioredis
 
 from gate.base.metrics import METRICS
 from gate.base.settings import Settings
-from gate.stock.mirror import Marker, Mirror, parse_marker
+from gate.inventory.mirror import Marker, Mirror, parse_marker
 from gate.store.db import Database, errno_of
 from gate.store.keys import ACTIVE_DEALS, DealKeys, deal_keys, owner_keys
 from gate.store.process_lease import parse_thread_field

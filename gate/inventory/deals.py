@@ -23,10 +23,10 @@ from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, invalid, not_found
 from gate.base.ids import new_id
 from gate.base.singleflight import SingleFlight
-from gate.stock.check import check_deal
-from gate.stock.mirror import Intent, Mirror
-from gate.stock.room_config import parse_room, room_view
-from gate.stock.unknown_deals import UnknownDeals
+from gate.inventory.check import check_deal
+from gate.inventory.mirror import Intent, Mirror
+from gate.inventory.room_config import parse_room, room_view
+from gate.inventory.unknown_deals import UnknownDeals
 from gate.store.db import Database
 from gate.store.keys import PARTITIONS_MAX, deal_keys
 
@@ -65,7 +65,9 @@ class Deal:
     ends_at: datetime | None
     created_at: datetime
     updated_at: datetime
-    waiting_room: str | None = None  # the room's JSON (gate/stock/room_config.py), None: no room
+    waiting_room: str | None = (
+        None  # the room's JSON (gate/inventory/room_config.py), None: no room
+    )
     # "sync" or "queue" (docs/queue-mode.md).
     mode: str = "sync"
     # Redis partitions of the deal (docs/scale-out.md, "Deal partitions"), fixed at

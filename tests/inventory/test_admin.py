@@ -6,7 +6,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from gate.stock.check import check_deal
+from gate.inventory.check import check_deal
 from gate.store.db import Database
 from tests.support import (
     ADMIN,

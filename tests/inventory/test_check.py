@@ -1,4 +1,4 @@
-"""The invariant checker (gate/stock/check.py) on a deal with holding, paid and cancelled
+"""The invariant checker (gate/inventory/check.py) on a deal with holding, paid and cancelled
 orders across buckets: the per-bucket held and sold it derives from the orders
 (summed by the database) match the orders as read here, and seeded disagreements are
 each reported."""
@@ -9,8 +9,8 @@ from collections import defaultdict
 
 import redis.asyncio as aioredis
 
+from gate.inventory.check import check_deal
 from gate.payments.signing import decode_secret
-from gate.stock.check import check_deal
 from gate.store.db import Database
 from tests.payments_support import event_body, post_webhook, signed
 from tests.support import WEBHOOK_SECRET, Client, buyer, create_deal, reserve

@@ -23,8 +23,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.base.codes import SyncCode
+from gate.inventory.check import check_deal
 from gate.runtime import Gate
-from gate.stock.check import check_deal
 from gate.store.db import Database
 from gate.store.keys import deal_keys, home_partition, partition_keys
 from tests.support import (

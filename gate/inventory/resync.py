@@ -52,7 +52,7 @@ import redis.asyncio as aioredis
 from gate.base.codes import SyncCode
 from gate.base.metrics import METRICS
 from gate.base.settings import Settings
-from gate.stock.mirror import Mirror
+from gate.inventory.mirror import Mirror
 from gate.store.keys import ACTIVE_DEALS, deal_keys
 from gate.store.work_lease import WorkLease
 

@@ -1,11 +1,11 @@
 """The shop's look on a waiting room's buyer page: the room's `page` object
 (docs/waiting-room.md, "The shop's look"), checked here for the admin API and the
-console alike (gate/stock/room_config.py parse_room).
+console alike (gate/inventory/room_config.py parse_room).
 
     "page": {"shop_name":    1..80 characters, no control character (shown as text)
              "accent_color": "#rrggbb", readable (WCAG AA, 4.5:1 for text) as
                              text on the page's background and behind a button's text
-             "logo":         a data: URL of a PNG, WebP or SVG image (gate/stock/room_logo.py)
+             "logo":         a data: URL of a PNG, WebP or SVG image (gate/inventory/room_logo.py)
              "help_url":     an https URL (its origin checked as return_origins are)}
 
 Stored: the room's JSON holds the page with the logo's summary (type, bytes, SHA-256);
@@ -20,8 +20,8 @@ from typing import Any
 
 from gate.base import validate
 from gate.base.errors import Problem, invalid
-from gate.stock.origins import parse_origin
-from gate.stock.room_logo import Logo, parse_logo
+from gate.inventory.origins import parse_origin
+from gate.inventory.room_logo import Logo, parse_logo
 
 PAGE_FIELDS = {"shop_name", "accent_color", "logo", "help_url"}
 SHOP_NAME_MAX = 80

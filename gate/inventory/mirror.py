@@ -438,7 +438,7 @@ class Mirror:
             self.parts.clear()
         self.parts[deal_id] = parts
         if parts > 1:
-            # A partitioned deal is never rebucketed (gate/stock/deals.py): nb is fixed too.
+            # A partitioned deal is never rebucketed (gate/inventory/deals.py): nb is fixed too.
             if len(self._nbs) >= PARTS_CACHE_MAX:
                 self._nbs.clear()
             self._nbs[deal_id] = nb

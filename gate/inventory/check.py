@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gate.stock.room_check import room_report
+from gate.inventory.room_check import room_report
 from gate.store.db import Database
 from gate.store.keys import DealKeys, deal_keys, partition_keys
 from gate.store.resp import text

@@ -12,8 +12,8 @@ from gate.base import validate
 from gate.base.errors import invalid
 from gate.base.limits import LimitError, LimitSpec, parse_limit
 from gate.base.settings import SettingsError, env_float, env_int
-from gate.stock.origins import parse_origin
-from gate.stock.room_page import RoomPage, parse_page
+from gate.inventory.origins import parse_origin
+from gate.inventory.room_page import RoomPage, parse_page
 
 ROOM_FIELDS = {
     "admit_per_second",
@@ -71,7 +71,7 @@ class RoomConfig:
     challenge: tuple[int, int] | None = None
     # The buyer page's return addresses (origins as a browser's URL.origin writes them).
     return_origins: tuple[str, ...] = ()
-    # The shop's look on the buyer page (gate/stock/room_page.py), or None.
+    # The shop's look on the buyer page (gate/inventory/room_page.py), or None.
     page: RoomPage | None = None
 
     def view(self) -> dict[str, Any]:

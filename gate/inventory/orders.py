@@ -14,7 +14,7 @@ from gate.base.errors import Problem, not_found, overloaded
 
 # The reservation path names the id generator `orders.new_id`.
 from gate.base.ids import new_id as new_id
-from gate.stock.mirror import Intent, Mirror
+from gate.inventory.mirror import Intent, Mirror
 from gate.store.db import Database, DbUnavailable, is_connection_error
 
 log = logging.getLogger("gate.orders")

@@ -40,7 +40,7 @@ from typing import Any
 from gate.base.alloc import parse_alloc
 from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, not_found
-from gate.stock.mirror import Mirror
+from gate.inventory.mirror import Mirror
 from gate.store.db import Database
 from gate.store.keys import deal_keys
 

@@ -1,4 +1,4 @@
-"""The waiting room's part of `gate check` (gate/stock/check.py): its counters balance."""
+"""The waiting room's part of `gate check` (gate/inventory/check.py): its counters balance."""
 
 from __future__ import annotations
 
