@@ -2,8 +2,8 @@
 `gate_reserve` (one per call) against `gate_reserve_group` (a group per call), with no
 gate, no HTTP and no Redis in the way (docs/reservation-groups.md).
 
-    python -m loadtest.reserve_probe single --buckets 16 --connections 16
-    python -m loadtest.reserve_probe group --group 16 --connections 4
+    python -m loadtest reserve-probe single --buckets 16 --connections 16
+    python -m loadtest reserve-probe group --group 16 --connections 4
 
 It migrates the database of GATE_MYSQL_URL (default a scratch `gate_probe`; use a
 database of its own) and creates a deal of 50,000,000 units per run. MariaDB's CPU is

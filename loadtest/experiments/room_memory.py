@@ -4,7 +4,7 @@ Fills one scratch deal's room with N tickets through the gate's own join script
 (lua/room_ticket.lua, pipelined), then reads MEMORY USAGE of the room's keys and
 the server's used_memory before and after, and deletes the scratch keys.
 
-    python -m loadtest.room_memory --redis-url redis://127.0.0.1:6379/7 --tickets 1000000
+    python -m loadtest room-memory --redis-url redis://127.0.0.1:6379/7 --tickets 1000000
 
 Use a Redis logical database of your own: the scratch deal id is fixed and its keys
 are deleted at the end.

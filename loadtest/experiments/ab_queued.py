@@ -2,7 +2,7 @@
 (docs/hotpath.md, lever 43; docs/queue-mode.md).
 
     GATE_MYSQL_URL=mysql://root@127.0.0.1:3306/gate_hp GATE_REDIS_URL=redis://127.0.0.1:6379/9 \\
-    python -m loadtest.ab_queued [--rounds 10] [--requests 3000] [--concurrency 32]
+    python -m loadtest ab-queued [--rounds 10] [--requests 3000] [--concurrency 32]
 
 Builds the gate's application as loadtest/hotpath.py does (the database migrated,
 the Redis logical database flushed first: point both at throw-away ones) and sends

@@ -2,9 +2,9 @@
 MariaDB, then every invariant checked per shard (docs/scale-out.md, "MySQL beyond one
 primary").
 
-    python -m loadtest.shard_sim --shards 4 --ops 2000 --seed 7
-    python -m loadtest.shard_sim --shards 3 --record /tmp/w.jsonl      (write the workload)
-    python -m loadtest.shard_sim --shards 5 --replay /tmp/w.jsonl      (replay it as is)
+    python -m loadtest shard-sim --shards 4 --ops 2000 --seed 7
+    python -m loadtest shard-sim --shards 3 --record /tmp/w.jsonl      (write the workload)
+    python -m loadtest shard-sim --shards 5 --replay /tmp/w.jsonl      (replay it as is)
 
     workload: deals, buyers reserving (one at a time or in groups), repeating
     │ idempotency keys (same deal, other quantity, other deal), cancelling, paying,
@@ -961,7 +961,7 @@ def _settings(url: str) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.shard_sim", description=__doc__.split("\n\n")[0]
+        prog="python -m loadtest shard-sim", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--shards", type=int, default=4, help=f"1..{SHARDS_MAX}")
     parser.add_argument("--ops", type=int, default=500)

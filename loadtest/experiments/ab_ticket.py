@@ -2,7 +2,7 @@
 in one process, pair by pair (docs/hotpath.md, lever 42).
 
     GATE_MYSQL_URL=mysql://root@127.0.0.1:3306/gate_hp GATE_REDIS_URL=redis://127.0.0.1:6379/9 \\
-    python -m loadtest.ab_ticket [--pairs 30] [--requests 4000] [--concurrency 32]
+    python -m loadtest ab-ticket [--pairs 30] [--requests 4000] [--concurrency 32]
 
 Builds the gate's application as loadtest/hotpath.py does (the database migrated,
 the Redis logical database flushed first: point both at throw-away ones) and drives

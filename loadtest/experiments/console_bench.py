@@ -1,6 +1,6 @@
 """Does the live console slow the sale? (≥ 0.97×)
 
-    python -m loadtest.console_bench [--consoles 20] [--rounds 3] [--seconds 10]
+    python -m loadtest bench-console [--consoles 20] [--rounds 3] [--seconds 10]
 
 Starts its own `gate serve` (GATE_CONSOLE=1, --workers 2) on the database named by
 GATE_MYSQL_URL (default mysql://root@127.0.0.1:3306/gate_console_bench, dropped
@@ -36,7 +36,7 @@ from loadtest import procs, wrkrun
 from loadtest.benchmark import http_json
 from loadtest.tokens import TokenMint, write_token_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TARGET_RATIO = 0.97
 CONSOLES_MAX = 200
 LEDGER_EVERY_SECONDS = 5.0
