@@ -1,7 +1,7 @@
 """Every repository path and dotted name the prose names exists.
 
     the prose                           what is read
-    Python comments and docstrings      gate/, tests/, loadtest/, scripts/ (tokens, AST)
+    Python comments and docstrings      gate/, tests/, loadtest/, scripts/, deploy/
     SQL comments                        the migrations and routines (DB_DIR)
     pages                               docs/*.md, README.md, loadtest/README.md
 
@@ -36,7 +36,7 @@ from pathlib import Path
 from tests.support import ROOT
 
 TOPS = ("gate", "tests", "docs", "lua", "db", "loadtest", "scripts", "deploy")
-PYTHON_DIRS = ("gate", "tests", "loadtest", "scripts")
+PYTHON_DIRS = ("gate", "tests", "loadtest", "scripts", "deploy")
 PAGES = (*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "loadtest" / "README.md")
 DB_DIR = ROOT / "db"
 # Packages that live outside gate/ (lua/ as gate.lua, db/ as gate.db).
@@ -52,7 +52,7 @@ _PATH_NAME = re.compile(
 # (gate.lua is the package, not a file.)
 _BARE_FILE = re.compile(r"(?<![\w./*<>-])(?!gate\.lua\b)([a-z0-9]\w*\.(?:sql|lua))\b")
 _DOTTED = re.compile(r"(?<![\w./$-])(gate(?:\.[A-Za-z_]\w*)+)")
-_ROUTINE_FILE = re.compile(r"\b(gate_[a-z_]+) \(((?:gate/)?db/[\w/]+\.sql)\)")
+_ROUTINE_FILE = re.compile(r"\b(gate_[a-z_]+) \((db/[\w/]+\.sql)\)")
 _PLACEHOLDER = re.compile(r"<|NNN")
 _STRING = re.compile(r"[\"'](gate(?:\.[A-Za-z_]\w*)+)[\"']")
 
