@@ -20,6 +20,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE MANIFEST.in CHANGELOG.md ./
 COPY gate ./gate
+COPY lua ./lua
+COPY db ./db
 # gate-X.Y.Z-py3-none-any.whl, carrying the Lua scripts and migrations as package data.
 RUN python -m pip wheel --no-deps --wheel-dir /wheels .
 

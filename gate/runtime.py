@@ -9,14 +9,14 @@ from typing import Any
 
 from gate.base.settings import Settings
 from gate.extensions import Extension, area_modules
+from gate.inventory.deals import Deals
+from gate.inventory.janitor import Janitor
+from gate.inventory.mirror import Mirror
+from gate.inventory.resync import Resync
+from gate.inventory.unknown_deals import UnknownDeals
 from gate.reserve.path import ReservationPath
 from gate.reserve.ports import QueuedOrders
 from gate.reserve.soldout import SoldOutCache
-from gate.stock.deals import Deals
-from gate.stock.janitor import Janitor
-from gate.stock.mirror import Mirror
-from gate.stock.resync import Resync
-from gate.stock.unknown_deals import UnknownDeals
 from gate.store.db import Database
 from gate.store.dbwriter import NoWriter
 from gate.store.migrate import pending

@@ -4,7 +4,8 @@
     python -m loadtest NAME [ARGS...]       run one; `python -m loadtest NAME --help`
 
 Each name runs the `main` of its module with ARGS, as `python -m loadtest.MODULE ARGS`
-does; the shell wrappers (loadtest/run, loadtest/bench) come here too.
+does; the shell wrappers (loadtest/run, loadtest/bench) come here too. The experiments
+(loadtest/experiments/) are listed last.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadtest.bench_cluster",
         "the gate on Redis Cluster against one Redis",
     ),
-    "bench-console": ("loadtest.console_bench", "the sale with and without the live console"),
     "bench-expiry": ("loadtest.bench_expiry", "expiry release throughput"),
     "bench-partitions": ("loadtest.bench_partitions", "one hot deal in 1 against 3 partitions"),
     "bench-queue": ("loadtest.bench_queue", "the queue mode benchmark"),
@@ -36,33 +36,47 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "the room's proof of work: client cost by demand, verification's share",
     ),
     "hotpath": ("loadtest.hotpath", "CPU per request of the hot paths, in process"),
-    "ab-queued": ("loadtest.ab_queued", "queue mode's 202 at the edge, measured pair by pair"),
     "ab-tracing": (
         "loadtest.ab_tracing",
         "traces on at 1 % against off, sold-out and commit, pair by pair",
     ),
-    "ab-ticket": (
-        "loadtest.ab_ticket",
-        "a room ticket by callback or by task, pair by pair",
-    ),
-    "reserve-probe": (
-        "loadtest.reserve_probe",
-        "the reservation procedures alone",
-    ),
-    "room-memory": ("loadtest.room_memory", "bytes per waiting-room ticket on a real Redis"),
     "room-sim": (
         "loadtest.room_sim",
         "a waiting-room sale simulated in process: the chance and the auto rate",
     ),
-    "shard-sim": ("loadtest.shard_sim", "sharding by deal, simulated and checked"),
     "baseline": ("loadtest.baseline.__main__", "the DB-only peer baseline (serve, migrate, check)"),
+    # Experiments (loadtest/experiments/): one-off measurements, kept to repeat them.
+    "bench-console": (
+        "loadtest.experiments.console_bench",
+        "the sale with and without the live console",
+    ),
+    "ab-queued": (
+        "loadtest.experiments.ab_queued",
+        "queue mode's 202 at the edge, measured pair by pair",
+    ),
+    "ab-ticket": (
+        "loadtest.experiments.ab_ticket",
+        "a room ticket by callback or by task, pair by pair",
+    ),
+    "reserve-probe": (
+        "loadtest.experiments.reserve_probe",
+        "the reservation procedures alone",
+    ),
+    "room-memory": (
+        "loadtest.experiments.room_memory",
+        "bytes per waiting-room ticket on a real Redis",
+    ),
+    "shard-sim": ("loadtest.experiments.shard_sim", "sharding by deal, simulated and checked"),
 }
 
 
 def usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = ["usage: python -m loadtest NAME [ARGS...]", ""]
-    lines += [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    for name, (module, what) in COMMANDS.items():
+        if module.startswith("loadtest.experiments.") and "experiments:" not in lines:
+            lines += ["", "experiments:"]
+        lines.append(f"  {name:<{width}}  {what}")
     return "\n".join(lines)
 
 

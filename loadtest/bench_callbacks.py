@@ -52,8 +52,8 @@ import aiohttp
 import orjson
 
 from gate.base.settings import MysqlTarget, Secret, load_settings
+from gate.inventory.check import check_deal
 from gate.payments.signing import decode_secret, sign
-from gate.stock.check import check_deal
 from gate.store.db import Database, notes_off_blocking
 from gate.web.auth import mint
 from loadtest import procs, wrkrun

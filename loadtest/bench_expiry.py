@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gate.base.settings import load_settings  # noqa: E402
+from gate.inventory.check import check_deal  # noqa: E402
 from gate.runtime import Gate  # noqa: E402
-from gate.stock.check import check_deal  # noqa: E402
 from gate.store.keys import deal_keys  # noqa: E402
 from gate.store.migrate import migrate  # noqa: E402
 from loadtest import procs  # noqa: E402

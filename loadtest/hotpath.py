@@ -313,7 +313,7 @@ def switch_off(lever: str) -> None:
     if lever == "ulid":
         from ulid import ULID
 
-        from gate.stock import orders
+        from gate.inventory import orders
 
         orders.new_id = lambda: str(ULID())
     elif lever == "encoded":

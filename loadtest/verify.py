@@ -204,7 +204,7 @@ async def verify_gate_deal(
     settle_seconds: float = 15.0,
 ) -> dict[str, Any]:
     """One deal's verdict, once nothing is in flight (or the settle time ran out)."""
-    from gate.stock.check import check_deal
+    from gate.inventory.check import check_deal
 
     refs: list[OrderRef] = []
     if record is not None:

@@ -19,9 +19,9 @@ import orjson
 import pytest
 
 from gate.base.settings import Settings
+from gate.inventory import orders
 from gate.payments.signing import decode_secret, sign_headers
 from gate.runtime import Gate
-from gate.stock import orders
 from gate.store.db import Database
 from tests.support import (
     GATE_BIN,

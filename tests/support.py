@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from multidict import CIMultiDictProxy
 
 from gate.base.settings import Settings
-from gate.stock.check import check_deal
+from gate.inventory.check import check_deal
 from gate.store.db import Database, connect_kwargs
 from gate.store.keys import deal_keys
 

@@ -9,8 +9,8 @@ from starlette.responses import Response
 
 from gate.api.common import _gate
 from gate.base.errors import Encoded, Problem, RawResponse, overloaded
+from gate.inventory import orders
 from gate.runtime import Gate
-from gate.stock import orders
 from gate.store.db import DbUnavailable
 from gate.web.edge import EdgeRequest, EdgeRoute
 from gate.web.http_io import (

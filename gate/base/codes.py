@@ -1,7 +1,7 @@
 """Small integer outcomes of the Lua scripts and stored procedures.
 
 Each enum mirrors, value for value, the header of its script or procedure; the
-mapping of outcomes to HTTP problems lives in one place: gate.errors.
+mapping of outcomes to HTTP problems lives in one place: gate.base.errors.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class AdmitCode(IntEnum):
 
 
 class RoomCode(IntEnum):
-    """lua/room_join.lua and lua/room_poll.lua (ticket states and refusals)."""
+    """lua/room_ticket.lua, a join or a ticket read (ticket states and refusals)."""
 
     WAITING = 0
     ADMITTED = 1

@@ -199,7 +199,7 @@ def from_admit(code: AdmitCode, detail: str) -> Problem:
 
 
 def from_room(code: RoomCode, detail: str = "") -> Problem:
-    """Map a refusing room_join.lua / room_poll.lua outcome to its problem."""
+    """Map a refusing room_ticket.lua (join or read) outcome to its problem."""
     if code == RoomCode.NO_ROOM:
         return Problem("NO_WAITING_ROOM", "This deal has no waiting room.", cacheable=True)
     if code == RoomCode.NO_TICKET:

@@ -426,7 +426,7 @@ class Settings:
     lease_seconds: float = 3.0
     resync_interval_seconds: float = 1.0
     # A deal whose Redis state has not moved for RESYNC_QUIET_AFTER_SECONDS is
-    # resynced this often instead of every pass (gate/stock/resync.py); 0: every pass.
+    # resynced this often instead of every pass (gate/inventory/resync.py); 0: every pass.
     resync_quiet_seconds: float = 15.0
     jwt_cache_max: int = 65_536
     # HS256 buyer tokens with GATE_JWT_SECRET; off when only a key set is configured.

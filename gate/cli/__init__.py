@@ -246,7 +246,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from gate.stock.check import check_all, render
+    from gate.inventory.check import check_all, render
 
     async def run(gate: Any) -> int:
         try:
@@ -386,7 +386,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"gate {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    from gate.stock.deals import MAX_BUCKETS, MAX_ID, MAX_STOCK
+    from gate.inventory.deals import MAX_BUCKETS, MAX_ID, MAX_STOCK
     from gate.web.auth import MAX_USER_ID
 
     s = sub.add_parser("serve", help="run the HTTP gate (and its background workers)")

@@ -4,10 +4,10 @@ a shell, plus repair and bucket advice.
     gate deal list | create | show | stock | buckets [--count N | --advise] | ledger | repair
         |  argparse: types, ranges, the operator name        -> exit 2, nothing changed
         v
-    the same functions as the admin endpoints (gate/stock/deals.py: Deals.create,
+    the same functions as the admin endpoints (gate/inventory/deals.py: Deals.create,
     admin_view, adjust_stock, rebucket, ledger), with the same bodies: the same
-    validation, ledger rows and Redis effects; repair is gate/stock/repair.py, the
-    advice gate/stock/advice.py
+    validation, ledger rows and Redis effects; repair is gate/inventory/repair.py, the
+    advice gate/inventory/advice.py
         |  Problem 400/404/413/415/422 (bad input, no such deal)      -> exit 2
         |  Problem 409/503, database or Redis unreachable (refused)    -> exit 1
         v
@@ -32,9 +32,9 @@ import orjson
 
 from gate.base.errors import Problem
 from gate.cli.common import ranged_float, ranged_int, with_gate
-from gate.stock.advice import SAMPLE_SECONDS_MAX
-from gate.stock.deals import LEDGER_PAGE_MAX, LIST_PAGE_MAX, MAX_BUCKETS, MAX_ID
-from gate.stock.repair import WAIT_SECONDS_MAX
+from gate.inventory.advice import SAMPLE_SECONDS_MAX
+from gate.inventory.deals import LEDGER_PAGE_MAX, LIST_PAGE_MAX, MAX_BUCKETS, MAX_ID
+from gate.inventory.repair import WAIT_SECONDS_MAX
 from gate.store.db import DbUnavailable
 
 EXIT_OK = 0
@@ -114,7 +114,7 @@ def _run(
 
 
 def _deal_text(view: dict[str, Any]) -> str:
-    from gate.stock.check import render
+    from gate.inventory.check import render
 
     lines = [
         f"deal {view['id']}: {view['title']!r}  {view['unit_price']} {view['currency']}"
@@ -258,7 +258,7 @@ def cmd_stock(args: argparse.Namespace) -> int:
 
 def cmd_buckets(args: argparse.Namespace) -> int:
     if args.advise:
-        from gate.stock.advice import advise
+        from gate.inventory.advice import advise
 
         return _run(
             args,
@@ -280,7 +280,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    from gate.stock.repair import repair
+    from gate.inventory.repair import repair
 
     return _run(
         args,

@@ -18,7 +18,7 @@ Off unless GATE_CONSOLE=1 (on by default with GATE_ENV=dev): then no route exist
 and /console is the usual 404. Every /console/api call but sign-in needs the signed
 session cookie (401 otherwise); every state-changing one the X-CSRF-Token header
 (403 otherwise). The actions call the very functions the admin API calls
-(gate/stock/deals.py), with actor "console:<session prefix>", so the ledger names the
+(gate/inventory/deals.py), with actor "console:<session prefix>", so the ledger names the
 operator's session; actions that move no stock are logged with it.
 
 Sign-in is the one call that takes the admin token, so it is the one a guesser
@@ -167,7 +167,7 @@ def _static(name: str) -> bytes:
 
 def bucket_advice(available: int, buckets: int) -> dict[str, Any]:
     """docs/buckets.md's rule of thumb: 1 to 4 buckets, at least ~50 units each.
-    `gate deal buckets --advise` (gate/stock/advice.py) replaces it where it exists."""
+    `gate deal buckets --advise` (gate/inventory/advice.py) replaces it where it exists."""
     suggested = max(1, min(4, available // 50))
     return {
         "source": "docs/buckets.md",
@@ -341,7 +341,7 @@ class Console:
         deal_id = self._deal_id(request)
         view = await self.gate.deals.admin_view(deal_id)
         try:
-            advise = importlib.import_module("gate.stock.advice")
+            advise = importlib.import_module("gate.inventory.advice")
         except ImportError:
             advise = None
         hook = getattr(advise, "console_advice", None)

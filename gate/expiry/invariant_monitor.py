@@ -48,7 +48,7 @@ import redis.asyncio as aioredis
 from gate.base.drain import yield_to_sweeper
 from gate.base.metrics import METRICS
 from gate.expiry.sweeper import STATS
-from gate.stock.check import check_deal
+from gate.inventory.check import check_deal
 from gate.store.db import Database
 from gate.store.work_lease import WorkLease
 

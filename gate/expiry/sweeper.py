@@ -7,7 +7,7 @@ One batch is one short transaction and two Redis calls per deal:
      an order a payment or a cancel is working on is skipped, not waited for).
      "Due" is judged by the database clock, NOW(6), whoever moved `expires_at`.
   2. Record one Redis intent per order (mirror.intend): the release may commit.
-  3. CALL gate_expire_batch (db/004_expiry.sql): the conditional transition to
+  3. CALL gate_expire_batch (db/routines/gate_expire_batch.sql): the conditional transition to
      EXPIRED, one write per bucket, ledger rows carrying each order's intent id,
      quota, outbox, COMMIT; one round trip, set-based, linear in the batch.
   4. Apply the intents to Redis (mirror.apply): counters and the sold-out state
@@ -39,7 +39,7 @@ from gate.base.backoff import Backoff
 from gate.base.drain import mark_draining
 from gate.base.ids import new_ids
 from gate.base.metrics import METRICS
-from gate.stock.mirror import Intent, Mirror
+from gate.inventory.mirror import Intent, Mirror
 from gate.store.db import (
     DEADLOCK_BACKOFF,
     Database,

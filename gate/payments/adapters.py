@@ -3,7 +3,7 @@
     GATE_PAYMENT_PROVIDER=stripe
         |
         v
-    load_adapter(env, ...) --import--> gate.payments.stripe_provider.build(context)
+    load_adapter(env, ...) --import--> gate.payments.providers.stripe.build(context)
         |                                 reads and checks its GATE_STRIPE_* settings
         |                                 (SettingsError naming the variable: exit 2)
         v

@@ -19,7 +19,7 @@ import orjson
 from gate.base.alloc import format_alloc, parse_alloc
 from gate.base.codes import OrderStatus
 from gate.base.ids import new_id
-from gate.stock.mirror import Intent, Mirror
+from gate.inventory.mirror import Intent, Mirror
 from gate.store.db import Database, is_connection_error
 
 log = logging.getLogger("gate.payments.late")

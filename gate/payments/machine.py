@@ -19,11 +19,11 @@ import orjson
 
 from gate.base import tracing
 from gate.base.ids import new_id
+from gate.inventory.mirror import Mirror
 from gate.payments.codes import EventCode
 from gate.payments.late import settle_late
 from gate.payments.metrics import QUARANTINED
 from gate.payments.provider import ProviderEvent
-from gate.stock.mirror import Mirror
 from gate.store.db import Database
 
 if TYPE_CHECKING:

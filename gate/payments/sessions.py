@@ -15,6 +15,7 @@ from typing import Any
 from gate.base.clock import iso
 from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, not_found, overloaded
+from gate.inventory.orders import valid_order_id
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import (
     Provider,
@@ -22,7 +23,6 @@ from gate.payments.provider import (
     ProviderUnavailable,
     SessionRequest,
 )
-from gate.stock.orders import valid_order_id
 from gate.store.db import Database
 
 log = logging.getLogger("gate.payments.sessions")

@@ -22,6 +22,7 @@ import asyncio
 import logging
 
 from gate.base.backoff import Backoff
+from gate.inventory.mirror import Mirror
 from gate.payments.config import PaymentSettings
 from gate.payments.late import settle_late
 from gate.payments.machine import PaymentMachine
@@ -34,7 +35,6 @@ from gate.payments.provider import (
     synthetic_payment_event,
     synthetic_refund_event,
 )
-from gate.stock.mirror import Mirror
 from gate.store.db import Database
 
 log = logging.getLogger("gate.payments.worker")

@@ -28,7 +28,7 @@ from typing import Any
 
 from gate.base.settings import SettingsError
 from gate.cli.common import ranged_int
-from gate.stock.deals import MAX_ID as DEAL_ID_MAX
+from gate.inventory.deals import MAX_ID as DEAL_ID_MAX
 
 DEAD_LETTERS_MAX = 1000
 DEALS_MAX = 1000

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from gate.base import validate
 from gate.base.errors import Problem, not_found
 from gate.extensions import ConsoleAction
+from gate.inventory.deals import ledger_note
 from gate.queuemode.cli import RETRY_CLAIM_SECONDS, queue_heads, retry_dead_letter
-from gate.stock.deals import ledger_note
 
 if TYPE_CHECKING:
     from gate.runtime import Gate

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from gate.base.errors import Problem, overloaded
 from gate.base.metrics import METRICS
-from gate.stock import orders
+from gate.inventory import orders
 from gate.store.keys import QUEUE_DEALS, QueueKeys, deal_keys, queue_keys, queue_order_index
 from gate.store.resp import text
 

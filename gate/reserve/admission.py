@@ -26,6 +26,9 @@ from typing import Any
 from gate.base.codes import AdmitCode, LimitCode
 from gate.base.errors import Problem, not_found, overloaded
 from gate.base.metrics import METRICS
+from gate.inventory import orders
+from gate.inventory.mirror import Mirror
+from gate.inventory.unknown_deals import UnknownDeals
 from gate.reserve.breaker import Breakers
 from gate.reserve.giveback import GiveBacks
 from gate.reserve.ports import AdmissionPort, QueuePort
@@ -40,9 +43,6 @@ from gate.reserve.request import (
     admission_of,
     fingerprint,
 )
-from gate.stock import orders
-from gate.stock.mirror import Mirror
-from gate.stock.unknown_deals import UnknownDeals
 from gate.store.keys import GLOBAL_LIMIT, deal_keys, home_partition, partition_keys
 from gate.store.process_lease import Lease
 

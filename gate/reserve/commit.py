@@ -27,6 +27,7 @@ from gate.base.clock import iso
 from gate.base.codes import DbCode
 from gate.base.errors import overloaded
 from gate.base.settings import Settings
+from gate.inventory.mirror import Mirror
 from gate.reserve.admission import Admitter
 from gate.reserve.breaker import Breakers
 from gate.reserve.buyer_keys import BuyerKeys
@@ -34,7 +35,6 @@ from gate.reserve.groups import Item, ReservationGroups, Row, reservation_call
 from gate.reserve.recovery import Recovery
 from gate.reserve.replays import Replays
 from gate.reserve.request import Attempt, Reserved, ReserveRequest
-from gate.stock.mirror import Mirror
 from gate.store.db import Database, DbUnavailable, OutcomeUnknown
 from gate.store.process_lease import Lease, LeaseLapsed
 

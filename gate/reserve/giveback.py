@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from gate.base.metrics import METRICS
-from gate.stock import orders
-from gate.stock.mirror import Mirror
+from gate.inventory import orders
+from gate.inventory.mirror import Mirror
 from gate.store.keys import DealKeys
 
 log = logging.getLogger("gate.giveback")

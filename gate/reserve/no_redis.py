@@ -21,6 +21,8 @@ import pymysql
 from gate.base.codes import DbCode
 from gate.base.errors import overloaded
 from gate.base.settings import Settings
+from gate.inventory import orders
+from gate.inventory.mirror import Mirror
 from gate.reserve.breaker import Breakers
 from gate.reserve.buyer_keys import BuyerKeys
 from gate.reserve.commit import Committer, reserved_body
@@ -29,8 +31,6 @@ from gate.reserve.recovery import Recovery
 from gate.reserve.refusals import RateLimits
 from gate.reserve.replays import Replays
 from gate.reserve.request import Reserved, ReserveRequest, fingerprint
-from gate.stock import orders
-from gate.stock.mirror import Mirror
 from gate.store.db import Database, DbUnavailable, OutcomeUnknown
 from gate.store.keys import home_partition
 

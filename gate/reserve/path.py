@@ -45,6 +45,8 @@ from gate.base.codes import AdmitCode
 from gate.base.errors import Encoded, from_admit, overloaded
 from gate.base.limits import client_ip
 from gate.base.settings import Settings
+from gate.inventory.mirror import Mirror
+from gate.inventory.unknown_deals import UnknownDeals
 from gate.reserve.admission import Admitter
 from gate.reserve.breaker import Breakers
 from gate.reserve.buyer_keys import BuyerKeys
@@ -70,8 +72,6 @@ from gate.reserve.request import (
     consumed,
 )
 from gate.reserve.soldout import SoldOutCache
-from gate.stock.mirror import Mirror
-from gate.stock.unknown_deals import UnknownDeals
 from gate.store.db import Database
 from gate.store.process_lease import Lease, LeaseLapsed
 

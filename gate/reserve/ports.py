@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from gate.stock.mirror import QueueArgs
+from gate.inventory.mirror import QueueArgs
 
 
 class AdmissionPort(Protocol):

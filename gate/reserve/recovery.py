@@ -19,11 +19,11 @@ import logging
 from gate.base.codes import DbCode
 from gate.base.errors import overloaded
 from gate.base.metrics import METRICS
+from gate.inventory import orders
 from gate.reserve.admission import Admitter
 from gate.reserve.giveback import GiveBacks
 from gate.reserve.groups import Row
 from gate.reserve.request import Attempt
-from gate.stock import orders
 from gate.store.db import Database, OutcomeUnknown
 
 log = logging.getLogger("gate.reservations")

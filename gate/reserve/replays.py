@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from gate.base.codes import DbCode
 from gate.base.errors import Problem, from_db, overloaded
+from gate.inventory import orders
 from gate.reserve.buyer_keys import BuyerKeys
 from gate.reserve.request import Reserved, ReserveRequest
-from gate.stock import orders
 from gate.store.db import Database
 
 

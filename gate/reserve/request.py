@@ -20,7 +20,7 @@ from typing import Any
 
 from gate.base.codes import AdmitCode
 from gate.base.errors import Problem
-from gate.stock.mirror import QueueArgs
+from gate.inventory.mirror import QueueArgs
 from gate.store.keys import DealKeys
 
 MAX_QUANTITY = 1_000_000

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gate.extensions import Extension
+from gate.inventory.room_config import ROOM_BODY_MAX_BYTES, load_room_settings
 from gate.room import openapi as room_openapi
 from gate.room.admission import RoomAdmission
 from gate.room.console_panel import RoomPanel
@@ -28,7 +29,6 @@ from gate.room.routes import DealGuard, DealRoutes
 from gate.room.service import Room
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Wire
-from gate.stock.room_config import ROOM_BODY_MAX_BYTES, load_room_settings
 from gate.store.scripts import Script, ScriptMissing, lua_dir
 from gate.store.work_lease import WorkLease
 from gate.web import openapi

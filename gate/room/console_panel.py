@@ -32,10 +32,10 @@ import orjson
 from gate.base import validate
 from gate.base.errors import Problem, invalid, not_found
 from gate.extensions import ConsoleAction
+from gate.inventory.deals import ledger_note
+from gate.inventory.room_config import RoomConfig, fitting, parse_message
 from gate.room.gates import challenge_bits
 from gate.room.service import Room
-from gate.stock.deals import ledger_note
-from gate.stock.room_config import RoomConfig, fitting, parse_message
 from gate.store.keys import deal_keys
 from gate.store.resp import text
 

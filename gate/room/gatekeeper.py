@@ -18,6 +18,8 @@ from typing import Any
 
 from gate.base.codes import RoomCode
 from gate.base.errors import from_room, not_found
+from gate.inventory.mirror import Mirror
+from gate.inventory.room_config import RoomConfig
 from gate.room.gates import (
     CODES_PER_DEAL_MAX,
     JoinPasses,
@@ -27,8 +29,6 @@ from gate.room.gates import (
 )
 from gate.room.routes import NotLoaded
 from gate.room.service import iso_ms, ticket_failed
-from gate.stock.mirror import Mirror
-from gate.stock.room_config import RoomConfig
 from gate.store.db import Database
 from gate.store.keys import deal_keys
 from gate.store.scripts import ScriptRunner

@@ -39,7 +39,7 @@ import orjson
 from gate.base.codes import RoomCode
 from gate.base.errors import Problem, from_room, invalid
 from gate.base.settings import Secret
-from gate.stock.room_config import RoomConfig
+from gate.inventory.room_config import RoomConfig
 
 # A code a join may carry: any a deal may hold (codes of 6 and 7 characters added
 # before the admin's bound was 8 are still judged).

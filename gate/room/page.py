@@ -14,7 +14,7 @@
 
 The page is the same bytes for every deal: it reads the deal id from its path and
 the room's return origins from the config read, so every answer here is cached
-bytes but the config (the deal's row, at most a second old, gate/stock/deals.py,
+bytes but the config (the deal's row, at most a second old, gate/inventory/deals.py,
 behind the unknown-deal guard: a random id costs no database statement; concurrent
 reads of a row not held share one look-up; a room's logo, kept apart from the row,
 is read once per logo and process: `Logos`). The routes that name a deal are
@@ -34,13 +34,13 @@ from starlette.routing import BaseRoute, Route
 
 from gate.base.errors import not_found
 from gate.base.singleflight import SingleFlight
+from gate.inventory.room_config import RoomConfig
 from gate.room.routes import DealRoutes
-from gate.stock.room_config import RoomConfig
 from gate.store.db import Database
 from gate.web.http_io import json_response
 
 if TYPE_CHECKING:
-    from gate.stock.deals import Deals
+    from gate.inventory.deals import Deals
 STATIC_FILES = {
     "page.js": "text/javascript; charset=utf-8",
     "pow.js": "text/javascript; charset=utf-8",

@@ -5,7 +5,7 @@
       ── handler(request, deal_id)
             a script finds no state of the deal in Redis ──> raises NotLoaded
       ── DealGuard.load:
-            the unknown-deal guard (gate/stock/unknown_deals.py) ──> 404, no database,
+            the unknown-deal guard (gate/inventory/unknown_deals.py) ──> 404, no database,
                 for an id the database is known not to hold (a flood of random ids)
             else Mirror.load: one load per deal id and process at a time, whoever asks
       ── handler(request, deal_id) once more (NotLoaded again: 503, being rebuilt)
@@ -32,8 +32,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gate.base.errors import not_found, overloaded
-from gate.stock.mirror import Mirror
-from gate.stock.unknown_deals import UnknownDeals
+from gate.inventory.mirror import Mirror
+from gate.inventory.unknown_deals import UnknownDeals
 
 log = logging.getLogger("gate.room")
 

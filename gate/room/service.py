@@ -28,14 +28,14 @@ from redis.exceptions import NoScriptError, ResponseError
 from gate.base.codes import RoomCode
 from gate.base.errors import Problem, from_room, not_found, overloaded
 from gate.base.singleflight import SingleFlight
+from gate.inventory.mirror import Mirror
+from gate.inventory.room_config import RoomConfig, RoomSettings, parse_room
+from gate.inventory.unknown_deals import UnknownDeals
 from gate.room import fairness, metrics, retire
 from gate.room.gates import NO_PASS, JoinPass, redis_fields
 from gate.room.routes import DealGuard, NotLoaded
 from gate.room.tokens import AdmissionTokens
 from gate.room.wire import Command, Wire
-from gate.stock.mirror import Mirror
-from gate.stock.room_config import RoomConfig, RoomSettings, parse_room
-from gate.stock.unknown_deals import UnknownDeals
 from gate.store.db import Database
 from gate.store.keys import ROOMS, deal_keys
 from gate.store.scripts import REDIS_ERRORS, ScriptRunner, error_kind
@@ -364,7 +364,7 @@ class Room:
         """PUT /v1/admin/deals/{id}/waiting-room: the object, or null to remove."""
         room = parse_room(body)
         column = room.to_column() if room else None
-        # The page's logo is kept apart from the room's JSON (gate/db/080_room_logo.sql).
+        # The page's logo is kept apart from the room's JSON (db/080_room_logo.sql).
         logo = room.logo_column() if room else None
 
         async def attempt() -> int | None:

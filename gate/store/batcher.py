@@ -10,7 +10,7 @@
 
 Three callers share it: the script runner's pipeline (gate/store/scripts.py, one
 group), the waiting room's script calls joined per deal and mode (gate/room/wire.py)
-and the confirmations of one deal joined into one script call (gate/stock/mirror.py).
+and the confirmations of one deal joined into one script call (gate/inventory/mirror.py).
 It is on the hot path: an `add` is a dict lookup, an append and two comparisons; no
 task, no future of its own (the caller keeps its futures in its items), and one
 `call_soon` per turn at most.

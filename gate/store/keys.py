@@ -15,7 +15,8 @@ ACTIVE_DEALS = "gate:deals"
 # The global limiter of the reservation endpoint, in a slot of its own.
 GLOBAL_LIMIT = "{gate}:rl:global"
 # A fresh random value written after every deal creation: gate processes drop what
-# they remember about unknown deal ids when it changes (gate/stock/deals.py UnknownDeals).
+# they remember about unknown deal ids when it changes
+# (gate/inventory/unknown_deals.py UnknownDeals).
 DEALS_GENERATION = "gate:deals:generation"
 # Deals that have a waiting room (gate/room/): the room loop advances each of them.
 # Outside any deal's slot, touched by plain commands only, rebuilt from the database.

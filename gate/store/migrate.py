@@ -59,9 +59,10 @@ from gate.store.migrate_lock import MigrationError as MigrationError
 
 log = logging.getLogger("gate.migrate")
 
-# The migrations are package data of gate (gate/db/), in a checkout and in an
-# installed wheel alike; GATE_DB_DIR points elsewhere (a test's copy).
-DB_DIR = Path(str(importlib.resources.files("gate") / "db"))
+# The migrations are the data package gate.db (db/ in a checkout, pyproject.toml
+# package-dir), found alike in a checkout and in an installed wheel; GATE_DB_DIR
+# points elsewhere (a test's copy).
+DB_DIR = Path(str(importlib.resources.files("gate.db")))
 _FILE_RE = re.compile(r"(\d{3,})_([a-z0-9_]+)\.sql")
 # What the gate needs at run time, its background loops included: rows, the stored
 # procedures, and the connection-private scratch tables of the batch procedures

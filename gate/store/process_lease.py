@@ -13,7 +13,7 @@
 
 A janitor that finds a marker whose owner's lease is gone kills the owner's recorded
 threads, waits until the server shows them gone, and then asks the database whether
-the token's order committed (gate/stock/janitor.py). Every transaction of the owner's
+the token's order committed (gate/inventory/janitor.py). Every transaction of the owner's
 tokens ran on a recorded thread (recorded while the lease existed, so before the
 janitor looked), and a thread that is gone can run nothing more: the database's
 answer is final, and the units go back exactly once. A missed renewal alone never

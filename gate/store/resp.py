@@ -2,7 +2,7 @@
 
 redis-py's pipeline machinery costs ≈ 130–150 µs per EVALSHA here; packing RESP by
 hand and parsing replies with hiredis (the C parser redis-py itself uses) costs ≈ 40
-µs including the script's run on the server (docs/performance.md). Only the script
+µs including the script's run on the server (docs/hotpath.md). Only the script
 runner uses this; everything else keeps redis-py.
 
 Both connections to Redis (this one and redis-py's pool) read GATE_REDIS_URL through

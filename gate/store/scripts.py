@@ -99,9 +99,10 @@ def error_kind(exc: BaseException) -> str:
     return "other"
 
 
-# The scripts are package data of gate (gate/lua/), in a checkout and in an installed
-# wheel alike; GATE_LUA_DIR points elsewhere (a patched copy, a test's directory).
-LUA_DIR = Path(str(importlib.resources.files("gate") / "lua"))
+# The scripts are the data package gate.lua (lua/ in a checkout, pyproject.toml
+# package-dir), found alike in a checkout and in an installed wheel; GATE_LUA_DIR
+# points elsewhere (a patched copy, a test's directory).
+LUA_DIR = Path(str(importlib.resources.files("gate.lua")))
 SCRIPT_NAMES = (
     "admit",
     "deal_parts",

@@ -1,7 +1,7 @@
 """The writer mark: which node the gate processes of a cluster write to, as one row
 of the gate's database, so that a process that starts learns it from the cluster.
 
-    writer_mark (gate/db/075_writer_mark.sql), one row:
+    writer_mark (db/075_writer_mark.sql), one row:
       node      host:port, as GATE_MYSQL_URL names the node
       server    who answered there (wsrep_node_name or hostname:port, server_id)
       since     when the writes moved there (the database's clock)

@@ -13,7 +13,7 @@ for the admin API and the console's sign-in.
                                         wrong token or a malformed body
 
 AdminAttempts keeps, per client address (GATE_TRUSTED_PROXIES decides it, as for the
-IP limiter), the attempts of the last WINDOW_SECONDS in Redis (gate/lua/admin_attempt.lua,
+IP limiter), the attempts of the last WINDOW_SECONDS in Redis (lua/admin_attempt.lua,
 judged by Redis's clock), so every worker and process shares one window: at most
 ATTEMPTS_PER_WINDOW failed attempts, then 429 RATE_LIMITED with Retry-After. A wrong
 token is counted atomically with the check of the bound, so guesses sent at once get

@@ -26,7 +26,7 @@ routes the areas register (`EdgeRoute`) answered by itself:
 
 What the middleware does for every other request, the edge does for its own: the
 request id (taken or made, echoed in X-Request-Id), the log context, the request
-metrics and log line (gate/api/ops.py `RequestRecorder`), the HTTP guard's concurrency
+metrics and log line (gate/web/recorder.py `RequestRecorder`), the HTTP guard's concurrency
 bound and body deadline, the 500 answer of an unexpected error, the server span with
 traces on (decided at once only with a `traceparent`: gate/base/tracing.py). An edge route
 answers exactly what its ASGI route answers (the same functions make both answers);

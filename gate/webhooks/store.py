@@ -1,4 +1,4 @@
-"""Every SQL statement of the webhooks (gate/db/070_webhooks.sql holds the tables).
+"""Every SQL statement of the webhooks (db/070_webhooks.sql holds the tables).
 
     endpoints     create (the count bounded under the 'endpoints' lock row), read,
                   update, soft delete, rotate

@@ -21,8 +21,8 @@ from gate.base import validate
 from gate.base.clock import iso
 from gate.base.errors import Problem, not_found, overloaded
 from gate.base.settings import Settings, load_settings
+from gate.inventory.orders import new_id
 from gate.reserve.request import MAX_QUANTITY
-from gate.stock.orders import new_id
 from gate.store.db import Database, DbUnavailable
 from gate.web.auth import AdminAuth, BuyerAuth
 from gate.web.http_io import json_response, read_json

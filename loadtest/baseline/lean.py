@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gate.base.clock import iso
-from gate.stock.orders import new_id
+from gate.inventory.orders import new_id
 from gate.store.db import DbUnavailable
 from gate.web.http_io import json_response
 from loadtest.baseline.app import (

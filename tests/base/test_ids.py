@@ -11,7 +11,7 @@ import pytest
 
 from gate.base import ids
 from gate.base.ids import IDS_PER_CALL_MAX, IDS_PER_REFILL, new_id, new_ids
-from gate.stock.orders import valid_order_id
+from gate.inventory.orders import valid_order_id
 
 ULID_RE = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
 

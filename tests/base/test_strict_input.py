@@ -20,9 +20,9 @@ from gate.base import validate
 from gate.base.errors import Problem
 from gate.base.limits import device_id
 from gate.base.logs import sane_request_id
+from gate.inventory.orders import valid_order_id
 from gate.payments.provider import EventInvalid, parse_event
 from gate.payments.signing import WebhookRejected, sign_headers, verify
-from gate.stock.orders import valid_order_id
 from gate.store.db import Database
 from tests.support import (
     ADMIN_TOKEN,

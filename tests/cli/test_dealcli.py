@@ -14,7 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gate.base.settings import Settings
-from gate.stock.repair import plan_counters
+from gate.inventory.repair import plan_counters
 from gate.store.db import Database
 from gate.store.keys import deal_keys
 from tests.support import (

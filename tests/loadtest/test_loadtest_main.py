@@ -15,6 +15,13 @@ def test_every_name_runs_a_module_with_a_main() -> None:
         assert callable(getattr(importlib.import_module(module), "main", None)), name
 
 
+def test_every_experiment_has_a_name() -> None:
+    """An experiment moved under loadtest/experiments/ stays runnable by its name."""
+    folder = ROOT / "loadtest" / "experiments"
+    found = {f"loadtest.experiments.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__"}
+    assert found and found <= {module for module, _ in COMMANDS.values()}
+
+
 def test_the_list_names_every_command_and_an_unknown_name_exits_2() -> None:
     listed = subprocess.run(
         [sys.executable, "-m", "loadtest"], cwd=ROOT, capture_output=True, text=True, check=False

@@ -1,4 +1,4 @@
-"""The sharding simulation (loadtest/shard_sim.py) on real MariaDB: a seeded workload
+"""The sharding simulation (loadtest/experiments/shard_sim.py) on real MariaDB: a seeded workload
 routed by deal over 3 schemas with Gate's own procedures keeps every invariant per
 shard, answers exactly as one schema does, and its checks catch a corrupted shard.
 
@@ -16,7 +16,7 @@ import pytest
 
 from gate.base.settings import Settings
 from gate.store.db import Database
-from loadtest import shard_sim
+from loadtest.experiments import shard_sim
 
 SHARDS = 3
 SEED = 11

@@ -12,11 +12,11 @@ import pymysql
 import redis.asyncio as aioredis
 
 from gate.base.settings import Settings
+from gate.inventory.check import check_deal
 from gate.payments.codes import EventCode
 from gate.payments.machine import GroupCommitter, PaymentMachine
 from gate.payments.provider import parse_event
 from gate.runtime import Gate
-from gate.stock.check import check_deal
 from gate.store.db import Database
 from tests import payments_support as ps
 from tests.payments_support import counts, event_body, new_order, order_row, post_webhook, signed

@@ -25,8 +25,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.base.settings import Settings
+from gate.inventory.orders import new_id
 from gate.payments.outbox import Consumer
-from gate.stock.orders import new_id
 from gate.store.db import Database, connect_kwargs, notes_off
 from gate.store.migrate import migrate
 from tests.support import GATE_BIN, ROOT, base_env, free_port

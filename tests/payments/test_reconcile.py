@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.base.metrics import sample_values, value_of
-from gate.stock.orders import new_id
+from gate.inventory.orders import new_id
 from gate.store.db import Database
 from tests import payments_support as ps
 from tests.payments_support import (

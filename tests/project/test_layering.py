@@ -6,7 +6,7 @@
     runtime     the running gate (gate/runtime.py)
     extensions  how an area plugs in (gate/extensions.py)
     reserve     the reservation path and the ports areas plug into
-    stock       deals, mirror, orders, checks, repair, advice, resync, janitor
+    inventory   deals, mirror, orders, checks, repair, advice, resync, janitor
     web         edge, guard, HTTP helpers, OpenAPI, docs page, auth
     store       MariaDB, Redis/RESP, scripts, keys, migrations, leases
     base        settings, errors, metrics, logs, clock, codes
@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("base",),
     ("store",),
     ("web",),
-    ("stock",),
+    ("inventory",),
     ("reserve",),
     ("extensions",),
     ("runtime",),
@@ -95,7 +95,7 @@ def import_graph(root: Path) -> Graph:
 
 
 def unit(module: str) -> str:
-    """The package (or top-level module) that layering places: gate.stock.deals -> stock."""
+    """The package (or top-level module) that layering places: gate.inventory.deals -> inventory."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ROOT_MODULE
 

@@ -117,9 +117,10 @@ def test_dockerfile_builds_the_wheel_and_installs_it_with_the_lock() -> None:
     build_runs = " ".join(a for w, a in build if w == "RUN")
     assert "pip wheel --no-deps" in build_runs and "/wheels" in build_runs
     copied = [a for w, a in build if w == "COPY"]
-    assert any(a.split()[:-1] == ["gate"] for a in copied), "the package, data included"
+    # The package and its data packages (lua/ and db/ become gate.lua and gate.db).
+    for folder in ("gate", "lua", "db"):
+        assert any(a.split() == [folder, f"./{folder}"] for a in copied), folder
     assert any("pyproject.toml" in a.split() and "LICENSE" in a.split() for a in copied)
-    assert not any(a.split()[0] in ("lua", "db") for a in copied), "Lua and SQL live in gate/"
     runs = [a for w, a in final if w == "RUN"]
     lock = next(i for i, a in enumerate(runs) if "-r /tmp/requirements.lock" in a)
     wheel = next(i for i, a in enumerate(runs) if "gate-*.whl" in a)

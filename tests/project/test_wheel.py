@@ -2,7 +2,7 @@
 project's own files, the wheel installed into a fresh virtualenv outside the checkout
 with the locked dependencies, and the installed `gate` run from a directory of its own.
 
-    copy of pyproject.toml, README.md, LICENSE, CHANGELOG.md, MANIFEST.in, gate/
+    copy of pyproject.toml, README.md, LICENSE, CHANGELOG.md, MANIFEST.in, gate/, lua/, db/
       ──build_sdist──> gate-X.Y.Z.tar.gz ──unpacked, build_wheel──> gate-X.Y.Z-py3-none-any.whl
       (setuptools' PEP 517 hooks in a virtualenv of their own, as `python -m build` runs them)
     fresh venv: pip install --require-hashes -r requirements.lock
@@ -48,7 +48,16 @@ from tests.support import ROOT, Client, create_deal, free_port, reserve
 pytestmark = pytest.mark.slow
 
 # What the sdist is built from: the package and the files pyproject.toml names.
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in", "gate")
+SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "LICENSE",
+    "CHANGELOG.md",
+    "MANIFEST.in",
+    "gate",
+    "lua",
+    "db",
+)
 PIP_SECONDS = 900
 # A PEP 517 hook of setuptools, run in the source directory; prints the file it wrote.
 BUILD = "import sys; from setuptools import build_meta as b; print(b.{hook}(sys.argv[1]))"
@@ -62,17 +71,21 @@ def _run(args: list[str], cwd: Path) -> str:
     return done.stdout
 
 
-def _data_files() -> set[str]:
-    """The package's Lua scripts, SQL files and the buyer page's files, as paths
-    inside an archive."""
+def _data_files(wheel: bool) -> set[str]:
+    """The package's Lua scripts, SQL files and the buyer page's files, as paths inside
+    the sdist (lua/, db/ as in the checkout) or the wheel (inside gate/: gate.lua,
+    gate.db, pyproject.toml package-dir)."""
     found = {
         p.relative_to(ROOT).as_posix()
-        for folder in ("gate/lua", "gate/db", "gate/room/static")
+        for folder in ("lua", "db", "gate/room/static")
         for p in (ROOT / folder).rglob("*")
-        if p.is_file()
+        if p.is_file() and "__pycache__" not in p.parts
     }
-    assert "gate/lua/admit.lua" in found and "gate/db/001_schema.sql" in found
+    assert "lua/admit.lua" in found and "db/001_schema.sql" in found
+    assert "db/routines/__init__.py" in found and "db/superseded.txt" in found
     assert "gate/room/static/index.html" in found
+    if wheel:
+        found = {n if n.startswith("gate/") else f"gate/{n}" for n in found}
     return found
 
 
@@ -123,13 +136,16 @@ def test_sdist_and_wheel_carry_the_lua_scripts_sql_and_license(built: Built) -> 
     with zipfile.ZipFile(built.wheel) as whl:
         in_wheel = set(whl.namelist())
         metadata = whl.read(f"gate-{__version__}.dist-info/METADATA").decode()
-    assert _data_files() <= in_sdist
-    assert _data_files() <= in_wheel
+    assert _data_files(wheel=False) <= in_sdist
+    assert _data_files(wheel=True) <= in_wheel
+    # Every module of the checkout's gate/ is in the wheel (pyproject.toml names each package).
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "gate").rglob("*.py")}
+    assert modules <= in_wheel, sorted(modules - in_wheel)
     assert {"LICENSE", "CHANGELOG.md"} <= in_sdist
     assert f"gate-{__version__}.dist-info/licenses/LICENSE" in in_wheel
     assert f"Version: {__version__}" in metadata and "License-Expression: MIT" in metadata
     # The load tests and the test suite are checkout-only tools.
-    assert not any(n.startswith(("loadtest/", "tests/")) for n in in_wheel)
+    assert not any(n.startswith(("loadtest/", "tests/", "lua/", "db/")) for n in in_wheel)
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.base.settings import Settings
+from gate.inventory.check import check_deal
+from gate.inventory.room_config import RoomConfig
 from gate.room.retire import RoomRetirer, schedule
 from gate.room.service import Room
 from gate.runtime import Gate
-from gate.stock.check import check_deal
-from gate.stock.room_config import RoomConfig
 from gate.store.db import Database
 from gate.store.keys import ROOMS, ROOMS_RETIRING, deal_keys
 from tests.support import (

@@ -223,7 +223,7 @@ async def test_waiting_room_calls_on_unknown_deals_stay_off_the_database(
 ) -> None:
     """Joins (POST), reads (GET), leaves (DELETE) and challenges of a waiting room on
     random unknown deal ids meet the unknown-deal guard as reservations and deal views
-    do (gate/stock/unknown_deals.py)."""
+    do (gate/inventory/unknown_deals.py)."""
     floor = await _highest_deal_id(settings) + 1_000_000
     rng = random.Random(f"{method}{suffix}")
     headers = buyer(7004)

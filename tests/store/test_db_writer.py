@@ -27,8 +27,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.base.settings import MysqlTarget, SettingsError, load_settings
-from gate.stock.check import server_findings
-from gate.stock.janitor import Janitor
+from gate.inventory.check import server_findings
+from gate.inventory.janitor import Janitor
 from gate.store.db import Database, connect_kwargs
 from gate.store.dbwriter import NoWriter, WriterSelector, choose, first_usable, judge
 from gate.store.keys import owner_keys

@@ -7,7 +7,7 @@ fails: SIGKILLed for good, restarted and rejoining, partitioned away.
         -> LocalGalera (tests/galera.py): node0 killed / restarted / isolated mid-sale
 
     then: every order answered 201 (or 200 on a retry) is a row on every live node,
-    no unit sold twice (total = available + held + sold, Redis = DB: gate.stock.check),
+    no unit sold twice (total = available + held + sold, Redis = DB: gate.inventory.check),
     exactly the stock sold when demand exceeds it, `gate check` clean, and the sale
     resumed within the contract's 10 s.
 

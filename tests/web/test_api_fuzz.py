@@ -2,7 +2,7 @@
 an operator, against a real gate with the sandbox payment provider: whatever is sent,
 no answer is a 5xx (bad input is a 4xx problem), a 405 names the allowed methods, and
 the API conforms to its document: schema-valid requests are accepted, schema-invalid
-ones refused, and every answer matches its response schema (tests/schemathesis.toml
+ones refused, and every answer matches its response schema (tests/web/schemathesis.toml
 holds the one exception, with its reason).
 
 The seed is fixed so that a failure in CI can be replayed; schemathesis prints the

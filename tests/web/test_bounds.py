@@ -291,7 +291,7 @@ async def _scoped_state(db: Database, rds: aioredis.Redis, scope: Scope) -> dict
             [
                 str(k)
                 async for k in rds.scan_iter(match=f"{keys.tag}:*", count=1000)
-                # A resync pass's lock (gate/stock/resync.py): the background loop's own.
+                # A resync pass's lock (gate/inventory/resync.py): the background loop's own.
                 if str(k) != keys.sync_lock
             ]
         )

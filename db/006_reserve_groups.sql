@@ -1,0 +1,34 @@
+-- Gate reservations, version 6: admitted reservations of one deal applied in groups
+-- (group commit, docs/reservation-groups.md).
+--
+-- gate_reserve_group takes the reservations one gate process gathered while its
+-- previous group of the deal was in the database, and applies them in one
+-- transaction with one statement per step for the whole group, so the server's work
+-- stays linear in the group's size:
+--   one read of the deal; the items into a scratch table (one JSON_TABLE pass);
+--   one multi-row INSERT of the orders; one upsert of the per-user quotas; one
+--   conditional UPDATE per bucket with the bucket's summed quantity; one multi-row
+--   INSERT of the ledger rows; one COMMIT.
+-- It is the common case only, all or nothing. Whenever one item would be answered
+-- differently from the others (a bucket short of stock, a per-user limit passed, an
+-- idempotency key the database already holds, a quantity over the deal's maximum),
+-- the group rolls back whole and answers 8 FALL_BACK: the caller then runs each item
+-- through gate_reserve on its own, which gives each its exact answer. Each item must
+-- name one bucket (Redis allocations that span buckets go through gate_reserve).
+--
+-- Items: a JSON array of [order_id, user_id, quantity, bucket, idempotency_key,
+-- fingerprint], the bucket as Redis chose it (mapped onto the current layout here,
+-- as gate_reserve does).
+--
+-- Result codes (mirrored by gate.base.codes.DbCode):
+--   0 OK          every item committed, each from the bucket it named (MOD the
+--                 layout's bucket count); the row also carries expires_at, created_at,
+--                 unit_price, currency (one value for the whole group) and bucket_count
+--   4 NOT_FOUND, 5 NOT_ACTIVE   the answer for every item (the deal decides them)
+--   8 FALL_BACK   nothing written; run each item on its own
+-- A bucket row in another layout epoch (a rebucketing since the deal was read)
+-- takes nothing here: the group falls back, and gate_reserve re-reads the layout.
+
+-- The routines this version introduced live in db/routines/, one file each
+-- (gate_reserve_group, gate_reserve_scratch);
+-- `gate migrate` re-applies a routine whenever its file changes (docs/migrations.md).

@@ -1,0 +1,1 @@
+"""The stored routines, one per file: package data, installed as gate.db.routines."""
