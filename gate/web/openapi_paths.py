@@ -145,6 +145,7 @@ def _paths() -> dict[str, dict[str, Any]]:
                         "LIMIT_EXCEEDED",
                         "RATE_LIMITED",
                         "OVERLOADED",
+                        "SALE_PAUSED",
                     ),
                 },
             }
