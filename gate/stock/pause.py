@@ -94,7 +94,7 @@ async def _set(db: Database, deal_id: int, paused: bool, reason: str, actor: str
                     " WHERE id = %s AND paused_at IS NOT NULL",
                     (deal_id,),
                 )
-            changed = cur.rowcount == 1
+            changed = bool(cur.rowcount == 1)
             if changed:
                 await ledger_note(cur, deal_id, "pause" if paused else "resume", actor, reason)
         except BaseException:
