@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from gate.base import validate
 from gate.base.clock import iso
 from gate.base.errors import Problem, not_found
 from gate.base.metrics import METRICS
@@ -157,6 +158,20 @@ async def resume(
     if changed:
         log.warning("deal %s resumed by %s", deal_id, actor, extra={"deal_id": deal_id})
     return {**(await state(db, deal_id)).view(), "changed": changed}
+
+
+def pause_body(body: Any) -> str:
+    """POST /v1/admin/deals/{id}/pause's body: {"reason": "…"}, the ledger's why."""
+    body = validate.obj(body)
+    validate.no_unknown(body, {"reason"})
+    return validate.string(body, "reason", REASON_MAX_CHARS)
+
+
+def resume_body(body: Any) -> str:
+    """POST /v1/admin/deals/{id}/resume's body: {} or {"note": "…"} for the ledger."""
+    body = validate.obj(body)
+    validate.no_unknown(body, {"note"})
+    return validate.string(body, "note", REASON_MAX_CHARS, default="")
 
 
 def breach_reason(breaches: tuple[str, ...] | list[str]) -> str:

@@ -591,6 +591,29 @@ def _schemas() -> dict[str, Any]:
             ["count"],
             additionalProperties=False,
         ),
+        "DealPause": _object(
+            {"reason": {"type": "string", "minLength": 1, "maxLength": 255}},
+            ["reason"],
+            additionalProperties=False,
+        ),
+        "DealResume": _object(
+            {"note": {"type": "string", "minLength": 1, "maxLength": 255}},
+            [],
+            additionalProperties=False,
+        ),
+        "DealPauseState": _object(
+            {
+                "deal_id": {"type": "integer"},
+                "paused": {"type": "boolean"},
+                "paused_at": {"type": ["string", "null"], "format": "date-time"},
+                "reason": {"type": ["string", "null"]},
+                "changed": {
+                    "type": "boolean",
+                    "description": "False: the deal was so already; nothing was ledgered.",
+                },
+            },
+            ["deal_id", "paused", "paused_at", "reason", "changed"],
+        ),
         "SaleWindow": _object(
             {"starts_at": NULLABLE_TIMESTAMP, "ends_at": NULLABLE_TIMESTAMP},
             ["starts_at", "ends_at"],
