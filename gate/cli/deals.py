@@ -134,6 +134,11 @@ def _deal_text(view: dict[str, Any]) -> str:
         f"  max_per_order={view['max_per_order']}  capture={view['capture_mode']}",
         f"  sale: {view['starts_at'] or '-'} .. {view['ends_at'] or '-'}",
     ]
+    if view.get("paused"):
+        lines.append(
+            f"  PAUSED since {view['paused']['since']}: {view['paused']['reason']}"
+            f" (gate deal resume {view['id']})"
+        )
     if "invariant" in view:
         report = {"ok": view["invariant"]["ok"], "deals": [view]}
         lines.append(render(report))

@@ -261,9 +261,12 @@ class InvariantMonitor:
         no burst is longer than one deal's check."""
         while not stop.is_set():
             started = self.clock()
-            try:
-                if self.watch is not None:
+            if self.watch is not None:
+                try:
                     await self.watch.run_once()
+                except Exception as exc:
+                    log.warning("paused deals not read: %r", exc)
+            try:
                 if not await self.run_paced(stop):
                     # The deals are checked by the lease's holder; this process's
                     # sweeper is seen by this process only.

@@ -23,6 +23,7 @@ holds still complete.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -105,9 +106,14 @@ async def _set(db: Database, deal_id: int, paused: bool, reason: str, actor: str
     return changed
 
 
+@functools.cache
+def _flag_source() -> str:
+    return lua_source("deal_pause")
+
+
 async def mirror_flag(mirror: Mirror, deal_id: int, paused: bool) -> int:
     """Write the flag into each of the deal's Redis states that exists; how many."""
-    source = lua_source("deal_pause")
+    source = _flag_source()
     parts = await mirror.partitions(deal_id)
     written = 0
     for keys in mirror.keys_of(deal_id, parts):

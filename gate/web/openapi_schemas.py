@@ -42,6 +42,16 @@ def _schemas() -> dict[str, Any]:
         "created_at": TIMESTAMP,
         "updated_at": TIMESTAMP,
     }
+    # The sale paused (gate/stock/pause.py), or null.
+    paused = {
+        "oneOf": [
+            _object(
+                {"since": TIMESTAMP, "reason": {"type": "string"}},
+                ["since", "reason"],
+            ),
+            {"type": "null"},
+        ]
+    }
     counts = {
         "total": {"type": "integer"},
         "available": {"type": "integer"},
@@ -290,12 +300,13 @@ def _schemas() -> dict[str, Any]:
             additionalProperties=False,
         ),
         "AdminDeal": _object(
-            {**admin_deal, "stock": {"type": "integer", "minimum": 0}},
+            {**admin_deal, "paused": paused, "stock": {"type": "integer", "minimum": 0}},
             ["id", "title", "unit_price", "currency", "buckets", "stock"],
         ),
         "AdminDealView": _object(
             {
                 **admin_deal,
+                "paused": paused,
                 "deal_id": {"type": "integer"},
                 "bucket_count": {"type": "integer"},
                 "totals": _object(counts),
