@@ -23,6 +23,7 @@ import pytest
 
 from gate.cli import deals as deal_cli
 from gate.store.db import Database
+from tests.console_support import console_env, sign_in
 from tests.support import (
     ADMIN,
     GATE_BIN,
@@ -94,7 +95,8 @@ def gates(env: dict[str, str], prepared: None) -> Iterator[tuple[GateProcess, Ga
             "GATE_BACKGROUND_LEASE_SECONDS": "0",
         }
     )
-    quiet = {**env, **room, "GATE_INVARIANT_CHECKS": "0"}
+    # Gate B also serves the console (tests/console_support.py).
+    quiet = console_env({**env, **room, "GATE_INVARIANT_CHECKS": "0"})
     with GateProcess(monitoring, workers=1) as a, GateProcess(quiet, workers=1) as b:
         yield a, b
 
@@ -241,6 +243,10 @@ async def test_an_operator_pauses_and_resumes_by_hand(
         )
         assert resp.status_code == 200, resp.text
         assert resp.json()["reason"] == "price error" and resp.json()["paused"] is True
+        view = await a.get(f"/v1/admin/deals/{deal_id}", headers=ADMIN)
+        assert view.json()["paused"]["reason"] == "price error", view.text
+        shown = await arun(env, "deal", "show", str(deal_id))
+        assert "PAUSED since" in shown.stdout and "price error" in shown.stdout, shown.stdout
         assert_paused(await buy(a, deal_id))
         bad = await a.post(f"/v1/admin/deals/{deal_id}/pause", json={}, headers=ADMIN)
         assert bad.status_code == 400 and "'reason' is required" in bad.text, bad.text
@@ -257,6 +263,40 @@ async def test_an_operator_pauses_and_resumes_by_hand(
             ("pause", "admin"),
             ("resume", "ops"),
         ]
+
+
+async def test_the_console_shows_the_pause_and_resumes_only_sound_books(
+    gates: tuple[GateProcess, GateProcess], env: dict[str, str], db: Database
+) -> None:
+    async with clients(gates) as (a, b):
+        deal_id = await create_deal(a, stock=10)
+        _, op = await sign_in(b)
+        assert op is not None
+        base = f"/console/api/deals/{deal_id}"
+        resp = await b.post(base + "/pause", json={"reason": "checking"}, headers=op.write())
+        assert resp.status_code == 200 and resp.json()["paused"] is True, resp.text
+        assert_paused(await buy(a, deal_id))
+        snap = await b.get("/console/api/snapshot", headers=op.read())
+        deal = next(d for d in snap.json()["deals"] if d["id"] == deal_id)
+        assert deal["status"] == "paused" and deal["paused"]["reason"] == "checking", deal
+
+        # Books broken while paused: the console's resume is refused, naming them.
+        await db.execute(
+            "UPDATE deal_buckets SET available = available - 1, held = held + 1"
+            " WHERE deal_id = %s AND bucket = 0",
+            (deal_id,),
+        )
+        resp = await b.post(base + "/resume", json={}, headers=op.write())
+        assert resp.status_code == 409, resp.text
+        assert "stays paused" in resp.json()["detail"] and resp.json()["breaches"], resp.text
+        repaired = await arun(env, "deal", "repair", str(deal_id), "--wait", "10")
+        assert repaired.returncode == 0, repaired.stderr
+        resp = await b.post(base + "/resume", json={"note": "repaired"}, headers=op.write())
+        assert resp.status_code == 200 and resp.json()["paused"] is False, resp.text
+        assert (await buy(a, deal_id)).status_code == 201
+        notes = await ledger_notes(db, deal_id)
+        assert [(r, n) for r, _, n in notes] == [("pause", "checking"), ("resume", "repaired")]
+        assert all(actor.startswith("console:") for _, actor, _ in notes), notes
 
 
 async def ticket(client: Client, deal_id: int, user_id: int) -> dict[str, Any]:
