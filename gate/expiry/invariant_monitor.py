@@ -340,6 +340,9 @@ class InvariantMonitor:
     async def check(self, deal_id: int) -> dict[str, Any] | None:
         """Check one deal, export and log what was found. None: the check failed."""
         try:
+            # The database's time before the check: a resume after it wins over what
+            # this check sees (gate/stock/pause.py).
+            seen_at = await self._db_now() if self._pausing() else None
             report = await check_deal(self.db, self.redis, deal_id)
             stuck = await self._stuck_units(deal_id)
         except Exception as exc:
@@ -350,7 +353,7 @@ class InvariantMonitor:
         # (GateRedisDrift) and the resync loop repairs it.
         drifted = set(report.get("redis", {}).get("mismatches", ()))
         breaches = tuple(b for b in report["invariant"]["breaches"] if b not in drifted)
-        await self._pause_if_broken(deal_id, breaches, bool(drifted))
+        await self._pause_if_broken(deal_id, breaches, bool(drifted), seen_at)
         book, total, drift = inconsistent_units(report)
         if drift is not None:
             self._drift[deal_id] = drift
@@ -382,7 +385,16 @@ class InvariantMonitor:
         report["inconsistent_units"] = units
         return report
 
-    async def _pause_if_broken(self, deal_id: int, breaches: tuple[str, ...], drift: bool) -> None:
+    def _pausing(self) -> bool:
+        return self.mirror is not None and self.config.pause_on_breach
+
+    async def _db_now(self) -> Any:
+        row = await self.db.fetchone("SELECT NOW(6)")
+        return row[0] if row else None
+
+    async def _pause_if_broken(
+        self, deal_id: int, breaches: tuple[str, ...], drift: bool, seen_at: Any
+    ) -> None:
         """Pause the deal when its books are broken, or when Redis still disagrees
         with the database once the drift was repaired and the deal checked again."""
         if self.mirror is None or not self.config.pause_on_breach:
@@ -394,7 +406,12 @@ class InvariantMonitor:
             return
         try:
             await pause(
-                self.db, self.mirror, deal_id, reason=breach_reason(why), actor="invariant-monitor"
+                self.db,
+                self.mirror,
+                deal_id,
+                reason=breach_reason(why),
+                actor="invariant-monitor",
+                seen_at=seen_at,
             )
         except Exception as exc:
             log.error("deal %s: books broken, but not paused: %r", deal_id, exc)

@@ -79,21 +79,30 @@ async def state(db: Database, deal_id: int) -> PauseState:
     return PauseState(deal_id, row[0] is not None, row[0], row[1])
 
 
-async def _set(db: Database, deal_id: int, paused: bool, reason: str, actor: str) -> bool:
-    """The row changed and ledgered in one transaction; False when it was already so."""
+async def _set(
+    db: Database,
+    deal_id: int,
+    paused: bool,
+    reason: str,
+    actor: str,
+    seen_at: datetime | None = None,
+) -> bool:
+    """The row changed and ledgered in one transaction; False when it was already so,
+    or (a pause with `seen_at`) when the deal was resumed after `seen_at`."""
     async with db.connection() as conn, conn.cursor() as cur:
         await cur.execute("START TRANSACTION")
         try:
             if paused:
                 await cur.execute(
                     "UPDATE deals SET paused_at = NOW(6), pause_reason = %s"
-                    " WHERE id = %s AND paused_at IS NULL",
-                    (reason[:REASON_MAX_CHARS], deal_id),
+                    " WHERE id = %s AND paused_at IS NULL"
+                    " AND (%s IS NULL OR resumed_at IS NULL OR resumed_at < %s)",
+                    (reason[:REASON_MAX_CHARS], deal_id, seen_at, seen_at),
                 )
             else:
                 await cur.execute(
-                    "UPDATE deals SET paused_at = NULL, pause_reason = NULL"
-                    " WHERE id = %s AND paused_at IS NOT NULL",
+                    "UPDATE deals SET paused_at = NULL, pause_reason = NULL,"
+                    " resumed_at = NOW(6) WHERE id = %s AND paused_at IS NOT NULL",
                     (deal_id,),
                 )
             changed = bool(cur.rowcount == 1)
@@ -122,12 +131,29 @@ async def mirror_flag(mirror: Mirror, deal_id: int, paused: bool) -> int:
 
 
 async def pause(
-    db: Database, mirror: Mirror, deal_id: int, *, reason: str, actor: str
+    db: Database,
+    mirror: Mirror,
+    deal_id: int,
+    *,
+    reason: str,
+    actor: str,
+    seen_at: datetime | None = None,
 ) -> dict[str, Any]:
-    """Pause the deal's sale (nothing changes when it is paused already)."""
+    """Pause the deal's sale (nothing changes when it is paused already). `seen_at`
+    (the invariant monitor's): the database time before the check that found the
+    books broken; a deal resumed since then is left selling (the resume's own check
+    saw the books after that one did)."""
     await state(db, deal_id)
     reason = reason.strip() or "paused by hand"
-    changed = await _set(db, deal_id, True, reason, actor)
+    changed = await _set(db, deal_id, True, reason, actor, seen_at)
+    now = await state(db, deal_id)
+    if not now.paused:
+        log.warning(
+            "deal %s: resumed after the check that found it broken; not paused",
+            deal_id,
+            extra={"deal_id": deal_id},
+        )
+        return {**now.view(), "changed": False}
     await mirror_flag(mirror, deal_id, True)
     PAUSED.labels(str(deal_id)).set(1)
     if changed:
@@ -138,7 +164,7 @@ async def pause(
             reason,
             extra={"deal_id": deal_id, "actor": actor},
         )
-    return {**(await state(db, deal_id)).view(), "changed": changed}
+    return {**now.view(), "changed": changed}
 
 
 async def resume(

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 
 from gate.cli import deals as deal_cli
+from gate.runtime import Gate
+from gate.stock.pause import pause, resume
 from gate.store.db import Database
 from tests.console_support import console_env, sign_in
 from tests.support import (
@@ -297,6 +299,35 @@ async def test_the_console_shows_the_pause_and_resumes_only_sound_books(
         notes = await ledger_notes(db, deal_id)
         assert [(r, n) for r, _, n in notes] == [("pause", "checking"), ("resume", "repaired")]
         assert all(actor.startswith("console:") for _, actor, _ in notes), notes
+
+
+async def test_a_check_older_than_the_last_resume_does_not_pause_again(
+    local_gate: Gate, db: Database
+) -> None:
+    """The monitor's check that began before an operator's repair and resume finds
+    the old, broken books: its pause must not undo the resume."""
+    deal = await local_gate.deals.create(
+        {"title": "stale check", "unit_price": 100, "currency": "EUR", "stock": 5}
+    )
+    deal_id = int(deal["id"])
+    row = await db.fetchone("SELECT NOW(6)")
+    assert row is not None
+    seen_at = row[0]
+    mirror = local_gate.mirror
+    await pause(db, mirror, deal_id, reason="by hand", actor="ops")
+    resumed = await resume(db, mirror, deal_id, actor="ops")
+    assert resumed["changed"] and not resumed["paused"]
+    stale = await pause(
+        db, mirror, deal_id, reason="books broken: old", actor="invariant-monitor", seen_at=seen_at
+    )
+    assert stale["changed"] is False and stale["paused"] is False, stale
+    row = await db.fetchone("SELECT NOW(6)")
+    assert row is not None
+    fresh = await pause(
+        db, mirror, deal_id, reason="books broken: new", actor="invariant-monitor", seen_at=row[0]
+    )
+    assert fresh["changed"] is True and fresh["paused"] is True, fresh
+    assert [n[0] for n in await ledger_notes(db, deal_id)] == ["pause", "resume", "pause"]
 
 
 async def ticket(client: Client, deal_id: int, user_id: int) -> dict[str, Any]:
