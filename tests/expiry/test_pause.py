@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from gate.cli import deals as deal_cli
 from gate.runtime import Gate
 from gate.stock.pause import pause, resume
 from gate.store.db import Database
+from gate.store.keys import deal_keys
 from tests.console_support import console_env, sign_in
 from tests.support import (
     ADMIN,
@@ -216,7 +218,7 @@ async def test_a_counter_broken_mid_sale_pauses_the_deal_on_every_gate(
 
 
 async def test_an_operator_pauses_and_resumes_by_hand(
-    gates: tuple[GateProcess, GateProcess], env: dict[str, str], db: Database
+    gates: tuple[GateProcess, GateProcess], env: dict[str, str], db: Database, rds: aioredis.Redis
 ) -> None:
     async with clients(gates) as (a, b):
         deal_id = await create_deal(a, stock=10)
@@ -229,6 +231,10 @@ async def test_an_operator_pauses_and_resumes_by_hand(
         for client in (a, b):
             assert_paused(await buy(client, deal_id))
         assert await sold(db, deal_id) == (0, 0)
+        # Redis loses the deal: loaded again from the database, it is still paused.
+        assert await rds.delete(deal_keys(deal_id).meta) == 1
+        assert_paused(await buy(b, deal_id))
+        assert await rds.hget(deal_keys(deal_id).meta, "paused") == "1"
         # A second pause changes and ledgers nothing.
         again = await arun(env, "deal", "pause", str(deal_id), "--json")
         assert again.returncode == 0, again.stderr
