@@ -13,7 +13,8 @@
   also needs an unspent, unexpired admission of this user, checked before the
   limiters and spent in the same call that takes the units.
 
-  KEYS[1] meta            hash   {d:ID}:meta  nb, avail, start_ms, end_ms, max, limit
+  KEYS[1] meta            hash   {d:ID}:meta  nb, avail, start_ms, end_ms, max, limit,
+                                               paused ("1": the sale is paused)
   KEYS[2] buckets         hash   {d:ID}:b     bucket -> available units
   KEYS[3] users           hash   {d:ID}:u     user id -> units held or bought
   KEYS[4] idempotency     string {d:ID}:k:USER:KEY  "P|fp|token" or "D|fp|order id"
@@ -84,6 +85,9 @@
    11 ADMISSION_INVALID   the token names no unspent, unexpired admission of this user
    12 QUEUE_FULL      queue mode: the deal's queue holds ARGV[18] requests (nothing
                       taken, no limiter consumed)
+   13 SALE_PAUSED     the deal's sale is paused (gate/inventory/pause.py): nothing taken,
+                      no limiter consumed; answered after a replay (a buyer's earlier
+                      request keeps its answer)
   Rejections 2, 3, 4, 5, 10 and 11 carry a fourth element, 1 when the user is in the
   buyers set: this request may then be a replay whose Redis record was lost (a
   flush), and the caller asks the database before answering. Rejection 9 does not:
@@ -92,7 +96,7 @@
   answered before them only to users not in the buyers set).
 ]]
 local meta = redis.call('HMGET', KEYS[1], 'nb', 'avail', 'start_ms', 'end_ms', 'max', 'limit',
-  'buyers_ok')
+  'buyers_ok', 'paused')
 local nb = tonumber(meta[1])
 if not nb then
   return {1, ''}
@@ -109,6 +113,10 @@ if seen then
     return {6, ref}
   end
   return {7, ref}
+end
+-- A paused sale (its books broke, or an operator paused it) sells nothing more.
+if meta[8] == '1' then
+  return {13, ''}
 end
 
 -- Rejections below also say whether this user was ever admitted to the deal.

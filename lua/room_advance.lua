@@ -12,6 +12,8 @@
                  (a sliding-window log: exact across processes), and per call at
                  most the share of the time since the previous call (smoothing)
          window  the sale has started and not ended
+         pause   the sale is not paused (gate/inventory/pause.py): tickets keep their
+                 places, nobody is admitted
 
   KEYS[1] room       hash   {d:ID}:room  on, aps, ttl_ms, last_ms, aseq, admitted, lapsed
   KEYS[2] queue      zset   {d:ID}:rq    user -> score
@@ -19,7 +21,7 @@
   KEYS[4] admitted   hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
   KEYS[5] expiry     zset   {d:ID}:rx    user -> expires_ms
   KEYS[6] window     zset   {d:ID}:rw    seq -> admitted_ms (the last second)
-  KEYS[7] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
+  KEYS[7] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms, paused (the mirror's)
 
   ARGV[1] ratio (admissions per available unit, > 0)
   ARGV[2] admissions per call, at most
@@ -35,7 +37,7 @@ local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'ttl_ms', 'last_ms')
 if cfg[1] ~= '1' then
   return {2, 0, 0, ''}
 end
-local meta = redis.call('HMGET', KEYS[7], 'nb', 'avail', 'start_ms', 'end_ms')
+local meta = redis.call('HMGET', KEYS[7], 'nb', 'avail', 'start_ms', 'end_ms', 'paused')
 if not meta[1] then
   return {1, 0, 0, ''}
 end
@@ -58,7 +60,8 @@ redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now_ms - 1000)
 
 -- 2. Admissions.
 local start_ms = tonumber(meta[3]) or 0
-if (start_ms > 0 and now_ms < start_ms) or (end_ms > 0 and now_ms >= end_ms) then
+if (start_ms > 0 and now_ms < start_ms) or (end_ms > 0 and now_ms >= end_ms)
+    or meta[5] == '1' then
   return {0, 0, #lapsed, ''}
 end
 local aps = tonumber(cfg[2]) or 1

@@ -40,7 +40,9 @@
   ARGV[7]  max per order
   ARGV[8]  per-user limit (0 = none)
   ARGV[9]  layout epoch
-  ARGV[10] K, then K committed operations: "id" or "id=allocation" (reservations)
+  ARGV[10] "1" the deal's sale is paused, "0" it sells (deals.paused_at,
+           gate/inventory/pause.py): meta's "paused", read by lua/admit.lua
+  ARGV[11] K, then K committed operations: "id" or "id=allocation" (reservations)
   then     nb database available counts, bucket 0 first
   then     U, then U pairs (user id, units) of the snapshot's quota (load mode)
   then     optional: P, the deal's partition count, given only when P > 1 (KEYS are
@@ -71,13 +73,13 @@ if mode == 'resync' and not exists then
 end
 
 local nb = tonumber(ARGV[4])
-local k = tonumber(ARGV[10])
+local k = tonumber(ARGV[11])
 local committed = {}
 for i = 1, k do
-  local id, alloc = string.match(ARGV[10 + i], '^([^=]+)=?(.*)$')
+  local id, alloc = string.match(ARGV[11 + i], '^([^=]+)=?(.*)$')
   committed[id] = alloc
 end
-local pos = 11 + k
+local pos = 12 + k
 local want = {}
 for b = 0, nb - 1 do
   want[b] = tonumber(ARGV[pos + b])
@@ -147,7 +149,7 @@ for _, entry in ipairs(done) do
 end
 
 local meta_fields = {'nb', nb, 'start_ms', ARGV[5], 'end_ms', ARGV[6], 'max', ARGV[7],
-  'limit', ARGV[8], 'epoch', ARGV[9]}
+  'limit', ARGV[8], 'epoch', ARGV[9], 'paused', ARGV[10]}
 local pp = ARGV[pos + 1 + 2 * tonumber(ARGV[pos])]
 if pp then
   meta_fields[#meta_fields + 1] = 'pp'

@@ -118,6 +118,9 @@ def base_env() -> dict[str, str]:
             # A stopped gate stops at once: no balancer watches the suite's gates
             # (tests/cli/test_rolling_restart.py sets its own delay).
             "GATE_SHUTDOWN_DELAY_SECONDS": "0",
+            # Many tests break a deal's books on purpose and sell on afterwards; the
+            # pause on a breach has its own tests (tests/expiry/test_pause.py).
+            "GATE_PAUSE_ON_BREACH": "0",
         }
     )
     return env

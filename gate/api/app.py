@@ -24,7 +24,9 @@ from gate.api.deals import (
     admin_create_deal,
     admin_deal,
     admin_ledger,
+    admin_pause,
     admin_rebucket,
+    admin_resume,
     admin_set_window,
     deal_view,
 )
@@ -199,6 +201,8 @@ def routes(*, public_metrics: bool = False) -> list[BaseRoute]:
         Route(admin_deal_path + "/stock", admin_adjust_stock, methods=["POST"]),
         Route(admin_deal_path + "/buckets", admin_rebucket, methods=["PUT"]),
         Route(admin_deal_path + "/window", admin_set_window, methods=["PUT"]),
+        Route(admin_deal_path + "/pause", admin_pause, methods=["POST"]),
+        Route(admin_deal_path + "/resume", admin_resume, methods=["POST"]),
         Route(admin_deal_path + "/ledger", admin_ledger, methods=["GET"]),
     ]
 

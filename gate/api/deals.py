@@ -10,6 +10,8 @@ from gate.base import validate
 from gate.base.errors import Encoded, RawResponse, invalid, not_found, overloaded
 from gate.inventory.room_config import ROOM_BODY_MAX_BYTES
 from gate.runtime import Gate
+from gate.inventory.pause import pause, pause_body, resume, resume_body
+from gate.inventory.room_config import ROOM_BODY_MAX_BYTES
 from gate.store.db import DbUnavailable
 from gate.web.edge import EdgeRequest, EdgeRoute
 from gate.web.http_io import (
@@ -95,6 +97,20 @@ async def admin_set_window(request: Request) -> Response:
     view = await gate.deals.set_window(deal_id, body)
     gate.soldout.forget(deal_id)
     return json_response(view)
+
+
+async def admin_pause(request: Request) -> Response:
+    gate = _admin(request)
+    deal_id = _deal_id(request)
+    reason = pause_body(await read_json(request, gate.settings.body_max_bytes))
+    return json_response(await pause(gate.db, gate.mirror, deal_id, reason=reason, actor="admin"))
+
+
+async def admin_resume(request: Request) -> Response:
+    gate = _admin(request)
+    deal_id = _deal_id(request)
+    note = resume_body(await read_json(request, gate.settings.body_max_bytes))
+    return json_response(await resume(gate.db, gate.mirror, deal_id, actor="admin", note=note))
 
 
 def _query_int(request: Request, name: str, lo: int, hi: int, default: int) -> int:

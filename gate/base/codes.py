@@ -25,6 +25,7 @@ class AdmitCode(IntEnum):
     ADMISSION_REQUIRED = 10
     ADMISSION_INVALID = 11
     QUEUE_FULL = 12
+    SALE_PAUSED = 13
 
 
 class RoomCode(IntEnum):

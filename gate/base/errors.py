@@ -43,6 +43,7 @@ _PROBLEMS: dict[str, tuple[int, str]] = {
     "RATE_LIMITED": (429, "Too many requests"),
     "INTERNAL": (500, "Internal error"),
     "OVERLOADED": (503, "Overloaded"),
+    "SALE_PAUSED": (503, "Sale paused"),
 }
 
 
@@ -161,6 +162,20 @@ def overloaded(detail: str, retry_after_seconds: int = 1) -> Problem:
     return Problem("OVERLOADED", detail, retry_after_seconds=retry_after_seconds, cacheable=True)
 
 
+# A paused sale lasts until a person acts (gate deal resume): buyers are told to come
+# back in half a minute rather than every second.
+SALE_PAUSED_RETRY_SECONDS = 30
+
+
+def sale_paused() -> Problem:
+    return Problem(
+        "SALE_PAUSED",
+        "The sale of this deal is paused; nothing is sold until it resumes.",
+        retry_after_seconds=SALE_PAUSED_RETRY_SECONDS,
+        cacheable=True,
+    )
+
+
 def from_admit(code: AdmitCode, detail: str) -> Problem:
     """Map a rejecting admit.lua outcome to its problem."""
     if code == AdmitCode.SOLD_OUT:
@@ -170,6 +185,8 @@ def from_admit(code: AdmitCode, detail: str) -> Problem:
     if code == AdmitCode.NOT_ACTIVE:
         text = "The sale has not started yet." if detail == "early" else "The sale has ended."
         return Problem("NOT_ACTIVE", text, cacheable=True)
+    if code == AdmitCode.SALE_PAUSED:
+        return sale_paused()
     if code == AdmitCode.BAD_QUANTITY:
         return invalid(f"quantity must be an integer between 1 and {detail}.")
     if code == AdmitCode.LIMIT_EXCEEDED:

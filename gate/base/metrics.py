@@ -125,6 +125,7 @@ AGREED_NAMES: dict[str, tuple[str, ...]] = {
         "gate_redis_drift_units",
         "gate_inconsistency_ratio",
         "gate_release_failure_ratio",
+        "gate_deal_paused",
     ),
     "payments": (
         "gate_callbacks_total",

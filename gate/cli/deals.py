@@ -2,12 +2,14 @@
 a shell, plus repair and bucket advice.
 
     gate deal list | create | show | stock | buckets [--count N | --advise] | ledger | repair
+        | pause [--reason TEXT] | resume
         |  argparse: types, ranges, the operator name        -> exit 2, nothing changed
         v
     the same functions as the admin endpoints (gate/inventory/deals.py: Deals.create,
     admin_view, adjust_stock, rebucket, ledger), with the same bodies: the same
     validation, ledger rows and Redis effects; repair is gate/inventory/repair.py, the
-    advice gate/inventory/advice.py
+    advice gate/inventory/advice.py, pause and resume gate/inventory/pause.py (resume only
+    when `gate check --deal ID` passes: refused, exit 1, naming the breaches)
         |  Problem 400/404/413/415/422 (bad input, no such deal)      -> exit 2
         |  Problem 409/503, database or Redis unreachable (refused)    -> exit 1
         v
@@ -34,6 +36,7 @@ from gate.base.errors import Problem
 from gate.cli.common import ranged_float, ranged_int, with_gate
 from gate.inventory.advice import SAMPLE_SECONDS_MAX
 from gate.inventory.deals import LEDGER_PAGE_MAX, LIST_PAGE_MAX, MAX_BUCKETS, MAX_ID
+from gate.inventory.pause import REASON_MAX_CHARS
 from gate.inventory.repair import WAIT_SECONDS_MAX
 from gate.store.db import DbUnavailable
 
@@ -49,6 +52,14 @@ def _operator(raw: str) -> str:
     if not OPERATOR_RE.match(raw):
         raise argparse.ArgumentTypeError(
             "must be 1-64 characters of [A-Za-z0-9_.@:+-] (it is written to the ledger)"
+        )
+    return raw
+
+
+def _reason(raw: str) -> str:
+    if not raw.strip() or len(raw) > REASON_MAX_CHARS or not raw.isprintable():
+        raise argparse.ArgumentTypeError(
+            f"must be 1-{REASON_MAX_CHARS} printable characters (it is written to the ledger)"
         )
     return raw
 
@@ -123,6 +134,11 @@ def _deal_text(view: dict[str, Any]) -> str:
         f"  max_per_order={view['max_per_order']}  capture={view['capture_mode']}",
         f"  sale: {view['starts_at'] or '-'} .. {view['ends_at'] or '-'}",
     ]
+    if view.get("paused"):
+        lines.append(
+            f"  PAUSED since {view['paused']['since']}: {view['paused']['reason']}"
+            f" (gate deal resume {view['id']})"
+        )
     if "invariant" in view:
         report = {"ok": view["invariant"]["ok"], "deals": [view]}
         lines.append(render(report))
@@ -200,6 +216,19 @@ def _repair_text(report: dict[str, Any]) -> str:
         for row in q["shown"]:
             lines.append(f"    user {row['user_id']}: {row['before']} -> {row['after']}")
     return "\n".join(lines)
+
+
+def _pause_text(view: dict[str, Any]) -> str:
+    deal = view["deal_id"]
+    if view["paused"]:
+        head = "paused" if view["changed"] else f"already paused since {view['paused_at']}"
+        return (
+            f"deal {deal}: {head} ({view['reason']}); reservations answer 503 SALE_PAUSED"
+            f" and the waiting room admits nobody until `gate deal resume {deal}`"
+        )
+    if view["changed"]:
+        return f"deal {deal}: resumed; gate check passes and the sale goes on"
+    return f"deal {deal}: not paused; nothing changed"
 
 
 def _advice_text(advice: dict[str, Any]) -> str:
@@ -296,10 +325,33 @@ def cmd_repair(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_pause(args: argparse.Namespace) -> int:
+    from gate.inventory.pause import pause
+
+    return _run(
+        args,
+        lambda gate: pause(
+            gate.db, gate.mirror, args.deal_id, reason=args.reason, actor=args.operator
+        ),
+        _pause_text,
+    )
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from gate.inventory.pause import resume
+
+    return _run(
+        args,
+        lambda gate: resume(gate.db, gate.mirror, args.deal_id, actor=args.operator),
+        _pause_text,
+    )
+
+
 def add_commands(sub: Any) -> None:
     deal = sub.add_parser(
         "deal",
-        help="list, create, show, adjust, rebucket, repair deals (the admin API from a shell)",
+        help="list, create, show, adjust, rebucket, repair, pause, resume deals (the admin API"
+        " from a shell)",
         description="Exit codes: 0 done; 2 bad input or no such deal (nothing changed);"
         " 1 refused or failed (a conflict, reservations in flight, the database or Redis"
         " unreachable).",
@@ -387,4 +439,26 @@ def add_commands(sub: Any) -> None:
         default=0.0,
         help="wait up to this long for reservations in flight to finish (default: refuse)",
     )
+    operator(p)
+
+    p = command(
+        "pause",
+        "pause the deal's sale: reservations answer 503 SALE_PAUSED, the room admits nobody",
+        cmd_pause,
+    )
+    p.add_argument("deal_id", type=_deal_id)
+    p.add_argument(
+        "--reason",
+        type=_reason,
+        default="paused by hand",
+        help=f"why, written to the ledger (at most {REASON_MAX_CHARS} characters)",
+    )
+    operator(p)
+
+    p = command(
+        "resume",
+        "resume a paused sale, only when `gate check --deal ID` passes (refused otherwise)",
+        cmd_resume,
+    )
+    p.add_argument("deal_id", type=_deal_id)
     operator(p)

@@ -8,7 +8,8 @@
     GET  /console/api/snapshot            the live numbers (gate/console/snapshot.py)
     GET  /console/api/deals/{id}/ledger   the deal's latest ledger rows, newest first
     GET  /console/api/deals/{id}/advice   bucket advice
-    POST /console/api/deals/{id}/{action} buckets | stock | window, and the actions of
+    POST /console/api/deals/{id}/{action} buckets | stock | window | pause | resume, and
+                                          the actions of
                                           the areas' console panels (room_message,
                                           retry_dead_letters)
     POST /console/api/panels/{panel}/{action}  the actions of the areas' gate-wide
@@ -65,6 +66,7 @@ from gate.console.session import (
 )
 from gate.console.snapshot import Snapshots
 from gate.extensions import ConsoleAction, Extension
+from gate.inventory.pause import pause, pause_body, resume, resume_body
 from gate.store.keys import console_revoked
 from gate.web.admin_guard import AdminAttempts
 from gate.web.http_io import json_response, read_json
@@ -148,7 +150,24 @@ async def _window(gate: Gate, deal_id: int, body: Any, actor: str) -> dict[str, 
     return await gate.deals.set_window(deal_id, body, actor=actor)
 
 
-ACTIONS: Mapping[str, Action] = {"buckets": _rebucket, "stock": _stock, "window": _window}
+async def _pause(gate: Gate, deal_id: int, body: Any, actor: str) -> dict[str, Any]:
+    reason = pause_body(body)
+    return await pause(gate.db, gate.mirror, deal_id, reason=reason, actor=actor)
+
+
+async def _resume(gate: Gate, deal_id: int, body: Any, actor: str) -> dict[str, Any]:
+    """Refused (409, naming the breaches) while `gate check` of the deal fails."""
+    note = resume_body(body)
+    return await resume(gate.db, gate.mirror, deal_id, actor=actor, note=note)
+
+
+ACTIONS: Mapping[str, Action] = {
+    "buckets": _rebucket,
+    "stock": _stock,
+    "window": _window,
+    "pause": _pause,
+    "resume": _resume,
+}
 
 
 def area_action(gate: Gate, name: str) -> ConsoleAction | None:

@@ -133,9 +133,9 @@ class Snapshots:
         timings: dict[str, float] = {}
         rows = await gate.db.fetchall(
             "SELECT d.id, d.title, d.starts_at, d.ends_at, d.bucket_count, d.hold_seconds,"
-            " b.bucket, b.total, b.available, b.held, b.sold"
+            " b.bucket, b.total, b.available, b.held, b.sold, d.paused_at, d.pause_reason"
             " FROM (SELECT id, title, starts_at, ends_at, bucket_count, hold_seconds,"
-            " layout_epoch FROM deals ORDER BY id DESC LIMIT %s) AS d"
+            " layout_epoch, paused_at, pause_reason FROM deals ORDER BY id DESC LIMIT %s) AS d"
             " JOIN deal_buckets b ON b.deal_id = d.id AND b.epoch = d.layout_epoch"
             " ORDER BY d.id DESC, b.bucket LIMIT %s",
             (DEALS_SHOWN_MAX, BUCKET_ROWS_MAX),
@@ -157,6 +157,10 @@ class Snapshots:
                     "held": 0,
                     "sold": 0,
                     "bucket_rows": [],
+                    # The sale paused (gate/inventory/pause.py): the console's banner.
+                    "paused": (
+                        {"since": iso(r[11]), "reason": r[12]} if r[11] is not None else None
+                    ),
                 }
             total, avail, held, sold = (int(x) for x in r[7:11])
             deal["total"] += total
@@ -324,6 +328,8 @@ class Snapshots:
 
 
 def _status(deal: dict[str, Any], wall: float) -> str:
+    if deal.get("paused"):
+        return "paused"
     starts = deal["starts_at"]
     ends = deal["ends_at"]
     if starts and parse_iso(starts).replace(tzinfo=UTC).timestamp() > wall:

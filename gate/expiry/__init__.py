@@ -75,6 +75,7 @@ class ExpirySettings:
             release_lag_max_seconds=env_float(
                 env, "GATE_ALERT_RELEASE_LAG_SECONDS", 300.0, 1.0, 86_400.0
             ),
+            pause_on_breach=env_bool(env, "GATE_PAUSE_ON_BREACH", True),
         )
         return cls(
             sweeper_in_serve=env_bool(env, "GATE_SWEEPER", True),
@@ -91,7 +92,7 @@ def make_sweeper(gate: Gate, config: SweepConfig | None = None) -> Sweeper:
 
 def make_monitor(gate: Gate, config: MonitorConfig | None = None) -> InvariantMonitor:
     settings = ExpirySettings.from_env(gate.settings.environ, gate.settings)
-    return InvariantMonitor(gate.db, gate.redis, config or settings.monitor)
+    return InvariantMonitor(gate.db, gate.redis, config or settings.monitor, mirror=gate.mirror)
 
 
 def install(gate: Gate) -> Extension:
@@ -100,7 +101,7 @@ def install(gate: Gate) -> Extension:
     if settings.sweeper_in_serve:
         workers.append(Sweeper(gate.db, gate.mirror, settings.sweep).run)
     if settings.invariants_in_serve:
-        monitor = InvariantMonitor(gate.db, gate.redis, settings.monitor)
+        monitor = InvariantMonitor(gate.db, gate.redis, settings.monitor, mirror=gate.mirror)
         # One process at a time across hosts checks the invariants (gate/store/work_lease.py).
         monitor.work_lease = WorkLease(
             gate.runner, "invariants", gate.settings.background_lease_seconds

@@ -27,7 +27,20 @@ against the orders), units Redis disagrees with the database about, and units st
 held by holds whose deadline passed longer ago than the release-lag threshold (stock
 that has "vanished" in the article's sense: neither sellable nor sold).
 
-Every check is read-only, so any number of processes may run the monitor; each
+A deal whose books are broken is paused (GATE_PAUSE_ON_BREACH, on by default;
+gate/inventory/pause.py): a breach of the books (counters against the orders, ghost
+holds included, sold above total, a ledger that does not add up), or Redis still
+disagreeing with the database after this monitor had the drift repaired
+(Mirror.resync) and checked again:
+
+    check(deal) ── breaches of the books ──────────────────────────> pause(deal, why)
+              └─ Redis drift only ── resync, check again ── drift ──> pause(deal, why)
+
+The pause lands in Redis at once, so every gate process refuses the deal's next
+reservation (503 SALE_PAUSED); `PauseWatch` re-reads the paused deals on every
+process each interval (gate_deal_paused).
+
+The checks are read-only, so any number of processes may run the monitor; each
 exports what it saw itself. With background leases (gate/store/work_lease.py, on by
 default) one process at a time checks the deals; every process still evaluates its
 own sweeper's failure ratio and lag each interval (`evaluate_sweeper`).
@@ -49,7 +62,10 @@ from gate.base.drain import yield_to_sweeper
 from gate.base.metrics import METRICS
 from gate.expiry.sweeper import STATS
 from gate.inventory.check import check_deal
+from gate.inventory.mirror import Mirror
+from gate.inventory.pause import PauseWatch, breach_reason, pause
 from gate.store.db import Database
+from gate.store.keys import deal_keys
 from gate.store.work_lease import WorkLease
 
 log = logging.getLogger("gate.invariants")
@@ -58,6 +74,8 @@ log = logging.getLogger("gate.invariants")
 # entries are forgotten (a flash-sale gate runs few deals at a time).
 TRACKED_DEALS_MAX = 100_000
 LOGGED_BREACHES_MAX = 5
+# The resync lock the monitor takes to repair a drift itself (gate/inventory/resync.py).
+REPAIR_LOCK_MS = 5_000
 
 BREACHES = METRICS.gauge(
     "gate_invariant_breaches",
@@ -114,6 +132,8 @@ class MonitorConfig:
     release_failure_ratio_max: float = 0.01
     release_failure_window_seconds: float = 600.0
     release_lag_max_seconds: float = 300.0
+    # Pause a deal whose books the check finds broken (GATE_PAUSE_ON_BREACH).
+    pause_on_breach: bool = True
 
 
 class Alert:
@@ -207,11 +227,16 @@ class InvariantMonitor:
         config: MonitorConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
+        mirror: Mirror | None = None,
     ) -> None:
         self.db = db
         self.redis = client
         self.config = config
         self.clock = clock
+        # With the mirror: drift repaired before it counts, broken deals paused, and
+        # the paused deals' flags kept (`PauseWatch`).
+        self.mirror = mirror
+        self.watch = PauseWatch(db, mirror) if mirror is not None else None
         self._cursor = 0
         self._books: dict[int, DealBooks] = {}
         self._drift: dict[int, int] = {}
@@ -236,6 +261,11 @@ class InvariantMonitor:
         no burst is longer than one deal's check."""
         while not stop.is_set():
             started = self.clock()
+            if self.watch is not None:
+                try:
+                    await self.watch.run_once()
+                except Exception as exc:
+                    log.warning("paused deals not read: %r", exc)
             try:
                 if not await self.run_paced(stop):
                     # The deals are checked by the lease's holder; this process's
@@ -310,6 +340,9 @@ class InvariantMonitor:
     async def check(self, deal_id: int) -> dict[str, Any] | None:
         """Check one deal, export and log what was found. None: the check failed."""
         try:
+            # The database's time before the check: a resume after it wins over what
+            # this check sees (gate/inventory/pause.py).
+            seen_at = await self._db_now() if self._pausing() else None
             report = await check_deal(self.db, self.redis, deal_id)
             stuck = await self._stuck_units(deal_id)
         except Exception as exc:
@@ -320,6 +353,7 @@ class InvariantMonitor:
         # (GateRedisDrift) and the resync loop repairs it.
         drifted = set(report.get("redis", {}).get("mismatches", ()))
         breaches = tuple(b for b in report["invariant"]["breaches"] if b not in drifted)
+        await self._pause_if_broken(deal_id, breaches, bool(drifted), seen_at)
         book, total, drift = inconsistent_units(report)
         if drift is not None:
             self._drift[deal_id] = drift
@@ -350,6 +384,55 @@ class InvariantMonitor:
         self._books[deal_id] = DealBooks(units, total, breaches)
         report["inconsistent_units"] = units
         return report
+
+    def _pausing(self) -> bool:
+        return self.mirror is not None and self.config.pause_on_breach
+
+    async def _db_now(self) -> Any:
+        row = await self.db.fetchone("SELECT NOW(6)")
+        return row[0] if row else None
+
+    async def _pause_if_broken(
+        self, deal_id: int, breaches: tuple[str, ...], drift: bool, seen_at: Any
+    ) -> None:
+        """Pause the deal when its books are broken, or when Redis still disagrees
+        with the database once the drift was repaired and the deal checked again."""
+        if self.mirror is None or not self.config.pause_on_breach:
+            return
+        why = breaches
+        if not why and drift:
+            why = await self._drift_after_repair(deal_id)
+        if not why:
+            return
+        try:
+            await pause(
+                self.db,
+                self.mirror,
+                deal_id,
+                reason=breach_reason(why),
+                actor="invariant-monitor",
+                seen_at=seen_at,
+            )
+        except Exception as exc:
+            log.error("deal %s: books broken, but not paused: %r", deal_id, exc)
+
+    async def _drift_after_repair(self, deal_id: int) -> tuple[str, ...]:
+        """The drift repaired as the resync loop would (under its per-deal lock: a
+        pass holding it is repairing already, and the next check decides), then the
+        deal checked again: the mismatches that remain."""
+        assert self.mirror is not None and self.redis is not None
+        lock = deal_keys(deal_id).sync_lock
+        if not await self.redis.set(lock, "monitor", nx=True, px=REPAIR_LOCK_MS):
+            return ()
+        try:
+            await self.mirror.resync(deal_id)
+            again = await check_deal(self.db, self.redis, deal_id)
+        except Exception as exc:
+            log.warning("deal %s: drift not repaired: %r", deal_id, exc)
+            return ()
+        finally:
+            await self.redis.delete(lock)
+        return tuple(f"after a resync, {m}" for m in again.get("redis", {}).get("mismatches", ()))
 
     async def _stuck_units(self, deal_id: int) -> int:
         row = await self.db.fetchone(

@@ -45,7 +45,7 @@ PUBLIC_CACHE_MAX = 10_000
 _DEAL_COLUMNS = (
     "id, title, unit_price, currency, bucket_count, layout_epoch, hold_seconds,"
     " per_user_limit, max_per_order, capture_mode, starts_at, ends_at, created_at, updated_at,"
-    " waiting_room, mode, partitions"
+    " waiting_room, mode, partitions, paused_at, pause_reason"
 )
 
 
@@ -73,6 +73,9 @@ class Deal:
     # Redis partitions of the deal (docs/scale-out.md, "Deal partitions"), fixed at
     # creation.
     partitions: int = 1
+    # The sale paused (gate/inventory/pause.py): since when, and why. None: it sells.
+    paused_at: datetime | None = None
+    pause_reason: str | None = None
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> Deal:
@@ -94,6 +97,8 @@ class Deal:
             waiting_room=None if row[14] is None else str(row[14]),
             mode=str(row[15]),
             partitions=int(row[16]),
+            paused_at=row[17],
+            pause_reason=None if row[18] is None else str(row[18]),
         )
 
     def public(self, remaining: int) -> dict[str, Any]:
@@ -128,6 +133,11 @@ class Deal:
             "created_at": iso(self.created_at),
             "updated_at": iso(self.updated_at),
             "waiting_room": room_view(self.waiting_room),
+            "paused": (
+                {"since": iso(self.paused_at), "reason": self.pause_reason}
+                if self.paused_at is not None
+                else None
+            ),
         }
 
 

@@ -498,7 +498,7 @@ class Mirror:
             ids = sorted(ids_set)
             await cur.execute(
                 "SELECT bucket_count, layout_epoch, starts_at, ends_at, max_per_order,"
-                " per_user_limit FROM deals WHERE id = %s",
+                " per_user_limit, paused_at IS NOT NULL FROM deals WHERE id = %s",
                 (deal_id,),
             )
             deal = await cur.fetchone()
@@ -540,6 +540,8 @@ class Mirror:
                 int(deal[4]),
                 int(deal[5] or 0),
                 epoch,
+                # The pause, as of this snapshot (gate/inventory/pause.py).
+                "1" if deal[6] else "0",
                 len(committed),
                 *committed,
                 *mine,

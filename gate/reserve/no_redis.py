@@ -6,6 +6,7 @@ per-process cap (GATE_REDIS_DOWN_POLICY=database).
     reserve(request)
       ├─ policy "reject", limits that fail closed, the cap reached, a deal with a
       │  waiting room (its admissions live in Redis) ──> 503
+      ├─ a paused deal (deals.paused_at, read with the room) ──> 503 SALE_PAUSED
       └─ CALL gate_reserve on a random bucket (no Redis allocation; the procedure
          falls over to the others), a partitioned deal partition by partition while
          each says sold out ──> 201, or the key's own answer, or the refusal
@@ -19,7 +20,7 @@ import random
 import pymysql
 
 from gate.base.codes import DbCode
-from gate.base.errors import overloaded
+from gate.base.errors import overloaded, sale_paused
 from gate.base.settings import Settings
 from gate.inventory import orders
 from gate.inventory.mirror import Mirror
@@ -83,12 +84,17 @@ class NoRedisPolicy:
             return await self.replays.after_refusal(req, fp, db_code)
 
     async def _has_room(self, deal_id: int) -> bool:
+        """The deal has a waiting room; SALE_PAUSED for a paused deal (its flag in
+        Redis cannot be read: the row's is, in the same read)."""
         try:
             room = await self.db.fetchone(
-                "SELECT waiting_room IS NOT NULL FROM deals WHERE id = %s", (deal_id,)
+                "SELECT waiting_room IS NOT NULL, paused_at IS NOT NULL FROM deals WHERE id = %s",
+                (deal_id,),
             )
         except (DbUnavailable, pymysql.err.MySQLError, TimeoutError):
             raise overloaded("Database unavailable; retry shortly.") from None
+        if room is not None and int(room[1]) == 1:
+            raise sale_paused()
         return room is not None and int(room[0]) == 1
 
     async def _commit(self, req: ReserveRequest, fp: str, token: str) -> Row:

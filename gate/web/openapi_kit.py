@@ -45,6 +45,7 @@ PROBLEM_CODES: dict[str, int] = {
     "RATE_LIMITED": 429,
     "INTERNAL": 500,
     "OVERLOADED": 503,
+    "SALE_PAUSED": 503,
 }
 
 
@@ -64,7 +65,10 @@ _REASONS = {
     422: "Unprocessable",
     429: "Rate limited; retry after `Retry-After` seconds",
     500: "Internal error",
-    503: "Overloaded or a dependency is unavailable; retry after `Retry-After` seconds",
+    503: (
+        "Overloaded, a dependency is unavailable, or the deal's sale is paused"
+        " (SALE_PAUSED); retry after `Retry-After` seconds"
+    ),
 }
 
 

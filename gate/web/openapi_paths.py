@@ -145,6 +145,7 @@ def _paths() -> dict[str, dict[str, Any]]:
                         "LIMIT_EXCEEDED",
                         "RATE_LIMITED",
                         "OVERLOADED",
+                        "SALE_PAUSED",
                     ),
                 },
             }
@@ -325,6 +326,45 @@ def _paths() -> dict[str, dict[str, Any]]:
                 "responses": {
                     "200": _json(_ref("AdminDealView"), "The deal with its new window."),
                     **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
+                },
+            }
+        },
+        admin_deal + "/pause": {
+            "post": {
+                "tags": ["admin"],
+                "summary": "Pause the deal's sale; ledgered with its reason.",
+                "description": (
+                    "Reservations answer 503 SALE_PAUSED with Retry-After, the waiting"
+                    " room admits nobody (tickets keep their places), holds already made"
+                    " may still be paid. The invariant monitor pauses a deal whose books"
+                    " break (GATE_PAUSE_ON_BREACH). Pausing a paused deal changes nothing."
+                ),
+                "operationId": "pauseDeal",
+                "security": ADMIN,
+                "parameters": [_param("DealId")],
+                "requestBody": _body("DealPause", "Why, written to the ledger."),
+                "responses": {
+                    "200": _json(_ref("DealPauseState"), "The deal's pause."),
+                    **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "OVERLOADED"),
+                },
+            }
+        },
+        admin_deal + "/resume": {
+            "post": {
+                "tags": ["admin"],
+                "summary": "Resume a paused sale, only when `gate check` of the deal passes.",
+                "description": (
+                    "409 CONFLICT naming the breaches while the deal's books are broken"
+                    " (repair first: gate deal repair); nothing changes then. Resuming a"
+                    " deal that is not paused changes nothing."
+                ),
+                "operationId": "resumeDeal",
+                "security": ADMIN,
+                "parameters": [_param("DealId")],
+                "requestBody": _body("DealResume", "An optional note for the ledger."),
+                "responses": {
+                    "200": _json(_ref("DealPauseState"), "The deal's pause, lifted."),
+                    **_problems(*ADMIN_BODY_PROBLEMS, "NOT_FOUND", "CONFLICT", "OVERLOADED"),
                 },
             }
         },

@@ -42,6 +42,16 @@ def _schemas() -> dict[str, Any]:
         "created_at": TIMESTAMP,
         "updated_at": TIMESTAMP,
     }
+    # The sale paused (gate/inventory/pause.py), or null.
+    paused = {
+        "oneOf": [
+            _object(
+                {"since": TIMESTAMP, "reason": {"type": "string"}},
+                ["since", "reason"],
+            ),
+            {"type": "null"},
+        ]
+    }
     counts = {
         "total": {"type": "integer"},
         "available": {"type": "integer"},
@@ -290,12 +300,13 @@ def _schemas() -> dict[str, Any]:
             additionalProperties=False,
         ),
         "AdminDeal": _object(
-            {**admin_deal, "stock": {"type": "integer", "minimum": 0}},
+            {**admin_deal, "paused": paused, "stock": {"type": "integer", "minimum": 0}},
             ["id", "title", "unit_price", "currency", "buckets", "stock"],
         ),
         "AdminDealView": _object(
             {
                 **admin_deal,
+                "paused": paused,
                 "deal_id": {"type": "integer"},
                 "bucket_count": {"type": "integer"},
                 "totals": _object(counts),
@@ -590,6 +601,29 @@ def _schemas() -> dict[str, Any]:
             {"count": {"type": "integer", "minimum": 1, "maximum": 1024}},
             ["count"],
             additionalProperties=False,
+        ),
+        "DealPause": _object(
+            {"reason": {"type": "string", "minLength": 1, "maxLength": 255}},
+            ["reason"],
+            additionalProperties=False,
+        ),
+        "DealResume": _object(
+            {"note": {"type": "string", "minLength": 1, "maxLength": 255}},
+            [],
+            additionalProperties=False,
+        ),
+        "DealPauseState": _object(
+            {
+                "deal_id": {"type": "integer"},
+                "paused": {"type": "boolean"},
+                "paused_at": {"type": ["string", "null"], "format": "date-time"},
+                "reason": {"type": ["string", "null"]},
+                "changed": {
+                    "type": "boolean",
+                    "description": "False: the deal was so already; nothing was ledgered.",
+                },
+            },
+            ["deal_id", "paused", "paused_at", "reason", "changed"],
         ),
         "SaleWindow": _object(
             {"starts_at": NULLABLE_TIMESTAMP, "ends_at": NULLABLE_TIMESTAMP},

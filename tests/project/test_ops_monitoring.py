@@ -121,6 +121,10 @@ def test_the_seeds_thresholds_are_alerted() -> None:
         r["GateInvariantBreach"]["expr"].endswith("> 0") and "for" not in r["GateInvariantBreach"]
     )
     assert r["GateRedisDrift"]["expr"].endswith("> 0")
+    # A paused sale (gate/inventory/pause.py) pages at once.
+    paused = r["GateDealPaused"]
+    assert "gate_deal_paused" in paused["expr"] and paused["expr"].endswith("> 0")
+    assert "for" not in paused and paused["labels"]["severity"] == "critical"
     assert "gate_payment_quarantined_total" in r["GatePaymentQuarantined"]["expr"]
     assert "gate_refund_backlog" in r["GateRefundBacklogGrowing"]["expr"]
 

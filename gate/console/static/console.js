@@ -105,6 +105,18 @@
     shown.forEach((tr, i) => { if (body.children[i] !== tr) body.insertBefore(tr, body.children[i] || null); });
     if (selected !== null) renderDetail(snap);
     renderWebhooks((snap.panels || {}).webhooks);
+    renderPauses(snap.deals);
+  }
+
+  // The banner: every paused deal, with why (the invariant monitor's breaches, or
+  // the operator's reason), until it is resumed.
+  function renderPauses(list) {
+    const paused = list.filter((d) => d.paused);
+    const banner = $("pause-banner");
+    const words = paused.map((d) => "Deal #" + d.id + " is PAUSED since " + d.paused.since +
+      ": " + d.paused.reason).join(" · ");
+    if (banner.textContent !== words) banner.textContent = words;
+    banner.hidden = paused.length === 0;
   }
 
   // The webhooks panel (gate/webhooks/console_panel.py): redrawn only when it changed,
@@ -319,6 +331,10 @@
   }
 
   function formBody(form) {
+    if (form.dataset.action === "resume") {
+      const note = form.querySelector("input[name=note]").value.trim();
+      return note === "" ? {} : { note };
+    }
     if (form.dataset.action === "room_message") {
       // {"message": {"text", "level"}}, or null (an empty text) to remove it.
       const words = form.querySelector("input[name=text]").value.trim();
@@ -369,7 +385,8 @@
       await api("DELETE", "session");
       signedOut("Signed out.");
     });
-    for (const id of ["buckets-form", "stock-form", "window-form", "room-message-form", "retry-form"]) {
+    for (const id of ["buckets-form", "stock-form", "window-form", "pause-form", "resume-form",
+      "room-message-form", "retry-form"]) {
       $(id).addEventListener("submit", act);
     }
     const r = await api("GET", "session");
