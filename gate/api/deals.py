@@ -8,10 +8,9 @@ from starlette.responses import Response
 from gate.api.common import MAX_ID, _deal_id, _gate
 from gate.base import validate
 from gate.base.errors import Encoded, RawResponse, invalid, not_found, overloaded
-from gate.inventory.room_config import ROOM_BODY_MAX_BYTES
-from gate.runtime import Gate
 from gate.inventory.pause import pause, pause_body, resume, resume_body
 from gate.inventory.room_config import ROOM_BODY_MAX_BYTES
+from gate.runtime import Gate
 from gate.store.db import DbUnavailable
 from gate.web.edge import EdgeRequest, EdgeRoute
 from gate.web.http_io import (

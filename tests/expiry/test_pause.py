@@ -23,8 +23,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gate.cli import deals as deal_cli
-from gate.runtime import Gate
 from gate.inventory.pause import pause, resume
+from gate.runtime import Gate
 from gate.store.db import Database
 from gate.store.keys import deal_keys
 from tests.console_support import console_env, sign_in
