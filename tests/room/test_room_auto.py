@@ -150,7 +150,9 @@ async def test_auto_rate_backs_off_when_commits_wait(
         for _ in range(30):
             snap = await ac.get("/console/api/snapshot", headers=op.read())
             assert snap.status_code == 200, snap.text
-            entry = next((d for d in snap.json()["deals"] if d["id"] == deal_id), {})
+            entry: dict[str, Any] = next(
+                (d for d in snap.json()["deals"] if d["id"] == deal_id), {}
+            )
             shown = entry.get("waiting_room", {}).get("auto") or {}
             if shown.get("rate") is not None:
                 break
