@@ -198,7 +198,7 @@ def install(gate: Gate) -> Extension:
         # The runner loads every script it holds at start-up (ScriptRunner.load).
         scripts=_scripts(),
         before_sync=[room.before_sync, gatekeeper.before_sync],
-        admission=RoomAdmission(tokens, gate.runner),
+        admission=RoomAdmission(tokens, gate.runner, settings.admission_ratio),
         console_panels=[RoomPanel(gate, room)],
     )
 
