@@ -177,11 +177,14 @@ class Estimator:
             keys.room, ["on", "ttl_ms", "auto", "aps", "aceil", "acut", "aprobe", "admitted"]
         )
         pipe.hget(keys.room, "adm_prev")
-        clock, ring_raw, meta, room, previous = await pipe.execute()
+        pipe.zcard(keys.room_queue)
+        clock, ring_raw, meta, room, previous, waiting = await pipe.execute()
         on, ttl_ms, auto, aps, aceil, acut, aprobe, admitted = (
             text(v) if v is not None else None for v in room
         )
-        if on != "1" or meta[0] is None:
+        if on != "1" or meta[0] is None or (not int(waiting) and auto != "1"):
+            # Nothing to do: no room, its deal not loaded, or nobody waiting for a
+            # chance in a room that sets no rate of its own.
             return
         now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
         avail = max(0, int(text(meta[0])))

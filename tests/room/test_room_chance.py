@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gate.room.conversion import ADMISSION_SLOT_MS, Ring
-from gate.store.keys import deal_keys
+from tests.room.chance_support import evidence
 from tests.support import ADMIN, Client, GateProcess, buyer, create_deal
 
 # Not started: every ticket waits with a place (drawn in the prequeue).
@@ -94,20 +93,6 @@ async def test_chance_on_join_and_read(cc: Client) -> None:
             _valid(t["chance"])
 
 
-async def _evidence(rds: aioredis.Redis, deal_id: int) -> None:
-    """A sale's history in the admissions ring, as room_advance.lua and admit.lua
-    write it: 60 admissions 40 to 60 s ago, 50 of them spent after about 3 s."""
-    seconds, micros = await rds.time()
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
-    ring = Ring(ADMISSION_SLOT_MS)
-    for i in range(60):
-        given = now_ms - 40_000 - i * 333
-        ring.add(given, "n")
-        if i % 6:
-            ring.converted(given, given + 3000)
-    await rds.hset(deal_keys(deal_id).room_ring, mapping=ring.as_hash())  # type: ignore[arg-type]
-
-
 async def test_unlikely_then_leave_and_join_again_at_the_back(
     cc: Client, rds: aioredis.Redis
 ) -> None:
@@ -115,7 +100,7 @@ async def test_unlikely_then_leave_and_join_again_at_the_back(
     users = list(range(72_000, 72_040))
     for u in users:
         assert (await _call(cc, "POST", deal_id, u)).status_code == 201
-    await _evidence(rds, deal_id)
+    await evidence(rds, deal_id)
     # The last in line: 39 ahead for 1 unit, most of whom buy.
     positions = {u: (await _call(cc, "GET", deal_id, u)).json()["position"] for u in users}
     last = max(users, key=lambda u: positions[u])
