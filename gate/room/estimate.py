@@ -109,7 +109,7 @@ class Tables:
             return None, False
         found = chance.chance(held[1], position)
         below = held[2]
-        unlikely = found is not None and below > 0 and float(str(found["p"])) < below
+        unlikely = found is not None and below > 0 and cast(float, found["p"]) < below
         return found, unlikely
 
 
