@@ -2,7 +2,9 @@
 
     buyer ── POST /v1/deals/{id}/queue ──> room_ticket.lua (join) ──> ticket
           ── GET  /v1/deals/{id}/queue ──> room_ticket.lua (read) ──> ticket
-                                               (+ a signed admission token once admitted)
+                                               (+ a signed admission token once admitted;
+                                                a waiting ticket's chance from the table
+                                                this process holds: gate/room/estimate.py)
     every gate process, every GATE_ROOM_INTERVAL_MS:
           room loop ──> room_advance.lua per room: lapse, then admit on Redis time
                         within the rate, the stock bound and the sale window
