@@ -90,13 +90,16 @@ class Tables:
         except Exception as exc:
             log.info("deal %s: chance table not read: %r", deal_id, exc)
             return
-        table = None
-        if raw:
-            try:
+        table, below = None, 0.0
+        try:
+            if raw:
                 table = chance.Table.from_fields(raw)
-            except ValueError:
-                table = None
-        below = float(text(unl)) if unl else 0.0
+            if unl:
+                below = float(text(unl))
+        except ValueError:
+            # Not a table this version writes: none (the chance is null) until the
+            # next estimate.
+            log.info("deal %s: chance table unreadable", deal_id)
         if len(self._held) >= TABLES_MAX:
             self._held.clear()
         self._held[deal_id] = (time.monotonic(), table, below)
