@@ -15,7 +15,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
+from gate.store.keys import deal_keys
 from tests.support import Client, GateProcess, buyer, create_deal
 
 GATE_ENV = {
@@ -107,7 +109,7 @@ async def test_units_back_through_another_gate_reach_the_admitted_buyer(
 
 
 async def test_a_buyer_of_several_units_leaves_no_admitted_buyer_without_one(
-    clients: tuple[Client, Client],
+    clients: tuple[Client, Client], rds: aioredis.Redis
 ) -> None:
     ca, _ = clients
     deal_id = await create_deal(ca, stock=3, max_per_order=2, waiting_room=ROOM)
@@ -135,3 +137,9 @@ async def test_a_buyer_of_several_units_leaves_no_admitted_buyer_without_one(
     await asyncio.sleep(0.5)
     states = [(await ticket(ca, deal_id, u))["state"] for u in users if u not in results]
     assert states and all(s == "sold_out" for s in states), states
+    # The admissions ring counted both admissions and both spends (the conversion
+    # the chance and the automatic rate measure).
+    ring = await rds.hgetall(deal_keys(deal_id).room_ring)
+    given = sum(int(v) for f, v in ring.items() if f.startswith("n:"))
+    spent = sum(int(v) for f, v in ring.items() if f.startswith("k:"))
+    assert (given, spent) == (2, 2), ring
