@@ -139,7 +139,7 @@ async def test_a_buyer_of_several_units_leaves_no_admitted_buyer_without_one(
     assert states and all(s == "sold_out" for s in states), states
     # The admissions ring counted both admissions and both spends (the conversion
     # the chance and the automatic rate measure).
-    ring = await rds.hgetall(deal_keys(deal_id).room_ring)
-    given = sum(int(v) for f, v in ring.items() if f.startswith("n:"))
-    spent = sum(int(v) for f, v in ring.items() if f.startswith("k:"))
+    ring = {str(f): int(v) for f, v in (await rds.hgetall(deal_keys(deal_id).room_ring)).items()}
+    given = sum(v for f, v in ring.items() if f.startswith("n:"))
+    spent = sum(v for f, v in ring.items() if f.startswith("k:"))
     assert (given, spent) == (2, 2), ring
