@@ -22,9 +22,7 @@ buyers then get (docs/waiting-room.md, "Your chance" and "Automatic rate").
     the room, as gate/room/ and lua/room_advance.lua run it: FIFO after the drawn
     prequeue; every 100 ms one advance lapses admissions past their TTL (120 s), then
     admits within the rate (sliding second, smoothed per call) and the bound
-        fixed rate   unspent admissions x the most a buyer may take
-                     <= ceil(available x ratio)                          (ratio 1.0)
-                     (one admission while none is out and a unit is available)
+        fixed rate   unspent admissions <= ceil(available x ratio)      (ratio 1.0)
         auto         young unspent admissions <= floor(available x ratio + offset),
                      the steering's ratio, offset and young cut-off of the last second
     an admitted buyer's reservation meets SOLD_OUT when fewer units are available than
@@ -379,10 +377,7 @@ class Sale:
             young = self.holding.prefix(len(self.adm_times) - 1) - self.holding.prefix(first - 1)
             room_for = math.floor(self.available * ratio + offset + 1e-9) - young
         else:
-            # Units, not admissions: each admission counts as the most a buyer may take.
-            room_for = math.ceil(self.available * p.ratio) // self.most - self.unspent
-        if self.unspent == 0 and self.available > 0:
-            room_for = max(room_for, 1)  # one at a time while none is out
+            room_for = math.ceil(self.available * p.ratio) - self.unspent
         since = 1.0 if self.last_advance_s is None else min(1.0, max(0.0, t - self.last_advance_s))
         self.last_advance_s = t
         k = min(room_for, aps - len(self.window), math.ceil(aps * since - 1e-9), 1000)

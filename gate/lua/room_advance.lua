@@ -7,11 +7,7 @@
     1. lapse: unspent admissions past their expiry return their slot
     2. admit: pop the lowest queue scores (prequeue joiners in random order, then
        FIFO), as many as all of these allow:
-         bound   the units unspent admissions may ask for <= ceil(available x ratio):
-                 each counts as the most a buyer may take (the deal's max per
-                 order), so a buyer of several units cannot leave another admitted
-                 buyer without one; one admission at a time while none is out, so
-                 a tail smaller than the max per order still sells.
+         bound   unspent admissions <= ceil(available units x ratio)
                  "auto" (a decision at most STALE_MS old, gate/room/steering.py):
                  unspent admissions given at or after ayoung
                  < floor(available x aratio + aoffset), the rate arate
@@ -26,7 +22,7 @@
   KEYS[4] admitted   hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
   KEYS[5] expiry     zset   {d:ID}:rx    user -> expires_ms
   KEYS[6] window     zset   {d:ID}:rw    seq -> admitted_ms (the last second)
-  KEYS[7] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms, max (the mirror's)
+  KEYS[7] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
   KEYS[8] ring       hash   {d:ID}:room:rca  the admissions ring (gate/room/conversion.py):
                             n in the slot of now, per admission given
 
@@ -47,7 +43,7 @@ local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'ttl_ms', 'last_ms', 'auto
 if cfg[1] ~= '1' then
   return {2, 0, 0, ''}
 end
-local meta = redis.call('HMGET', KEYS[7], 'nb', 'avail', 'start_ms', 'end_ms', 'max')
+local meta = redis.call('HMGET', KEYS[7], 'nb', 'avail', 'start_ms', 'end_ms')
 if not meta[1] then
   return {1, 0, 0, ''}
 end
@@ -89,11 +85,8 @@ else
   -- "auto" without a fresh decision (its decider stalled, or not yet run): a tenth
   -- of the cap, the slow start's first step, and the fixed bound below.
   if cfg[5] == '1' then aps = math.max(1, math.floor(aps / 10)) end
-  -- Units, not admissions: an admission may ask for up to the max per order.
-  local most = math.max(1, tonumber(meta[5]) or 1)
-  room_for = math.floor(math.ceil(avail * tonumber(ARGV[1])) / most) - unspent
+  room_for = math.ceil(avail * tonumber(ARGV[1])) - unspent
 end
-if unspent == 0 and avail > 0 and room_for < 1 then room_for = 1 end
 local rate_left = aps - redis.call('ZCARD', KEYS[6])
 local since = 1000
 if cfg[4] then since = math.min(1000, math.max(0, now_ms - tonumber(cfg[4]))) end

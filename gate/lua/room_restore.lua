@@ -12,15 +12,13 @@
   and expiry come from the buyer's verified Admission-Token.
 
   Within the room's bound, as room_advance.lua admits: the unspent admissions, this
-  one included, may ask for at most ceil(available x ratio) units (each the most a
-  buyer may take), or it is the only one out while units are available. Otherwise
-  the units went to another admission meanwhile, and restoring would admit more
-  buyers than units left.
+  one included, at most ceil(available x ratio). Otherwise the units went to another
+  admission meanwhile, and restoring would admit more buyers than units left.
 
   KEYS[1] room       hash   {d:ID}:room  on, spent
   KEYS[2] admitted   hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
   KEYS[3] expiry     zset   {d:ID}:rx    user -> expires_ms
-  KEYS[4] meta       hash   {d:ID}:meta  avail, max (the mirror's)
+  KEYS[4] meta       hash   {d:ID}:meta  avail (the mirror's)
 
   ARGV[1] user id
   ARGV[2] the admission's sequence number (from the token)
@@ -44,12 +42,8 @@ local expires = tonumber(ARGV[3])
 if expires <= now_ms then
   return 0
 end
-local meta = redis.call('HMGET', KEYS[4], 'avail', 'max')
-local avail = tonumber(meta[1]) or 0
-local most = math.max(1, tonumber(meta[2]) or 1)
-local unspent = redis.call('HLEN', KEYS[2])
-local fits = (unspent + 1) * most <= math.ceil(avail * tonumber(ARGV[4]))
-if avail <= 0 or not (fits or unspent == 0) then
+local avail = tonumber(redis.call('HGET', KEYS[4], 'avail')) or 0
+if redis.call('HLEN', KEYS[2]) + 1 > math.ceil(avail * tonumber(ARGV[4])) then
   return 0
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. '|' .. now_ms .. '|' .. ARGV[3])
