@@ -104,13 +104,21 @@ class Tables:
             self._held.clear()
         self._held[deal_id] = (time.monotonic(), table, below)
 
-    def chance(self, deal_id: int, position: int) -> tuple[dict[str, object] | None, bool]:
+    def chance(
+        self, deal_id: int, position: int, available: int
+    ) -> tuple[dict[str, object] | None, bool]:
         """(the ticket's "chance", whether it reads "unlikely") for a waiting ticket at
-        `position`, from the table held (None without one)."""
+        `position` while `available` units are (the read's own figure), from the table
+        held (None without one). A table built on fewer units than are available now
+        (units came back, stock was added since) is stale: it would say too little,
+        down to "nothing left" while the room admits again; none until the next."""
         held = self._held.get(deal_id)
         if held is None:
             return None, False
-        found = chance.chance(held[1], position)
+        table = held[1]
+        if table is not None and table.pool < available:
+            return None, False
+        found = chance.chance(table, position)
         below = held[2]
         unlikely = found is not None and below > 0 and cast(float, found["p"]) < below
         return found, unlikely

@@ -308,7 +308,7 @@ class Room:
         state = STATE_NAMES[code]
         if waiting:
             self.tables.kick(deal_id)
-            found, unlikely = self.tables.chance(deal_id, position)
+            found, unlikely = self.tables.chance(deal_id, position, avail)
             if unlikely:
                 state = UNLIKELY
         token = None

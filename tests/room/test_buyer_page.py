@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -525,13 +524,12 @@ async def test_an_invite_only_room_asks_for_the_access_code(
 async def test_an_unlikely_place_is_said_plainly_with_the_way_out(
     driver: Any, page_gate: GateProcess, pc: Client, shop: Shop, rds: aioredis.Redis
 ) -> None:
-    """One unit, 30 buyers ahead who mostly buy (the room's measured history): the
-    page says the buyer is unlikely to get one, shows the chance, keeps the place and
-    offers to leave."""
-    starts = (datetime.now(UTC) + timedelta(seconds=600)).isoformat()
-    deal_id = await create_deal(
-        pc, title="Lamp", stock=1, starts_at=starts, waiting_room=room(shop, prequeue_seconds=3600)
-    )
+    """One unit, held by an admitted buyer, 30 buyers waiting ahead who mostly buy
+    (the room's measured history): the page says the buyer is unlikely to get one,
+    shows the chance, keeps the place and offers to leave."""
+    deal_id = await create_deal(pc, title="Lamp", stock=1, waiting_room=room(shop))
+    await api_join(pc, deal_id, 7_300_600)
+    await ticket_until(pc, deal_id, 7_300_600, "admitted")
     for user in range(7_300_601, 7_300_631):
         await api_join(pc, deal_id, user)
     await evidence(rds, deal_id)
