@@ -911,7 +911,7 @@ class WaitingRoomBuyer(Buyer):
             if ticket is not None:
                 state = ticket["state"]
                 position = ticket.get("position")
-                if state == "waiting" and position is not None:
+                if state in ("waiting", "unlikely") and position is not None:
                     if last_position is not None and position > last_position:
                         RUN.record.violation(
                             f"room {deal_id}: user {user} moved back from {last_position}"

@@ -26,7 +26,8 @@
   KEYS[10] limit: device  string {d:ID}:rl:v:DEVICE   (idem)
   KEYS[11] buyers         set    {d:ID}:buyers  users ever admitted (never shrinks):
           a gate may answer "sold out" from its near-cache only to users not in it
-  KEYS[12] room           hash   {d:ID}:room  on ("1": the deal has a waiting room), spent
+  KEYS[12] room           hash   {d:ID}:room  on ("1": the deal has a waiting room), spent;
+          and, named from it, the admissions ring {d:ID}:room:rca (a spend: k, g, h)
   KEYS[13] room admitted  hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
   KEYS[14] room expiry    zset   {d:ID}:rx    user -> expires_ms
   KEYS[15] queue          stream {d:ID}:q          } only for a deal in queue mode
@@ -160,6 +161,7 @@ end
 -- active), before the limiters (a refused request consumes none).
 -- The operator's retry of a dead letter ("*") passes it: its admission was spent.
 local room_on = ARGV[17] ~= '*' and redis.call('HGET', KEYS[12], 'on') == '1'
+local admitted_ms
 if room_on then
   local given = ARGV[17]
   if given == '' then
@@ -169,7 +171,8 @@ if room_on then
   if not held then
     return reject(11, '')
   end
-  local seq, expires = string.match(held, '^(%d+)|%d+|(%d+)$')
+  local seq, expires
+  seq, admitted_ms, expires = string.match(held, '^(%d+)|(%d+)|(%d+)$')
   if seq ~= given or tonumber(expires) <= now_ms then
     return reject(11, '')
   end
@@ -277,5 +280,17 @@ if room_on then
   redis.call('HDEL', KEYS[13], user)
   redis.call('ZREM', KEYS[14], user)
   redis.call('HINCRBY', KEYS[12], 'spent', 1)
+  -- The admissions ring (gate/room/conversion.py, key KEYS[12] .. ':rca'): the spend
+  -- and its delay in the admission's slot, if that slot still counts it.
+  local ring = KEYS[12] .. ':rca'
+  local given_ms = tonumber(admitted_ms)
+  local slot = math.floor(given_ms / 1000)
+  local i = slot % 256
+  if redis.call('HGET', ring, 't:' .. i) == tostring(slot) then
+    local ln = math.log(math.max(now_ms - given_ms, 1))
+    redis.call('HINCRBY', ring, 'k:' .. i, 1)
+    redis.call('HINCRBY', ring, 'g:' .. i, math.floor(1000 * ln + 0.5))
+    redis.call('HINCRBY', ring, 'h:' .. i, math.floor(1000 * ln * ln + 0.5))
+  end
 end
 return {0, alloc_s, -1, known}

@@ -8,6 +8,9 @@
     2. admit: pop the lowest queue scores (prequeue joiners in random order, then
        FIFO), as many as all of these allow:
          bound   unspent admissions <= ceil(available units x ratio)
+                 "auto" (a decision at most STALE_MS old, gate/room/steering.py):
+                 unspent admissions given at or after ayoung
+                 < floor(available x aratio + aoffset), the rate arate
          rate    admissions in the last 1000 ms of Redis time < admit_per_second
                  (a sliding-window log: exact across processes), and per call at
                  most the share of the time since the previous call (smoothing)
@@ -22,6 +25,8 @@
   KEYS[5] expiry     zset   {d:ID}:rx    user -> expires_ms
   KEYS[6] window     zset   {d:ID}:rw    seq -> admitted_ms (the last second)
   KEYS[7] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms, paused (the mirror's)
+  KEYS[8] ring       hash   {d:ID}:room:rca  the admissions ring (gate/room/conversion.py):
+                            n in the slot of now, per admission given
 
   ARGV[1] ratio (admissions per available unit, > 0)
   ARGV[2] admissions per call, at most
@@ -33,7 +38,10 @@
     3 DONE  the sale ended more than ARGV[4] ago: the caller schedules the room's
             retirement (gate/room/retire.py, lua/room_retire.lua)
 ]]
-local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'ttl_ms', 'last_ms')
+local STALE_MS = 3000
+local RING_SLOTS, RING_TTL_MS = 256, 600000
+local cfg = redis.call('HMGET', KEYS[1], 'on', 'aps', 'ttl_ms', 'last_ms', 'auto', 'arate',
+  'aratio', 'aoffset', 'ayoung', 'aat')
 if cfg[1] ~= '1' then
   return {2, 0, 0, ''}
 end
@@ -68,7 +76,20 @@ local aps = tonumber(cfg[2]) or 1
 local ttl_ms = tonumber(cfg[3]) or 120000
 local avail = tonumber(meta[2]) or 0
 if avail < 0 then avail = 0 end
-local room_for = math.ceil(avail * tonumber(ARGV[1])) - redis.call('HLEN', KEYS[4])
+local unspent = redis.call('HLEN', KEYS[4])
+local room_for
+local aat = tonumber(cfg[10])
+if cfg[5] == '1' and aat and now_ms - aat <= STALE_MS then
+  -- The automatic rate's decision (gate/room/steering.py): its bound over the young.
+  aps = tonumber(cfg[6]) or aps
+  local young = redis.call('ZCOUNT', KEYS[5], tonumber(cfg[9]) + ttl_ms, '+inf')
+  room_for = math.floor(avail * tonumber(cfg[7]) + tonumber(cfg[8]) + 1e-9) - young
+else
+  -- "auto" without a fresh decision (its decider stalled, or not yet run): a tenth
+  -- of the cap, the slow start's first step, and the fixed bound below.
+  if cfg[5] == '1' then aps = math.max(1, math.floor(aps / 10)) end
+  room_for = math.ceil(avail * tonumber(ARGV[1])) - unspent
+end
 local rate_left = aps - redis.call('ZCARD', KEYS[6])
 local since = 1000
 if cfg[4] then since = math.min(1000, math.max(0, now_ms - tonumber(cfg[4]))) end
@@ -93,4 +114,13 @@ for i = 1, #popped, 2 do
 end
 local n = #popped / 2
 redis.call('HINCRBY', KEYS[1], 'admitted', n)
+-- The admissions ring: n in the slot of now (cleared first when it held an older one).
+local slot = math.floor(now_ms / 1000)
+local i = slot % RING_SLOTS
+if redis.call('HGET', KEYS[8], 't:' .. i) ~= tostring(slot) then
+  redis.call('HDEL', KEYS[8], 'n:' .. i, 'k:' .. i, 'g:' .. i, 'h:' .. i, 'lv:' .. i, 'ex:' .. i)
+  redis.call('HSET', KEYS[8], 't:' .. i, slot)
+end
+redis.call('HINCRBY', KEYS[8], 'n:' .. i, n)
+redis.call('PEXPIRE', KEYS[8], RING_TTL_MS)
 return {0, n, #lapsed, table.concat(waits, ',')}

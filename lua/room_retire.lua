@@ -21,6 +21,9 @@
   KEYS[10] left (the buyers who left the line: lua/room_leave.lua), deleted with the
           tickets
 
+  (and, named from KEYS[1], the admissions ring KEYS[1] .. ':rca', gate/store/keys.py
+  room_ring, deleted with the admissions it counts)
+
   ARGV[1] how long an ended sale's draw list is kept, for the fairness document (ms)
 
   Returns {1, 0}     deleted
@@ -42,12 +45,17 @@ if cfg[1] == '1' then
   -- Over: the room's configuration stays (a few fields), so that its buyers are
   -- still told the sale has ended (a join: NOT_ACTIVE; a read: NO_TICKET); its
   -- counters go with the admissions they count (gate check's balance holds: 0).
-  redis.call('UNLINK', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[10])
+  redis.call('UNLINK', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[10],
+    KEYS[1] .. ':rca')
   redis.call('HDEL', KEYS[1], 'seq', 'aseq', 'last_ms', 'admitted', 'spent', 'lapsed')
+  -- The estimates (gate/room/estimate.py) go with them: a sale extended later
+  -- starts its chance and its automatic rate afresh.
+  redis.call('HDEL', KEYS[1], 'ch', 'chat', 'arate', 'aratio', 'aoffset', 'ayoung', 'aat',
+    'aceil', 'acut', 'aprobe', 'areason', 'adetail', 'adm_prev')
   -- The draw stays published for a while (anyone may check it), then goes too.
   redis.call('PEXPIRE', KEYS[8], tonumber(ARGV[1]))
   return {1, 0}
 end
 redis.call('UNLINK', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8],
-  KEYS[9], KEYS[10])
+  KEYS[9], KEYS[10], KEYS[1] .. ':rca')
 return {1, 0}

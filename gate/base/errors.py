@@ -8,6 +8,7 @@ import orjson
 from starlette.responses import Response
 
 from gate.base.codes import AdmitCode, DbCode, RoomCode
+from gate.base.db_health import HEALTH
 
 PROBLEM_TYPE_BASE = "https://gate.dev/problems/"
 
@@ -159,6 +160,7 @@ def not_found(what: str = "resource") -> Problem:
 
 
 def overloaded(detail: str, retry_after_seconds: int = 1) -> Problem:
+    HEALTH.overloaded()  # the automatic room rate's signal (gate/room/steering.py)
     return Problem("OVERLOADED", detail, retry_after_seconds=retry_after_seconds, cacheable=True)
 
 

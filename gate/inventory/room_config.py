@@ -25,8 +25,17 @@ ROOM_FIELDS = {
     "challenge",
     "return_origins",
     "page",
+    "max_admit_per_second",
+    "unlikely_below",
 }
 ADMIT_PER_SECOND_MAX = 100_000
+# "admit_per_second": "auto" (gate/room/steering.py): the room sets its own rate, up to
+# max_admit_per_second (this by default).
+AUTO = "auto"
+AUTO_MAX_DEFAULT = 1000
+# A waiting ticket reads "unlikely" while its chance is below this (0: never).
+UNLIKELY_BELOW_DEFAULT = 0.02
+UNLIKELY_BELOW_MAX = 0.5
 TTL_SECONDS_MIN, TTL_SECONDS_MAX, TTL_SECONDS_DEFAULT = 10, 3600, 120
 PREQUEUE_SECONDS_MAX = 86_400
 # The admission order after the opening: join order, or the draw (docs/waiting-room.md).
@@ -73,15 +82,23 @@ class RoomConfig:
     return_origins: tuple[str, ...] = ()
     # The shop's look on the buyer page (gate/inventory/room_page.py), or None.
     page: RoomPage | None = None
+    # "auto": the room sets its own rate, at most admit_per_second (then the cap,
+    # max_admit_per_second in the API).
+    auto: bool = False
+    # A waiting ticket reads "unlikely" below this chance (0 turns it off).
+    unlikely_below: float = UNLIKELY_BELOW_DEFAULT
 
     def view(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "admit_per_second": self.admit_per_second,
+            "admit_per_second": AUTO if self.auto else self.admit_per_second,
             "admission_ttl_seconds": self.admission_ttl_seconds,
             "prequeue_seconds": self.prequeue_seconds,
             "method": self.method,
             "message": self.message.view() if self.message else None,
+            "unlikely_below": self.unlikely_below,
         }
+        if self.auto:
+            out["max_admit_per_second"] = self.admit_per_second
         out.update(self.gates_view())
         if self.page is not None:
             out["page"] = self.page.view()
@@ -114,14 +131,17 @@ class RoomConfig:
             return None
         data = json.loads(raw)
         message = data.get("message")
+        auto = data["admit_per_second"] == AUTO
         return cls(
-            int(data["admit_per_second"]),
+            int(data["max_admit_per_second"]) if auto else int(data["admit_per_second"]),
             int(data["admission_ttl_seconds"]),
             int(data["prequeue_seconds"]),
             str(data.get("method", "fifo")),
             RoomMessage(str(message["text"]), str(message["level"])) if message else None,
             **_gates_from_column(data),
             page=RoomPage.from_data(data.get("page")),
+            auto=auto,
+            unlikely_below=float(data.get("unlikely_below", UNLIKELY_BELOW_DEFAULT)),
         )
 
 
@@ -180,8 +200,9 @@ def parse_room(value: Any) -> RoomConfig | None:
         # Optional, but an integer when given (the contract's type): null is refused.
         if name in value and value[name] is None:
             raise invalid(f"'{name}' must be an integer (omit it for the default).")
+    auto = value.get("admit_per_second") == AUTO
     room = RoomConfig(
-        admit_per_second=validate.integer(value, "admit_per_second", 1, ADMIT_PER_SECOND_MAX),
+        admit_per_second=_parse_rate(value, auto),
         admission_ttl_seconds=validate.integer(
             value,
             "admission_ttl_seconds",
@@ -197,6 +218,8 @@ def parse_room(value: Any) -> RoomConfig | None:
         **_parse_gates(value),
         return_origins=parse_return_origins(value.get("return_origins")),
         page=parse_page(value.get("page")),
+        auto=auto,
+        unlikely_below=parse_unlikely_below(value),
     )
     return fitting(room)
 
@@ -213,6 +236,28 @@ def fitting(room: RoomConfig) -> RoomConfig:
             " its page's shop_name or help_url."
         )
     return room
+
+
+def _parse_rate(value: dict[str, Any], auto: bool) -> int:
+    """`admit_per_second`: 1..100000, or "auto" with `max_admit_per_second` (1..100000,
+    default 1000) as its cap; `max_admit_per_second` only with "auto"."""
+    if not auto:
+        if "max_admit_per_second" in value:
+            raise invalid('\'max_admit_per_second\' is only for "admit_per_second": "auto".')
+        return validate.integer(value, "admit_per_second", 1, ADMIT_PER_SECOND_MAX)
+    return validate.integer(
+        value, "max_admit_per_second", 1, ADMIT_PER_SECOND_MAX, default=AUTO_MAX_DEFAULT
+    )
+
+
+def parse_unlikely_below(value: dict[str, Any]) -> float:
+    """`unlikely_below`: a number in [0, 0.5] (default 0.02; 0 turns "unlikely" off)."""
+    raw = value.get("unlikely_below", UNLIKELY_BELOW_DEFAULT)
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise invalid(f"'unlikely_below' must be a number from 0 to {UNLIKELY_BELOW_MAX}.")
+    if not 0 <= raw <= UNLIKELY_BELOW_MAX:
+        raise invalid(f"'unlikely_below' must be a number from 0 to {UNLIKELY_BELOW_MAX}.")
+    return float(raw)
 
 
 def parse_method(room: dict[str, Any]) -> str:
@@ -264,6 +309,8 @@ class RoomSettings:
     code_attempts_per_minute: int = 10
     # GET …/queue/fairness per client address (None: no limit).
     fairness_limit: LimitSpec | None = None
+    # The automatic rate backs off above this commit p99 (gate/room/steering.py).
+    auto_commit_p99_ms: float = 250.0
 
 
 FAIRNESS_LIMIT_DEFAULT = "60/m burst 60"
@@ -287,4 +334,5 @@ def load_room_settings(env: Mapping[str, str]) -> RoomSettings:
         poll_max_ms=poll_max,
         code_attempts_per_minute=env_int(env, "GATE_ROOM_CODE_ATTEMPTS_PER_MINUTE", 10, 1, 1000),
         fairness_limit=fairness_limit,
+        auto_commit_p99_ms=env_float(env, "GATE_ROOM_AUTO_COMMIT_P99_MS", 250.0, 1.0, 60_000.0),
     )

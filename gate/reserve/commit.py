@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -25,6 +26,7 @@ import pymysql
 
 from gate.base.clock import iso
 from gate.base.codes import DbCode
+from gate.base.db_health import HEALTH
 from gate.base.errors import overloaded
 from gate.base.settings import Settings
 from gate.inventory.mirror import Mirror
@@ -85,6 +87,7 @@ class Committer:
         # An allocation over several buckets goes through gate_reserve with `alloc`;
         # the item's bucket (its first) is used only when it names one.
         item = self.item(att.token, req, att.fp, int(alloc.split(":", 1)[0]), att.owner)
+        started = time.perf_counter()
         try:
             if self.groups is not None and "," not in alloc:
                 row = await self.groups.reserve(req.deal_id, item)
@@ -100,6 +103,8 @@ class Committer:
                 # A fresh instance: a group's items share theirs.
                 raise LeaseLapsed(str(exc)) from None
             raise overloaded("Database unavailable; retry shortly.") from None
+        finally:
+            HEALTH.commit((time.perf_counter() - started) * 1000)
 
         db_code = DbCode(int(row[0]))
         if db_code == DbCode.OK:

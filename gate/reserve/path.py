@@ -42,7 +42,7 @@ from typing import Any
 
 from gate.base.alloc import normalise_alloc
 from gate.base.codes import AdmitCode
-from gate.base.errors import Encoded, from_admit, overloaded
+from gate.base.errors import Encoded, Problem, from_admit, overloaded
 from gate.base.limits import client_ip
 from gate.base.settings import Settings
 from gate.inventory.mirror import Mirror
@@ -181,7 +181,9 @@ class ReservationPath:
         worth making (docs/hotpath.md, lever 7). `client`: the socket peer;
         `forwarded_for`: the X-Forwarded-For header, believed only from a peer in
         GATE_TRUSTED_PROXIES (`client_ip`)."""
-        if self.soldout.sold_out_for(deal_id, user_id, quantity):
+        # Never to an admitted buyer (a waiting room's Admission-Token): the room let
+        # them in because units came back, which this cache may not know yet.
+        if admission_token is None and self.soldout.sold_out_for(deal_id, user_id, quantity):
             return SOLD_OUT.encoded(instance)
         settings = self.settings
         ip = client_ip(
@@ -217,8 +219,19 @@ class ReservationPath:
                     return await self._reserve(req)
                 except LeaseLapsed:
                     return await self._after_lapse(req)
+                except Problem as problem:
+                    if problem.code == "OVERLOADED":
+                        # A 503 after the admission spent the buyer's admission (the
+                        # database failed, its units were given back): the retry may
+                        # use it again (within the room's bound: lua/room_restore.lua).
+                        await self._admission_back(req)
+                    raise
         finally:
             self.in_flight -= 1
+
+    async def _admission_back(self, req: ReserveRequest) -> None:
+        if self.admission is not None and req.admission_token:
+            await self.admission.restore(req.deal_id, req.user_id, req.admission_token)
 
     async def aclose(self) -> None:
         await self.buyer_keys.aclose()
@@ -384,6 +397,7 @@ class ReservationPath:
             if not await self.queue.unqueue(att, "RATE_LIMITED"):
                 return await self.queue.queued(att)
         await self.admitter.give_back(att)
+        await self._admission_back(att.req)
         raise self.limits.refused(att.req, "global", retry_ms, att.sent)
 
     async def _unsure(self, att: Attempt, adm: Admission) -> Reserved:

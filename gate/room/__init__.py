@@ -4,6 +4,7 @@ See docs/waiting-room.md and gate/room/service.py."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ from gate.room import openapi as room_openapi
 from gate.room.admission import RoomAdmission
 from gate.room.console_panel import RoomPanel
 from gate.room.edge_lane import ClientAddresses, QueueLane, TicketEdge, join_body
+from gate.room.estimate import Estimator
+from gate.room.estimate import run as run_estimates
 from gate.room.fairness_doc import FairnessDocs, page_query
 from gate.room.gatekeeper import RoomGates
 from gate.room.gates import CODES_BODY_MAX_BYTES, JoinPasses
@@ -89,6 +92,17 @@ def install(gate: Gate) -> Extension:
         gate.runner,
         WorkLease(gate.runner, "room-retire", gate.settings.background_lease_seconds),
     )
+    # One process at a time estimates each room's chance and automatic rate
+    # (gate/room/estimate.py); every process publishes its database health.
+    estimator = Estimator(
+        gate.redis,
+        WorkLease(gate.runner, "room-estimate", gate.settings.background_lease_seconds),
+        settings.auto_commit_p99_ms,
+    )
+
+    async def estimate(stop: asyncio.Event) -> None:
+        await run_estimates(estimator, stop)
+
     addresses = ClientAddresses(gate.settings.trusted_proxies, gate.settings.limit_ip_v6_prefix)
 
     def address_of(request: Request) -> str:
@@ -168,7 +182,7 @@ def install(gate: Gate) -> Extension:
     return Extension(
         name="room",
         routes=[*deals.routes, *page.static_routes()],
-        workers=[room.run, retirer.run],
+        workers=[room.run, retirer.run, estimate],
         on_stop=[wire.aclose],
         inner_middleware=[
             Middleware(
@@ -184,7 +198,7 @@ def install(gate: Gate) -> Extension:
         # The runner loads every script it holds at start-up (ScriptRunner.load).
         scripts=_scripts(),
         before_sync=[room.before_sync, gatekeeper.before_sync],
-        admission=RoomAdmission(tokens, gate.runner),
+        admission=RoomAdmission(tokens, gate.runner, settings.admission_ratio),
         console_panels=[RoomPanel(gate, room)],
     )
 

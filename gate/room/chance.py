@@ -46,14 +46,13 @@ EXACT_POOL_MAX units, else by the normal approximation with continuity and skewn
 corrections (tests/room/test_chance.py measures its error against the exact sum).
 `chance` (per read) interpolates in that table: no fitting, no loops.
 
-In Redis (to be wired): the rings and their writers are in gate/room/conversion.py.
-The room loop reads both rings (HGETALL, at most 2 x 9 x RING_SLOTS fields) and
-`avail` once per second per deal under a work lease, builds the table and writes it
-to the room's hash ("ch": start, step, the values to 3 places, units_left, in_flight,
-conversion, sure_until, pool; "chat": when), which room_ticket.lua already reads on
-every call: the read's reply carries it, and the gate interpolates for the ticket's
-position (`Table.from_fields`). Unspent admissions and unpaid holds by age are the
-open part of each ring's cohorts (n - k, u - w - x): no per-order index is needed.
+In Redis: the rings and their writers are in gate/room/conversion.py. The estimate
+loop (gate/room/estimate.py) reads the rings and `avail` once per second per deal
+under a work lease, builds the table and writes it to the room's hash ("ch": start,
+step, the values to 4 places, units_left, in_flight, conversion, sure_until, pool;
+"chat": when); each gate process holds it a second (`Table.from_fields`) and
+interpolates for a ticket's position. Unspent admissions and unpaid holds by age are
+the open part of each ring's cohorts (n - k, u - w - x): no per-order index is needed.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 console snapshot (at most once a second per process)
     --> RoomPanel.fields(shown deal ids): one Redis pipeline for all of them
-          the room hash   on, aps, admitted, lapsed, pow_min, pow_max, msg
+          the room hash   on, aps, admitted, lapsed, pow_min, pow_max, msg, and an
+                          auto room's decision: arate, areason, adetail
           the queue       ZCARD (tickets waiting)
           the admissions  HLEN (given, neither spent nor lapsed)
           the deal's meta avail (the units the challenge is priced against)
     --> per deal whose room is on: "waiting_room" {waiting, admitted_per_second,
-        lapses, unspent, admit_per_second, challenge_bits, message}; admitted/s
+        lapses, unspent, admit_per_second, auto, challenge_bits, message}; admitted/s
         is the room's admitted counter against this process's previous snapshot
 
 POST /console/api/deals/{id}/room_message {"message": {"text", "level"} | null}
@@ -44,7 +45,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gate.room")
 
-ROOM_FIELDS = ("on", "aps", "admitted", "lapsed", "pow_min", "pow_max", "msg")
+ROOM_FIELDS = (
+    "on",
+    "aps",
+    "admitted",
+    "lapsed",
+    "pow_min",
+    "pow_max",
+    "msg",
+    "auto",
+    "arate",
+    "areason",
+    "adetail",
+)
 # Commands per deal in the snapshot's pipeline: HMGET, ZCARD, HLEN, HGET.
 COMMANDS_PER_DEAL = 4
 MESSAGE_REASON = "room_message"
@@ -52,6 +65,18 @@ MESSAGE_REASON = "room_message"
 
 def _int(value: Any) -> int:
     return int(text(value)) if value not in (None, "", b"") else 0
+
+
+def _auto(auto: Any, rate: Any, reason: Any, detail: Any) -> dict[str, Any] | None:
+    """An "auto" room's last decision (gate/room/estimate.py): the rate chosen, why,
+    and its numbers; None for a fixed rate ("rate" None before the first decision)."""
+    if auto is None or text(auto) != "1":
+        return None
+    return {
+        "rate": _int(rate) if rate is not None else None,
+        "reason": text(reason) if reason is not None else None,
+        "detail": orjson.loads(text(detail)) if detail else None,
+    }
 
 
 def _message(raw: Any) -> Any:
@@ -87,7 +112,7 @@ class RoomPanel:
         for i, deal_id in enumerate(deal_ids):
             first = COMMANDS_PER_DEAL * i
             room, waiting, unspent, avail = answers[first : first + COMMANDS_PER_DEAL]
-            on, aps, admitted, lapsed, pow_min, pow_max, msg = room
+            on, aps, admitted, lapsed, pow_min, pow_max, msg, auto, arate, reason, detail = room
             if on is None or text(on) != "1":
                 continue
             admitted_total = _int(admitted)
@@ -111,6 +136,7 @@ class RoomPanel:
                     "lapses": _int(lapsed),
                     "unspent": int(unspent),
                     "admit_per_second": _int(aps),
+                    "auto": _auto(auto, arate, reason, detail),
                     "challenge_bits": bits,
                     "message": _message(msg),
                 }

@@ -24,17 +24,19 @@ The rings (Redis hashes; RING_SLOTS slots, field "<name>:<i>" with
 i = (ms // slot_ms) % RING_SLOTS, and "t:<i>" the slot number the slot holds: a
 writer finding another number there clears the slot first):
 
-    {d:ID}:rca  admissions, 1 s slots (ADMISSION_SLOT_MS)
+    {d:ID}:room:rca  admissions, 1 s slots (ADMISSION_SLOT_MS); written live:
         n   admissions given                       room_advance.lua, by admission time
-        k   of those, spent, or refused SOLD_OUT   admit.lua, in the admission's slot
-            (a first attempt to buy, counted once)  (its record's admitted_ms); dropped
+        k   of those, spent                        admit.lua, in the admission's slot
+                                                    (its record's admitted_ms); dropped
         g   LOG_SCALE x ln(delay ms) (sum)          once that slot was reused
         h   LOG_SCALE x ln(delay ms)^2 (sum)
+      read by the models but not yet written live (loadtest/room_sim.py writes them):
         lv  tickets that left while likely          the leave, by leave time
         ex  likely waiting tickets x seconds        the loop, once a second
-    {d:ID}:rch  holds, 10 s slots (HOLD_SLOT_MS)
-        n   holds made         u  their units      v  units squared     confirm.lua
-        k   holds paid         w  units paid        payments, in the hold's slot
+    {d:ID}:rch  holds, 10 s slots (HOLD_SLOT_MS); not yet written live (payments
+                never reach Redis): the models then use the pay prior
+        n   holds made         u  their units      v  units squared
+        k   holds paid         w  units paid        in the hold's slot
         g, h  their delays to payment, as above
         x   units given back before lapsing (a cancel), in the hold's slot
 """

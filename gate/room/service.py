@@ -2,7 +2,9 @@
 
     buyer ── POST /v1/deals/{id}/queue ──> room_ticket.lua (join) ──> ticket
           ── GET  /v1/deals/{id}/queue ──> room_ticket.lua (read) ──> ticket
-                                               (+ a signed admission token once admitted)
+                                               (+ a signed admission token once admitted;
+                                                a waiting ticket's chance from the table
+                                                this process holds: gate/room/estimate.py)
     every gate process, every GATE_ROOM_INTERVAL_MS:
           room loop ──> room_advance.lua per room: lapse, then admit on Redis time
                         within the rate, the stock bound and the sale window
@@ -32,6 +34,7 @@ from gate.inventory.mirror import Mirror
 from gate.inventory.room_config import RoomConfig, RoomSettings, parse_room
 from gate.inventory.unknown_deals import UnknownDeals
 from gate.room import fairness, metrics, retire
+from gate.room.estimate import Tables
 from gate.room.gates import NO_PASS, JoinPass, redis_fields
 from gate.room.routes import DealGuard, NotLoaded
 from gate.room.tokens import AdmissionTokens
@@ -44,6 +47,8 @@ log = logging.getLogger("gate.room")
 
 # A ticket's state by room_ticket.lua's code (0-3); a higher code is a refusal.
 STATE_NAMES = ("waiting", "admitted", "sold_out", "closed")
+# A waiting ticket whose chance is below the room's unlikely_below: still in line.
+UNLIKELY = "unlikely"
 WAITING, ADMITTED, CLOSED = int(RoomCode.WAITING), int(RoomCode.ADMITTED), int(RoomCode.CLOSED)
 # The refusals of a join with a code that count in gate_room_code_failures_total.
 CODE_FAILURES = {
@@ -162,6 +167,8 @@ class Room:
         self._learning: SingleFlight[int, None] = SingleFlight()
         self._messages: dict[str, Any] = {"": None}
         self._ticket_ids = fairness.TicketIds()
+        # Each deal's chance table, as the estimate loop last wrote it.
+        self.tables = Tables(mirror.redis)
 
     # -- buyers -----------------------------------------------------------------------
 
@@ -182,7 +189,13 @@ class Room:
             # its room's seed is looked for.
             await self.guard.check(deal_id)
             await self._learn_seed(deal_id)
-        reply = await self._ticket_call(deal_id, user_id, join, passed)
+        if self.tables.fresh(deal_id):
+            reply = await self._ticket_call(deal_id, user_id, join, passed)
+        else:
+            # The chance's table, at most once a second per deal, alongside the call.
+            reply, _ = await asyncio.gather(
+                self._ticket_call(deal_id, user_id, join, passed), self.tables.ensure(deal_id)
+            )
         if reply[0] == RoomCode.NOT_LOADED:
             raise NotLoaded(deal_id)
         return self.settle(deal_id, user_id, reply)
@@ -291,12 +304,19 @@ class Room:
         _, created, position, joined_ms, avail, seq, expires_ms, advice, aps, to_start = reply[:10]
         ticket_id, message = reply[10], reply[11]
         waiting = code == WAITING
+        found: dict[str, object] | None = None
+        state = STATE_NAMES[code]
+        if waiting:
+            self.tables.kick(deal_id)
+            found, unlikely = self.tables.chance(deal_id, position, avail)
+            if unlikely:
+                state = UNLIKELY
         token = None
         if code == ADMITTED:
             token = self.tokens.mint(deal_id, user_id, seq, expires_ms)
         body = {
             "deal_id": deal_id,
-            "state": STATE_NAMES[code],
+            "state": state,
             "position": position if waiting else None,
             "joined_at": iso_ms(joined_ms),
             # ceil(to_start / 1000) + ceil(position / aps), in integers.
@@ -309,6 +329,7 @@ class Room:
             "admission_expires_at": iso_ms(expires_ms) if token else None,
             "ticket_id": ticket_id or None,
             "message": self._message(message),
+            "chance": found,
         }
         return created == 1, body
 
@@ -428,6 +449,10 @@ class Room:
                 "aps": room.admit_per_second,
                 "ttl_ms": room.admission_ttl_seconds * 1000,
                 "pq_ms": room.prequeue_seconds * 1000,
+                # "auto": aps is the cap; the decision's fields come from the
+                # estimate loop (gate/room/estimate.py).
+                "auto": "1" if room.auto else "0",
+                "unl": repr(room.unlikely_below),
             }
             gate_fields, unset = redis_fields(room)
             mapping.update(_fairness_fields(room, seed))
@@ -473,7 +498,7 @@ class Room:
         keys = deal_keys(deal_id)
         code, admitted, lapsed, waits = await self.runner.call(
             "room_advance",
-            (*keys.room_state, keys.meta),
+            (*keys.room_state, keys.meta, keys.room_ring),
             (
                 repr(self.settings.admission_ratio),
                 self.settings.admit_batch_max,

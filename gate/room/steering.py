@@ -53,11 +53,14 @@ admitted), "filling" (admitting the shortfall), "cap" (max_admit_per_second bind
 and where the database's ceiling binds: "starting" (slow start), "db_backoff"
 (unhealthy), "db_recovering" (growing back).
 
-In Redis (to be wired): the decision is written to the room's hash as "arate",
-"aratio", "aoffset", "ayoung" (young_from_ms) and "aat" (Redis ms), the `Steer` as
-"aceil", "acut" and "aprobe"; room_advance.lua uses them while "aat" is at most STALE_SECONDS
-old, else the fixed bound at ratio 1 (a stalled decider never widens the room), and
-counts the young unspent with ZCOUNT on the expiry index from young_from_ms + TTL.
+In Redis (gate/room/estimate.py): the decision is written to the room's hash as
+"arate", "aratio", "aoffset", "ayoung" (young_from_ms) and "aat" (Redis ms), the
+`Steer` as "aceil", "acut" and "aprobe", the reason and detail as "areason" and
+"adetail"; room_advance.lua uses them while "aat" is at most STALE_SECONDS old, else
+a tenth of the cap within the fixed bound (a stalled decider never widens the room),
+and counts the young unspent with ZCOUNT on the expiry index from young_from_ms + TTL.
+The health is each process's last second (gate/base/db_health.py), summed in
+gate:room:health:<second>.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import pymysql
 
 from gate.base import tracing
 from gate.base.backoff import Backoff
+from gate.base.db_health import HEALTH
 from gate.base.metrics import METRICS
 from gate.base.settings import MysqlNode, MysqlTarget, Settings, node_name
 from gate.base.timeouts import deadline_in
@@ -335,6 +336,8 @@ class Database:
             if timeout_seconds is not None
             else self.settings.db_acquire_timeout_seconds
         )
+        if pool.freesize == 0 and pool.size >= pool.maxsize:
+            HEALTH.pool_wait()  # the automatic room rate's signal (gate/room/steering.py)
         try:
             conn = await asyncio.wait_for(pool.acquire(), wait)
         except TimeoutError as exc:

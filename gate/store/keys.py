@@ -25,6 +25,13 @@ ROOMS = "gate:rooms"
 # due for deletion (gate/room/retire.py). A plain key, touched by plain commands and
 # lua/room_retire_done.lua only.
 ROOMS_RETIRING = "gate:rooms:retiring"
+# The database's health as every gate process saw it, per second of Redis time
+# (gate/room/health.py): a hash with a short TTL, so at most a few exist at once.
+ROOM_HEALTH_PREFIX = "gate:room:health:"
+
+
+def room_health(second: int) -> str:
+    return f"{ROOM_HEALTH_PREFIX}{second}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +63,10 @@ class DealKeys:
     # hash: user -> the next poll welcome (ms) of the ticket they left (room_leave.lua):
     # a later join of theirs queues at the back and binds no further access code.
     room_left: str
+    # hash: the admissions ring (gate/room/conversion.py): 1 s slots "<field>:<i>",
+    # "t:<i>"; at most 256 x 7 fields, expiring RING_TTL_MS after its last write.
+    # admit.lua, which has no key to spare, names it as KEYS[room] .. ":rca".
+    room_ring: str
 
     def idempotency(self, user_id: int, key: str) -> str:
         return f"{self.tag}:k:{user_id}:{key}"
@@ -154,6 +165,7 @@ def _make_keys(deal_id: int, tag: str) -> DealKeys:
         room_window=f"{tag}:rw",
         room_codes=f"{tag}:rcodes",
         room_left=f"{tag}:rleft",
+        room_ring=f"{tag}:room:rca",
     )
 
 

@@ -341,7 +341,30 @@ def _schemas() -> dict[str, Any]:
         ),
         "WaitingRoom": _object(
             {
-                "admit_per_second": {"type": "integer", "minimum": 1, "maximum": 100_000},
+                "admit_per_second": {
+                    "oneOf": [
+                        {"type": "integer", "minimum": 1, "maximum": 100_000},
+                        {"type": "string", "enum": ["auto"]},
+                    ],
+                    "description": "Admissions per second, or auto: the room sets its own"
+                    " rate every second from what admitted buyers do and the database's"
+                    " health, up to max_admit_per_second (docs/waiting-room.md).",
+                },
+                "max_admit_per_second": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": 100_000,
+                    "default": 1000,
+                    "description": "The automatic rate's cap; only with admit_per_second auto.",
+                },
+                "unlikely_below": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": 0.5,
+                    "default": 0.02,
+                    "description": "A waiting ticket reads unlikely while its chance.p is"
+                    " below this (0: never).",
+                },
                 "admission_ttl_seconds": {
                     "type": "integer",
                     "minimum": 10,
@@ -473,7 +496,12 @@ def _schemas() -> dict[str, Any]:
         "Ticket": _object(
             {
                 "deal_id": {"type": "integer", "minimum": 1},
-                "state": {"type": "string", "enum": ["waiting", "admitted", "sold_out", "closed"]},
+                "state": {
+                    "type": "string",
+                    "enum": ["waiting", "unlikely", "admitted", "sold_out", "closed"],
+                    "description": "unlikely: waiting (still in line, admitted in turn if"
+                    " units come back) with chance.p below the room's unlikely_below.",
+                },
                 "position": {
                     "type": ["integer", "null"],
                     "minimum": 1,
@@ -501,6 +529,12 @@ def _schemas() -> dict[str, Any]:
                     "oneOf": [_ref("RoomMessage"), {"type": "null"}],
                     "description": "The room's message to its waiters (null: none), as it is now.",
                 },
+                "chance": {
+                    "oneOf": [_ref("Chance"), {"type": "null"}],
+                    "description": "While waiting: the estimated probability of finding a unit"
+                    " when admitted in turn; null while the room has too little to go on"
+                    " (and in every other state).",
+                },
             },
             [
                 "deal_id",
@@ -514,7 +548,38 @@ def _schemas() -> dict[str, Any]:
                 "admission_expires_at",
                 "ticket_id",
                 "message",
+                "chance",
             ],
+        ),
+        "Chance": _object(
+            {
+                "p": {"type": "number", "minimum": 0, "maximum": 1},
+                "basis": _object(
+                    {
+                        "units_left": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "description": "Units available plus held units expected back.",
+                        },
+                        "ahead": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "description": "Buyers ahead: waiting, or admitted and not yet"
+                            " holding.",
+                        },
+                        "conversion": {
+                            "type": "number",
+                            "minimum": 0,
+                            "maximum": 1,
+                            "description": "Share of admissions measured to end with a unit.",
+                        },
+                    },
+                    ["units_left", "ahead", "conversion"],
+                    additionalProperties=False,
+                ),
+            },
+            ["p", "basis"],
+            additionalProperties=False,
         ),
         "RoomMessage": _object(
             {

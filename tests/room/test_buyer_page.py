@@ -29,6 +29,7 @@ from gate.room.gates import solve
 from gate.store.db import Database
 from tests.browser_support import browser, chromium, until
 from tests.png_support import data_url, decode, make
+from tests.room.chance_support import evidence
 from tests.support import (
     ADMIN,
     Client,
@@ -517,4 +518,34 @@ async def test_an_invite_only_room_asks_for_the_access_code(
         lambda: shown(driver),
     )
     assert "#admission_token=" in landed
+    assert csp_violations(driver) == []
+
+
+async def test_an_unlikely_place_is_said_plainly_with_the_way_out(
+    driver: Any, page_gate: GateProcess, pc: Client, shop: Shop, rds: aioredis.Redis
+) -> None:
+    """One unit, held by an admitted buyer, 30 buyers waiting ahead who mostly buy
+    (the room's measured history): the page says the buyer is unlikely to get one,
+    shows the chance, keeps the place and offers to leave."""
+    deal_id = await create_deal(pc, title="Lamp", stock=1, waiting_room=room(shop))
+    await api_join(pc, deal_id, 7_300_600)
+    await ticket_until(pc, deal_id, 7_300_600, "admitted")
+    for user in range(7_300_601, 7_300_631):
+        await api_join(pc, deal_id, user)
+    await evidence(rds, deal_id)
+    me = 7_300_650
+    await asyncio.to_thread(driver.get, link(page_gate, deal_id, token(me), f"{shop.origin}/r"))
+    seen = await on_page(driver, lambda s: s["state"] == "unlikely", "unlikely")
+    assert seen["stateText"].startswith("You are unlikely to get one"), seen
+    assert seen["position"] is not None and seen["error"] is None
+    extra = await asyncio.to_thread(
+        driver.execute_script,
+        "const $ = (id) => document.getElementById(id);"
+        " return [$('chance-row').hidden, $('chance').textContent,"
+        " $('leave').offsetParent !== null];",
+    )
+    assert extra == [False, "less than 1 %", True], extra
+    assert (await ticket_until(pc, deal_id, me, "unlikely"))["chance"]["p"] < 0.02
+    await asyncio.to_thread(driver.execute_script, "document.getElementById('leave').click()")
+    await on_page(driver, lambda s: s["state"] == "left", "left")
     assert csp_violations(driver) == []

@@ -151,6 +151,7 @@ async def test_room_is_configured_viewed_changed_and_removed(client: Client) -> 
         "prequeue_seconds": 0,
         "method": "fifo",
         "message": None,
+        "unlikely_below": 0.02,
     }
     plain = await create_deal(client, stock=5)
     assert (await client.get(f"/v1/admin/deals/{plain}", headers=ADMIN)).json()[
@@ -161,7 +162,12 @@ async def test_room_is_configured_viewed_changed_and_removed(client: Client) -> 
     new = {"admit_per_second": 50, "admission_ttl_seconds": 30, "prequeue_seconds": 60}
     r = await client.put(path, json=new, headers=ADMIN)
     assert r.status_code == 200, r.text
-    assert r.json()["waiting_room"] == {**new, "method": "fifo", "message": None}
+    assert r.json()["waiting_room"] == {
+        **new,
+        "method": "fifo",
+        "message": None,
+        "unlikely_below": 0.02,
+    }
     assert r.json()["id"] == deal_id
     r = await client.put(
         path, content=b"null", headers={**ADMIN, "Content-Type": "application/json"}

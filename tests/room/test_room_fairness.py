@@ -461,6 +461,7 @@ async def test_bad_method_or_message_is_a_400_and_changes_nothing(
         "prequeue_seconds": 0,
         "method": "random",
         "message": {"text": "hi", "level": "info"},
+        "unlikely_below": 0.02,
     }
     r = await join(client, deal_id, 230_001)
     assert r.status_code == 201 and r.json()["message"] == {"text": "hi", "level": "info"}

@@ -77,6 +77,12 @@ async def _deal_keys_in_redis(rds: aioredis.Redis, deal_id: int) -> set[str]:
     return found - {keys.sync_lock}
 
 
+def _room_keys(deal_id: int) -> set[str]:
+    """The room's keys: those of the room_*.lua scripts and the admissions ring."""
+    keys = deal_keys(deal_id)
+    return {*keys.room_state, keys.room_ring}
+
+
 async def _remove_room(client: Client, deal_id: int) -> Resp:
     """PUT …/waiting-room with null: the room removed."""
     return await client.put(
@@ -96,7 +102,7 @@ async def _filled_room(client: Client, rds: aioredis.Redis, room: Room, **deal: 
     admitted, _ = await room.advance(deal_id)
     assert admitted >= 1
     present = await _deal_keys_in_redis(rds, deal_id)
-    room_keys = set(deal_keys(deal_id).room_state)
+    room_keys = _room_keys(deal_id)
     # The window and expiry index exist once someone is admitted; the queue while
     # someone waits: every key of the room is there.
     assert room_keys <= present, room_keys - present
@@ -112,7 +118,7 @@ async def test_a_removed_room_is_retired_and_nothing_else_is_deleted(
     live_id = await _filled_room(quiet, rds, room)
     before = await _deal_keys_in_redis(rds, deal_id)
     live_before = await _deal_keys_in_redis(rds, live_id)
-    room_keys = set(deal_keys(deal_id).room_state)
+    room_keys = _room_keys(deal_id)
 
     removed = await _remove_room(quiet, deal_id)
     assert removed.status_code == 200, removed.text
@@ -129,7 +135,7 @@ async def test_a_removed_room_is_retired_and_nothing_else_is_deleted(
     # (Another process's room loop may trim a rate window that has emptied.)
     live_now = await _deal_keys_in_redis(rds, live_id)
     live_keys = deal_keys(live_id)
-    assert live_now - set(live_keys.room_state) == live_before - set(live_keys.room_state)
+    assert live_now - _room_keys(live_id) == live_before - _room_keys(live_id)
     assert {live_keys.room, live_keys.room_queue, live_keys.room_tickets} <= live_now
     assert await rds.zscore(ROOMS_RETIRING, str(deal_id)) is None
     assert await rds.zscore(ROOMS_RETIRING, str(live_id)) is None
@@ -157,7 +163,7 @@ async def test_an_ended_sale_is_retired_after_its_admission_ttl(
     ends = datetime.now(UTC) + timedelta(seconds=2)
     deal_id = await _filled_room(quiet, rds, room, ends_at=ends.isoformat())
     before = await _deal_keys_in_redis(rds, deal_id)
-    room_keys = set(deal_keys(deal_id).room_state)
+    room_keys = _room_keys(deal_id)
     await asyncio.sleep(max(0.0, ends.timestamp() - time.time()) + 0.2)
 
     # The room loop sees the sale over and schedules the room.
@@ -194,6 +200,8 @@ async def test_an_ended_sale_is_retired_after_its_admission_ttl(
         "msg",
         "seed",
         "ver",
+        "auto",
+        "unl",
     }
     assert await rds.zscore(ROOMS_RETIRING, str(deal_id)) is None
     gone = await quiet.get(f"/v1/deals/{deal_id}/queue", headers=buyer(BUYERS[3]))
@@ -218,7 +226,7 @@ async def test_the_retire_loop_of_a_serving_gate_deletes_a_removed_room(
         for user in BUYERS:
             r = await client.post(f"/v1/deals/{deal_id}/queue", headers=buyer(user))
             assert r.status_code == 201, r.text
-        room_keys = set(deal_keys(deal_id).room_state)
+        room_keys = _room_keys(deal_id)
         assert await _deal_keys_in_redis(rds, deal_id) & room_keys
         removed = await _remove_room(client, deal_id)
         assert removed.status_code == 200, removed.text

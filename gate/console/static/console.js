@@ -238,7 +238,10 @@
     text($("room-admitted-rate"), r.admitted_per_second);
     text($("room-lapses"), r.lapses);
     text($("room-unspent"), r.unspent);
-    text($("room-aps"), r.admit_per_second + "/s");
+    // An automatic rate: the rate chosen and why (gate/room/steering.py's reasons).
+    const a = r.auto;
+    text($("room-aps"), a ? "auto: " + (a.rate === null ? "–" : a.rate + "/s") + " (cap " + r.admit_per_second + "/s)" : r.admit_per_second + "/s");
+    text($("room-why"), a ? (a.reason || "–") + (a.detail ? " " + JSON.stringify(a.detail) : "") : "fixed");
     text($("room-bits"), r.challenge_bits === null ? "no challenge" : r.challenge_bits);
     text($("room-message"), r.message ? r.message.level + ": " + r.message.text : "none");
   }

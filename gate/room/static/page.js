@@ -15,6 +15,12 @@
       waiting: "You are in line.",
       admitted: "It's your turn! Taking you back to the shop…",
       sold_out: "Sold out for now. Keep this page open: if units come back, you keep your place.",
+      unlikely:
+        "You are unlikely to get one: the buyers ahead of you will probably take every unit" +
+        " left. You keep your place, and you are let in if units come back; or leave the line.",
+      chance: "Your chance of getting one",
+      chance_value: "about {n} %",
+      chance_low: "less than 1 %",
       closed: "This sale has ended.",
       not_active: "The line is not open right now. This page tries again shortly.",
       position: "Your place in line",
@@ -53,6 +59,10 @@
       waiting: "您已在队列中。",
       admitted: "轮到您了！正在返回商店…",
       sold_out: "暂时售罄。请保持本页面打开：如有商品释放，您的排位保持不变。",
+      unlikely: "您很可能抢不到：排在您前面的买家大概率会买完剩余的全部商品。您的排位保持不变，如有商品释放仍会按顺序放行；您也可以离开队列。",
+      chance: "您抢到的可能性",
+      chance_value: "约 {n}%",
+      chance_low: "不到 1%",
       closed: "本次活动已结束。",
       not_active: "队列暂未开放，本页面稍后会自动重试。",
       position: "您的排位",
@@ -177,9 +187,20 @@
     el.hidden = false;
   }
 
+  // The chance of finding a unit (null while the room has too little to go on).
+  function showChance(chance) {
+    const row = $("chance-row");
+    if (!row) return;
+    row.hidden = !chance;
+    if (!chance) return;
+    const pct = Math.round(100 * chance.p);
+    setText("chance", pct < 1 ? text("chance_low") : text("chance_value", pct));
+  }
+
   function showTicket(ticket) {
     showState(ticket.state);
-    const waiting = ticket.state === "waiting" && ticket.position;
+    // "unlikely" is still waiting in line: the same numbers, and the chance.
+    const waiting = (ticket.state === "waiting" || ticket.state === "unlikely") && ticket.position;
     $("numbers").hidden = !waiting;
     $("progress").hidden = !(waiting || ticket.state === "admitted");
     if (waiting) {
@@ -192,6 +213,7 @@
     } else if (ticket.state === "admitted") {
       $("progress").value = 100;
     }
+    showChance(waiting ? ticket.chance : null);
     showMessage(ticket.message);
     $("leave-row").hidden = !IN_LINE.includes(ticket.state);
   }
