@@ -33,7 +33,8 @@
   KEYS[3] tickets    hash   {d:ID}:rt    user -> "joined_ms|next_poll_ms|ticket_id"
                                          (every ticket)
   KEYS[4] admitted   hash   {d:ID}:ra    user -> "seq|admitted_ms|expires_ms"
-  KEYS[5] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms (the mirror's)
+  KEYS[5] meta       hash   {d:ID}:meta  nb, avail, start_ms, end_ms, paused (the
+                                         mirror's)
   KEYS[6] draw       list   {d:ID}:room:draw  ticket ids drawn, in join order
   KEYS[7] codes      hash   {d:ID}:rcodes  code HMAC -> "" (unbound) | user id
   KEYS[8] left       hash   {d:ID}:rleft   user -> next_poll_ms of the ticket they left
@@ -57,7 +58,8 @@
 
   Returns one reply per buyer, in order, each
     {code, created, position, joined_ms, avail, admission seq, expires_ms,
-     poll_after_ms, aps, ms until the sale starts, ticket_id, message JSON or ""}
+     poll_after_ms, aps, ms until the sale starts, ticket_id, message JSON or "",
+     paused: 1 while the sale is paused (gate/inventory/pause.py), else 0}
   (position, seq and expires_ms 0 when they do not apply), or {code} for a refusal
   (4-8, 10-14), or {9, wait ms}, or {16, wait ms}.
     0 WAITING  1 ADMITTED  2 SOLD_OUT  3 CLOSED   (the ticket's state)
@@ -104,7 +106,7 @@ local function all(reply)
   return out
 end
 
-local meta = redis.call('HMGET', KEYS[5], 'nb', 'avail', 'start_ms', 'end_ms')
+local meta = redis.call('HMGET', KEYS[5], 'nb', 'avail', 'start_ms', 'end_ms', 'paused')
 if not meta[1] then
   return all({4})
 end
@@ -120,6 +122,7 @@ local avail = tonumber(meta[2]) or 0
 if avail < 0 then avail = 0 end
 local start_ms = tonumber(meta[3]) or 0
 local end_ms = tonumber(meta[4]) or 0
+local paused = meta[5] == '1' and 1 or 0
 
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -281,7 +284,7 @@ local function ticket(user, drawn, ticket_id, access, proof, address)
   redis.call('HSET', KEYS[3], user,
     joined_ms .. '|' .. (now_ms + math.floor(advice * 0.8)) .. '|' .. id)
   return {code, created, position, joined_ms, avail, seq, expires, advice, aps, to_start,
-    id, message}
+    id, message, paused}
 end
 
 for i = 1, count do

@@ -330,6 +330,8 @@ class Room:
             "ticket_id": ticket_id or None,
             "message": self._message(message),
             "chance": found,
+            # The sale paused (gate/inventory/pause.py): the ticket keeps its place.
+            "paused": len(reply) > 12 and reply[12] == 1,
         }
         return created == 1, body
 

@@ -535,6 +535,12 @@ def _schemas() -> dict[str, Any]:
                     " when admitted in turn; null while the room has too little to go on"
                     " (and in every other state).",
                 },
+                "paused": {
+                    "type": "boolean",
+                    "description": "The sale is paused (its books are being checked, or an"
+                    " operator paused it): nobody is admitted meanwhile; the ticket keeps its"
+                    " place.",
+                },
             },
             [
                 "deal_id",
@@ -549,6 +555,7 @@ def _schemas() -> dict[str, Any]:
                 "ticket_id",
                 "message",
                 "chance",
+                "paused",
             ],
         ),
         "Chance": _object(

@@ -364,7 +364,7 @@ async def test_a_paused_room_admits_nobody_and_tickets_keep_their_places(
         await asyncio.sleep(1.5)
         for user, place in zip(users, places, strict=True):
             body = await ticket(a, deal_id, user)
-            assert body["state"] == "waiting", body
+            assert body["state"] == "waiting" and body["paused"] is True, body
             assert body.get("position") == place, (body, place)
         resumed = await arun(env, "deal", "resume", str(deal_id))
         assert resumed.returncode == 0, resumed.stderr
@@ -376,6 +376,7 @@ async def test_a_paused_room_admits_nobody_and_tickets_keep_their_places(
                 break
             await asyncio.sleep(0.2)
         assert states == ["admitted"] * 3, states
+        assert (await ticket(a, deal_id, users[0]))["paused"] is False
 
 
 # -- the CLI's words, without a gate -------------------------------------------------

@@ -22,6 +22,7 @@
       chance_value: "about {n} %",
       chance_low: "less than 1 %",
       closed: "This sale has ended.",
+      paused: "The sale is paused for a moment. You keep your place; the line moves again when it resumes.",
       not_active: "The line is not open right now. This page tries again shortly.",
       position: "Your place in line",
       eta: "Estimated wait",
@@ -64,6 +65,7 @@
       chance_value: "约 {n}%",
       chance_low: "不到 1%",
       closed: "本次活动已结束。",
+      paused: "销售暂时暂停。您的排位保持不变，恢复后队列将继续前进。",
       not_active: "队列暂未开放，本页面稍后会自动重试。",
       position: "您的排位",
       eta: "预计等待",
@@ -215,6 +217,7 @@
     }
     showChance(waiting ? ticket.chance : null);
     showMessage(ticket.message);
+    $("paused").hidden = !(ticket.paused && IN_LINE.includes(ticket.state));
     $("leave-row").hidden = !IN_LINE.includes(ticket.state);
   }
 
