@@ -41,7 +41,7 @@ from gate.base.alloc import parse_alloc
 from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, not_found
 from gate.inventory.mirror import Mirror
-from gate.store.db import Database
+from gate.store.db import RETRYABLE_ERRNOS, Database, errno_of
 from gate.store.keys import deal_keys
 
 # How often `--wait` looks at the in-flight markers again.
@@ -277,7 +277,17 @@ async def repair(
             await cur.execute("COMMIT")
             return plan
 
-    plan = await db.retrying(attempt)
+    try:
+        plan = await db.retrying(attempt)
+    except Exception as exc:
+        if errno_of(exc) not in RETRYABLE_ERRNOS:
+            raise
+        # Still locked after the retries: a transaction of the deal (a reservation
+        # whose in-flight mark has gone, a stock change) holds its rows.
+        raise refused(
+            f"Deal {deal_id}'s rows stayed locked by a reservation or stock change in"
+            " flight; nothing changed. Retry, or give --wait SECONDS."
+        ) from None
     if plan.changed:
         await _refresh_redis(mirror, deal_id, quota_changed=bool(plan.quota))
     return plan.report(dry_run=False, operator=operator)

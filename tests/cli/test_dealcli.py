@@ -157,6 +157,25 @@ async def test_repair_finds_fixes_and_ledgers_a_counter_changed_by_hand(
     assert len(await ledger_rows(db, deal_id, "repair")) == len(rows)
 
 
+async def test_repair_refuses_rows_still_locked_without_a_mark_in_flight(
+    client: Client, db: Database, rds: aioredis.Redis, env: dict[str, str], settings: Settings
+) -> None:
+    """A transaction holding the deal's rows that Redis does not show (a reservation
+    whose in-flight mark is gone): the repair's lock wait ends in the same refusal,
+    never a raw database error, and nothing changes."""
+    deal_id = await create_deal(client, stock=5)
+    await settled_report(db, rds, deal_id)
+    quick = {**env, "GATE_DB_LOCK_WAIT_SECONDS": "1", "GATE_DB_RETRY_MAX": "1"}
+    async with locked_buckets(settings, deal_id):
+        assert await rds.hlen(deal_keys(deal_id).inflight) == 0
+        before = await state(db, deal_id)
+        refused = await arun(quick, "deal", "repair", str(deal_id))
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "in flight" in refused.stderr and "--wait" in refused.stderr, refused.stderr
+        assert "OperationalError" not in refused.stderr
+        assert await state(db, deal_id) == before
+
+
 async def test_repair_refuses_while_reservations_are_in_flight(
     client: Client, db: Database, rds: aioredis.Redis, env: dict[str, str], settings: Settings
 ) -> None:
