@@ -4,7 +4,7 @@
     a database connection waited for ──> pool_wait()   ├─> HEALTH (this process)
     a 503 OVERLOADED made ──> overloaded()   ┘
     the room loop, once a second ──> HEALTH.take() ──> the room's shared counters in
-        Redis (gate/room/health.py) ──> the automatic rate (gate/room/steering.py)
+        Redis (gate/room/estimate.py) ──> the automatic rate (gate/room/steering.py)
 
 Only counts and a bounded sample of commit times: recording is an addition or an
 append, taking the second's figures is a sort of at most SAMPLES_MAX numbers.

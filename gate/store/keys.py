@@ -26,7 +26,7 @@ ROOMS = "gate:rooms"
 # lua/room_retire_done.lua only.
 ROOMS_RETIRING = "gate:rooms:retiring"
 # The database's health as every gate process saw it, per second of Redis time
-# (gate/room/health.py): a hash with a short TTL, so at most a few exist at once.
+# (gate/room/estimate.py): a hash with a short TTL, so at most a few exist at once.
 ROOM_HEALTH_PREFIX = "gate:room:health:"
 
 
