@@ -48,14 +48,6 @@ NOT_YET_MOVED = {
     "gate/inventory/orders.py",
     "gate/inventory/repair.py",
     "gate/inventory/unknown_deals.py",
-    # Payments: a payments store module is still to come.
-    "gate/payments/late.py",
-    "gate/payments/machine.py",
-    "gate/payments/outbox.py",
-    "gate/payments/reconcile.py",
-    "gate/payments/sessions.py",
-    "gate/payments/window.py",
-    "gate/payments/workers.py",
     # The reservation path (being recomposed separately).
     "gate/reserve/buyer_keys.py",
     "gate/reserve/commit.py",
