@@ -25,6 +25,9 @@ STORE_NAMES = {"store.py", "queries.py", "repository.py"}
 _KEYWORD = re.compile(
     r"^\s*(SELECT|INSERT|UPDATE|DELETE|REPLACE|CALL|START\s+TRANSACTION|WITH|DO|SET|LOCK|UNLOCK)(\s|$)"
 )
+_ANYWHERE = re.compile(
+    r"\b(SELECT|INSERT|UPDATE|DELETE|REPLACE|CALL|START\s+TRANSACTION|WITH|DO|SET|LOCK|UNLOCK)\b"
+)
 # What makes the keyword a statement rather than a word in prose or an HTTP method.
 _STATEMENT = re.compile(r"\bFROM\b|\bINTO\b|\bSET\b|%s|\w\(|TRANSACTION|^\s*SELECT\s+\d")
 
@@ -75,17 +78,37 @@ def is_sql(text: str) -> bool:
     return bool(_KEYWORD.match(text) and _STATEMENT.search(text))
 
 
+def _text(node: ast.expr) -> str | None:
+    """A string literal's text; an f-string's with each placeholder as {}."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_text(v) or "{}" for v in node.values)
+    return None
+
+
 def sql_lines(path: Path) -> list[int]:
-    tree = ast.parse(path.read_text(), str(path))
+    source = path.read_text()
+    # Most modules name no statement keyword at all: not parsed.
+    if not _ANYWHERE.search(source):
+        return []
+    return _lines(ast.parse(source, str(path)))
+
+
+def _lines(tree: ast.AST) -> list[int]:
     skip = _docstrings(tree)
-    return sorted(
-        node.lineno
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Constant)
-        and isinstance(node.value, str)
-        and id(node) not in skip
-        and is_sql(node.value)
-    )
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Constant | ast.JoinedStr):
+            continue
+        text = _text(node)
+        if text is not None and id(node) not in skip and is_sql(text):
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def sql_lines_of(source: str) -> list[int]:
+    return _lines(ast.parse(source))
 
 
 def is_store_module(rel: str) -> bool:
@@ -108,6 +131,7 @@ def test_the_detector_tells_statements_from_prose() -> None:
     assert is_sql("UPDATE deals SET mode = %s WHERE id = %s")
     assert is_sql("CALL gate_reserve_group(%s, %s)")
     assert is_sql("START TRANSACTION")
+    assert sql_lines_of('x = f"SELECT {columns} FROM orders WHERE id = %s"\n') == [1]
     assert not is_sql("DELETE")
     assert not is_sql("DELETE /v1/deals/{id}/queue: the buyer's ticket given up.")
     assert not is_sql("SELECT is not allowed in cluster mode")
