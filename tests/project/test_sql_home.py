@@ -41,16 +41,12 @@ NOT_YET_MOVED = {
     # Expiry (the sweeper, the invariant monitor): its own store module is still to come.
     "gate/expiry/invariant_monitor.py",
     "gate/expiry/sweeper.py",
-    # Inventory: an inventory store module is still to come (deals.py is being
-    # reworked separately).
-    "gate/inventory/advice.py",
+    # Inventory: to move into gate/inventory/store.py (deals.py is being reworked
+    # separately).
     "gate/inventory/check.py",
     "gate/inventory/deals.py",
-    "gate/inventory/janitor.py",
     "gate/inventory/mirror.py",
-    "gate/inventory/orders.py",
     "gate/inventory/repair.py",
-    "gate/inventory/unknown_deals.py",
     # The reservation path (being recomposed separately).
     "gate/reserve/buyer_keys.py",
     "gate/reserve/commit.py",
