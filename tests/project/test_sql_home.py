@@ -43,7 +43,6 @@ NOT_YET_MOVED = {
     "gate/expiry/sweeper.py",
     # Inventory: to move into gate/inventory/store.py (deals.py is being reworked
     # separately).
-    "gate/inventory/check.py",
     "gate/inventory/deals.py",
     "gate/inventory/mirror.py",
     "gate/inventory/repair.py",
