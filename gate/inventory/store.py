@@ -7,9 +7,13 @@
                       deal_stock, recent_orders
     check.py          partitions, all_deal_ids, snapshot_* (one consistent snapshot,
                       on the cursor of Database.snapshot)
+    repair.py         repair_* reads, begin / set_counters / set_quotas /
+                      repair_ledger_rows / commit (one transaction on its cursor)
 
-gate/inventory/deals.py still holds its own statements (the SQL home test's list).
-A function taking the Database runs its one statement on a connection of its own.
+gate/inventory/deals.py and mirror.py still hold their own statements (the SQL home
+test's list).
+A function taking the Database runs its one statement on a connection of its own; one
+taking a cursor runs inside the caller's transaction or snapshot on that cursor.
 """
 
 from __future__ import annotations
@@ -203,3 +207,100 @@ async def snapshot_quota(cur: Any, deal_id: int) -> int:
     )
     q = await cur.fetchone()
     return int(q[0]) if q else 0
+
+
+# -- gate repair (one transaction on repair.py's cursor; lock is "" or " FOR UPDATE") ----
+
+
+async def repair_deal(cur: Any, deal_id: int, lock: str) -> Row | None:
+    await cur.execute(
+        f"SELECT bucket_count, layout_epoch, per_user_limit FROM deals WHERE id = %s{lock}",
+        (deal_id,),
+    )
+    row: Row | None = await cur.fetchone()
+    return row
+
+
+async def repair_buckets(cur: Any, deal_id: int, lock: str) -> list[Row]:
+    await cur.execute(
+        "SELECT bucket, epoch, total, available, held, sold FROM deal_buckets"
+        f" WHERE deal_id = %s ORDER BY bucket{lock}",
+        (deal_id,),
+    )
+    rows: list[Row] = await cur.fetchall()
+    return rows
+
+
+async def repair_ledger(cur: Any, deal_id: int) -> list[Row]:
+    await cur.execute(
+        "SELECT bucket, SUM(d_total), SUM(d_available), SUM(d_held), SUM(d_sold)"
+        " FROM inventory_ledger FORCE INDEX (ix_ledger_deal) WHERE deal_id = %s GROUP BY bucket",
+        (deal_id,),
+    )
+    rows: list[Row] = await cur.fetchall()
+    return rows
+
+
+async def repair_orders(cur: Any, deal_id: int) -> list[Row]:
+    """(user_id, quantity, status, alloc) of the deal's holding and paid orders."""
+    await cur.execute(
+        "SELECT user_id, quantity, status, alloc FROM orders WHERE deal_id = %s AND status IN"
+        " ('PENDING_PAYMENT', 'AUTHORIZED', 'PAID')",
+        (deal_id,),
+    )
+    rows: list[Row] = await cur.fetchall()
+    return rows
+
+
+async def repair_quota(cur: Any, deal_id: int, lock: str) -> list[Row]:
+    await cur.execute(f"SELECT user_id, units FROM user_quota WHERE deal_id = %s{lock}", (deal_id,))
+    rows: list[Row] = await cur.fetchall()
+    return rows
+
+
+async def begin(cur: Any) -> None:
+    await cur.execute("START TRANSACTION")
+
+
+async def rollback(cur: Any) -> None:
+    await cur.execute("ROLLBACK")
+
+
+async def commit(cur: Any) -> None:
+    await cur.execute("COMMIT")
+
+
+async def set_counters(cur: Any, counters: Sequence[int], deal_id: int, bucket: int) -> None:
+    """counters: (total, available, held, sold)."""
+    await cur.execute(
+        "UPDATE deal_buckets SET total = %s, available = %s, held = %s, sold = %s,"
+        " updated_at = NOW(6) WHERE deal_id = %s AND bucket = %s",
+        (*counters, deal_id, bucket),
+    )
+
+
+async def set_quotas(cur: Any, rows: list[tuple[int, int, int]]) -> None:
+    """rows: (deal_id, user_id, units)."""
+    await cur.executemany(
+        "INSERT INTO user_quota (deal_id, user_id, units) VALUES (%s, %s, %s)"
+        " ON DUPLICATE KEY UPDATE units = VALUES(units)",
+        rows,
+    )
+
+
+async def bucket_zero_available(cur: Any, deal_id: int) -> int:
+    await cur.execute(
+        "SELECT available FROM deal_buckets WHERE deal_id = %s AND bucket = 0", (deal_id,)
+    )
+    return int((await cur.fetchone())[0])
+
+
+async def repair_ledger_rows(cur: Any, rows: list[tuple[Any, ...]]) -> None:
+    """rows: (deal_id, bucket, d_total, d_available, d_held, d_sold, available_before,
+    available_after, actor, note)."""
+    await cur.executemany(
+        "INSERT INTO inventory_ledger (deal_id, bucket, d_total, d_available, d_held, d_sold,"
+        " available_before, available_after, reason, actor, note)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'repair', %s, %s)",
+        rows,
+    )

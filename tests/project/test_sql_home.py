@@ -45,7 +45,6 @@ NOT_YET_MOVED = {
     # separately).
     "gate/inventory/deals.py",
     "gate/inventory/mirror.py",
-    "gate/inventory/repair.py",
     # The reservation path (being recomposed separately).
     "gate/reserve/buyer_keys.py",
     "gate/reserve/commit.py",
