@@ -38,6 +38,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from gate.base.errors import not_found
+from gate.inventory import store
 from gate.store.db import Database
 
 SAMPLE_EVERY_SECONDS = 0.1
@@ -60,15 +61,6 @@ _SERIES = {
     "gate_db_pool_waiting": {},
 }
 
-_WAITERS = (
-    "SELECT COUNT(*), COALESCE(MAX(TIMESTAMPDIFF(MICROSECOND, t.trx_wait_started, NOW(6))), 0)"
-    " FROM information_schema.INNODB_TRX AS t JOIN information_schema.INNODB_LOCKS AS l"
-    " ON l.lock_id = t.trx_requested_lock_id"
-    " WHERE t.trx_state = 'LOCK WAIT'"
-    " AND l.lock_table = CONCAT('`', DATABASE(), '`.`deal_buckets`')"
-    " AND l.lock_data LIKE %s"
-)
-
 
 async def sample_lock_waits(db: Database, deal_id: int, sample_seconds: float) -> dict[str, Any]:
     """Lock waits on the deal's bucket rows, sampled; `observed` False when the server
@@ -80,7 +72,7 @@ async def sample_lock_waits(db: Database, deal_id: int, sample_seconds: float) -
     try:
         async with db.connection() as conn, conn.cursor() as cur:
             while True:
-                await cur.execute(_WAITERS, (f"{deal_id}, %",))
+                await cur.execute(store.LOCK_WAITERS, (f"{deal_id}, %",))
                 row = await cur.fetchone()
                 n, us = (int(row[0]), int(row[1])) if row else (0, 0)
                 samples += 1
@@ -150,7 +142,7 @@ async def _gate_metrics(gate_url: str, before: dict[str, float] | Exception) -> 
 async def advise(
     db: Database, deal_id: int, sample_seconds: float, gate_url: str | None = None
 ) -> dict[str, Any]:
-    row = await db.fetchone("SELECT bucket_count FROM deals WHERE id = %s", (deal_id,))
+    row = await store.deal_buckets(db, deal_id)
     if row is None:
         raise not_found("deal")
     nb = int(row[0])
@@ -162,17 +154,9 @@ async def advise(
             before = exc
     waits = await sample_lock_waits(db, deal_id, sample_seconds)
     gate_seen = await _gate_metrics(gate_url, before) if gate_url else None
-    stock = await db.fetchone(
-        "SELECT COALESCE(SUM(b.available), 0), COALESCE(SUM(b.total), 0) FROM deal_buckets b"
-        " JOIN deals d ON d.id = b.deal_id AND d.layout_epoch = b.epoch WHERE b.deal_id = %s",
-        (deal_id,),
-    )
+    stock = await store.deal_stock(db, deal_id)
     available = int(stock[0]) if stock else 0
-    load = await db.fetchone(
-        "SELECT COUNT(*), COUNT(DISTINCT created_at) FROM orders"
-        " WHERE deal_id = %s AND created_at >= NOW(6) - INTERVAL %s SECOND",
-        (deal_id, WINDOW_SECONDS),
-    )
+    load = await store.recent_orders(db, deal_id, WINDOW_SECONDS)
     reservations, commits = (int(load[0]), int(load[1])) if load else (0, 0)
     observed = {
         "lock_waits": waits,

@@ -21,19 +21,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from gate.inventory import store
 from gate.inventory.room_check import room_report
 from gate.store.db import Database
 from gate.store.keys import DealKeys, deal_keys, partition_keys
 from gate.store.resp import text
 from gate.store.scripts import read_call
 
-# An order's allocation "b:q[,b:q…]" as rows (b, q), by the server: the string made a
-# JSON array of pairs.
-_PARTS = (
-    "JSON_TABLE(CONCAT('[[', REPLACE(REPLACE(o.alloc, ',', '],['), ':', ','), ']]'),"
-    " '$[*]' COLUMNS (b INT UNSIGNED PATH '$[0]', q INT UNSIGNED PATH '$[1]')) AS a"
-)
-_HOLDING = "('PENDING_PAYMENT', 'AUTHORIZED', 'PAID')"
 MISMATCHES_SHOWN_MAX = 20
 
 
@@ -154,7 +148,7 @@ async def _check_deal(db: Database, client: aioredis.Redis | None, deal_id: int)
 async def _partitions_of(db: Database, deal_id: int) -> int:
     """The deal's partition count P (docs/scale-out.md); 1 when it cannot be read."""
     try:
-        row = await db.fetchone("SELECT partitions FROM deals WHERE id = %s", (deal_id,))
+        row = await store.partitions(db, deal_id)
         return int(row[0]) if row else 1
     except Exception:
         return 1
@@ -212,60 +206,35 @@ async def _read_snapshot(db: Database, deal_id: int) -> Snapshot | None:
     """The deal as one consistent snapshot of the database; None when there is no
     such deal."""
     async with db.snapshot() as cur:
-        await cur.execute(
-            "SELECT bucket_count, layout_epoch, per_user_limit FROM deals WHERE id = %s",
-            (deal_id,),
-        )
-        deal = await cur.fetchone()
+        deal = await store.snapshot_deal(cur, deal_id)
         if deal is None:
             return None
         nb, epoch, limit = int(deal[0]), int(deal[1]), deal[2]
-        await cur.execute(
-            "SELECT bucket, epoch, total, available, held, sold FROM deal_buckets"
-            " WHERE deal_id = %s ORDER BY bucket",
-            (deal_id,),
-        )
-        rows = {int(r[0]): BucketRow(*(int(x) for x in r[1:])) for r in await cur.fetchall()}
-        await cur.execute(
-            "SELECT bucket, SUM(d_total), SUM(d_available), SUM(d_held), SUM(d_sold)"
-            # The deal's own rows through their index: for a deal with a large share of
-            # the table the optimizer picks a full scan, 2.5 times slower here.
-            " FROM inventory_ledger FORCE INDEX (ix_ledger_deal) WHERE deal_id = %s"
-            " GROUP BY bucket",
-            (deal_id,),
-        )
-        ledger = {int(r[0]): tuple(int(x) for x in r[1:]) for r in await cur.fetchall()}
+        rows = {
+            int(r[0]): BucketRow(*(int(x) for x in r[1:]))
+            for r in await store.snapshot_buckets(cur, deal_id)
+        }
+        ledger = {
+            int(r[0]): tuple(int(x) for x in r[1:])
+            for r in await store.snapshot_ledger(cur, deal_id)
+        }
         # What the orders hold and sold, per bucket of the current layout, summed by
         # the server: a hot deal has tens of thousands of orders, and reading them
         # into the gate blocked its event loop for tenths of a second on every pass
         # of the continuous monitor.
-        await cur.execute(
-            f"SELECT MOD(a.b, %s), o.status = 'PAID', SUM(a.q) FROM orders AS o, {_PARTS}"
-            f" WHERE o.deal_id = %s AND o.status IN {_HOLDING} GROUP BY 1, 2",
-            (nb, deal_id),
+        held_by_orders, sold_by_orders = _units_by_bucket(
+            await store.snapshot_order_units(cur, nb, deal_id)
         )
-        held_by_orders, sold_by_orders = _units_by_bucket(await cur.fetchall())
-        await cur.execute(
-            f"SELECT status = 'PAID', COALESCE(SUM(quantity), 0) FROM orders"
-            f" WHERE deal_id = %s AND status IN {_HOLDING} GROUP BY 1",
-            (deal_id,),
-        )
-        held_total, sold_total = _units_by_status(await cur.fetchall())
-        await cur.execute(
-            f"SELECT o.alloc, o.quantity FROM orders AS o, {_PARTS}"
-            f" WHERE o.deal_id = %s AND o.status IN {_HOLDING}"
-            " GROUP BY o.id HAVING COALESCE(SUM(a.q), 0) <> MAX(o.quantity)"
-            f" LIMIT {MISMATCHES_SHOWN_MAX}",
-            (deal_id,),
-        )
-        mismatched = [(alloc, quantity) for alloc, quantity in await cur.fetchall()]
+        held_total, sold_total = _units_by_status(await store.snapshot_order_totals(cur, deal_id))
+        mismatched = [
+            (alloc, quantity)
+            for alloc, quantity in await store.snapshot_mismatches(
+                cur, deal_id, MISMATCHES_SHOWN_MAX
+            )
+        ]
         quota_units = None
         if limit is not None:
-            await cur.execute(
-                "SELECT COALESCE(SUM(units), 0) FROM user_quota WHERE deal_id = %s", (deal_id,)
-            )
-            q = await cur.fetchone()
-            quota_units = int(q[0]) if q else 0
+            quota_units = await store.snapshot_quota(cur, deal_id)
     return Snapshot(
         nb,
         epoch,
@@ -474,7 +443,7 @@ async def check_all(
     if deal_id is not None:
         ids = [deal_id]
     else:
-        ids = [int(r[0]) for r in await db.fetchall("SELECT id FROM deals ORDER BY id")]
+        ids = [int(r[0]) for r in await store.all_deal_ids(db)]
     reports = [await check_deal(db, client, i) for i in ids]
     database = await database_report(db)
     ok = all(r["invariant"]["ok"] for r in reports) and not database["errors"]

@@ -50,6 +50,7 @@ import redis.asyncio as aioredis
 
 from gate.base.metrics import METRICS
 from gate.base.settings import Settings
+from gate.inventory import store
 from gate.inventory.mirror import Marker, Mirror, parse_marker
 from gate.store.db import Database, errno_of
 from gate.store.keys import ACTIVE_DEALS, DealKeys, deal_keys, owner_keys
@@ -121,20 +122,8 @@ class Janitor:
             ]
             if not tokens:
                 continue
-            marks = ",".join(["%s"] * len(tokens))
-            orders = {
-                str(r[0]): str(r[1])
-                for r in await self.db.fetchall(
-                    f"SELECT id, alloc FROM orders WHERE id IN ({marks})", tuple(tokens)
-                )
-            }
-            ledgered = {
-                str(r[0])
-                for r in await self.db.fetchall(
-                    f"SELECT DISTINCT op_id FROM inventory_ledger WHERE op_id IN ({marks})",
-                    tuple(tokens),
-                )
-            }
+            orders = {str(r[0]): str(r[1]) for r in await store.order_allocs(self.db, tokens)}
+            ledgered = {str(r[0]) for r in await store.ledgered_ops(self.db, tokens)}
             intents: list[tuple[str, bool]] = []
             for token in tokens:
                 marker = markers[token]
@@ -253,11 +242,7 @@ class Janitor:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + THREADS_GONE_WAIT_SECONDS
         while killed:
-            marks = ",".join(["%s"] * len(killed))
-            rows = await self.db.fetchall(
-                f"SELECT ID FROM information_schema.PROCESSLIST WHERE ID IN ({marks})",
-                tuple(killed),
-            )
+            rows = await store.live_threads(self.db, killed)
             killed = [int(r[0]) for r in rows]
             if killed:
                 if loop.time() >= deadline:

@@ -14,18 +14,13 @@ from gate.base.errors import Problem, not_found, overloaded
 
 # The reservation path names the id generator `orders.new_id`.
 from gate.base.ids import new_id as new_id
+from gate.inventory import store
 from gate.inventory.mirror import Intent, Mirror
 from gate.store.db import Database, DbUnavailable, is_connection_error
 
 log = logging.getLogger("gate.orders")
 
 ORDER_ID_RE = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
-
-_COLUMNS = (
-    "id, deal_id, user_id, quantity, unit_price, amount, currency, title, status, alloc,"
-    " request_fingerprint, expires_at, created_at, updated_at, paid_at, closed_at,"
-    " capture_mode, provider, provider_session_id, idempotency_key"
-)
 
 
 @dataclass(frozen=True)
@@ -115,15 +110,12 @@ def valid_order_id(order_id: str) -> bool:
 async def get(db: Database, order_id: str) -> Order | None:
     if not valid_order_id(order_id):
         return None
-    row = await db.fetchone(f"SELECT {_COLUMNS} FROM orders WHERE id = %s", (order_id,))
+    row = await store.order_by_id(db, order_id)
     return Order.from_row(row) if row else None
 
 
 async def by_idempotency_key(db: Database, user_id: int, key: str) -> Order | None:
-    row = await db.fetchone(
-        f"SELECT {_COLUMNS} FROM orders WHERE user_id = %s AND idempotency_key = %s",
-        (user_id, key),
-    )
+    row = await store.order_by_key(db, user_id, key)
     return Order.from_row(row) if row else None
 
 
@@ -167,7 +159,7 @@ async def release(
         async with db.connection() as conn:
             return await db.call(
                 conn,
-                "CALL gate_release(%s, %s, %s, %s, %s, %s, %s, %s)",
+                store.RELEASE,
                 (
                     order.id,
                     to_status,

@@ -40,6 +40,7 @@ from typing import Any
 from gate.base.alloc import parse_alloc
 from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, not_found
+from gate.inventory import store
 from gate.inventory.mirror import Mirror
 from gate.store.db import RETRYABLE_ERRNOS, Database, errno_of
 from gate.store.keys import deal_keys
@@ -174,35 +175,22 @@ async def wait_quiet(mirror: Mirror, deal_id: int, wait_seconds: float) -> None:
 
 
 async def _read_and_plan(cur: Any, deal_id: int, lock: str) -> RepairPlan:
-    await cur.execute(
-        f"SELECT bucket_count, layout_epoch, per_user_limit FROM deals WHERE id = %s{lock}",
-        (deal_id,),
-    )
-    row = await cur.fetchone()
+    row = await store.repair_deal(cur, deal_id, lock)
     if row is None:
         raise not_found("deal")
     nb, epoch, limit = int(row[0]), int(row[1]), row[2]
-    await cur.execute(
-        "SELECT bucket, epoch, total, available, held, sold FROM deal_buckets"
-        f" WHERE deal_id = %s ORDER BY bucket{lock}",
-        (deal_id,),
-    )
     rows = {
         int(r[0]): (int(r[1]), (int(r[2]), int(r[3]), int(r[4]), int(r[5])))
-        for r in await cur.fetchall()
+        for r in await store.repair_buckets(cur, deal_id, lock)
     }
     if set(rows) != set(range(nb)) or any(e != epoch for e, _ in rows.values()):
         raise refused(
             f"Deal {deal_id}'s bucket rows do not match its layout of {nb} bucket(s), epoch"
             f" {epoch}: repair fixes counters, not layouts; see gate check --deal {deal_id}."
         )
-    await cur.execute(
-        "SELECT bucket, SUM(d_total), SUM(d_available), SUM(d_held), SUM(d_sold)"
-        " FROM inventory_ledger FORCE INDEX (ix_ledger_deal) WHERE deal_id = %s GROUP BY bucket",
-        (deal_id,),
-    )
     ledger: dict[int, Counters] = {
-        int(r[0]): (int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in await cur.fetchall()
+        int(r[0]): (int(r[1]), int(r[2]), int(r[3]), int(r[4]))
+        for r in await store.repair_ledger(cur, deal_id)
     }
     removed = {b: v for b, v in ledger.items() if b >= nb and any(v)}
     if removed:
@@ -210,15 +198,10 @@ async def _read_and_plan(cur: Any, deal_id: int, lock: str) -> RepairPlan:
             f"Deal {deal_id}'s removed buckets {sorted(removed)} still carry ledger stock:"
             " repair fixes counters, not layouts."
         )
-    await cur.execute(
-        "SELECT user_id, quantity, status, alloc FROM orders WHERE deal_id = %s AND status IN"
-        " ('PENDING_PAYMENT', 'AUTHORIZED', 'PAID')",
-        (deal_id,),
-    )
     held: dict[int, int] = defaultdict(int)
     sold: dict[int, int] = defaultdict(int)
     units: dict[int, int] = defaultdict(int)
-    for user_id, quantity, status, alloc in await cur.fetchall():
+    for user_id, quantity, status, alloc in await store.repair_orders(cur, deal_id):
         parts = parse_alloc(str(alloc))
         if sum(q for _, q in parts) != int(quantity):
             raise refused(
@@ -237,10 +220,7 @@ async def _read_and_plan(cur: Any, deal_id: int, lock: str) -> RepairPlan:
         if now != want[b] or led != want[b]:
             plan.buckets[b] = (now, led, want[b])
     if limit is not None:
-        await cur.execute(
-            f"SELECT user_id, units FROM user_quota WHERE deal_id = %s{lock}", (deal_id,)
-        )
-        have = {int(u): int(n) for u, n in await cur.fetchall()}
+        have = {int(u): int(n) for u, n in await store.repair_quota(cur, deal_id, lock)}
         for user in set(have) | set(units):
             if have.get(user, 0) != units.get(user, 0):
                 plan.quota[user] = (have.get(user, 0), units.get(user, 0))
@@ -266,15 +246,15 @@ async def repair(
 
     async def attempt() -> RepairPlan:
         async with db.connection() as conn, conn.cursor() as cur:
-            await cur.execute("START TRANSACTION")
+            await store.begin(cur)
             try:
                 plan = await _read_and_plan(cur, deal_id, " FOR UPDATE")
                 if plan.changed:
                     await _apply(cur, plan, operator)
             except BaseException:
-                await cur.execute("ROLLBACK")
+                await store.rollback(cur)
                 raise
-            await cur.execute("COMMIT")
+            await store.commit(cur)
             return plan
 
     try:
@@ -297,11 +277,7 @@ async def _apply(cur: Any, plan: RepairPlan, operator: str) -> None:
     deal_id = plan.deal_id
     ledger = []
     for b, (now, led, want) in sorted(plan.buckets.items()):
-        await cur.execute(
-            "UPDATE deal_buckets SET total = %s, available = %s, held = %s, sold = %s,"
-            " updated_at = NOW(6) WHERE deal_id = %s AND bucket = %s",
-            (*want, deal_id, b),
-        )
+        await store.set_counters(cur, want, deal_id, b)
         note = f"counters {now} -> {want}; ledger summed {led}"
         ledger.append(
             (
@@ -320,19 +296,14 @@ async def _apply(cur: Any, plan: RepairPlan, operator: str) -> None:
             )
         )
     if plan.quota:
-        await cur.executemany(
-            "INSERT INTO user_quota (deal_id, user_id, units) VALUES (%s, %s, %s)"
-            " ON DUPLICATE KEY UPDATE units = VALUES(units)",
-            [(deal_id, u, want) for u, (_, want) in sorted(plan.quota.items())],
+        await store.set_quotas(
+            cur, [(deal_id, u, want) for u, (_, want) in sorted(plan.quota.items())]
         )
         # A row in the ledger for the audit trail; its deltas are zero (quota is not stock).
         first = plan.buckets.get(0)
         avail0 = first[2][1] if first else None
         if avail0 is None:
-            await cur.execute(
-                "SELECT available FROM deal_buckets WHERE deal_id = %s AND bucket = 0", (deal_id,)
-            )
-            avail0 = int((await cur.fetchone())[0])
+            avail0 = await store.bucket_zero_available(cur, deal_id)
         before = sum(v[0] for v in plan.quota.values())
         after = sum(v[1] for v in plan.quota.values())
         note = (
@@ -340,12 +311,7 @@ async def _apply(cur: Any, plan: RepairPlan, operator: str) -> None:
             f" units {before} -> {after}"
         )
         ledger.append((deal_id, 0, 0, 0, 0, 0, avail0, avail0, operator, note[:NOTE_MAX]))
-    await cur.executemany(
-        "INSERT INTO inventory_ledger (deal_id, bucket, d_total, d_available, d_held, d_sold,"
-        " available_before, available_after, reason, actor, note)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'repair', %s, %s)",
-        ledger,
-    )
+    await store.repair_ledger_rows(cur, ledger)
 
 
 async def _refresh_redis(mirror: Mirror, deal_id: int, *, quota_changed: bool) -> None:

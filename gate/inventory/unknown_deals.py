@@ -43,6 +43,7 @@ import redis.asyncio as aioredis
 
 from gate.base.ids import new_id
 from gate.base.singleflight import FreshRead, SingleFlight
+from gate.inventory import store
 from gate.store.db import Database
 from gate.store.keys import DEALS_GENERATION
 from gate.store.resp import text
@@ -173,7 +174,7 @@ class UnknownDeals:
     async def _read_ceiling(self, generation: str) -> None:
         sent = time.monotonic()
         try:
-            row = await self.db.fetchone("SELECT COALESCE(MAX(id), 0) FROM deals")
+            row = await store.highest_deal_id(self.db)
         except Exception as exc:
             log.info("highest deal id unreadable: %r", exc)
             return

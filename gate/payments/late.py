@@ -20,6 +20,7 @@ from gate.base.alloc import format_alloc, parse_alloc
 from gate.base.codes import OrderStatus
 from gate.base.ids import new_id
 from gate.inventory.mirror import Intent, Mirror
+from gate.payments import store
 from gate.store.db import Database, is_connection_error
 
 log = logging.getLogger("gate.payments.late")
@@ -66,23 +67,13 @@ async def settle_late(
 
     async def attempt() -> LateResult:
         async with db.connection() as conn, conn.cursor() as cur:
-            await cur.execute("START TRANSACTION")
-            await cur.execute(
-                "SELECT outcome, order_id, payment_id, amount, currency FROM payment_events"
-                " WHERE provider = %s AND event_id = %s FOR UPDATE",
-                (provider, event_id),
-            )
-            ev = await cur.fetchone()
+            await store.begin(cur)
+            ev = await store.lock_event(cur, provider, event_id)
             if ev is None or ev[0] != "late":
-                await cur.execute("ROLLBACK")
+                await store.rollback(cur)
                 return LateResult("noop", None, 0)
             order_id, payment_id, amount, currency = str(ev[1]), str(ev[2]), int(ev[3]), ev[4]
-            await cur.execute(
-                "SELECT status, deal_id, user_id, quantity, alloc FROM orders"
-                " WHERE id = %s FOR UPDATE",
-                (order_id,),
-            )
-            order = await cur.fetchone()
+            order = await store.lock_order(cur, order_id)
             assert order is not None, "a late event always names an existing order"
             status, deal_id, user_id, quantity, alloc = (
                 str(order[0]),
@@ -91,10 +82,7 @@ async def settle_late(
                 int(order[3]),
                 str(order[4]),
             )
-            await cur.execute("SELECT NOW(6)")
-            now_row = await cur.fetchone()
-            assert now_row is not None
-            now = now_row[0]
+            now = await store.db_now(cur)
             at = now.isoformat(timespec="microseconds") + "Z"
             tx = new_id()
             common = {
@@ -113,11 +101,7 @@ async def settle_late(
 
             if status not in (OrderStatus.EXPIRED, OrderStatus.CANCELLED):
                 # Another payment settled this order meanwhile: this one goes back.
-                await cur.execute(
-                    "UPDATE orders SET paid_amount = paid_amount + %s, updated_at = %s,"
-                    " version = version + 1 WHERE id = %s",
-                    (amount, now, order_id),
-                )
+                await store.add_paid(cur, amount, now, order_id)
                 await _refund_row(
                     cur, provider, payment_id, order_id, amount, currency, now, "second_payment"
                 )
@@ -130,15 +114,10 @@ async def settle_late(
                     now,
                 )
                 await _event_done(cur, provider, event_id, "second_payment", now)
-                await cur.execute("COMMIT")
+                await store.commit(cur)
                 return LateResult("second_payment", order_id, deal_id)
 
-            await cur.execute(
-                "SELECT bucket_count, layout_epoch, per_user_limit FROM deals"
-                " WHERE id = %s FOR UPDATE",
-                (deal_id,),
-            )
-            deal = await cur.fetchone()
+            deal = await store.lock_deal_layout(cur, deal_id)
             assert deal is not None
             nb, epoch, limit = int(deal[0]), int(deal[1]), deal[2]
             # The per-user limit holds for a re-take as for a reservation (the buyer may
@@ -147,30 +126,16 @@ async def settle_late(
             # gate_reserve locks them.
             over_limit = False
             if limit is not None:
-                await cur.execute(
-                    "SELECT units FROM user_quota WHERE deal_id = %s AND user_id = %s FOR UPDATE",
-                    (deal_id, user_id),
-                )
-                quota = await cur.fetchone()
+                quota = await store.lock_quota(cur, deal_id, user_id)
                 over_limit = (int(quota[0]) if quota else 0) + quantity > int(limit)
-            await cur.execute(
-                "SELECT bucket, available FROM deal_buckets WHERE deal_id = %s AND epoch = %s"
-                " ORDER BY bucket FOR UPDATE",
-                (deal_id, epoch),
-            )
-            available = {int(b): int(a) for b, a in await cur.fetchall()}
+            available = {int(b): int(a) for b, a in await store.lock_buckets(cur, deal_id, epoch)}
             preferred = [b % nb for b, _ in parse_alloc(alloc)]
             plan = None if over_limit else plan_retake(available, quantity, preferred)
 
             if plan is None:
                 why = "late_over_limit" if over_limit else "late_no_stock"
-                await cur.execute(
-                    "UPDATE orders SET status = 'REFUND_PENDING', paid_amount = paid_amount + %s,"
-                    " provider_payment_id = %s, paid_at = %s, updated_at = %s,"
-                    " version = version + 1 WHERE id = %s AND status IN ('EXPIRED', 'CANCELLED')",
-                    (amount, payment_id, now, now, order_id),
-                )
-                assert cur.rowcount == 1, "the order row is locked in this transaction"
+                changed = await store.late_refund_pending(cur, amount, payment_id, now, order_id)
+                assert changed == 1, "the order row is locked in this transaction"
                 await _refund_row(cur, provider, payment_id, order_id, amount, currency, now, why)
                 await _outbox(
                     cur,
@@ -181,37 +146,21 @@ async def settle_late(
                     now,
                 )
                 await _event_done(cur, provider, event_id, "late_refund", now)
-                await cur.execute("COMMIT")
+                await store.commit(cur)
                 return LateResult("refund_pending", order_id, deal_id)
 
             for b, q in plan:
-                await cur.execute(
-                    "UPDATE deal_buckets SET available = available - %s, sold = sold + %s,"
-                    " updated_at = %s WHERE deal_id = %s AND bucket = %s AND epoch = %s"
-                    " AND available >= %s",
-                    (q, q, now, deal_id, b, epoch, q),
-                )
-                assert cur.rowcount == 1, "bucket rows are locked in this transaction"
-                await cur.execute(
-                    "INSERT INTO inventory_ledger (deal_id, bucket, order_id, op_id, d_total,"
-                    " d_available, d_held, d_sold, available_before, available_after, reason,"
-                    " actor, created_at) VALUES (%s, %s, %s, %s, 0, %s, 0, %s, %s, %s,"
-                    " 'late_pay', %s, %s)",
-                    (deal_id, b, order_id, tx, -q, q, available[b], available[b] - q, actor, now),
+                taken = await store.take_bucket(cur, q, now, deal_id, b, epoch)
+                assert taken == 1, "bucket rows are locked in this transaction"
+                await store.ledger_late_pay(
+                    cur, deal_id, b, order_id, tx, q, available[b], actor, now
                 )
             if limit is not None:
-                await cur.execute(
-                    "INSERT INTO user_quota (deal_id, user_id, units) VALUES (%s, %s, %s)"
-                    " ON DUPLICATE KEY UPDATE units = units + %s",
-                    (deal_id, user_id, quantity, quantity),
-                )
-            await cur.execute(
-                "UPDATE orders SET status = 'PAID', alloc = %s, paid_amount = paid_amount + %s,"
-                " provider_payment_id = %s, paid_at = %s, updated_at = %s,"
-                " version = version + 1 WHERE id = %s AND status IN ('EXPIRED', 'CANCELLED')",
-                (format_alloc(plan), amount, payment_id, now, now, order_id),
+                await store.add_quota(cur, deal_id, user_id, quantity)
+            changed = await store.late_paid(
+                cur, format_alloc(plan), amount, payment_id, now, order_id
             )
-            assert cur.rowcount == 1, "the order row is locked in this transaction"
+            assert changed == 1, "the order row is locked in this transaction"
             await _outbox(
                 cur, tx, "order.paid", order_id, {**common, "status": OrderStatus.PAID}, now
             )
@@ -224,7 +173,7 @@ async def settle_late(
                 await mirror.intend(deal_id, [intent])
             except Exception as exc:
                 log.warning("order %s: re-take intent not recorded in Redis: %r", order_id, exc)
-            await cur.execute("COMMIT")
+            await store.commit(cur)
             return LateResult("paid", order_id, deal_id)
 
     try:
@@ -261,26 +210,14 @@ async def _refund_row(
     now: Any,
     reason: str,
 ) -> None:
-    await cur.execute(
-        "INSERT INTO payment_refunds (provider, payment_id, order_id, amount, currency, reason,"
-        " next_attempt_at, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-        (provider, payment_id, order_id, amount, currency, reason, now, now, now),
-    )
+    await store.refund_row(cur, provider, payment_id, order_id, amount, currency, now, reason)
 
 
 async def _outbox(
     cur: Any, event_id: str, topic: str, aggregate: str, payload: dict[str, Any], now: Any
 ) -> None:
-    await cur.execute(
-        "INSERT INTO outbox (event_id, topic, aggregate_id, payload, created_at)"
-        " VALUES (%s, %s, %s, %s, %s)",
-        (event_id, topic, aggregate, _payload(**payload), now),
-    )
+    await store.outbox_row(cur, event_id, topic, aggregate, _payload(**payload), now)
 
 
 async def _event_done(cur: Any, provider: str, event_id: str, detail: str, now: Any) -> None:
-    await cur.execute(
-        "UPDATE payment_events SET outcome = 'applied', detail = %s, processed_at = %s"
-        " WHERE provider = %s AND event_id = %s",
-        (detail, now, provider, event_id),
-    )
+    await store.event_done(cur, provider, event_id, detail, now)

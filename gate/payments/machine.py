@@ -20,6 +20,7 @@ import orjson
 from gate.base import tracing
 from gate.base.ids import new_id
 from gate.inventory.mirror import Mirror
+from gate.payments import store
 from gate.payments.codes import EventCode
 from gate.payments.late import settle_late
 from gate.payments.metrics import QUARANTINED
@@ -129,7 +130,7 @@ class PaymentMachine:
             async with self.db.connection() as conn:
                 return await self.db.call(
                     conn,
-                    "CALL gate_payment_event(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    store.PAYMENT_EVENT,
                     args,
                 )
 
@@ -150,7 +151,7 @@ class PaymentMachine:
             async with self.db.connection() as conn:
                 return await self.db.call(
                     conn,
-                    "CALL gate_payment_event_group(%s, %s, %s)",
+                    store.PAYMENT_EVENT_GROUP,
                     (provider, payload, self.actor),
                 )
 
@@ -195,12 +196,7 @@ class PaymentMachine:
             await self.reprocess_waiting(provider, order_id)
 
     async def reprocess_waiting(self, provider: str, order_id: str) -> int:
-        rows = await self.db.fetchall(
-            "SELECT event_id, event_type, payment_id, amount, currency, refund_id, payload"
-            " FROM payment_events WHERE order_id = %s AND provider = %s AND outcome = 'waiting'"
-            " ORDER BY received_at LIMIT %s",
-            (order_id, provider, WAITING_BATCH_MAX),
-        )
+        rows = await store.waiting_events(self.db, order_id, provider, WAITING_BATCH_MAX)
         done = 0
         for event_id, event_type, payment_id, amount, currency, refund_id, payload in rows:
             event = ProviderEvent(

@@ -20,6 +20,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from gate.base.drain import yield_to_sweeper
+from gate.payments import store
 from gate.payments.metrics import OUTBOX_LAG, OUTBOX_UNPUBLISHED
 from gate.store.db import Database
 from gate.store.resp import text
@@ -60,37 +61,26 @@ class OutboxRelay:
     async def run_once(self) -> int:
         """Publish at most one batch; returns how many rows it published."""
         async with self.db.connection() as conn, conn.cursor() as cur:
-            await cur.execute("START TRANSACTION")
-            # One JSON text column per row: the client parses rows in Python, and seven
-            # typed columns (a datetime among them) cost it several times as much.
-            await cur.execute(
-                "SELECT JSON_ARRAY(id, event_id, topic, aggregate_id, payload,"
-                " DATE_FORMAT(created_at, '%%Y-%%m-%%dT%%H:%%i:%%s.%%fZ'),"
-                " TIMESTAMPDIFF(MICROSECOND, created_at, NOW(6))) FROM outbox"
-                " WHERE published_at IS NULL ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED",
-                (self.batch_max,),
-            )
-            rows = [orjson.loads(text) for (text,) in await cur.fetchall()]
+            await store.begin(cur)
+            rows = [
+                orjson.loads(text) for (text,) in await store.lock_unpublished(cur, self.batch_max)
+            ]
             if not rows:
-                await cur.execute("COMMIT")
+                await store.commit(cur)
                 return 0
             args: list[Any] = [self.maxlen, len(rows)]
             for row in rows:
                 args += row[1:6]
             await self._publish(keys=[self.stream], args=args)
             ids = [int(r[0]) for r in rows]
-            marks = ",".join(["%s"] * len(ids))
-            await cur.execute(
-                f"UPDATE outbox SET published_at = NOW(6) WHERE id IN ({marks})", tuple(ids)
-            )
-            await cur.execute("COMMIT")
+            await store.mark_published(cur, ids)
+            await store.commit(cur)
         for row in rows:
             OUTBOX_LAG.observe(max(0, int(row[6])) / 1e6)
         return len(rows)
 
     async def unpublished(self) -> int:
-        row = await self.db.fetchone("SELECT COUNT(*) FROM outbox WHERE published_at IS NULL")
-        count = int(row[0]) if row else 0
+        count = await store.unpublished_count(self.db)
         OUTBOX_UNPUBLISHED.set(count)
         return count
 

@@ -47,6 +47,7 @@ import orjson
 import pymysql
 
 from gate.base.metrics import METRICS
+from gate.payments import store
 from gate.payments.codes import EventCode
 from gate.payments.config import ReconcileSettings
 from gate.payments.machine import Applied, PaymentMachine
@@ -220,14 +221,12 @@ class Reconciler:
     async def run_once(self, lock_wait_seconds: int = 0) -> Report | None:
         """One pass under the lock; None when another pass holds it."""
         async with self.db.connection() as conn, conn.cursor() as cur:
-            await cur.execute("SELECT GET_LOCK(%s, %s)", (self.lock, lock_wait_seconds))
-            row = await cur.fetchone()
-            if not row or row[0] != 1:
+            if not await store.try_lock(cur, self.lock, lock_wait_seconds):
                 return None
             try:
                 report = await self._pass()
             finally:
-                await cur.execute("SELECT RELEASE_LOCK(%s)", (self.lock,))
+                await store.release_lock(cur, self.lock)
         self._publish(report)
         return report
 
@@ -308,26 +307,13 @@ class Reconciler:
     async def _books(self, payment_ids: Sequence[str]) -> Books:
         books = Books()
         for part in chunks(sorted(set(payment_ids))):
-            marks = ", ".join(["%s"] * len(part))
-            rows = await self.db.fetchall(
-                f"SELECT payment_id, status, order_id FROM payments"
-                f" WHERE provider = %s AND payment_id IN ({marks})",
-                (self.name, *part),
-            )
+            rows = await store.payments_of(self.db, self.name, part)
             for pid, status, order_id in rows:
                 books.payments[str(pid)] = GatePayment(str(status), order_id)
-            rows = await self.db.fetchall(
-                f"SELECT payment_id, id, status, provider_refund_id FROM payment_refunds"
-                f" WHERE provider = %s AND payment_id IN ({marks})",
-                (self.name, *part),
-            )
+            rows = await store.refunds_of(self.db, self.name, part)
             for pid, rid, status, provider_refund_id in rows:
                 books.refunds[str(pid)] = GateRefund(int(rid), str(status), provider_refund_id)
-            rows = await self.db.fetchall(
-                f"SELECT payment_id, event_type, refund_id, outcome, detail FROM payment_events"
-                f" WHERE provider = %s AND payment_id IN ({marks})",
-                (self.name, *part),
-            )
+            rows = await store.events_of(self.db, self.name, part)
             for pid, etype, refund_id, outcome, detail in rows:
                 books.events.setdefault(str(pid), []).append(
                     KnownEvent(str(etype), refund_id, str(outcome), detail)
@@ -337,23 +323,19 @@ class Reconciler:
     async def _order_status(self, order_id: str | None) -> str | None:
         if order_id is None:
             return None
-        row = await self.db.fetchone("SELECT status FROM orders WHERE id = %s", (order_id,))
+        row = await store.order_status(self.db, order_id)
         return str(row[0]) if row else None
 
     async def _mark(self, finding: Finding, subject: str) -> Finding:
         """Record a flagged or reported finding once; `new` says whether this pass did."""
         event_id = marker_id(self.name, finding.kind, subject)
         finding.new = False
-        if await self.db.fetchone("SELECT 1 FROM outbox WHERE event_id = %s", (event_id,)):
+        if await store.outbox_has(self.db, event_id):
             return finding
         payload = orjson.dumps({"provider": self.name, **asdict(finding), "new": True}).decode()
         aggregate = (finding.order_id or finding.payment_id or subject)[:64]
         try:
-            await self.db.execute(
-                "INSERT INTO outbox (event_id, topic, aggregate_id, payload, created_at)"
-                " VALUES (%s, %s, %s, %s, NOW(6))",
-                (event_id, FLAG_TOPIC, aggregate, payload),
-            )
+            await store.flag_row(self.db, event_id, FLAG_TOPIC, aggregate, payload)
         except pymysql.err.IntegrityError as exc:
             # Another pass recorded it a moment ago (the lock makes this rare).
             if errno_of(exc) != DUPLICATE_KEY:
@@ -431,10 +413,7 @@ class Reconciler:
         transition = f"{before} -> {after}"
         # Whether the money goes back says which path the payment took: the
         # second-payment path, or a late payment the deal had no units left for.
-        refund = await self.db.fetchone(
-            "SELECT reason FROM payment_refunds WHERE provider = %s AND payment_id = %s",
-            (self.name, t.id),
-        )
+        refund = await store.refund_reason(self.db, self.name, t.id)
         if t.status != "succeeded" or applied.code == EventCode.IGNORED:
             finding = replace(base, detail=f"{PAYMENT_FACTS[t.status]}: {transition}")
         elif refund is not None and refund[0] == "second_payment":
@@ -454,13 +433,7 @@ class Reconciler:
         refund path: the current generation's idempotency key, so a refund the
         provider already has comes back as it is and is never made twice."""
         for part in chunks(payment_ids):
-            marks = ", ".join(["%s"] * len(part))
-            await self.db.execute(
-                f"UPDATE payment_refunds SET next_attempt_at = NOW(6)"
-                f" WHERE provider = %s AND payment_id IN ({marks})"
-                f" AND status IN ('pending', 'submitted')",
-                (self.name, *part),
-            )
+            await store.refunds_due_now(self.db, self.name, part)
         await self.worker.refunds(self.provider)
 
     async def _refund_now(self, scheduled: list[Finding]) -> None:
@@ -468,10 +441,7 @@ class Reconciler:
         not settle."""
         await self._retry([str(f.payment_id) for f in scheduled])
         for finding in scheduled:
-            row = await self.db.fetchone(
-                "SELECT status FROM payment_refunds WHERE provider = %s AND payment_id = %s",
-                (self.name, finding.payment_id),
-            )
+            row = await store.refund_status(self.db, self.name, finding.payment_id)
             if row and row[0] == "succeeded":
                 finding.outcome = "refunded"
 
@@ -534,21 +504,12 @@ class Reconciler:
         listed = {t.id: t.status for t in listing if t.kind == "payment"}
         # Every way to PAID goes through an applied payment.succeeded (a callback, an
         # API answer, a late settlement): its event row is the index into the window.
-        rows = await self.db.fetchall(
-            "SELECT e.order_id, e.payment_id, o.paid_amount, o.currency FROM payment_events e"
-            " JOIN orders o ON o.id = e.order_id"
-            " WHERE e.provider = %s AND e.outcome = 'applied'"
-            " AND e.event_type = 'payment.succeeded'"
-            " AND e.received_at >= NOW(6) - INTERVAL %s SECOND"
-            " AND e.received_at <= NOW(6) - INTERVAL %s SECOND"
-            " AND o.status = 'PAID' AND o.provider_payment_id = e.payment_id"
-            " ORDER BY e.received_at LIMIT %s",
-            (
-                self.name,
-                self.settings.window_seconds,
-                self.settings.grace_seconds,
-                self.settings.pages_max * self.settings.page_size,
-            ),
+        rows = await store.paid_in_window(
+            self.db,
+            self.name,
+            self.settings.window_seconds,
+            self.settings.grace_seconds,
+            self.settings.pages_max * self.settings.page_size,
         )
         for order_id, payment_id, paid, currency in rows:
             report.paid_checked += 1
@@ -597,16 +558,12 @@ class Reconciler:
 
     async def _stuck_refunds(self, report: Report, listing: list[Transaction]) -> None:
         at_provider = {t.id: t.status for t in listing if t.kind == "refund"}
-        rows = await self.db.fetchall(
-            "SELECT id, payment_id, order_id, amount, currency, generation FROM payment_refunds"
-            " WHERE provider = %s AND status IN ('pending', 'submitted')"
-            " AND created_at <= NOW(6) - INTERVAL %s SECOND ORDER BY id LIMIT %s",
-            (
-                self.name,
-                self.settings.refund_stuck_seconds,
-                # One more than the budget allows: whether any is left over.
-                max(0, self.settings.actions_max - report.actions) + 1,
-            ),
+        rows = await store.stuck_refunds(
+            self.db,
+            self.name,
+            self.settings.refund_stuck_seconds,
+            # One more than the budget allows: whether any is left over.
+            max(0, self.settings.actions_max - report.actions) + 1,
         )
         rows = [r for r in rows if str(r[1]) not in report.scheduled]
         room = max(0, self.settings.actions_max - report.actions)
@@ -618,16 +575,8 @@ class Reconciler:
         report.refunds_checked += len(rows)
         report.actions += len(rows)
         ids = [int(r[0]) for r in rows]
-        marks = ", ".join(["%s"] * len(ids))
         await self._retry([str(r[1]) for r in rows])
-        after = {
-            int(r[0]): r[1:]
-            for r in await self.db.fetchall(
-                f"SELECT id, status, generation, provider_refund_id, last_error"
-                f" FROM payment_refunds WHERE id IN ({marks})",
-                ids,
-            )
-        }
+        after = {int(r[0]): r[1:] for r in await store.refunds_by_id(self.db, ids)}
         for rid, payment_id, order_id, amount, currency, generation in rows:
             status, gen_now, provider_refund_id, last_error = after[int(rid)]
             finding = Finding(
@@ -654,24 +603,12 @@ class Reconciler:
     # -- one fact under several event ids -------------------------------------------------
 
     async def _duplicates(self, report: Report) -> None:
-        rows = await self.db.fetchall(
-            "SELECT e.order_id, e.payment_id, e.event_type, e.refund_id, e.amount, e.currency"
-            " FROM payment_events e"
-            " WHERE e.provider = %s AND e.outcome = 'ignored'"
-            " AND e.received_at >= NOW(6) - INTERVAL %s SECOND"
-            " AND e.received_at <= NOW(6) - INTERVAL %s SECOND"
-            " AND e.event_id NOT LIKE 'api:%%'"
-            " AND EXISTS (SELECT 1 FROM payment_events d WHERE d.provider = e.provider"
-            "   AND d.payment_id = e.payment_id AND d.event_type = e.event_type"
-            "   AND d.refund_id <=> e.refund_id AND d.event_id <> e.event_id"
-            "   AND d.event_id NOT LIKE 'api:%%')"
-            " LIMIT %s",
-            (
-                self.name,
-                self.settings.window_seconds,
-                self.settings.grace_seconds,
-                self.settings.actions_max,
-            ),
+        rows = await store.duplicate_events(
+            self.db,
+            self.name,
+            self.settings.window_seconds,
+            self.settings.grace_seconds,
+            self.settings.actions_max,
         )
         seen: set[tuple[str, str, str]] = set()
         for order_id, payment_id, etype, refund_id, amount, currency in rows:

@@ -16,6 +16,7 @@ from gate.base.clock import iso
 from gate.base.codes import OrderStatus
 from gate.base.errors import Problem, not_found, overloaded
 from gate.inventory.orders import valid_order_id
+from gate.payments import store
 from gate.payments.config import PaymentSettings
 from gate.payments.provider import (
     Provider,
@@ -48,13 +49,7 @@ class PaymentSessions:
         self.settings = settings
 
     async def _stored(self, order_id: str, user_id: int) -> tuple[Any, ...]:
-        row = await self.db.fetchone(
-            "SELECT o.user_id, o.status, o.expires_at > NOW(6), o.amount, o.currency, o.title,"
-            " o.capture_mode, UNIX_TIMESTAMP(o.expires_at), o.expires_at,"
-            " s.provider, s.session_id, s.redirect_url, s.expires_at"
-            " FROM orders o LEFT JOIN payment_sessions s ON s.order_id = o.id WHERE o.id = %s",
-            (order_id,),
-        )
+        row = await store.order_and_session(self.db, order_id)
         if row is None or int(row[0]) != user_id:
             raise not_found("order")
         return row
@@ -99,22 +94,14 @@ class PaymentSessions:
         if session.order_id != order_id:
             raise AssertionError("the provider returned a session for another order")
         # 1 row when this call stored it, 0 when a concurrent call was first.
-        stored = await self.db.execute(
-            "INSERT INTO payment_sessions (order_id, provider, session_id, redirect_url,"
-            " expires_at) VALUES (%s, %s, %s, %s, FROM_UNIXTIME(%s))"
-            " ON DUPLICATE KEY UPDATE order_id = order_id",
-            (
-                order_id,
-                self.provider.name,
-                session.session_id,
-                session.redirect_url[:1024],
-                session.expires_at if session.expires_at is not None else int(row[7]),
-            ),
+        stored = await store.store_session(
+            self.db,
+            order_id,
+            self.provider.name,
+            session.session_id,
+            session.redirect_url[:1024],
+            session.expires_at if session.expires_at is not None else int(row[7]),
         )
-        await self.db.execute(
-            "UPDATE orders SET provider = %s, provider_session_id = %s"
-            " WHERE id = %s AND provider_session_id IS NULL",
-            (self.provider.name, session.session_id, order_id),
-        )
+        await store.link_session(self.db, self.provider.name, session.session_id, order_id)
         row = await self._stored(order_id, user_id)
         return _body(str(row[9]), str(row[10]), str(row[11]), row[12]), stored == 1

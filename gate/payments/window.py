@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from gate.payments import store
 from gate.store.db import Database
 
 
@@ -33,12 +34,7 @@ class SessionOrders:
     async def orders(
         self, provider: str, since: int, cursor: str | None, limit: int
     ) -> tuple[list[str], str | None]:
-        rows = await self.db.fetchall(
-            "SELECT order_id FROM payment_sessions WHERE provider = %s"
-            " AND created_at >= FROM_UNIXTIME(%s) AND order_id > %s"
-            " ORDER BY order_id LIMIT %s",
-            (provider, int(since), cursor or "", int(limit)),
-        )
+        rows = await store.session_orders(self.db, provider, int(since), cursor or "", int(limit))
         orders = [str(r[0]) for r in rows]
         return orders, (orders[-1] if len(orders) == int(limit) else None)
 

@@ -23,6 +23,7 @@ import logging
 
 from gate.base.backoff import Backoff
 from gate.inventory.mirror import Mirror
+from gate.payments import store
 from gate.payments.config import PaymentSettings
 from gate.payments.late import settle_late
 from gate.payments.machine import PaymentMachine
@@ -105,10 +106,7 @@ class PaymentWorker:
         if self.provider is not None:
             done += await self.refunds(self.provider)
             done += await self.authorizations(self.provider)
-        row = await self.db.fetchone(
-            "SELECT COUNT(*) FROM payment_refunds WHERE status IN ('pending', 'submitted')"
-        )
-        REFUND_BACKLOG.set(int(row[0]) if row else 0)
+        REFUND_BACKLOG.set(await store.refund_backlog(self.db))
         return done
 
     # -- recovery -----------------------------------------------------------------
@@ -116,24 +114,11 @@ class PaymentWorker:
     async def recover(self) -> int:
         batch = self.settings.worker_batch_max
         after = self.settings.recovery_after_seconds
-        late = await self.db.fetchall(
-            "SELECT event_id, order_id FROM payment_events WHERE outcome = 'late'"
-            " AND provider = %s AND received_at < NOW(6) - INTERVAL %s SECOND"
-            " ORDER BY received_at LIMIT %s",
-            (self.name, after, batch),
-        )
+        late = await store.late_events(self.db, self.name, after, batch)
         for event_id, order_id in late:
             await settle_late(self.db, self.mirror, self.name, str(event_id), self.actor)
             await self.machine.reprocess_waiting(self.name, str(order_id))
-        waiting = await self.db.fetchall(
-            "SELECT DISTINCT e.order_id FROM payment_events e"
-            " JOIN payments p ON p.provider = e.provider AND p.payment_id = e.payment_id"
-            " JOIN orders o ON o.id = e.order_id"
-            " WHERE e.outcome = 'waiting' AND e.provider = %s AND p.status = 'succeeded'"
-            " AND o.status NOT IN ('EXPIRED', 'CANCELLED')"
-            " AND e.received_at < NOW(6) - INTERVAL %s SECOND LIMIT %s",
-            (self.name, after, batch),
-        )
+        waiting = await store.waiting_orders(self.db, self.name, after, batch)
         for (order_id,) in waiting:
             await self.machine.reprocess_waiting(self.name, str(order_id))
         return len(late) + len(waiting)
@@ -147,20 +132,11 @@ class PaymentWorker:
         )
 
     async def refunds(self, provider: Provider) -> int:
-        rows = await self.db.fetchall(
-            "SELECT id, payment_id, amount, generation, attempts FROM payment_refunds"
-            " WHERE provider = %s AND status IN ('pending', 'submitted')"
-            " AND next_attempt_at <= NOW(6) ORDER BY next_attempt_at LIMIT %s",
-            (self.name, self.settings.worker_batch_max),
-        )
+        rows = await store.due_refunds(self.db, self.name, self.settings.worker_batch_max)
         done = 0
         for refund_row_id, payment_id, amount, generation, attempts in rows:
-            claimed = await self.db.execute(
-                "UPDATE payment_refunds SET attempts = attempts + 1, updated_at = NOW(6),"
-                " next_attempt_at = NOW(6) + INTERVAL %s SECOND"
-                " WHERE id = %s AND generation = %s AND status IN ('pending', 'submitted')"
-                " AND next_attempt_at <= NOW(6)",
-                (self._backoff(int(attempts)), refund_row_id, generation),
+            claimed = await store.claim_refund(
+                self.db, self._backoff(int(attempts)), refund_row_id, generation
             )
             if claimed != 1:
                 continue
@@ -169,16 +145,9 @@ class PaymentWorker:
                 refund = await provider.refund(str(payment_id), int(amount), key)
             except ProviderError as exc:
                 log.warning("refund of %s: %s; retried later", payment_id, exc)
-                await self.db.execute(
-                    "UPDATE payment_refunds SET last_error = %s WHERE id = %s",
-                    (str(exc)[:255], refund_row_id),
-                )
+                await store.refund_error(self.db, str(exc)[:255], refund_row_id)
                 continue
-            await self.db.execute(
-                "UPDATE payment_refunds SET provider_refund_id = %s, status = 'submitted',"
-                " last_error = NULL WHERE id = %s AND generation = %s AND status = 'pending'",
-                (refund.refund_id, refund_row_id, generation),
-            )
+            await store.refund_submitted(self.db, refund.refund_id, refund_row_id, generation)
             event = synthetic_refund_event(self.name, refund, "refund")
             if event is not None:
                 await self.machine.apply(self.name, event)
@@ -189,28 +158,13 @@ class PaymentWorker:
 
     async def authorizations(self, provider: Provider) -> int:
         margin = self.settings.capture_margin_seconds
-        rows = await self.db.fetchall(
-            "SELECT p.payment_id, p.amount, p.action_attempts, o.status, o.provider_payment_id"
-            " FROM payments p JOIN orders o ON o.id = p.order_id"
-            " WHERE p.provider = %s AND p.status = 'authorized' AND p.next_action_at <= NOW(6)"
-            " ORDER BY p.next_action_at LIMIT %s",
-            (self.name, self.settings.worker_batch_max),
-        )
+        rows = await store.due_authorizations(self.db, self.name, self.settings.worker_batch_max)
         done = 0
         for payment_id, amount, attempts, status, order_payment in rows:
             payment_id = str(payment_id)
             lease = self._backoff(int(attempts))
             if status == "AUTHORIZED" and order_payment == payment_id:
-                claimed = await self.db.execute(
-                    "UPDATE payments p JOIN orders o ON o.id = p.order_id"
-                    " SET p.action_attempts = p.action_attempts + 1,"
-                    " p.next_action_at = NOW(6) + INTERVAL %s SECOND, p.updated_at = NOW(6)"
-                    " WHERE p.provider = %s AND p.payment_id = %s AND p.status = 'authorized'"
-                    " AND p.next_action_at <= NOW(6) AND o.status = 'AUTHORIZED'"
-                    " AND o.provider_payment_id = p.payment_id"
-                    " AND o.expires_at > NOW(6) + INTERVAL %s SECOND",
-                    (lease, self.name, payment_id, margin),
-                )
+                claimed = await store.claim_capture(self.db, lease, self.name, payment_id, margin)
                 if claimed != 1:
                     # The hold is too close to its end to capture safely: leave it to
                     # the sweeper, after which the authorization is voided.
@@ -222,13 +176,7 @@ class PaymentWorker:
                 await self._postpone(payment_id)
                 continue
             else:
-                claimed = await self.db.execute(
-                    "UPDATE payments SET action_attempts = action_attempts + 1,"
-                    " next_action_at = NOW(6) + INTERVAL %s SECOND, updated_at = NOW(6)"
-                    " WHERE provider = %s AND payment_id = %s AND status = 'authorized'"
-                    " AND next_action_at <= NOW(6)",
-                    (lease, self.name, payment_id),
-                )
+                claimed = await store.claim_void(self.db, lease, self.name, payment_id)
                 if claimed != 1:
                     continue
                 await self._act(provider, "void", payment_id, int(amount))
@@ -236,11 +184,7 @@ class PaymentWorker:
         return done
 
     async def _postpone(self, payment_id: str) -> None:
-        await self.db.execute(
-            "UPDATE payments SET next_action_at = NOW(6) + INTERVAL 1 SECOND"
-            " WHERE provider = %s AND payment_id = %s AND status = 'authorized'",
-            (self.name, payment_id),
-        )
+        await store.postpone_action(self.db, self.name, payment_id)
 
     async def _act(self, provider: Provider, action: str, payment_id: str, amount: int) -> None:
         payment: Payment | None
@@ -259,10 +203,7 @@ class PaymentWorker:
                 payment = None
         except ProviderError as exc:
             log.warning("%s of %s: %s; retried later", action, payment_id, exc)
-            await self.db.execute(
-                "UPDATE payments SET last_error = %s WHERE provider = %s AND payment_id = %s",
-                (str(exc)[:255], self.name, payment_id),
-            )
+            await store.action_error(self.db, str(exc)[:255], self.name, payment_id)
             return
         if payment is not None:
             await self.machine.apply(self.name, synthetic_payment_event(self.name, payment, action))

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from gate.base import validate
 from gate.base.errors import Problem, invalid, not_found
 from gate.extensions import Extension, Worker
+from gate.queuemode import store
 from gate.queuemode.console_panel import QueuePanel
 from gate.queuemode.consumer import QueueConsumer
 from gate.queuemode.service import MODES, QueueService, QueueSettings
@@ -49,10 +50,10 @@ async def admin_set_mode(request: Request, service: QueueService) -> Response:
         raise invalid("'mode' must be 'sync' or 'queue'.")
     if mode == "queue":
         # A deal of several partitions is sold synchronously (docs/scale-out.md).
-        row = await gate.db.fetchone("SELECT partitions FROM deals WHERE id = %s", (deal_id,))
+        row = await store.deal_partitions(gate.db, deal_id)
         if row is not None and int(row[0]) > 1:
             raise Problem("CONFLICT", "A deal of several partitions cannot use queue mode.")
-    await gate.db.execute("UPDATE deals SET mode = %s WHERE id = %s", (mode, deal_id))
+    await store.set_mode(gate.db, deal_id, mode)
     view = await gate.deals.admin_view(deal_id)  # 404 for an unknown deal
     service.modes.set(deal_id, mode)
     return json_response({**view, "mode": mode})

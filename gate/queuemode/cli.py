@@ -29,6 +29,7 @@ from typing import Any
 from gate.base.settings import SettingsError
 from gate.cli.common import ranged_int
 from gate.inventory.deals import MAX_ID as DEAL_ID_MAX
+from gate.queuemode import store
 
 DEAD_LETTERS_MAX = 1000
 DEALS_MAX = 1000
@@ -93,21 +94,10 @@ async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
     if not deals:
         return out
     # Only the deals shown: a database of many past sales is not read whole.
-    marks = ",".join(["%s"] * len(deals))
-    modes = {
-        int(r[0]): str(r[1])
-        for r in await gate.db.fetchall(f"SELECT id, mode FROM deals WHERE id IN ({marks})", deals)
-    }
+    modes = {int(r[0]): str(r[1]) for r in await store.deal_modes(gate.db, deals)}
     if deal is not None and deal not in modes:
         raise NoSuchDeal(deal)
-    counts = {
-        int(r[0]): int(r[1])
-        for r in await gate.db.fetchall(
-            "SELECT deal_id, COUNT(*) FROM queue_dead_letters"
-            f" WHERE deal_id IN ({marks}) GROUP BY deal_id",
-            deals,
-        )
-    }
+    counts = {int(r[0]): int(r[1]) for r in await store.dead_letter_counts(gate.db, deals)}
     heads = await queue_heads(redis, deals)
     for deal_id in deals:
         stream = queue_keys(deal_id).stream
@@ -137,16 +127,7 @@ async def _status(gate: Any, deal: int | None) -> list[dict[str, Any]]:
 
 
 async def _dead_letters(gate: Any, deal: int | None) -> list[dict[str, Any]]:
-    sql = (
-        "SELECT id, order_id, deal_id, user_id, quantity, attempts, last_error, created_at,"
-        " retried_order_id, retried_outcome, retried_at FROM queue_dead_letters"
-    )
-    args: tuple[Any, ...] = ()
-    if deal is not None:
-        sql += " WHERE deal_id = %s"
-        args = (deal,)
-    sql += " ORDER BY id DESC LIMIT %s"
-    rows = await gate.db.fetchall(sql, (*args, DEAD_LETTERS_MAX))
+    rows = await store.dead_letters(gate.db, deal, DEAD_LETTERS_MAX)
     names = (
         "entry_id",
         "order_id",
@@ -167,30 +148,15 @@ async def retry_dead_letter(gate: Any, entry_id: int) -> tuple[int, str]:
     from gate.base.errors import Problem
     from gate.reserve.request import ReserveRequest
 
-    row = await gate.db.fetchone(
-        "SELECT deal_id, user_id, quantity, idempotency_key FROM queue_dead_letters WHERE id = %s",
-        (entry_id,),
-    )
+    row = await store.dead_letter_request(gate.db, entry_id)
     if row is None:
         return 1, f"no dead letter {entry_id}"
     # One claim at a time; a claim stays once the retry has an outcome.
-    claimed = await gate.db.execute(
-        "UPDATE queue_dead_letters SET retried_at = NOW(6) WHERE id = %s AND (retried_at IS NULL"
-        " OR (retried_outcome IS NULL AND retried_order_id IS NULL"
-        " AND retried_at < NOW(6) - INTERVAL %s SECOND))",
-        (entry_id, RETRY_CLAIM_SECONDS),
-    )
+    claimed = await store.claim(gate.db, entry_id, RETRY_CLAIM_SECONDS)
     if not claimed:
         return 1, await _why_taken(gate, entry_id)
-    mine = await gate.db.fetchone(
-        "SELECT retried_at FROM queue_dead_letters WHERE id = %s", (entry_id,)
-    )
-    claim = mine[0] if mine else None
+    claim = await store.claim_time(gate.db, entry_id)
     deal_id, user_id, quantity, key = int(row[0]), int(row[1]), int(row[2]), str(row[3])
-
-    async def settle(sql: str, args: tuple[Any, ...]) -> None:
-        # Only this command's own claim: one taken over meanwhile is not touched.
-        await gate.db.execute(sql + " WHERE id = %s AND retried_at = %s", (*args, entry_id, claim))
 
     try:
         result = await gate.reservations.reserve(
@@ -201,33 +167,26 @@ async def retry_dead_letter(gate: Any, entry_id: int) -> tuple[int, str]:
             # No outcome yet (nothing admitted, or the same key's earlier attempt still
             # in flight): the dead letter is released for a later retry, which the
             # request's idempotency key keeps to one order.
-            await settle("UPDATE queue_dead_letters SET retried_at = NULL", ())
+            await store.release(gate.db, entry_id, claim)
             return 1, (
                 f"retry of {entry_id} refused for now: {problem.code} {problem.detail}"
                 " (it may be retried again)"
             )
-        await settle("UPDATE queue_dead_letters SET retried_outcome = %s", (problem.code,))
+        await store.record_refusal(gate.db, entry_id, claim, problem.code)
         return 1, f"retry of {entry_id} refused: {problem.code} {problem.detail}"
     except Exception as exc:
         # Redis or the database failed mid-call: whatever was admitted is under the
         # request's idempotency key, so a later retry answers that same order.
-        await settle("UPDATE queue_dead_letters SET retried_at = NULL", ())
+        await store.release(gate.db, entry_id, claim)
         return 1, f"retry of {entry_id} failed: {exc!r} (it may be retried again)"
     order_id = str(result.body["order_id"])
     status = str(result.body["status"])
-    await settle(
-        "UPDATE queue_dead_letters SET retried_order_id = %s, retried_outcome = %s",
-        (order_id, status),
-    )
+    await store.record_order(gate.db, entry_id, claim, order_id, status)
     return 0, f"dead letter {entry_id} re-submitted as order {order_id} ({status})"
 
 
 async def _why_taken(gate: Any, entry_id: int) -> str:
-    row = await gate.db.fetchone(
-        "SELECT retried_order_id, retried_outcome, retried_at,"
-        " TIMESTAMPDIFF(SECOND, retried_at, NOW(6)) FROM queue_dead_letters WHERE id = %s",
-        (entry_id,),
-    )
+    row = await store.why_taken(gate.db, entry_id)
     if row is None:
         return f"no dead letter {entry_id}"
     order_id, outcome, at, age = row

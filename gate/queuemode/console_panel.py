@@ -27,6 +27,7 @@ from gate.base import validate
 from gate.base.errors import Problem, not_found
 from gate.extensions import ConsoleAction
 from gate.inventory.deals import ledger_note
+from gate.queuemode import store
 from gate.queuemode.cli import RETRY_CLAIM_SECONDS, queue_heads, retry_dead_letter
 
 if TYPE_CHECKING:
@@ -35,12 +36,6 @@ if TYPE_CHECKING:
 RETRY_REASON = "dead_letter_retry"
 # Dead letters one console action retries: each is a reservation of its own.
 RETRY_PER_ACTION_MAX = 100
-# A dead letter waits for a retry until one has an outcome; a claim with none older
-# than the CLI's takeover age was made by a retry that died (gate/queuemode/cli.py).
-_WAITING = (
-    "(retried_at IS NULL OR (retried_outcome IS NULL AND retried_order_id IS NULL"
-    " AND retried_at < NOW(6) - INTERVAL %s SECOND))"
-)
 
 
 class QueuePanel:
@@ -51,17 +46,7 @@ class QueuePanel:
     async def fields(self, deal_ids: list[int]) -> dict[int, dict[str, Any]]:
         if not deal_ids:
             return {}
-        marks = ",".join(["%s"] * len(deal_ids))
-        rows = await self.gate.db.fetchall(
-            # COUNT and SUM over the joined rows only: a deal without dead letters has
-            # one row of NULLs, which is no dead letter.
-            "SELECT d.id, d.mode, COUNT(l.id), COALESCE(SUM(l.id IS NOT NULL AND "
-            + _WAITING
-            + "), 0)"
-            " FROM deals d LEFT JOIN queue_dead_letters l ON l.deal_id = d.id"
-            f" WHERE d.id IN ({marks}) GROUP BY d.id, d.mode",
-            (RETRY_CLAIM_SECONDS, *deal_ids),
-        )
+        rows = await store.panel_rows(self.gate.db, deal_ids, RETRY_CLAIM_SECONDS)
         # A deal switched back to sync keeps its panel while it has dead letters.
         shown = {
             int(r[0]): (str(r[1]), int(r[2]), int(r[3]))
@@ -85,12 +70,10 @@ class QueuePanel:
     async def retry(self, deal_id: int, body: Any, actor: str) -> dict[str, Any]:
         """Retry the deal's dead letters that wait for one (the body: {})."""
         validate.no_unknown(validate.obj(body), set())
-        if await self.gate.db.fetchone("SELECT 1 FROM deals WHERE id = %s", (deal_id,)) is None:
+        if not await store.deal_exists(self.gate.db, deal_id):
             raise not_found("deal")
-        rows = await self.gate.db.fetchall(
-            f"SELECT id FROM queue_dead_letters WHERE deal_id = %s AND {_WAITING}"
-            " ORDER BY id LIMIT %s",
-            (deal_id, RETRY_CLAIM_SECONDS, RETRY_PER_ACTION_MAX),
+        rows = await store.waiting_dead_letters(
+            self.gate.db, deal_id, RETRY_CLAIM_SECONDS, RETRY_PER_ACTION_MAX
         )
         if not rows:
             raise Problem("CONFLICT", "No dead letter of this deal waits for a retry.")

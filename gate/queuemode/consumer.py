@@ -55,6 +55,7 @@ from gate.base.backoff import Backoff
 from gate.base.codes import DbCode
 from gate.base.errors import from_db
 from gate.base.metrics import METRICS
+from gate.queuemode import store
 from gate.reserve.groups import reservation_call
 from gate.store.db import DbUnavailable, OutcomeUnknown
 from gate.store.keys import QUEUE_DEALS, deal_keys, owner_keys, queue_keys
@@ -505,10 +506,7 @@ class QueueConsumer:
     async def _committed(self, tokens: set[str]) -> dict[str, str]:
         if not tokens:
             return {}
-        marks = ",".join(["%s"] * len(tokens))
-        rows = await self.gate.db.fetchall(
-            f"SELECT id, alloc FROM orders WHERE id IN ({marks})", tuple(sorted(tokens))
-        )
+        rows = await store.committed_orders(self.gate.db, tuple(sorted(tokens)))
         return {str(r[0]): str(r[1]) for r in rows}
 
     async def _commit(
@@ -540,7 +538,7 @@ class QueueConsumer:
             try:
                 row = await reservation_call(
                     self.gate.db,
-                    "CALL gate_reserve_group(%s, %s)",
+                    store.RESERVE_GROUP,
                     (deal_id, items),
                     deadline,
                     len(entries),
@@ -567,7 +565,7 @@ class QueueConsumer:
                 try:
                     row = await reservation_call(
                         self.gate.db,
-                        "CALL gate_reserve(%s, %s, %s, %s, %s, %s, %s, %s)",
+                        store.RESERVE_ONE,
                         (
                             e.token,
                             deal_id,
@@ -709,9 +707,8 @@ class QueueConsumer:
         return 1
 
     async def _dead_letter_row(self, deal_id: int, e: Entry, attempts: int, error: str) -> None:
-        await self.gate.db.execute(
-            "INSERT IGNORE INTO queue_dead_letters (order_id, deal_id, user_id, quantity,"
-            " idempotency_key, attempts, last_error) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        await store.dead_letter(
+            self.gate.db,
             (e.token, deal_id, e.user_id, e.quantity, e.idempotency_key, attempts, error),
         )
 
@@ -719,22 +716,6 @@ class QueueConsumer:
         """The rejected order's `order.rejected` outbox row, written once (its event id
         is the order id, which no other outbox row uses: a rejected order never
         reaches `orders`)."""
-        await self.gate.db.execute(
-            "INSERT IGNORE INTO outbox (event_id, topic, aggregate_id, payload, created_at)"
-            " SELECT %s, 'order.rejected', %s, JSON_OBJECT('order_id', %s, 'deal_id', %s + 0,"
-            " 'user_id', %s + 0, 'quantity', %s + 0, 'status', 'REJECTED', 'reason', %s,"
-            " 'order_amount', d.unit_price * %s, 'order_currency', d.currency,"
-            " 'at', DATE_FORMAT(NOW(6), '%%Y-%%m-%%dT%%H:%%i:%%s.%%fZ')), NOW(6)"
-            " FROM (SELECT 1) AS one LEFT JOIN deals d ON d.id = %s",
-            (
-                e.token,
-                e.token,
-                e.token,
-                deal_id,
-                e.user_id,
-                e.quantity,
-                reason[:64],
-                e.quantity,
-                deal_id,
-            ),
+        await store.rejection_outbox(
+            self.gate.db, e.token, deal_id, e.user_id, e.quantity, reason[:64]
         )

@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 from gate.base.errors import Problem, overloaded
 from gate.base.metrics import METRICS
 from gate.inventory import orders
+from gate.queuemode import store
 from gate.store.keys import QUEUE_DEALS, QueueKeys, deal_keys, queue_keys, queue_order_index
 from gate.store.resp import text
 
@@ -130,7 +131,7 @@ class ModeCache:
         return deal_id in self.queued
 
     async def _read(self, deal_id: int) -> None:
-        row = await self.gate.db.fetchone("SELECT mode FROM deals WHERE id = %s", (deal_id,))
+        row = await store.deal_mode(self.gate.db, deal_id)
         if row is not None:
             self.max_id = max(self.max_id, deal_id)
             self.set(deal_id, str(row[0]))
@@ -140,11 +141,7 @@ class ModeCache:
         # agree. (Read apart, a deal created in queue mode between the two reads was
         # below the highest id but not in queue mode: sold synchronously until the
         # next refresh.)
-        rows = await self.gate.db.fetchall(
-            "SELECT 0, COALESCE(MAX(id), 0) FROM deals"
-            " UNION ALL (SELECT 1, id FROM deals WHERE mode = 'queue' ORDER BY id LIMIT %s)",
-            (QUEUE_DEALS_MAX,),
-        )
+        rows = await store.mode_snapshot(self.gate.db, QUEUE_DEALS_MAX)
         self.queued = frozenset(int(v) for kind, v in rows if int(kind) == 1)
         self.max_id = max((int(v) for kind, v in rows if int(kind) == 0), default=0)
 
@@ -224,9 +221,7 @@ class QueueService:
     async def _read_price(self, deal_id: int) -> tuple[int, str]:
         known = self._prices.get(deal_id)
         if known is None:
-            row = await self.gate.db.fetchone(
-                "SELECT unit_price, currency FROM deals WHERE id = %s", (deal_id,)
-            )
+            row = await store.deal_price(self.gate.db, deal_id)
             assert row is not None, "an admitted deal exists"
             known = (int(row[0]), str(row[1]))
             if len(self._prices) >= QUEUE_DEALS_MAX:
