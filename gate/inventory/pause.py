@@ -33,6 +33,7 @@ from gate.base import validate
 from gate.base.clock import iso
 from gate.base.errors import Problem, not_found
 from gate.base.metrics import METRICS
+from gate.inventory import store
 from gate.inventory.check import check_deal
 from gate.inventory.deals import ledger_note
 from gate.inventory.mirror import Mirror
@@ -73,7 +74,7 @@ class PauseState:
 
 async def state(db: Database, deal_id: int) -> PauseState:
     """The deal's pause as the database says; 404 for no such deal."""
-    row = await db.fetchone("SELECT paused_at, pause_reason FROM deals WHERE id = %s", (deal_id,))
+    row = await store.pause_row(db, deal_id)
     if row is None:
         raise not_found("deal")
     return PauseState(deal_id, row[0] is not None, row[0], row[1])
@@ -90,28 +91,18 @@ async def _set(
     """The row changed and ledgered in one transaction; False when it was already so,
     or (a pause with `seen_at`) when the deal was resumed after `seen_at`."""
     async with db.connection() as conn, conn.cursor() as cur:
-        await cur.execute("START TRANSACTION")
+        await store.begin(cur)
         try:
             if paused:
-                await cur.execute(
-                    "UPDATE deals SET paused_at = NOW(6), pause_reason = %s"
-                    " WHERE id = %s AND paused_at IS NULL"
-                    " AND (%s IS NULL OR resumed_at IS NULL OR resumed_at < %s)",
-                    (reason[:REASON_MAX_CHARS], deal_id, seen_at, seen_at),
-                )
+                changed = await store.set_paused(cur, deal_id, reason[:REASON_MAX_CHARS], seen_at)
             else:
-                await cur.execute(
-                    "UPDATE deals SET paused_at = NULL, pause_reason = NULL,"
-                    " resumed_at = NOW(6) WHERE id = %s AND paused_at IS NOT NULL",
-                    (deal_id,),
-                )
-            changed = bool(cur.rowcount == 1)
+                changed = await store.set_resumed(cur, deal_id)
             if changed:
                 await ledger_note(cur, deal_id, "pause" if paused else "resume", actor, reason)
         except BaseException:
-            await cur.execute("ROLLBACK")
+            await store.rollback(cur)
             raise
-        await cur.execute("COMMIT")
+        await store.commit(cur)
     return changed
 
 
@@ -224,11 +215,7 @@ class PauseWatch:
         self.paused: set[int] = set()
 
     async def run_once(self) -> set[int]:
-        rows = await self.db.fetchall(
-            "SELECT id FROM deals WHERE paused_at IS NOT NULL ORDER BY id LIMIT %s",
-            (WATCH_DEALS_MAX,),
-        )
-        now = {int(r[0]) for r in rows}
+        now = set(await store.paused_deal_ids(self.db, WATCH_DEALS_MAX))
         for deal_id in now:
             await mirror_flag(self.mirror, deal_id, True)
             PAUSED.labels(str(deal_id)).set(1)

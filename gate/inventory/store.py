@@ -9,6 +9,8 @@
                       on the cursor of Database.snapshot)
     repair.py         repair_* reads, begin / set_counters / set_quotas /
                       repair_ledger_rows / commit (one transaction on its cursor)
+    pause.py          pause_row, set_paused / set_resumed (in the caller's
+                      transaction, with its ledger row), paused_deal_ids
 
 gate/inventory/deals.py and mirror.py still hold their own statements (the SQL home
 test's list).
@@ -304,3 +306,41 @@ async def repair_ledger_rows(cur: Any, rows: list[tuple[Any, ...]]) -> None:
         " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'repair', %s, %s)",
         rows,
     )
+
+
+# -- pause ---------------------------------------------------------------------------------
+
+
+async def pause_row(db: Database, deal_id: int) -> Row | None:
+    """(paused_at, pause_reason) of the deal, or None for no such deal."""
+    row: Row | None = await db.fetchone(
+        "SELECT paused_at, pause_reason FROM deals WHERE id = %s", (deal_id,)
+    )
+    return row
+
+
+async def set_paused(cur: Any, deal_id: int, reason: str, seen_at: Any) -> bool:
+    """Paused now unless already, or (with `seen_at`) resumed since `seen_at`."""
+    await cur.execute(
+        "UPDATE deals SET paused_at = NOW(6), pause_reason = %s"
+        " WHERE id = %s AND paused_at IS NULL"
+        " AND (%s IS NULL OR resumed_at IS NULL OR resumed_at < %s)",
+        (reason, deal_id, seen_at, seen_at),
+    )
+    return bool(cur.rowcount == 1)
+
+
+async def set_resumed(cur: Any, deal_id: int) -> bool:
+    await cur.execute(
+        "UPDATE deals SET paused_at = NULL, pause_reason = NULL,"
+        " resumed_at = NOW(6) WHERE id = %s AND paused_at IS NOT NULL",
+        (deal_id,),
+    )
+    return bool(cur.rowcount == 1)
+
+
+async def paused_deal_ids(db: Database, limit: int) -> list[int]:
+    rows = await db.fetchall(
+        "SELECT id FROM deals WHERE paused_at IS NOT NULL ORDER BY id LIMIT %s", (limit,)
+    )
+    return [int(r[0]) for r in rows]
