@@ -56,7 +56,13 @@ async def test_the_commands_do_what_the_api_does(serving: GateProcess) -> None:
     await receiver.start()
     try:
         made = await gate_json(
-            "create", "--url", receiver.url, "--events", "*", "--description", "cli"
+            "create",
+            "--url",
+            receiver.url,
+            "--events",
+            "payment.quarantined",
+            "--description",
+            "cli",
         )
         endpoint_id = made["id"]
         assert made["secret"].startswith("whsec_") and made["description"] == "cli"
