@@ -400,10 +400,11 @@ def test_a_gate_that_starts_during_a_hold_down_writes_where_the_others_do(
         a_back = next(at for at, wa, _ in samples if wa == first)
         # A kept its hold-down (less a probe interval of slack for the clocks) ...
         assert a_back >= hold_down - 1.5, a_back
-        # ... and B followed it within a probe interval (plus a scrape): no other
+        # ... and B moved with it, within a probe interval (plus a scrape) either way
+        # (both end the same hold-down, each on its own probe's tick): no other
         # moment with two writers.
         apart = [(at, wa, wb) for at, wa, wb in samples if wa != wb]
-        assert all(a_back <= at <= a_back + 2.5 for at, _, _ in apart), apart
+        assert all(abs(at - a_back) <= 2.5 for at, _, _ in apart), apart
         assert all(None not in sample for sample in samples), samples
     finally:
         _sql(galera, 0, "SET GLOBAL wsrep_desync = OFF")
