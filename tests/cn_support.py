@@ -1,5 +1,5 @@
-"""Test helpers for the Alipay and WeChat Pay adapters: RSA keys generated per test
-session (never committed), the providers' fakes as real processes on loopback, a
+"""Test helpers for the Alipay and WeChat Pay adapters: RSA keys generated once per
+pytest run (never committed), the providers' fakes as real processes on loopback, a
 notification sink that verifies with the adapter's own webhook code, and each
 provider's set-up as a `CnCase` (what the shared contract tests vary over).
 """
