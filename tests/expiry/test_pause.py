@@ -28,6 +28,7 @@ from gate.runtime import Gate
 from gate.store.db import Database
 from gate.store.keys import deal_keys
 from tests.console_support import console_env, sign_in
+from tests.panels_support import read_ticket
 from tests.support import (
     ADMIN,
     GATE_BIN,
@@ -336,18 +337,6 @@ async def test_a_check_older_than_the_last_resume_does_not_pause_again(
     assert [n[0] for n in await ledger_notes(db, deal_id)] == ["pause", "resume", "pause"]
 
 
-async def ticket(client: Client, deal_id: int, user_id: int) -> dict[str, Any]:
-    """The buyer's ticket, waiting out a poll refused as too soon."""
-    for _ in range(50):
-        resp = await client.get(f"/v1/deals/{deal_id}/queue", headers=buyer(user_id))
-        if resp.status_code != 429:
-            assert resp.status_code == 200, resp.text
-            body: dict[str, Any] = resp.json()
-            return body
-        await asyncio.sleep(0.05)
-    raise AssertionError("poll refused for 2.5 s")
-
-
 async def test_a_paused_room_admits_nobody_and_tickets_keep_their_places(
     gates: tuple[GateProcess, GateProcess], env: dict[str, str]
 ) -> None:
@@ -359,11 +348,11 @@ async def test_a_paused_room_admits_nobody_and_tickets_keep_their_places(
         for user in users:
             resp = await a.post(f"/v1/deals/{deal_id}/queue", headers=buyer(user))
             assert resp.status_code in (200, 201), resp.text
-        places = [(await ticket(b, deal_id, user)).get("position") for user in users]
+        places = [(await read_ticket(b, deal_id, user)).get("position") for user in users]
         # Both gates' room loops run every 50 ms: nobody is admitted while paused.
         await asyncio.sleep(1.5)
         for user, place in zip(users, places, strict=True):
-            body = await ticket(a, deal_id, user)
+            body = await read_ticket(a, deal_id, user)
             assert body["state"] == "waiting" and body["paused"] is True, body
             assert body.get("position") == place, (body, place)
         resumed = await arun(env, "deal", "resume", str(deal_id))
@@ -371,12 +360,12 @@ async def test_a_paused_room_admits_nobody_and_tickets_keep_their_places(
         deadline = time.monotonic() + 10
         states: list[str] = []
         while time.monotonic() < deadline:
-            states = [(await ticket(b, deal_id, user))["state"] for user in users]
+            states = [(await read_ticket(b, deal_id, user))["state"] for user in users]
             if states == ["admitted"] * 3:
                 break
             await asyncio.sleep(0.2)
         assert states == ["admitted"] * 3, states
-        assert (await ticket(a, deal_id, users[0]))["paused"] is False
+        assert (await read_ticket(a, deal_id, users[0]))["paused"] is False
 
 
 # -- the CLI's words, without a gate -------------------------------------------------
